@@ -1,0 +1,100 @@
+"""fedlora's Flower ClientApp: ``query`` (profile), ``train`` and ``evaluate``.
+
+Heavy libraries (torch, transformers, peft, datasets) are imported inside the handlers: in a
+deployment every message starts a fresh ClientApp process, so the module itself must stay
+cheap. Within one process (a simulation actor) data, tokenisation and the backbone are cached.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import DEBUG
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore import log
+
+app = ClientApp()
+
+IMPORT_SECONDS_KEY = "import-seconds"
+
+
+def _job(msg: Message, context: Context):
+    """Resolve config, profile and data for this message (heavy imports happen here)."""
+    started = time.perf_counter()
+    from clients.trainers.base import ClientJob
+    from fedlora.config import config_from_json
+    from fedlora.data import build_federated_data
+    from fedlora.profile import resolve_profile
+
+    message_config = dict(msg.content["config"])
+    config = config_from_json(str(message_config["experiment"]))
+    _limit_threads(config.federation.num_cpus)
+    profile = resolve_profile(config, context.node_config)
+    federated = build_federated_data(config.data)
+    data = federated.client(profile.partition_id)
+    profile.num_train_examples = len(data.train)
+    job = ClientJob(config, profile, data, federated, context.state, message_config)
+    return job, time.perf_counter() - started
+
+
+def _limit_threads(num_cpus: float) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, int(num_cpus)))
+
+
+def _trainer(job):
+    from clients.trainers import trainer_class
+
+    return trainer_class(job.config.strategy.name)(job)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Reply with this client's profile (rank, budgets, number of training examples)."""
+    job, _ = _job(msg, context)
+    content = RecordDict({"profile": ConfigRecord({"json": job.profile.model_dump_json()})})
+    return Message(content=content, reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Merge the download with local state, train locally, upload what the method uploads."""
+    from fedlora.lora import from_array_record, to_array_record
+
+    job, setup_seconds = _job(msg, context)
+    trainer = _trainer(job)
+    model = trainer.prepare(from_array_record(msg.content["arrays"]))
+    stats = trainer.fit(model)
+    upload = trainer.upload(model)
+    trainer.save_state(trainer.keep(model))
+    metrics = {
+        "num-examples": len(job.data.train),
+        "partition-id": job.profile.partition_id,
+        "train-loss": stats.loss,
+        "train-steps": stats.steps,
+        "train-seconds": stats.seconds,
+        "setup-seconds": setup_seconds,
+        **trainer.train_metrics(),
+    }
+    log(DEBUG, "client %d round %d: loss %.4f in %.1fs", job.profile.partition_id, job.server_round, stats.loss, stats.seconds)
+    content = RecordDict({"arrays": to_array_record(upload), "metrics": MetricRecord(metrics)})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Evaluate this client's personalised model on its local test and validation splits."""
+    from fedlora.lora import from_array_record
+    from fedlora.models import save_adapter
+
+    job, _ = _job(msg, context)
+    trainer = _trainer(job)
+    model = trainer.prepare(from_array_record(msg.content["arrays"]))
+    metrics = trainer.evaluate(model, with_global=bool(job.message_config.get("eval-global", False)))
+    metrics["partition-id"] = float(job.profile.partition_id)
+    save_dir = str(job.message_config.get("save-adapter-dir", ""))
+    if save_dir:
+        save_adapter(model, f"{save_dir}/client_{job.profile.partition_id}")
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

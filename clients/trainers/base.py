@@ -1,0 +1,156 @@
+"""The client half of a strategy: build the local model, merge what came down with what stayed
+local, train, and say what goes up.
+
+The rule every method follows (ALGORITHMS.md, "client receives / keeps"): the client's model is
+its *local state* (the adapter it kept after its last round, if any) overlaid with the
+*download* (what the server sent this round). So FedSA-LoRA's client keeps B and takes A,
+FedPissa's keeps A and takes B, ``local`` takes nothing. A method subclass changes the parts that
+differ: :meth:`model_rank`, :meth:`prepare`, :meth:`loss`, :meth:`after_backward`,
+:meth:`upload`, :meth:`keep`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fedlora.config import ExperimentConfig
+from fedlora.data import ClientData, FederatedData
+from fedlora.lora import HEAD_PREFIX, Payload, from_array_record, to_array_record
+from fedlora.models import adapter_payload, build_model, load_payload, load_tokenizer, resolve_device
+from fedlora.profile import ClientProfile
+from fedlora.training import (
+    EvalStats,
+    TrainStats,
+    cross_entropy_loss,
+    evaluate,
+    make_loader,
+    train,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from flwr.app import RecordDict
+    from peft import PeftModel
+
+LOCAL_STATE_KEY = "fedlora.local"
+
+
+@dataclass
+class ClientJob:
+    """Everything a client needs for one message."""
+
+    config: ExperimentConfig
+    profile: ClientProfile
+    data: ClientData
+    federated: FederatedData
+    state: RecordDict  # context.state: survives rounds in simulation and deployment
+    message_config: dict[str, Any]
+
+    @property
+    def server_round(self) -> int:
+        return int(self.message_config.get("server-round", 0))
+
+
+class LocalTrainer:
+    """FedIT's client (and the default): train A, B and the head; upload them all."""
+
+    def __init__(self, job: ClientJob) -> None:
+        self.job = job
+        self.config = job.config
+        self.options = job.config.strategy.options()
+        self.device: torch.device = resolve_device(job.config.train.device)
+        self.tokenizer = load_tokenizer(job.config.model.path)
+
+    # ------------------------------------------------------------------ model
+    def model_rank(self) -> int | dict[str, int]:
+        """The rank of this client's adapter (one for all modules, or per module)."""
+        return self.job.profile.rank
+
+    def build(self) -> PeftModel:
+        return build_model(
+            self.config.model, len(self.job.federated.label_names), self.model_rank(), seed=self.config.train.seed
+        )
+
+    def prepare(self, download: Payload) -> PeftModel:
+        """Local state overlaid with the download."""
+        model = self.build()
+        local = self.local_state()
+        if local:
+            load_payload(model, local)
+        if download:
+            load_payload(model, download)
+        return model
+
+    # ------------------------------------------------------------------ training
+    def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return cross_entropy_loss(model, batch)
+
+    def after_backward(self, model: PeftModel) -> None:
+        """Hook between backward and the optimiser step (e.g. gradient gating)."""
+
+    def fit(self, model: PeftModel) -> TrainStats:
+        cfg = self.config.train
+        loader = self.loader(self.job.data.train, "train", shuffle=True)
+        return train(
+            model,
+            loader,
+            epochs=cfg.local_epochs,
+            lr=cfg.lr,
+            device=self.device,
+            max_steps=cfg.max_steps,
+            weight_decay=cfg.weight_decay,
+            loss_fn=self.loss,
+            after_backward=self.after_backward,
+        )
+
+    def train_metrics(self) -> dict[str, float]:
+        """Method-specific metrics of the last :meth:`fit` (e.g. FedDR-LoRA's noise recall)."""
+        return {}
+
+    def upload(self, model: PeftModel) -> Payload:
+        """What goes up: the whole adapter, without the head when the head is local."""
+        payload = adapter_payload(model)
+        if self.config.model.head == "local":
+            payload = {k: v for k, v in payload.items() if not k.startswith(HEAD_PREFIX)}
+        return payload
+
+    def keep(self, model: PeftModel) -> Payload:
+        """What stays on the client for the next round (default: the whole adapter)."""
+        return adapter_payload(model)
+
+    # ------------------------------------------------------------------ evaluation
+    def loader(self, dataset, split: str, shuffle: bool = False):
+        cfg = self.config.train
+        key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{self.job.profile.partition_id}|{split}"
+        return make_loader(
+            dataset,
+            self.tokenizer,
+            cfg.batch_size if shuffle else cfg.eval_batch_size,
+            cfg.max_length,
+            shuffle=shuffle,
+            seed=self.config.train.seed + 1000 * self.job.server_round + self.job.profile.partition_id,
+            cache_key=key,
+        )
+
+    def evaluate(self, model: PeftModel, with_global: bool) -> dict[str, float]:
+        """Accuracy on the local test split and validation split (and the global test set)."""
+        test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
+        metrics = {"accuracy": test.accuracy, "loss": test.loss, "num-examples": float(test.examples)}
+        if len(self.job.data.val):
+            val = evaluate(model, self.loader(self.job.data.val, "val"), self.device)
+            metrics |= {"val-accuracy": val.accuracy, "val-examples": float(val.examples)}
+        if with_global:
+            glob = evaluate(model, self.loader(self.job.federated.global_test, "global"), self.device)
+            metrics["global-accuracy"] = glob.accuracy
+        return {k: (v if math.isfinite(v) else 0.0) for k, v in metrics.items()}
+
+    # ------------------------------------------------------------------ state
+    def local_state(self) -> Payload:
+        if LOCAL_STATE_KEY not in self.job.state:
+            return {}
+        return from_array_record(self.job.state[LOCAL_STATE_KEY])
+
+    def save_state(self, payload: Payload) -> None:
+        self.job.state[LOCAL_STATE_KEY] = to_array_record(payload)

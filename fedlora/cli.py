@@ -1,0 +1,89 @@
+"""The ``fedlora`` command line.
+
+    fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose]
+    fedlora strategies
+
+A user mistake (bad config, missing model or data, unknown strategy) prints one line on stderr
+and exits with status 2; nothing already written (results, adapters) is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+USER_ERROR = 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from fedlora.config import ConfigError
+    from fedlora.data import DataError
+    from fedlora.models import ModelError
+    from fedlora.runner import RunError
+
+    return (ConfigError, DataError, ModelError, RunError)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fedlora.runner import run
+
+    results = run(args.config, overrides=args.set, out_dir=args.out, verbose=args.verbose)
+    final = results["final"]
+    out = results["config"]["output"]["dir"]
+    print(
+        f"final global accuracy {_fmt(final.get('global_accuracy'))}, personalised "
+        f"{_fmt(final.get('personalized_accuracy'))}, {final.get('bytes_total', 0) / 1e6:.2f} MB "
+        f"in {results['wall_seconds']:.0f}s"
+    )
+    print(f"results: {out}/results.json   plot: {out}/accuracy_vs_round.png")
+    return 0
+
+
+def _cmd_strategies(args: argparse.Namespace) -> int:
+    from strategies.registry import strategy_class, strategy_names
+
+    for name in strategy_names():
+        caps = strategy_class(name).capabilities
+        kind = "personalised" if caps.personalized else "global"
+        print(f"{name:<12} {kind:<13} up: {caps.uploads:<22} down: {caps.downloads}")
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedlora", description="Federated LoRA fine-tuning on Flower.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one experiment in Flower's simulation engine")
+    run.add_argument("config", help="TOML experiment config")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    run.add_argument("--out", default=None, help="output folder (default: output.dir)")
+    run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
+    run.set_defaults(func=_cmd_run)
+
+    strategies = sub.add_parser("strategies", help="list the registered strategies")
+    strategies.set_defaults(func=_cmd_strategies)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except _user_errors() as error:
+        print(f"fedlora: error: {error}", file=sys.stderr)
+        return USER_ERROR
+    except KeyboardInterrupt:
+        print("fedlora: interrupted; results written so far are kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

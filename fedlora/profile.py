@@ -1,0 +1,77 @@
+"""What a client declares about itself: its partition, LoRA rank and resource budgets.
+
+In simulation the profile comes from the experiment config (``[clients]``) by partition id; in a
+deployment the silo's own node config (``flower-supernode --node-config "rank=4 ..."``)
+overrides it. Either way the server learns profiles only from the clients (a query message before
+the first training round), never from a config it could not have in a real deployment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedlora.config import ClientsConfig, ExperimentConfig
+
+
+class ClientProfile(BaseModel):
+    """A client's self-description, sent in reply to the server's query."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    partition_id: int = Field(description="Data partition this client holds (simulation).")
+    rank: int = Field(description="LoRA rank this client trains.")
+    num_train_examples: int = Field(0, description="Training examples held (aggregation weight).")
+    budgets: dict[str, float] = Field(
+        default_factory=dict,
+        description="Resource budgets (e.g. FedHera's download bytes / time / memory units).",
+    )
+    data_path: str = Field("", description="Silo-local data folder/file, if not simulated.")
+
+
+def tier_ranks(tiers: Mapping[str, float], num_clients: int) -> list[int]:
+    """Ranks for clients 0..n-1 from {rank: share}, largest-remainder rounding, in client order."""
+    ordered = sorted(((int(rank), share) for rank, share in tiers.items()), key=lambda t: t[0])
+    exact = [share * num_clients for _, share in ordered]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[: num_clients - sum(counts)]:
+        counts[i] += 1
+    return [rank for (rank, _), count in zip(ordered, counts) for _ in range(count)]
+
+
+def configured_rank(clients: ClientsConfig, default_rank: int, partition_id: int, num_clients: int) -> int:
+    """The rank the experiment config gives client ``partition_id``."""
+    if clients.ranks:
+        return clients.ranks[partition_id]
+    if clients.rank_tiers:
+        return tier_ranks(clients.rank_tiers, num_clients)[partition_id]
+    return default_rank
+
+
+def _number(value: Any) -> float:
+    return float(value) if not isinstance(value, str) else float(value.strip())
+
+
+def resolve_profile(config: ExperimentConfig, node_config: Mapping[str, Any]) -> ClientProfile:
+    """Profile of this node: config defaults by partition id, overridden by the node config."""
+    partition_id = int(node_config.get("partition-id", 0))
+    num_clients = config.data.num_clients
+    if not 0 <= partition_id < num_clients:
+        raise ValueError(f"partition-id {partition_id} outside [0, {num_clients})")
+    rank = configured_rank(config.clients, config.model.lora_rank, partition_id, num_clients)
+    if "rank" in node_config:
+        rank = int(_number(node_config["rank"]))
+    budgets = {
+        key.removeprefix("budget-"): _number(value)
+        for key, value in node_config.items()
+        if str(key).startswith("budget-")
+    }
+    return ClientProfile(
+        partition_id=partition_id,
+        rank=rank,
+        budgets=budgets,
+        data_path=str(node_config.get("data-path", "")),
+    )

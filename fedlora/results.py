@@ -1,0 +1,142 @@
+"""The results contract (DESIGN.md): ``DIR/results.json``, rewritten atomically after every round.
+
+``rounds`` holds one object per round with at least ``round``, ``global_accuracy``,
+``personalized_accuracy``, ``train_loss``, ``bytes_up``, ``bytes_down``, ``clients``,
+``failures`` and ``seconds``; ``final`` repeats the last evaluated round plus ``bytes_total``.
+Accuracy is a fraction in [0, 1]; bytes are the exact sizes of the arrays that crossed the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from fedlora.config import ExperimentConfig
+
+PACKAGES = ("fedlora", "flwr", "torch", "peft", "transformers", "datasets", "flwr-datasets", "opacus")
+
+
+@dataclass
+class RoundRecord:
+    """Everything measured in one federated round."""
+
+    round: int
+    global_accuracy: float = math.nan  # strategy's global model on the held-out global test set
+    personalized_accuracy: float = math.nan  # example-weighted mean of clients' local test acc.
+    personalized_accuracy_unweighted: float = math.nan  # plain mean over clients
+    personalized_accuracy_worst: float = math.nan
+    personalized_accuracy_p10: float = math.nan
+    validation_accuracy: float = math.nan  # example-weighted mean on the clients' validation parts
+    train_loss: float = math.nan
+    bytes_up: int = 0  # training uploads this round
+    bytes_down: int = 0  # training downloads this round
+    bytes_eval_down: int = 0  # arrays sent with evaluation messages (not training traffic)
+    clients: int = 0  # successful training replies
+    failures: int = 0  # failed or rejected training replies
+    refused: list[int] = field(default_factory=list)  # partition ids refused (bad profile/update)
+    seconds: float = 0.0  # wall time of the round (train + evaluation)
+    client_train_seconds: float = 0.0  # summed local training time of the clients
+    aggregation_seconds: float = 0.0  # server-side aggregation time
+    per_client: dict[str, dict[str, float]] = field(default_factory=dict)  # partition id -> metrics
+    extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific (e.g. FedTreeLoRA cuts)
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN -> None, numpy scalars -> Python."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class ResultsWriter:
+    """Collects round records and rewrites ``results.json`` after each one."""
+
+    def __init__(self, config: ExperimentConfig, out_dir: str | Path, strategy_info: dict[str, Any] | None = None):
+        self.config = config
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rounds: list[RoundRecord] = []
+        self.strategy_info = strategy_info or {}
+        self.privacy: dict[str, float] | None = None
+        self.started = time.time()
+
+    @property
+    def path(self) -> Path:
+        return self.out_dir / "results.json"
+
+    def add(self, record: RoundRecord) -> None:
+        self.rounds.append(record)
+        self.write()
+
+    def final(self) -> dict[str, Any]:
+        evaluated = [r for r in self.rounds if not math.isnan(r.global_accuracy)] or self.rounds
+        if not evaluated:
+            return {}
+        last = asdict(evaluated[-1])
+        last["bytes_total"] = sum(r.bytes_up + r.bytes_down for r in self.rounds)
+        last["bytes_up_total"] = sum(r.bytes_up for r in self.rounds)
+        last["bytes_down_total"] = sum(r.bytes_down for r in self.rounds)
+        last["failures_total"] = sum(r.failures for r in self.rounds)
+        best = self.best_on_validation()
+        if best is not None:
+            last["best_round"] = best.round
+            last["best_global_accuracy"] = best.global_accuracy
+            last["best_personalized_accuracy"] = best.personalized_accuracy
+        return last
+
+    def best_on_validation(self) -> RoundRecord | None:
+        """The round with the highest validation accuracy (never chosen on test data)."""
+        scored = [r for r in self.rounds if not math.isnan(r.validation_accuracy)]
+        return max(scored, key=lambda r: r.validation_accuracy) if scored else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "strategy": self.config.strategy.name,
+            "config": self.config.model_dump(mode="json"),
+            "config_hash": self.config.hash(),
+            "versions": package_versions(),
+            "strategy_info": self.strategy_info,
+            "rounds": [asdict(r) for r in self.rounds],
+            "final": self.final(),
+            "wall_seconds": time.time() - self.started,
+        }
+        if self.privacy is not None:
+            data["privacy"] = self.privacy
+        return _clean(data)
+
+    def write(self) -> None:
+        """Atomic rewrite (write to a temporary file, then rename)."""
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, self.path)
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """Read a results.json (or the results.json inside a folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    return json.loads(path.read_text())

@@ -1,0 +1,122 @@
+"""Run an experiment on Flower's simulation engine (Ray backend): ``fedlora.run(config)``.
+
+Each client is a virtual SuperNode running ``clients.app:app`` with ``num_cpus`` /
+``num_gpus`` from ``[federation]``; the ServerApp is built in a closure that carries the config.
+Ray's temporary folder and ``FLWR_HOME`` live inside the run directory (or a short folder
+under /tmp when the run directory's path is too long for Ray's socket names).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fedlora.config import ExperimentConfig, apply_overrides, build_config, load_config
+
+logger = logging.getLogger("fedlora")
+
+CLIENT_APP = "clients.app:app"
+MAX_RAY_DIR = 60  # Ray appends ~45 characters of session/socket names; AF_UNIX allows 107
+
+
+class RunError(RuntimeError):
+    """A run that could not produce meaningful results (printed as one line by the CLI)."""
+
+
+def prepare_environment(out_dir: Path) -> None:
+    """Telemetry off, no runtime dependency install, a project-local FLWR_HOME."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    os.environ.setdefault("FLWR_HOME", str((out_dir / ".flwr").resolve()))
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def ray_temp_dir(out_dir: Path) -> str:
+    candidate = (out_dir / ".ray").resolve()
+    if len(str(candidate)) <= MAX_RAY_DIR:
+        candidate.mkdir(parents=True, exist_ok=True)
+        return str(candidate)
+    return tempfile.mkdtemp(prefix="fedlora-ray-")
+
+
+def backend_config(config: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
+    fed = config.federation
+    return {
+        "client_resources": {"num_cpus": fed.num_cpus, "num_gpus": fed.num_gpus},
+        "init_args": {
+            "_temp_dir": ray_temp_dir(out_dir),
+            "num_cpus": os.cpu_count() or 1,
+            "include_dashboard": False,
+            "log_to_driver": True,
+            "logging_level": logging.WARNING,
+        },
+    }
+
+
+def resolve(config: ExperimentConfig | str | Path | dict, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Accept a config object, a TOML path or a raw dict (notebooks), apply overrides."""
+    if isinstance(config, ExperimentConfig):
+        if not overrides:
+            return config
+        config = config.model_dump(mode="json")
+    if isinstance(config, dict):
+        return build_config(apply_overrides(config, overrides or []))
+    return load_config(config, overrides)
+
+
+def check_inputs(config: ExperimentConfig) -> None:
+    """Fail fast, before Ray starts, on a missing model or unreadable data."""
+    from fedlora.data import build_federated_data
+    from fedlora.models import check_model_available
+
+    check_model_available(config.model.path)
+    build_federated_data(config.data)
+
+
+def run(
+    config: ExperimentConfig | str | Path | dict,
+    overrides: list[str] | None = None,
+    out_dir: str | Path | None = None,
+    verbose: bool = False,
+) -> dict[str, Any]:
+    """Run one experiment in Flower's simulation engine and return its results dict."""
+    config = resolve(config, overrides)
+    out = Path(out_dir or config.output.dir)
+    config.output.dir = str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prepare_environment(out)
+    check_inputs(config)
+
+    from flwr.simulation import run_simulation
+
+    from fedlora.results import load_results
+    from fedlora.server import make_server_app
+
+    module, attr = CLIENT_APP.split(":")
+    client_app = getattr(importlib.import_module(module), attr)
+    _quiet_flower(verbose)
+    run_simulation(
+        server_app=make_server_app(config, str(out)),
+        client_app=client_app,
+        num_supernodes=config.data.num_clients,
+        backend_config=backend_config(config, out),
+        verbose_logging=verbose,
+    )
+    results_path = out / "results.json"
+    if not results_path.is_file():
+        raise RunError(f"the simulation ended without writing {results_path}; rerun with --verbose")
+    results = load_results(results_path)
+    if not any(r["clients"] for r in results["rounds"]):
+        raise RunError("every client update failed in every round; rerun with --verbose to see the client errors")
+    return results
+
+
+def _quiet_flower(verbose: bool) -> None:
+    """Flower logs every message at INFO; keep our progress lines readable unless verbose."""
+    if not verbose:
+        logging.getLogger("flwr").setLevel(logging.WARNING)

@@ -1,0 +1,175 @@
+"""fedlora's Flower ServerApp: runs the configured strategy and writes the results contract.
+
+The same app runs in simulation (:func:`fedlora.runner.run` builds it with the config in a
+closure, since ``run_simulation`` hands the ServerApp an empty run config) and in deployment
+(``flwr run`` passes the config as the run-config entry ``experiment``, JSON, or ``config``, a
+TOML path readable on the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from fedlora.config import ExperimentConfig, config_from_json, load_config
+from fedlora.data import FederatedData, build_federated_data
+from fedlora.lora import A_SUFFIX, Payload
+from fedlora.results import ResultsWriter, RoundRecord
+
+logger = logging.getLogger("fedlora")
+
+
+class GlobalEvaluator:
+    """Server-side models: the seeded initial adapter, module shapes, global-test accuracy."""
+
+    def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
+        from fedlora.models import resolve_device
+
+        self.config = config
+        self.federated = federated
+        self.num_labels = len(federated.label_names)
+        self.device = resolve_device(config.train.device)
+        self._initial: dict[int, Payload] = {}
+        self._loader = None
+
+    def build(self, rank: int | dict[str, int]):
+        from fedlora.models import build_model
+
+        return build_model(self.config.model, self.num_labels, rank, seed=self.config.train.seed)
+
+    def initial_adapter(self, rank: int) -> Payload:
+        """The common starting adapter at ``rank`` (identical on every call and every client)."""
+        from fedlora.models import adapter_payload
+
+        if rank not in self._initial:
+            self._initial[rank] = adapter_payload(self.build(rank))
+        return self._initial[rank]
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        from fedlora.models import module_shapes
+
+        return module_shapes(self.build(1))
+
+    def model_for(self, payload: Payload):
+        """A peft model whose per-module ranks match ``payload``, with the payload loaded."""
+        from fedlora.models import load_payload
+
+        ranks = {k[: -len(A_SUFFIX)]: int(v.shape[0]) for k, v in payload.items() if k.endswith(A_SUFFIX)}
+        model = self.build(ranks if ranks else self.config.model.lora_rank)
+        load_payload(model, payload)
+        return model
+
+    def accuracy(self, payload: Payload) -> float:
+        from fedlora.models import load_tokenizer
+        from fedlora.training import evaluate, make_loader
+
+        if self._loader is None:
+            cfg = self.config.train
+            tokenizer = load_tokenizer(self.config.model.path)
+            self._loader = make_loader(
+                self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False
+            )
+        return evaluate(self.model_for(payload), self._loader, self.device).accuracy
+
+
+def progress_line(record: RoundRecord, rounds: int) -> str:
+    def pct(x: float) -> str:
+        return "  -  " if math.isnan(x) else f"{x:.3f}"
+
+    return (
+        f"round {record.round:>3}/{rounds}  global {pct(record.global_accuracy)}  "
+        f"personalised {pct(record.personalized_accuracy)}  loss {pct(record.train_loss)}  "
+        f"up {record.bytes_up / 1e6:.2f} MB  down {record.bytes_down / 1e6:.2f} MB  "
+        f"clients {record.clients} failures {record.failures}  {record.seconds:.1f}s"
+    )
+
+
+def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path) -> ResultsWriter:
+    """Query, train and evaluate for ``config.train.rounds`` rounds; write results each round."""
+    import torch
+
+    from strategies.registry import create_strategy
+
+    torch.set_num_threads(max(1, int(config.federation.num_cpus)))
+    out_dir = Path(out_dir)
+    federated = build_federated_data(config.data)
+    evaluator = GlobalEvaluator(config, federated)
+    strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
+    strategy.adapter_dir = str((out_dir / "adapters").resolve())
+    writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
+
+    def evaluate_fn(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0:
+            return None
+        record = strategy.finish_round(server_round)
+        payload = strategy.global_payload()
+        if payload is not None:
+            record.global_accuracy = evaluator.accuracy(payload)
+        writer.add(record)
+        logger.info(progress_line(record, config.train.rounds))
+        return MetricRecord({"global-accuracy": record.global_accuracy})
+
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(),
+        num_rounds=config.train.rounds,
+        timeout=config.federation.round_timeout,
+        evaluate_fn=evaluate_fn,
+    )
+    finish(writer, strategy, evaluator, out_dir)
+    return writer
+
+
+def strategy_info(strategy: Any) -> dict[str, Any]:
+    caps = strategy.capabilities
+    return {
+        "class": type(strategy).__name__,
+        "personalized": caps.personalized,
+        "uploads": caps.uploads,
+        "downloads": caps.downloads,
+        "paper": caps.paper,
+        "options": strategy.options.model_dump(mode="json"),
+    }
+
+
+def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out_dir: Path) -> None:
+    """Save the global adapter (peft format), the profiles, and the accuracy plot."""
+    from fedlora.models import save_adapter
+    from fedlora.plotting import plot_accuracy
+
+    payload = strategy.global_payload()
+    if payload is not None and writer.config.output.save_adapters:
+        save_adapter(evaluator.model_for(payload), out_dir / "adapters" / "global")
+    writer.strategy_info["clients"] = {
+        str(p.partition_id): p.model_dump() for p in strategy.profiles.values()
+    }
+    writer.strategy_info["refused"] = list(strategy.refused.values())
+    writer.write()
+    plot_accuracy(writer.to_dict(), out_dir / "accuracy_vs_round.png")
+
+
+def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None = None) -> ServerApp:
+    """A ServerApp for ``config`` (simulation) or for the run config (deployment)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        cfg = config or config_from_run_config(dict(context.run_config))
+        run_server(grid, cfg, out_dir or cfg.output.dir)
+
+    return server_app
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
+    """Deployment: the config arrives as JSON (``experiment``) or a TOML path (``config``)."""
+    if run_config.get("experiment"):
+        return config_from_json(str(run_config["experiment"]))
+    return load_config(str(run_config.get("config", "configs/quickstart.toml")))
+
+
+app = make_server_app()

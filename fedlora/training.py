@@ -1,0 +1,181 @@
+"""Local training and evaluation loops (client side, and the server's global evaluation).
+
+One loop serves every method: a method changes *what* is trained through the model it builds
+(frozen / trainable parameters), and *how* through two optional hooks: ``loss_fn`` (e.g.
+FedDR-LoRA's negative learning) and ``after_backward`` (e.g. FedHera's prefix gating).
+On CUDA the forward pass runs under bf16 autocast; on CPU in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
+    import torch
+
+Batch = dict[str, "torch.Tensor"]
+LossFn = Callable[[Any, Batch], "torch.Tensor"]
+
+
+@dataclass
+class TrainStats:
+    """What one local training call did."""
+
+    loss: float  # mean training loss over the steps
+    steps: int
+    examples: int  # examples processed (with repetition across epochs)
+    seconds: float
+
+
+@dataclass
+class EvalStats:
+    accuracy: float
+    loss: float
+    examples: int
+
+
+def tokenize(dataset: datasets.Dataset, tokenizer, max_length: int) -> datasets.Dataset:
+    """Token ids without padding (padding happens per batch); keeps ``label``."""
+    import datasets as hf_datasets
+
+    hf_datasets.disable_progress_bars()  # one bar per client split floods the simulation log
+    encoded = dataset.map(
+        lambda rows: tokenizer(rows["text"], truncation=True, max_length=max_length),
+        batched=True,
+        remove_columns=[c for c in dataset.column_names if c not in ("label", "is_noisy")],
+    )
+    return encoded
+
+
+_TOKENIZED: dict[str, datasets.Dataset] = {}  # per-process cache: clients reuse their splits
+
+
+def _cached_tokenized(key: str, dataset: datasets.Dataset, tokenizer, max_length: int):
+    if key not in _TOKENIZED:
+        _TOKENIZED[key] = tokenize(dataset, tokenizer, max_length)
+    return _TOKENIZED[key]
+
+
+def make_loader(
+    dataset: datasets.Dataset,
+    tokenizer,
+    batch_size: int,
+    max_length: int,
+    shuffle: bool,
+    seed: int = 0,
+    cache_key: str | None = None,
+):
+    """A DataLoader of dynamically padded batches with ``labels`` (and ``index``) tensors."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    encoded = (
+        _cached_tokenized(cache_key, dataset, tokenizer, max_length)
+        if cache_key
+        else tokenize(dataset, tokenizer, max_length)
+    )
+    encoded = encoded.add_column("index", list(range(len(encoded))))
+
+    def collate(rows: list[dict[str, Any]]) -> Batch:
+        features = [{k: r[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in r} for r in rows]
+        batch = tokenizer.pad(features, return_tensors="pt")
+        batch["labels"] = torch.tensor([r["label"] for r in rows])
+        batch["index"] = torch.tensor([r["index"] for r in rows])
+        return dict(batch)
+
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(encoded, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator)
+
+
+def model_inputs(batch: Batch, device) -> dict[str, Any]:
+    """The tensors the model's forward takes, moved to ``device``."""
+    return {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+def autocast(device):
+    """bf16 autocast on CUDA, a no-op context elsewhere."""
+    import contextlib
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def cross_entropy_loss(model, batch: Batch) -> torch.Tensor:
+    """Default objective: mean cross-entropy of the model's logits."""
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    logits = model(**model_inputs(batch, device)).logits
+    return F.cross_entropy(logits.float(), batch["labels"].to(device))
+
+
+def train(
+    model,
+    loader,
+    epochs: int,
+    lr: float,
+    device,
+    max_steps: int = 0,
+    weight_decay: float = 0.0,
+    loss_fn: LossFn = cross_entropy_loss,
+    after_backward: Callable[[Any], None] | None = None,
+    parameters: list | None = None,
+) -> TrainStats:
+    """AdamW over the trainable parameters (or ``parameters``) for ``epochs`` / ``max_steps``."""
+    import torch
+
+    params = parameters if parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    model.to(device).train()
+    start, total_loss, steps, examples = time.perf_counter(), 0.0, 0, 0
+    for _ in range(epochs):
+        for batch in loader:
+            with autocast(device):
+                loss = loss_fn(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            optimizer.step()
+            total_loss += float(loss.detach())
+            steps += 1
+            examples += len(batch["labels"])
+            if max_steps and steps >= max_steps:
+                break
+        if max_steps and steps >= max_steps:
+            break
+    mean_loss = total_loss / steps if steps else math.nan
+    return TrainStats(mean_loss, steps, examples, time.perf_counter() - start)
+
+
+def predict_logits(model, loader, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, labels) over a loader, in eval mode and without gradients."""
+    import torch
+
+    model.to(device).eval()
+    logits, labels = [], []
+    with torch.no_grad(), autocast(device):
+        for batch in loader:
+            logits.append(model(**model_inputs(batch, device)).logits.float().cpu())
+            labels.append(batch["labels"])
+    return torch.cat(logits), torch.cat(labels)
+
+
+def evaluate(model, loader, device) -> EvalStats:
+    """Accuracy and mean cross-entropy over a loader."""
+    import torch.nn.functional as F
+
+    if len(loader.dataset) == 0:
+        return EvalStats(math.nan, math.nan, 0)
+    logits, labels = predict_logits(model, loader, device)
+    accuracy = float((logits.argmax(-1) == labels).float().mean())
+    loss = float(F.cross_entropy(logits, labels))
+    return EvalStats(accuracy, loss, len(labels))

