@@ -1,12 +1,16 @@
 """Strategies by name: the one place that maps ``strategy.name`` to a class.
 
-Each strategy module registers itself with :func:`register`; this module imports them all, so
-``create_strategy`` and ``validate_strategy_options`` see every method.
+A strategy registers itself by existing: every module of the ``strategies`` package is scanned
+for :class:`~strategies.base.LoRAStrategy` subclasses with a ``name``, so adding a method means
+adding one module, with no list to edit.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import pkgutil
+from functools import cache
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -16,22 +20,37 @@ from fedlora.config import ConfigError, ExperimentConfig
 if TYPE_CHECKING:
     from strategies.base import InitialAdapter, LoRAStrategy
 
-# name -> "module:Class"; imported lazily so that listing names costs nothing
-STRATEGIES: dict[str, str] = {
-    "fedit": "strategies.fedit:FedIT",
-}
+_NOT_STRATEGIES = {"base", "registry"}
+
+
+@cache
+def _discover() -> dict[str, type[LoRAStrategy]]:
+    import strategies
+    from strategies.base import LoRAStrategy
+
+    found: dict[str, type[LoRAStrategy]] = {}
+    for info in pkgutil.iter_modules(strategies.__path__):
+        if info.name in _NOT_STRATEGIES:
+            continue
+        module = importlib.import_module(f"strategies.{info.name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, LoRAStrategy) and cls.name and cls.__module__ == module.__name__:
+                if cls.name in found and found[cls.name] is not cls:
+                    raise RuntimeError(f"strategy name '{cls.name}' registered twice")
+                found[cls.name] = cls
+    return found
 
 
 def strategy_names() -> list[str]:
-    return sorted(STRATEGIES)
+    return sorted(_discover())
 
 
 def strategy_class(name: str) -> type[LoRAStrategy]:
     """The class registered under ``name`` (ConfigError listing the known names otherwise)."""
-    if name not in STRATEGIES:
+    registered = _discover()
+    if name not in registered:
         raise ConfigError(f"unknown strategy '{name}'; known: {', '.join(strategy_names())}")
-    module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return registered[name]
 
 
 def validate_strategy_options(config: ExperimentConfig) -> None:

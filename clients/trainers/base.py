@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedlora.config import ExperimentConfig
 from fedlora.data import ClientData, FederatedData
@@ -55,6 +55,8 @@ class ClientJob:
 
 class LocalTrainer:
     """FedIT's client (and the default): train A, B and the head; upload them all."""
+
+    strategy_names: ClassVar[tuple[str, ...]] = ("fedit",)  # the strategies this client serves
 
     def __init__(self, job: ClientJob) -> None:
         self.job = job

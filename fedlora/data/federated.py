@@ -18,8 +18,8 @@ import numpy as np
 from flwr_datasets.partitioner import (
     DirichletPartitioner,
     IidPartitioner,
-    PathologicalPartitioner,
     Partitioner,
+    PathologicalPartitioner,
 )
 
 from fedlora.config import DataConfig
@@ -49,7 +49,7 @@ class FederatedData:
     clients: list[ClientData]
 
     def client(self, partition_id: int) -> ClientData:
-        """The data of client ``partition_id`` (0-based)."""
+        """Return the data of client ``partition_id`` (0-based)."""
         if not 0 <= partition_id < len(self.clients):
             raise DataError(
                 f"partition_id must be in [0, {len(self.clients)}) for data.num_clients="
@@ -65,7 +65,11 @@ class FederatedData:
 
 
 def build_federated_data(cfg: DataConfig) -> FederatedData:
-    """Build (or fetch from the in-process cache) the federated data described by ``cfg``."""
+    """Build (or fetch from the in-process cache) the federated data described by ``cfg``.
+
+    The result is shared by every caller in the process: derive new datasets from it
+    (``with_format``, ``map``, ``select``), never change it in place (``set_format``).
+    """
     return _build_cached(cfg.model_dump_json())
 
 
@@ -145,13 +149,14 @@ def _partition(pool_labels: np.ndarray, cfg: DataConfig) -> list[np.ndarray]:
     )
     partitioner = _make_partitioner(cfg, len(pool_labels))
     partitioner.dataset = index.with_format("arrow")
+    where = f"cannot split {len(pool_labels)} examples into data.num_clients={cfg.num_clients}"
+    if cfg.num_clients > len(pool_labels):
+        raise DataError(f"{where}: lower data.num_clients or raise data.max_examples")
     try:
         return [np.asarray(partitioner.load_partition(i)["row"]) for i in range(cfg.num_clients)]
-    except ValueError as error:
-        raise DataError(
-            f"cannot split {len(pool_labels)} examples into data.num_clients={cfg.num_clients} "
-            f"with data.partition='{cfg.partition}': {str(error).strip()}"
-        ) from None
+    except (ValueError, IndexError) as error:
+        message = " ".join(str(error).split())
+        raise DataError(f"{where} with data.partition='{cfg.partition}': {message}") from None
 
 
 def _client_data(

@@ -32,7 +32,7 @@ def apply_label_noise(
     if num_classes < 2:
         raise DataError(f"label noise needs at least 2 classes, got {num_classes}")
     rng = np.random.default_rng(seed)
-    chosen = rng.choice(len(labels), size=int(round(rate * len(labels))), replace=False)
+    chosen = rng.choice(len(labels), size=round(rate * len(labels)), replace=False)
     flipped[chosen] = True
     noisy = labels.copy()
     if kind == "pairflip":

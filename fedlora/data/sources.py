@@ -63,7 +63,7 @@ def load_source(cfg: DataConfig) -> datasets.Dataset:
         dataset = _to_text_label(_read_hub(cfg.source), cfg, cfg.source)
     if 0 < cfg.max_examples < len(dataset):
         n_dropped = len(dataset) - cfg.max_examples
-        keep, _ = split_indices(np.asarray(dataset["label"]), n_dropped, cfg.seed)
+        keep, _ = split_indices(np.asarray(dataset["label"][:]), n_dropped, cfg.seed)
         dataset = dataset.select(np.sort(keep))
     num_classes = dataset.features["label"].num_classes
     logger.info("load_source: %s, %d examples, %d classes", cfg.source, len(dataset), num_classes)
@@ -245,13 +245,17 @@ def _to_text_label(dataset: datasets.Dataset, cfg: DataConfig, where: str) -> da
                 f"{where}: column '{column}' (data.{key}) not found; "
                 f"columns are {dataset.column_names}"
             )
-    texts = ["" if text is None else str(text) for text in dataset[cfg.text_column]]
+    texts = ["" if text is None else str(text) for text in dataset[cfg.text_column][:]]
     feature = dataset.features[cfg.label_column]
-    raw = list(dataset[cfg.label_column])
-    if isinstance(feature, datasets.ClassLabel):
+    raw = list(dataset[cfg.label_column][:])
+    if isinstance(feature, datasets.ClassLabel):  # -1 marks unlabelled rows in hub datasets
         names, labels = list(feature.names), raw
+        texts = [text for text, label in zip(texts, raw, strict=True) if label >= 0]
+        labels = [label for label in raw if label >= 0]
     else:
         names, labels = _encode_labels(raw, cfg.label_column, where)
+    if not labels:
+        raise DataError(f"{where}: no labelled examples")
     return datasets.Dataset.from_dict({"text": texts, "label": labels}, features=_features(names))
 
 

