@@ -142,6 +142,31 @@ def weighted_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequ
     return out
 
 
+def pad_payload(payload: Mapping[str, np.ndarray], rank: int) -> Payload:
+    """Zero-pad every module of a payload to ``rank`` (head arrays unchanged)."""
+    factors, extras = split_payload(payload)
+    padded = {m: pad_rank(f, rank) for m, f in factors.items()}
+    return join_payload(padded, extras, send_A=_has(payload, A_SUFFIX), send_B=_has(payload, B_SUFFIX))
+
+
+def truncate_payload(payload: Mapping[str, np.ndarray], rank: int) -> Payload:
+    """Keep the first ``rank`` components of every module (head arrays unchanged)."""
+    factors, extras = split_payload(payload)
+    cut = {m: Factors(f.A[:rank].copy(), f.B[:, :rank].copy()) for m, f in factors.items()}
+    return join_payload(cut, extras, send_A=_has(payload, A_SUFFIX), send_B=_has(payload, B_SUFFIX))
+
+
+def _has(payload: Mapping[str, np.ndarray], suffix: str) -> bool:
+    return any(key.endswith(suffix) for key in payload)
+
+
+def padded_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], rank: int) -> Payload:
+    """Weighted average after zero-padding every payload to ``rank``: how a same-rank method
+    (FedIT, FFA-LoRA, FedSA-LoRA) runs over mixed client ranks, as in FLoRA's heterogeneous-rank
+    comparison. Each client then takes the first r_k components (:func:`truncate_payload`)."""
+    return weighted_average([pad_payload(p, rank) for p in payloads], weights)
+
+
 # --------------------------------------------------------------------------------------------
 # SVD of a weighted sum of low-rank products, in factor space
 # --------------------------------------------------------------------------------------------

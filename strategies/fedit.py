@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from fedlora.lora import Payload, weighted_average
+from fedlora.lora import Payload, padded_average, truncate_payload
 from strategies.base import Capabilities, ClientUpload, LoRAStrategy
 
 
@@ -20,7 +20,12 @@ class FedIT(LoRAStrategy):
 
     Parameters
     ----------
-    (none beyond the experiment config) Clients must share one rank.
+    (none beyond the experiment config)
+
+    Mixed ranks: FedIT assumes one rank. When clients declare different ranks, every upload is
+    zero-padded to the largest rank r_max before averaging and each client receives the first
+    r_k components (the zero-padding extension FLoRA uses to compare FedIT under heterogeneous
+    ranks). With one rank this is exactly FedIT.
 
     Upload: A_k, B_k (and the head when ``model.head = global``).
 
@@ -40,19 +45,14 @@ class FedIT(LoRAStrategy):
     )
 
     def setup(self) -> None:
-        ranks = {p.rank for p in self.profiles.values()}
-        if len(ranks) > 1:
-            raise RuntimeError(
-                f"fedit needs one LoRA rank for every client, got ranks {sorted(ranks)}; "
-                "use hetlora, flexlora, flora or fedhera for mixed ranks"
-            )
-        self.global_adapter: Payload = self.initial_adapter(ranks.pop())
+        self.max_rank = max(p.rank for p in self.profiles.values())
+        self.global_adapter: Payload = self.initial_adapter(self.max_rank)  # (r_max) factors
 
     def download(self, node_id: int, server_round: int) -> Payload:
-        return self.global_adapter
+        return truncate_payload(self.global_adapter, self.profiles[node_id].rank)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
-        self.global_adapter = weighted_average([u.payload for u in uploads], self.weights(uploads))
+        self.global_adapter = padded_average([u.payload for u in uploads], self.weights(uploads), self.max_rank)
 
     def global_payload(self) -> Payload:
         return self.global_adapter
