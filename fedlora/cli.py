@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # progress bars of datasets' loaders would break the one-line error contract on stderr
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

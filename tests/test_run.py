@@ -1,0 +1,92 @@
+"""End to end: the real ClientApp and ServerApp, in process and on Flower's simulation engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedlora.config import load_config
+from simulations.inprocess import run_inprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUND_KEYS = {"round", "global_accuracy", "personalized_accuracy", "train_loss", "bytes_up", "bytes_down", "clients", "failures", "seconds"}
+
+
+def assert_results_contract(results: dict, rounds: int) -> None:
+    assert {"strategy", "config", "rounds", "final"} <= set(results)
+    assert len(results["rounds"]) == rounds
+    for record in results["rounds"]:
+        assert ROUND_KEYS <= set(record)
+        assert record["clients"] > 0
+        for key in ("global_accuracy", "personalized_accuracy"):
+            assert record[key] is None or 0.0 <= record[key] <= 1.0
+    assert ROUND_KEYS | {"bytes_total"} <= set(results["final"])
+    assert results["final"]["bytes_total"] == sum(r["bytes_up"] + r["bytes_down"] for r in results["rounds"])
+
+
+def test_inprocess_fedit_counts_exact_bytes(tmp_path: Path) -> None:
+    # Prepare: 3 clients of rank 4 send A (4 x d_in), B (d_out x 4) for every module, plus the head
+    config = load_config(ROOT / "configs/smoke.toml", ["clients.ranks=[4, 4, 4]"])
+    # Execute
+    writer = run_inprocess(config, tmp_path)
+    results = writer.to_dict()
+    # Assert
+    assert_results_contract(results, config.train.rounds)
+    adapter = writer.rounds[0]
+    per_client = 2 * 2 * (4 * 32 + 32 * 4) * 4 + (8 * 32 + 8) * 4  # 2 layers x (query, value), float32
+    assert adapter.bytes_up == adapter.bytes_down == 3 * per_client
+    assert (tmp_path / "adapters/global/adapter_config.json").is_file()
+    assert (tmp_path / "accuracy_vs_round.png").is_file()
+
+
+@pytest.mark.slow
+def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
+    # Execute: the CLI on Flower's simulation engine (Ray backend)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert_results_contract(results, 2)
+    assert results["config"]["output"]["dir"] == str(tmp_path)
+    assert "final global accuracy" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "strategy.name=nope"], "unknown strategy"),
+        (["--set", "model.path=/no/such/model"], "model path not found"),
+        (["--set", "model.lora_rank=-1"], "model.lora_rank"),
+        (["--set", "data.noise_rate=1.5"], "data.noise_rate"),
+        (["--set", "data.bogus=1"], "unknown config key"),
+        (["--set", "data.source=/no/such/file.csv"], "not found"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_unreadable_data_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path / "o"),
+         "--set", f"data.source={bad}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
