@@ -31,6 +31,8 @@ def _job(msg: Message, context: Context):
     config = config_from_json(str(message_config["experiment"]))
     _limit_threads(config.federation.num_cpus)
     profile = resolve_profile(config, context.node_config)
+    if "common-rank" in message_config:  # a same-rank method runs every client at one rank
+        profile.rank = int(message_config["common-rank"])
     federated = build_federated_data(config.data)
     data = federated.client(profile.partition_id)
     profile.num_train_examples = len(data.train)

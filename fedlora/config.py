@@ -156,6 +156,28 @@ class FederationConfig(_Section):
     round_timeout: float = Field(3600.0, gt=0.0, description="Seconds to wait for replies.")
 
 
+class BudgetTier(_Section):
+    """One resource tier of clients (FedHera's budgets, ALGORITHMS.md): a share of the clients
+    and the budgets each of them declares. A budget left out is not declared by the tier."""
+
+    share: float = Field(ge=0.0, le=1.0, description="Proportion of the clients in this tier.")
+    name: str = Field("", description="Label of the tier (e.g. 'low'), for reports only.")
+    download: float | None = Field(
+        None, gt=0.0, description="Download budget in bytes per round (LoRA factors + head)."
+    )
+    time: float | None = Field(
+        None, gt=0.0, description="Training time budget, in time units (FedHera strategy.time_unit)."
+    )
+    memory: float | None = Field(
+        None, gt=0.0, description="Training memory budget, in memory units (FedHera strategy.memory_unit)."
+    )
+
+    def budgets(self) -> dict[str, float]:
+        """The declared budgets as a profile holds them ({'download': ..., 'time': ...})."""
+        declared = {"download": self.download, "time": self.time, "memory": self.memory}
+        return {key: float(value) for key, value in declared.items() if value is not None}
+
+
 class ClientsConfig(_Section):
     """Per-client declarations (a silo's own node config overrides these in a deployment)."""
 
@@ -169,6 +191,29 @@ class ClientsConfig(_Section):
         description="Rank -> proportion of clients, e.g. {'2' = 0.3, '4' = 0.5, '8' = 0.2}; "
         "assigned in client order, largest remainder rounding.",
     )
+    mixed_rank_policy: Literal["smallest", "refuse"] = Field(
+        "smallest",
+        description="What a strategy that needs one shared rank (fedit, ffa_lora, fedsa_lora, "
+        "feddpa) does when clients declare different ranks: 'smallest' trains every client at "
+        "the smallest declared rank (never above a client's own budget; the homogeneous-rank "
+        "baseline of the HetLoRA paper), 'refuse' stops with an error. Mixed-rank strategies "
+        "(flexlora, hetlora, flora, fedhera) always use each client's own rank.",
+    )
+    budget_tiers: list[BudgetTier] = Field(
+        default_factory=list,
+        description="Resource tiers with proportions, e.g. [{share = 0.5, name = 'low', "
+        "download = 3.1e5, time = 18432, memory = 18432}, ...]; assigned in client order as "
+        "listed, largest remainder rounding. A silo's node config (budget-download=..., "
+        "budget-time=..., budget-memory=...) overrides its tier.",
+    )
+
+    @field_validator("budget_tiers")
+    @classmethod
+    def _valid_budget_tiers(cls, tiers: list[BudgetTier]) -> list[BudgetTier]:
+        total = sum(tier.share for tier in tiers)
+        if tiers and abs(total - 1.0) > 1e-6:
+            raise ValueError(f"budget tier shares must sum to 1, got {total}")
+        return tiers
 
     @field_validator("ranks")
     @classmethod

@@ -106,6 +106,7 @@ class LoRAStrategy(Strategy):
         self.rng = np.random.default_rng(experiment.train.seed)
         self._experiment_json = experiment.to_json()
         self.adapter_dir = ""  # set by the ServerApp: personalised adapters are saved there
+        self.common_rank = 0  # > 0: a same-rank method runs every client at this rank
 
     # ---------------------------------------------------------------- method interface
     @classmethod
@@ -270,6 +271,8 @@ class LoRAStrategy(Strategy):
         config = ConfigRecord(
             {"server-round": server_round, "experiment": self._experiment_json, **self.client_config(node_id, server_round)}
         )
+        if self.common_rank:
+            config["common-rank"] = self.common_rank
         if message_type == MessageType.EVALUATE:
             config["eval-global"] = self.global_payload() is None
             if self.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:
@@ -315,7 +318,26 @@ class LoRAStrategy(Strategy):
             self.profiles[node_id] = profile
         if not self.profiles:
             raise RuntimeError("no client accepted: " + "; ".join(self.refused.values()))
+        self._settle_ranks()
         self.setup()
+
+    def _settle_ranks(self) -> None:
+        """A same-rank method (``capabilities.mixed_ranks`` False) with mixed declared ranks trains
+        every client at the smallest declared rank (``clients.mixed_rank_policy = smallest``), told
+        to the client as ``common-rank``, or stops (``refuse``)."""
+        ranks = sorted({p.rank for p in self.profiles.values()})
+        if self.capabilities.mixed_ranks or len(ranks) < 2:
+            return
+        if self.experiment.clients.mixed_rank_policy == "refuse":
+            raise RuntimeError(
+                f"strategy '{self.name}' needs one LoRA rank for every client, clients declared "
+                f"{ranks}; use flexlora, hetlora, flora or fedhera, or clients.mixed_rank_policy=smallest"
+            )
+        self.common_rank = ranks[0]
+        for profile in self.profiles.values():
+            profile.rank = self.common_rank
+        log(WARNING, "query: '%s' needs one rank, clients declared %s: every client trains at rank %d "
+            "(clients.mixed_rank_policy=smallest)", self.name, ranks, self.common_rank)
 
     def check_profile(self, profile: ClientProfile) -> str:
         """Why a client cannot take part ('' if it can)."""

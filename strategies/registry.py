@@ -67,7 +67,20 @@ def validate_strategy_options(config: ExperimentConfig) -> None:
         raise ConfigError(f"invalid option 'strategy.{key}' for '{cls.name}': {message}, got {first.get('input')!r}") from None
     for key, value in options.model_dump().items():
         setattr(config.strategy, key, value)
+    _check_rank_policy(cls, config)
     cls.check_config(config)
+
+
+def _check_rank_policy(cls: type[LoRAStrategy], config: ExperimentConfig) -> None:
+    """A same-rank method with ``clients.mixed_rank_policy = refuse`` and mixed configured ranks."""
+    declared = set(config.clients.ranks) or {r for r, share in config.clients.rank_tiers.items() if share > 0}
+    if cls.capabilities.mixed_ranks or config.clients.mixed_rank_policy != "refuse" or len(declared) < 2:
+        return
+    raise ConfigError(
+        f"strategy '{cls.name}' needs one LoRA rank for every client but clients declare ranks "
+        f"{sorted(int(r) for r in declared)}; use flexlora, hetlora, flora or fedhera, or set "
+        "clients.mixed_rank_policy=smallest"
+    )
 
 
 def create_strategy(
