@@ -1,0 +1,128 @@
+"""FlexLoRA: heterogeneous-rank aggregation through an SVD of the averaged full-size update.
+
+Bai et al., "Federated Fine-tuning of Large Language Models under Heterogeneous Tasks and Client
+Resources", NeurIPS 2024 (arXiv:2402.11505). ALGORITHMS.md, Baselines table, row ``flexlora``.
+The SVD is taken in factor space (:func:`fedlora.lora.factor_svd`), never on the dense
+d_out x d_in sum when the stacked rank is smaller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import numpy as np
+
+from fedlora.lora import (
+    Factors,
+    LowRankSVD,
+    Payload,
+    factor_svd,
+    head_only,
+    join_payload,
+    pad_rank,
+    split_payload,
+    weighted_average,
+)
+from strategies.base import Capabilities, ClientUpload, LoRAStrategy
+
+
+def flexlora_aggregate(
+    clients: Sequence[Mapping[str, Factors]], weights: Sequence[float], scales: Sequence[float]
+) -> dict[str, LowRankSVD]:
+    """Per module, the thin SVD of G = sum_k p_k s_k B_k A_k, computed from the stacked factors.
+
+    ``clients[k]`` maps module -> client k's factors (any rank), ``weights`` are p_k (summing to
+    one), ``scales`` are s_k = alpha / r_k.
+    """
+    coefficients = [float(p) * float(s) for p, s in zip(weights, scales)]  # p_k s_k
+    modules = clients[0].keys()
+    return {
+        m: factor_svd([c[m].B for c in clients], [c[m].A for c in clients], coefficients)  # G = U S V^T
+        for m in modules
+    }
+
+
+def flexlora_factors(svd: LowRankSVD, rank: int, scale: float) -> Factors:
+    """Client factors of rank ``rank`` with scale s: B = U_r S_r / s, A = V_r^T, so s B A = U_r S_r V_r^T.
+
+    When G has fewer than ``rank`` components (few, low-rank clients in the round) the factors
+    are zero-padded, which leaves s B A unchanged.
+    """
+    r = min(rank, len(svd.S))
+    B = (svd.U[:, :r] * (svd.S[:r] / scale)).astype(np.float32)  # (d_out, r)
+    A = svd.Vt[:r].astype(np.float32)  # (r, d_in)
+    return pad_rank(Factors(A, B), rank)
+
+
+class FlexLoRA(LoRAStrategy):
+    """FlexLoRA: each client trains its own rank; the server averages the full-size updates and
+    hands every client the best rank-r_k approximation of the average.
+
+    Paper: Bai et al., "Federated Fine-tuning of Large Language Models under Heterogeneous Tasks
+    and Client Resources", NeurIPS 2024.
+
+    Parameters
+    ----------
+    (none beyond the experiment config) Each client's rank r_k comes from its own profile
+    (``[clients] ranks`` / ``rank_tiers`` in simulation, ``rank=`` in a node config); its scale is
+    s_k = model.lora_alpha / r_k.
+
+    Upload: A_k (r_k, d_in) and B_k (d_out, r_k) of every module (and the head when
+    ``model.head = global``).
+
+    Aggregation: per module G = sum_k p_k s_k B_k A_k, p_k = n_k / sum n over the round's
+    uploads, and its SVD G = U S V^T, computed in factor space (QR of the stacked factors and an
+    R x R SVD, R = sum r_k), exact. The head is averaged with p_k (FedAvg). The global model is G
+    itself, held at rank R (B = U S / s_R, A = V^T, s_R = alpha / R).
+
+    Download: client k gets B_k = U[:, :r_k] S[:r_k] / s_k and A_k = V[:, :r_k]^T, so
+    s_k B_k A_k is the best rank-r_k approximation of G (and the averaged head). Before the first
+    aggregation every client gets the common seeded initial adapter at its rank.
+    """
+
+    name = "flexlora"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        personalized=False,
+        uploads="A_k, B_k (own rank), head",
+        downloads="rank-r_k SVD truncation of sum p_k s_k B_k A_k, head",
+        mixed_ranks=True,
+        paper="Bai et al., NeurIPS 2024 (arXiv:2402.11505)",
+    )
+
+    def setup(self) -> None:
+        self.spectrum: dict[str, LowRankSVD] = {}  # module -> SVD of the last aggregate G
+        self.head: Payload = dict(self.head_initial) if self.sends_head else {}
+
+    def scale(self, rank: int) -> float:
+        return self.experiment.model.lora_alpha / rank
+
+    def download(self, node_id: int, server_round: int) -> Payload:
+        rank = self.profiles[node_id].rank
+        if not self.spectrum:
+            factors, _ = split_payload(self.initial_adapter(rank))
+        else:
+            factors = {m: flexlora_factors(svd, rank, self.scale(rank)) for m, svd in self.spectrum.items()}
+        return join_payload(factors, self.head)
+
+    def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        clients = [split_payload(u.payload)[0] for u in uploads]
+        scales = [self.scale(self.profiles[u.node_id].rank) for u in uploads]
+        self.spectrum = flexlora_aggregate(clients, self.weights(uploads), scales)
+        if self.sends_head:
+            self.head = weighted_average([head_only(u.payload) for u in uploads], self.weights(uploads))
+
+    def global_payload(self) -> Payload:
+        if not self.spectrum:
+            rank = max(p.rank for p in self.profiles.values())
+            factors, _ = split_payload(self.initial_adapter(rank))
+            return join_payload(factors, self.head)
+        factors = {}
+        for module, svd in self.spectrum.items():
+            rank = len(svd.S)  # the whole aggregate: G exactly
+            factors[module] = flexlora_factors(svd, rank, self.scale(rank))
+        return join_payload(factors, self.head)
+
+    def round_extra(self, server_round: int) -> dict[str, float]:
+        ranks = [len(svd.S) for svd in self.spectrum.values()]
+        return {"aggregate_rank": float(max(ranks)) if ranks else 0.0}
