@@ -163,7 +163,9 @@ def load_payload(model: PeftModel, payload: Payload) -> None:
     from peft import set_peft_model_state_dict
 
     current = {_peft_key(k): v for k, v in adapter_payload(model).items()}
-    state: dict[str, Any] = {}
+    # start from the current values: peft's loader looks up the head (modules_to_save) keys even
+    # when the payload is a subset without them (KeyError 'base_model.model.classifier.weight')
+    state: dict[str, Any] = {k: torch.from_numpy(v.copy()) for k, v in current.items()}
     for key, array in payload.items():
         peft_key = _peft_key(key)
         if peft_key not in current:
