@@ -149,6 +149,7 @@ def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out
         str(p.partition_id): p.model_dump() for p in strategy.profiles.values()
     }
     writer.strategy_info["refused"] = list(strategy.refused.values())
+    writer.strategy_info.update(strategy.save_artifacts(out_dir))
     writer.write()
     plot_accuracy(writer.to_dict(), out_dir / "accuracy_vs_round.png")
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -138,6 +139,11 @@ class LoRAStrategy(Strategy):
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
+        return {}
+
+    def save_artifacts(self, out_dir: Path) -> dict[str, Any]:
+        """Write method-specific files (e.g. plots) into the run's output folder at the end of a
+        run; return facts to merge into the results' strategy info. Default: nothing."""
         return {}
 
     # ---------------------------------------------------------------- helpers for subclasses
