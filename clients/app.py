@@ -76,6 +76,7 @@ def train(msg: Message, context: Context) -> Message:
         "partition-id": job.profile.partition_id,
         "train-loss": stats.loss,
         "train-steps": stats.steps,
+        "train-examples": stats.examples,
         "train-seconds": stats.seconds,
         "setup-seconds": setup_seconds,
         **trainer.train_metrics(),

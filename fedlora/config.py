@@ -83,9 +83,13 @@ class DataConfig(_Section):
         0, ge=0, description="Stratified subsample of the source before partitioning (0 = all)."
     )
     num_clients: int = Field(10, ge=1, description="Number of clients (partitions).")
-    partition: Literal["iid", "dirichlet", "pathological"] = Field(
-        "dirichlet", description="flwr-datasets partitioner used to split the training pool."
+    partition: Literal["iid", "dirichlet", "pathological", "grouped"] = Field(
+        "dirichlet",
+        description="flwr-datasets partitioner used to split the training pool; 'grouped': "
+        "num_groups groups of clients, each with its own disjoint block of classes, Dirichlet "
+        "(dirichlet_alpha) label skew among the clients of a group (true clusters exist).",
     )
+    num_groups: int = Field(2, ge=1, description="Client groups (partition = 'grouped').")
     dirichlet_alpha: float = Field(0.5, gt=0.0, description="Dirichlet concentration (label skew).")
     classes_per_client: int = Field(2, ge=1, description="Classes per client (pathological).")
     test_fraction: float = Field(
@@ -147,6 +151,9 @@ class FederationConfig(_Section):
     fraction_train: float = Field(1.0, gt=0.0, le=1.0, description="Clients sampled per round.")
     fraction_evaluate: float = Field(
         1.0, ge=0.0, le=1.0, description="Clients asked for personalised evaluation per round."
+    )
+    evaluate_every: int = Field(
+        1, ge=1, description="Evaluate (global and personalised) every k rounds; the last round always."
     )
     min_clients: int = Field(
         1, ge=1, description="Fewest successful replies a round needs to aggregate."

@@ -43,6 +43,7 @@ class RoundRecord:
     refused: list[int] = field(default_factory=list)  # partition ids refused (bad profile/update)
     seconds: float = 0.0  # wall time of the round (train + evaluation)
     client_train_seconds: float = 0.0  # summed local training time of the clients
+    train_examples: int = 0  # examples processed by local training (with repetition)
     aggregation_seconds: float = 0.0  # server-side aggregation time
     per_client: dict[str, dict[str, float]] = field(default_factory=dict)  # partition id -> metrics
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific (e.g. FedTreeLoRA cuts)

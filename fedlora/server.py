@@ -108,7 +108,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path) -> Res
             return None
         record = strategy.finish_round(server_round)
         payload = strategy.global_payload()
-        if payload is not None:
+        if payload is not None and strategy.evaluates(server_round):
             record.global_accuracy = evaluator.accuracy(payload)
         writer.add(record)
         logger.info(progress_line(record, config.train.rounds))

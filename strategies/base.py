@@ -209,6 +209,7 @@ class LoRAStrategy(Strategy):
         if uploads:
             book.record.train_loss = float(np.average([u.metrics.get("train-loss", math.nan) for u in uploads], weights=self.weights(uploads)))
             book.record.client_train_seconds = float(sum(u.metrics.get("train-seconds", 0.0) for u in uploads))
+            book.record.train_examples = int(sum(u.metrics.get("train-examples", 0.0) for u in uploads))
         log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), book.record.failures)
         if len(uploads) < self.experiment.federation.min_clients:
             log(WARNING, "aggregate_train: %d valid replies < federation.min_clients=%d, state unchanged",
@@ -226,7 +227,7 @@ class LoRAStrategy(Strategy):
     ) -> Iterable[Message]:
         """Personalised evaluation: each sampled client tests its own model on its local split."""
         fraction = self.experiment.federation.fraction_evaluate
-        if fraction == 0.0 or not self.profiles:
+        if fraction == 0.0 or not self.profiles or not self.evaluates(server_round):
             return []
         book = self.books.setdefault(server_round, _RoundBook(RoundRecord(round=server_round)))
         messages = []
@@ -263,6 +264,11 @@ class LoRAStrategy(Strategy):
         return MetricRecord({"personalized-accuracy": record.personalized_accuracy})
 
     # ---------------------------------------------------------------- results
+    def evaluates(self, server_round: int) -> bool:
+        """Whether ``server_round`` is an evaluation round (every k rounds, and the last)."""
+        every = self.experiment.federation.evaluate_every
+        return server_round % every == 0 or server_round >= self.experiment.train.rounds
+
     def finish_round(self, server_round: int) -> RoundRecord:
         """The round's record, with its wall time; called by the ServerApp after evaluation."""
         book = self.books.setdefault(server_round, _RoundBook(RoundRecord(round=server_round)))
