@@ -2,7 +2,8 @@
 
 Public Python API (for notebooks): ``fedlora.run(config, overrides=None, out_dir=None)`` runs one
 experiment in Flower's simulation engine and returns its results dict; ``fedlora.load_config``
-reads and validates a TOML config.
+reads and validates a TOML config; ``fedlora.compare(config, strategies, seeds, ...)`` runs a
+strategy comparison and returns its table (see :mod:`fedlora.compare`).
 """
 
 from __future__ import annotations
@@ -26,4 +27,8 @@ def load_config(path: Any, overrides: list[str] | None = None):
     return _load(path, overrides)
 
 
-__all__ = ["__version__", "load_config", "run"]
+# The function shadows the submodule name on purpose (``fedlora.compare(...)``); import the
+# module's other names with ``from fedlora.compare import summarize, run_jobs``.
+from fedlora.compare import compare  # noqa: E402  (light: heavy imports happen inside)
+
+__all__ = ["__version__", "compare", "load_config", "run"]

@@ -1,6 +1,8 @@
 """The ``fedlora`` command line.
 
     fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose]
+    fedlora compare CONFIG --strategies a,b,... [--seeds 0,1,2] [--out DIR] [--set k=v ...]
+                   [--engine ray|inprocess]
     fedlora strategies
 
 A user mistake (bad config, missing model or data, unknown strategy) prints one line on stderr
@@ -42,6 +44,36 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_list(text: str, option: str, kind: type = str) -> list:
+    from fedlora.config import ConfigError
+
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        values = [kind(item) for item in items]
+    except ValueError:
+        raise ConfigError(f"{option} expects a comma-separated list of {kind.__name__}, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{option} is empty; give e.g. {option} {'fedit,flexlora' if kind is str else '0,1'}")
+    return values
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from fedlora.compare import compare
+
+    table = compare(
+        args.config,
+        _parse_list(args.strategies, "--strategies"),
+        seeds=_parse_list(args.seeds, "--seeds", int),
+        out_dir=args.out,
+        overrides=args.set,
+        engine=args.engine,
+        verbose=args.verbose,
+    )
+    print(table.to_markdown())
+    print(f"summary: {table.out_dir}/summary.md, {table.out_dir}/summary.csv   plots: {table.out_dir}/*.png")
+    return 0
+
+
 def _cmd_strategies(args: argparse.Namespace) -> int:
     from strategies.registry import strategy_class, strategy_names
 
@@ -66,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="output folder (default: output.dir)")
     run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     run.set_defaults(func=_cmd_run)
+
+    cmp = sub.add_parser("compare", help="run strategies x seeds on the same partitions and summarise")
+    cmp.add_argument("config", help="TOML experiment config")
+    cmp.add_argument("--strategies", required=True, help="comma-separated strategy names, e.g. fedit,flexlora")
+    cmp.add_argument("--seeds", default="0", help="comma-separated train.seed values (default 0)")
+    cmp.add_argument("--out", default=None, help="comparison folder (default: <output.dir>/compare)")
+    cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    cmp.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
+                     help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
+    cmp.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
+    cmp.set_defaults(func=_cmd_compare)
 
     strategies = sub.add_parser("strategies", help="list the registered strategies")
     strategies.set_defaults(func=_cmd_strategies)
