@@ -34,3 +34,163 @@ def plot_accuracy(results: dict[str, Any], path: str | Path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return fig
+
+
+# --------------------------------------------------------------------------- comparisons
+# ``runs`` maps a label (strategy) to the results dicts of its seeds (fedlora.compare.load_runs).
+Runs = dict[str, list[dict[str, Any]]]
+
+ACCURACY_PANELS = (
+    ("global_accuracy", "global accuracy (held-out global test)"),
+    ("personalized_accuracy", "personalised accuracy (example-weighted mean of local tests)"),
+)
+
+
+def _finish(fig, path: str | Path | None):
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return fig
+
+
+def _series(results_list: list[dict[str, Any]], key: str) -> tuple[list[int], Any, Any]:
+    """Rounds, mean and std over seeds of ``rounds[*][key]`` (NaN where missing)."""
+    import numpy as np
+
+    length = min(len(r["rounds"]) for r in results_list)
+    rounds = [r["round"] for r in results_list[0]["rounds"][:length]]
+    values = np.array(
+        [[np.nan if x.get(key) is None else float(x[key]) for x in r["rounds"][:length]] for r in results_list]
+    )
+    with np.errstate(invalid="ignore"):
+        return rounds, np.nanmean(values, axis=0), np.nanstd(values, axis=0)
+
+
+def _colors(labels: list[str]) -> dict[str, Any]:
+    cmap = _pyplot().get_cmap("tab10")
+    return {label: cmap(i % 10) for i, label in enumerate(labels)}
+
+
+def plot_accuracy_vs_round(runs: Runs, path: str | Path | None = None):
+    """Global and personalised accuracy per round, mean over seeds with a +-1 std band."""
+    plt = _pyplot()
+    colors = _colors(list(runs))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (key, title) in zip(axes, ACCURACY_PANELS, strict=True):
+        for label, results_list in runs.items():
+            x, mean, std = _series(results_list, key)
+            ax.plot(x, mean, marker="o", color=colors[label], label=f"{label} (n={len(results_list)})")
+            ax.fill_between(x, mean - std, mean + std, color=colors[label], alpha=0.2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (mean ± std over seeds)")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def plot_accuracy_vs_bytes(runs: Runs, path: str | Path | None = None):
+    """Communication efficiency: accuracy against cumulative training bytes (up + down)."""
+    import numpy as np
+
+    plt = _pyplot()
+    colors = _colors(list(runs))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (key, title) in zip(axes, ACCURACY_PANELS, strict=True):
+        for label, results_list in runs.items():
+            _, up, _ = _series(results_list, "bytes_up")
+            _, down, _ = _series(results_list, "bytes_down")
+            _, mean, std = _series(results_list, key)
+            megabytes = np.cumsum(up + down) / 1e6
+            ax.plot(megabytes, mean, marker="o", color=colors[label], label=label)
+            ax.fill_between(megabytes, mean - std, mean + std, color=colors[label], alpha=0.2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("cumulative MB (training uploads + downloads)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (mean ± std over seeds)")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def plot_personalized_distribution(runs: Runs, path: str | Path | None = None):
+    """Per-client personalised accuracy in the last round: a box per strategy, one dot per
+    client and seed (results ``rounds[-1].per_client``)."""
+    import numpy as np
+
+    plt = _pyplot()
+    labels = list(runs)
+    colors = _colors(labels)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(labels) + 2), 4))
+    values = [
+        [float(m["accuracy"]) for r in runs[label] for m in (r["rounds"][-1].get("per_client") or {}).values()]
+        for label in labels
+    ]
+    ax.boxplot(values, positions=range(1, len(labels) + 1), widths=0.5, showfliers=False)
+    rng = np.random.default_rng(0)  # horizontal jitter of the dots only
+    for i, (label, points) in enumerate(zip(labels, values, strict=True), start=1):
+        ax.scatter(i + rng.uniform(-0.12, 0.12, len(points)), points, s=18, color=colors[label], alpha=0.8, zorder=3)
+    ax.set_xticks(range(1, len(labels) + 1), labels)
+    ax.set_ylabel("client's personalised accuracy (local test)")
+    ax.set_ylim(0, 1)
+    ax.set_title("per-client personalised accuracy, last round (dots: clients x seeds)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    return _finish(fig, path)
+
+
+def plot_label_distribution(counts: Any, label_names: list[str], path: str | Path | None = None):
+    """Heat map of training examples per client (rows) and class (columns)."""
+    import numpy as np
+
+    plt = _pyplot()
+    counts = np.asarray(counts)
+    clients, classes = counts.shape
+    fig, ax = plt.subplots(figsize=(min(16.0, 2 + 0.55 * classes), min(12.0, 1.5 + 0.4 * clients)))
+    image = ax.imshow(counts, aspect="auto", cmap="viridis")
+    if clients * classes <= 400:
+        threshold = counts.max() / 2 if counts.size else 0
+        for (row, col), value in np.ndenumerate(counts):
+            ax.text(col, row, str(int(value)), ha="center", va="center", fontsize=7,
+                    color="black" if value > threshold else "white")
+    ax.set_xticks(range(classes), [name[:14] for name in label_names], rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(clients), [f"client {i}" for i in range(clients)], fontsize=8)
+    ax.set_title("training examples per client and class (partition)", fontsize=10)
+    fig.colorbar(image, ax=ax, label="examples")
+    return _finish(fig, path)
+
+
+COMPARISON_PLOTS = (
+    "accuracy_vs_round.png",
+    "accuracy_vs_bytes.png",
+    "personalized_distribution.png",
+    "label_distribution.png",
+)
+
+
+def plot_comparison(out_dir: str | Path, data_config: Any = None, labels: list[str] | None = None) -> dict[str, Any]:
+    """Write the four comparison PNGs into ``out_dir``; returns file name -> figure.
+
+    ``data_config`` (a DataConfig) gives the partition for the heat map; default: the data
+    section of the first run's resolved config.
+    """
+    from fedlora.compare import load_runs
+    from fedlora.config import DataConfig
+    from fedlora.data import build_federated_data
+
+    out = Path(out_dir)
+    runs = load_runs(out, labels)
+    if not runs:
+        return {}
+    if data_config is None:
+        data_config = DataConfig.model_validate(next(iter(runs.values()))[0]["config"]["data"])
+    federated = build_federated_data(data_config)
+    return {
+        "accuracy_vs_round.png": plot_accuracy_vs_round(runs, out / "accuracy_vs_round.png"),
+        "accuracy_vs_bytes.png": plot_accuracy_vs_bytes(runs, out / "accuracy_vs_bytes.png"),
+        "personalized_distribution.png": plot_personalized_distribution(runs, out / "personalized_distribution.png"),
+        "label_distribution.png": plot_label_distribution(
+            federated.label_counts(), federated.label_names, out / "label_distribution.png"
+        ),
+    }
