@@ -84,6 +84,17 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_capabilities(args: argparse.Namespace) -> int:
+    from fedlora.capabilities import render_matrix, write_readme
+
+    if args.write:
+        changed = write_readme(args.readme)
+        print(f"{args.readme}: capability matrix {'updated' if changed else 'already current'}")
+    else:
+        print(render_matrix())
+    return 0
+
+
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
@@ -112,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     strategies = sub.add_parser("strategies", help="list the registered strategies")
     strategies.set_defaults(func=_cmd_strategies)
+
+    caps = sub.add_parser("capabilities", help="print (or --write into the README) the capability matrix")
+    caps.add_argument("--write", action="store_true", help="regenerate the README's matrix in place")
+    caps.add_argument("--readme", default="README.md", help="README to update (default: README.md)")
+    caps.set_defaults(func=_cmd_capabilities)
     return parser
 
 

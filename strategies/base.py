@@ -65,6 +65,7 @@ class Capabilities:
     mixed_ranks: bool = False
     partial_participation: bool = True
     dp_compatible: bool = True
+    deployment_tested: bool = False  # exercised over real gRPC SuperLink/SuperNodes in tests
     paper: str = ""
 
 
