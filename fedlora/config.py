@@ -200,11 +200,12 @@ class ClientsConfig(_Section):
     )
     mixed_rank_policy: Literal["smallest", "refuse"] = Field(
         "smallest",
-        description="What a strategy that needs one shared rank (fedit, ffa_lora, fedsa_lora, "
-        "feddpa) does when clients declare different ranks: 'smallest' trains every client at "
-        "the smallest declared rank (never above a client's own budget; the homogeneous-rank "
-        "baseline of the HetLoRA paper), 'refuse' stops with an error. Mixed-rank strategies "
-        "(flexlora, hetlora, flora, fedhera) always use each client's own rank.",
+        description="What a strategy that needs one shared rank (it declares "
+        "capabilities.mixed_ranks = False) does when clients declare different ranks: 'smallest' "
+        "trains every client at the smallest declared rank (never above a client's own budget; "
+        "the homogeneous-rank baseline of the HetLoRA paper), 'refuse' stops with an error. "
+        "Strategies that handle mixed ranks (flexlora, hetlora, flora, fedhera, and the "
+        "zero-padding fedit / ffa_lora / fedsa_lora) use each client's own rank.",
     )
     budget_tiers: list[BudgetTier] = Field(
         default_factory=list,

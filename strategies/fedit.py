@@ -41,6 +41,7 @@ class FedIT(LoRAStrategy):
         personalized=False,
         uploads="A, B, head",
         downloads="A, B, head",
+        mixed_ranks=True,  # zero-padded to r_max, truncated to r_k (see the docstring)
         paper="Zhang et al., ICASSP 2024 (arXiv:2305.05644)",
     )
 
