@@ -19,11 +19,11 @@ def plot_accuracy(results: dict[str, Any], path: str | Path):
     """Global and personalised accuracy per round of one run; returns the figure."""
     plt = _pyplot()
     rounds = results["rounds"]
-    x = [r["round"] for r in rounds]
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("global_accuracy", "global (held-out test)"), ("personalized_accuracy", "personalised (local test)")):
-        y = [r[key] if r[key] is not None else float("nan") for r in rounds]
-        ax.plot(x, y, marker="o", label=label)
+        evaluated = [(r["round"], r[key]) for r in rounds if r[key] is not None]  # skip rounds not evaluated
+        if evaluated:
+            ax.plot(*zip(*evaluated), marker="o", label=label)
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
