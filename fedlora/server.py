@@ -36,11 +36,12 @@ class GlobalEvaluator:
         self.device = resolve_device(config.train.device)
         self._initial: dict[int, Payload] = {}
         self._loader = None
+        self.init: str | None = None  # a strategy's override of model.init (LoRAStrategy.model_init)
 
     def build(self, rank: int | dict[str, int]):
         from fedlora.models import build_model
 
-        return build_model(self.config.model, self.num_labels, rank, seed=self.config.train.seed)
+        return build_model(self.config.model, self.num_labels, rank, seed=self.config.train.seed, init=self.init)
 
     def initial_adapter(self, rank: int) -> Payload:
         """The common starting adapter at ``rank`` (identical on every call and every client)."""
@@ -100,6 +101,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path) -> Res
     federated = build_federated_data(config.data)
     evaluator = GlobalEvaluator(config, federated)
     strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
+    evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.adapter_dir = str((out_dir / "adapters").resolve())
     writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
 

@@ -142,6 +142,11 @@ class LoRAStrategy(Strategy):
         """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
         return {}
 
+    def model_init(self) -> str | None:
+        """The LoRA init the server's models use when the method overrides ``model.init`` (e.g.
+        FedPissa's ``strategy.init``; its client trainer builds with the same); None: model.init."""
+        return None
+
     def save_artifacts(self, out_dir: Path) -> dict[str, Any]:
         """Write method-specific files (e.g. plots) into the run's output folder at the end of a
         run; return facts to merge into the results' strategy info. Default: nothing."""
