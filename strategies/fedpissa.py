@@ -17,7 +17,7 @@ from pydantic import Field
 
 from fedlora.config import ConfigError, ExperimentConfig
 from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, normalise, split_payload, weighted_average
-from fedlora.profile import ClientProfile, configured_rank
+from fedlora.profile import configured_rank
 from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
 
 ClientId = int  # partition id
@@ -46,7 +46,7 @@ class FedPissaOptions(StrategyOptions):
         "pissa",
         description="[RECON] LoRA init: 'pissa' (A = S_r^1/2 V_r^T, B = U_r S_r^1/2 from the "
         "exact top-r SVD of W0, frozen residual W0 - s B A, identical on every client and the "
-        "server) or 'kaiming' (standard LoRA, B = 0). Sets model.init.",
+        "server) or 'kaiming' (standard LoRA, B = 0). Overrides model.init for fedpissa only.",
     )
     global_model: Literal["clients", "mean_A"] = Field(
         "clients",
@@ -130,18 +130,20 @@ class FedPissa(LoRAStrategy):
     init : {"pissa", "kaiming"}, default "pissa"
         [RECON] LoRA init. 'pissa' takes A, B from the exact top-r SVD of W0 and freezes the
         residual W0 - s B A; the SVD is deterministic, so clients and server share one residual
-        base. The option is written into ``model.init`` by :meth:`check_config`, which is what
-        both the clients and the server's evaluator build their models with.
+        base. It overrides ``model.init`` for this method only (the client trainer builds with it,
+        and :meth:`model_init` gives it to the server's evaluator); the config's ``model.init``
+        is left as is, so a comparison's other strategies keep their own init.
     global_model : {"clients", "mean_A"}, default "clients"
         [RECON] definition of the reported global accuracy (FedPissa is personalised and has
         no global model): 'clients' has each client evaluate its own W0 + s B_agg A_k on the
         global test set (example-weighted mean); 'mean_A' evaluates B_agg with the
         example-weighted mean of the clients' last A on the server.
 
-    One rank only: Eq. 4 adds B_k (d_out, r) times P_k (r, r) across clients, and under PiSSA
-    the frozen residual itself depends on r, so clients with different ranks would not even share
-    a base model. Mixed ranks are refused by :meth:`check_config` (and a client declaring another
-    rank is refused at query time) rather than silently padded.
+    One rank only (``capabilities.mixed_ranks = False``): Eq. 4 adds B_k (d_out, r) times P_k
+    (r, r) across clients, and under PiSSA the frozen residual itself depends on r, so clients of
+    different ranks would not even share a base model; zero-padding would break both. Mixed
+    declared ranks therefore follow the platform's ``clients.mixed_rank_policy``: 'smallest'
+    (default) runs every client at the smallest declared rank, 'refuse' is a ConfigError.
 
     Upload: A_k and B_k of every module (and the head when ``model.head = global``).
 
@@ -169,7 +171,7 @@ class FedPissa(LoRAStrategy):
         type(self).check_config(experiment)  # also when the config did not come from load_config
         super().__init__(experiment, *args, **kwargs)
         self.options: FedPissaOptions = FedPissaOptions(**experiment.strategy.options())  # typed
-        self.rank = common_rank(experiment)
+        self.rank = common_rank(experiment)  # settled again from the profiles in setup()
         self.delta = resolved_delta(self.options.delta, self.rank)
         self.last_A: dict[ClientId, dict[str, np.ndarray]] = {}  # partition id -> module -> A_k
         self.last_examples: dict[ClientId, int] = {}
@@ -178,29 +180,22 @@ class FedPissa(LoRAStrategy):
     @classmethod
     def check_config(cls, experiment: ExperimentConfig) -> None:
         options = FedPissaOptions(**experiment.strategy.options())
-        r = common_rank(experiment)
-        if r < 2:
-            raise ConfigError(f"strategy 'fedpissa' needs LoRA rank >= 2 (delta in [1, r)), got rank {r}")
-        delta = resolved_delta(options.delta, r)
-        if not 1 <= delta < r:
-            raise ConfigError(
-                f"strategy.delta must be in [1, rank), got {delta} (rank = {r}); "
-                f"set 1 <= strategy.delta <= {r - 1} or omit it for r // 2 = {r // 2}"
-            )
-        if experiment.model.init not in ("kaiming", options.init):
+        check_delta(options.delta, common_rank(experiment))
+        if experiment.model.init not in ("kaiming", options.init):  # kaiming: the platform default
             raise ConfigError(
                 f"model.init = '{experiment.model.init}' conflicts with strategy.init = "
                 f"'{options.init}' for fedpissa; set strategy.init instead of model.init"
             )
-        experiment.model.init = options.init  # clients and the server's evaluator build with it
 
-    def check_profile(self, profile: ClientProfile) -> str:
-        problem = super().check_profile(profile)
-        if not problem and profile.rank != self.rank:
-            problem = f"rank {profile.rank} differs from the federation's rank {self.rank} (fedpissa needs one rank)"
-        return problem
+    def model_init(self) -> str:
+        """``strategy.init``: the server's evaluator builds with it, as the client trainer does."""
+        return self.options.init
 
     def setup(self) -> None:
+        # after the base class settled mixed ranks (clients.mixed_rank_policy), every profile has one rank
+        self.rank = next(iter(self.profiles.values())).rank
+        self.delta = resolved_delta(self.options.delta, self.rank)
+        check_delta(self.options.delta, self.rank)
         initial = self.initial_adapter(self.rank)  # PiSSA (or kaiming) factors + head
         factors, _ = split_payload(initial)
         self.B_agg: dict[str, np.ndarray] = {module: f.B for module, f in factors.items()}  # (d_out, r)
@@ -225,9 +220,18 @@ class FedPissa(LoRAStrategy):
         self.diagnostics = projection_diagnostics(A_by_client, B_by_client, P_by_client, p, B_agg)
         self.B_agg = B_agg
         if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], [p[u.partition_id] for u in uploads])
-        log(INFO, "aggregate: fedpissa round %d, %d clients, delta %d, lam %.3g, |B_agg - B_avg| / |B_avg| = %.3g",
-            server_round, len(uploads), self.delta, self.options.lam, self.diagnostics["relative_correction"])
+            self.head = weighted_average(
+                [head_only(u.payload) for u in uploads], [p[u.partition_id] for u in uploads]
+            )
+        log(
+            INFO,
+            "aggregate: fedpissa round %d, %d clients, delta %d, lam %.3g, |B_agg - B_avg| / |B_avg| = %.3g",
+            server_round,
+            len(uploads),
+            self.delta,
+            self.options.lam,
+            self.diagnostics["relative_correction"],
+        )
 
     def aggregation_weights(self, uploads: Sequence[ClientUpload]) -> dict[ClientId, float]:
         counts = [u.num_examples if self.options.weights == "samples" else 1.0 for u in uploads]
@@ -240,24 +244,50 @@ class FedPissa(LoRAStrategy):
         if self.last_A:
             clients = sorted(self.last_A)
             p = normalise([self.last_examples[k] for k in clients])
-            A_mean = {m: np.einsum("k,krd->rd", p, np.stack([self.last_A[k][m] for k in clients])).astype(np.float32)
-                      for m in self.initial_A}
-        return {**{m + A_SUFFIX: A for m, A in A_mean.items()}, **{m + B_SUFFIX: B for m, B in self.B_agg.items()}, **self.head}
+            A_mean = {
+                m: np.einsum("k,krd->rd", p, np.stack([self.last_A[k][m] for k in clients])).astype(
+                    np.float32
+                )
+                for m in self.initial_A
+            }
+        return {
+            **{m + A_SUFFIX: A for m, A in A_mean.items()},
+            **{m + B_SUFFIX: B for m, B in self.B_agg.items()},
+            **self.head,
+        }
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
         return {"delta": self.delta, "lam": self.options.lam, **self.diagnostics}
 
 
 def common_rank(experiment: ExperimentConfig) -> int:
-    """The single LoRA rank of the federation (ConfigError when the config mixes ranks)."""
+    """The one LoRA rank every client trains at, as the config declares it.
+
+    Mixed declared ranks follow the platform's ``clients.mixed_rank_policy``: 'smallest' runs
+    every client at the smallest rank (the server tells clients ``common-rank``), 'refuse' is a
+    ConfigError here, before anything starts.
+    """
     n = experiment.data.num_clients
     ranks = sorted({configured_rank(experiment.clients, experiment.model.lora_rank, k, n) for k in range(n)})
-    if len(ranks) > 1:
+    if len(ranks) > 1 and experiment.clients.mixed_rank_policy == "refuse":
         raise ConfigError(
             f"strategy 'fedpissa' needs one LoRA rank for every client (B_k must share r), got "
-            f"ranks {ranks} from [clients]; set clients.ranks=[] and clients.rank_tiers={{}} or equal ranks"
+            f"ranks {ranks} with clients.mixed_rank_policy='refuse'; give equal clients.ranks or "
+            f"set clients.mixed_rank_policy='smallest'"
         )
     return ranks[0]
+
+
+def check_delta(delta: int | None, r: int) -> None:
+    """ConfigError unless 1 <= delta < r (``None`` means r // 2, which needs r >= 2)."""
+    if r < 2:
+        raise ConfigError(f"strategy 'fedpissa' needs LoRA rank >= 2 (delta in [1, r)), got rank {r}")
+    value = resolved_delta(delta, r)
+    if not 1 <= value < r:
+        raise ConfigError(
+            f"strategy.delta must be in [1, rank), got {value} (rank = {r}); "
+            f"set 1 <= strategy.delta <= {r - 1} or omit it for r // 2 = {r // 2}"
+        )
 
 
 def projection_diagnostics(
@@ -283,7 +313,9 @@ def projection_diagnostics(
             for j in clients:
                 if j != k:
                     A_j = np.asarray(A_by_client[j][module], dtype=np.float64)  # (r, d_in)
-                    ratios.append(float(np.linalg.norm(P_by_client[k][module] @ A_j) / max(np.linalg.norm(A_j), 1e-12)))
+                    ratios.append(
+                        float(np.linalg.norm(P_by_client[k][module] @ A_j) / max(np.linalg.norm(A_j), 1e-12))
+                    )
     return {
         "relative_correction": float(np.sqrt(num / max(den, 1e-24))),
         "interference": float(np.mean(ratios)) if ratios else 0.0,
