@@ -1,0 +1,57 @@
+"""Local training only: every client trains its own adapter and nothing crosses the wire.
+
+ALGORITHMS.md, Baselines table, row ``local``: the lower bound every personalised federated
+method must beat (what a client gets without federation).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from fedlora.lora import Payload
+from strategies.base import Capabilities, ClientUpload, LoRAStrategy
+
+
+class LocalOnly(LoRAStrategy):
+    """Local-only training: no aggregation, no communication of parameters.
+
+    Paper: none (the standard no-federation baseline of personalised FL; e.g. the "Local"
+    rows of FedSA-LoRA, ICLR 2025, and FedDPA, NeurIPS 2024).
+
+    Parameters
+    ----------
+    (none beyond the experiment config) Each client trains at its own declared rank; mixed
+    ranks need nothing special. The head is always local, whatever ``model.head`` says.
+
+    Upload: nothing (an empty record: 0 bytes). The reply still carries the metrics (examples,
+    training loss) so the round is accounted for.
+
+    Aggregation: none; the server keeps no model.
+
+    Download: nothing (0 bytes). Every client starts from the same seeded initial adapter at
+    its rank and continues from its own state each round. Personalised accuracy is each
+    client's model on its local test split; the global-test accuracy reported is the
+    example-weighted mean of the clients' own models on the global test set.
+    """
+
+    name = "local"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        personalized=True,
+        uploads="nothing",
+        downloads="nothing",
+        mixed_ranks=True,
+        paper="no-federation baseline (lower bound)",
+    )
+
+    def download(self, node_id: int, server_round: int) -> Payload:
+        return {}
+
+    def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        """Nothing to aggregate: the uploads are empty."""
+
+    def global_payload(self) -> None:
+        """None: there is no global model; clients evaluate their own on the global test set."""
+        return None
