@@ -1,0 +1,92 @@
+"""FedDPA: dual-personalising adapters, a federated global LoRA g plus a private local LoRA l.
+
+Yang, Long, Shen, Jiang, Blumenstein, "Dual-Personalizing Adapter for Federated Foundation
+Models", NeurIPS 2024. ALGORITHMS.md, Baselines table, row ``feddpa``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from fedlora.lora import Payload, head_only, weighted_average
+from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
+
+
+def global_branch_rank(options: dict, default_rank: int) -> int:
+    """Rank of the global LoRA g: ``strategy.global_rank``, or ``model.lora_rank`` when 0."""
+    return int(options.get("global_rank", 0)) or default_rank
+
+
+class FedDPA(LoRAStrategy):
+    """FedDPA: every client holds a global LoRA g (federated) and a local LoRA l (private) on the
+    same modules; the model is W0 + dW_g + dW_l.
+
+    Paper: Yang, Long, Shen, Jiang, Blumenstein, "Dual-Personalizing Adapter for Federated
+    Foundation Models", NeurIPS 2024 (arXiv:2403.19211).
+
+    Parameters
+    ----------
+    global_rank : int, default 0
+        Rank of the global LoRA g, the same on every client so that FedAvg(g) is defined;
+        0 means ``model.lora_rank``. [RECON for mixed ranks, the paper has one rank] the local
+        LoRA l of client k has the client's own declared rank r_k, so heterogeneous ranks only
+        change the private branch.
+
+    Clients train g and l jointly (both peft adapters active and trainable, ``set_adapter(
+    ["default", "local"])``), with the plain sum W0 + dW_g + dW_l. The paper's test-time
+    instance-wise weighting of the two branches is not implemented (the sum is ALGORITHMS.md's
+    default).
+
+    Upload: g's A (r_g x d_in) and B (d_out x r_g) of every module, and the head when
+    ``model.head = global``. l never leaves the client (its state only).
+
+    Aggregation: FedAvg of g, A and B separately: A_g = sum_k p_k A_g,k, B_g = sum_k p_k B_g,k
+    (p_k = n_k / sum n); head by FedAvg.
+
+    Download: g and the head; the client keeps its l. Personalised accuracy: W0 + dW_g + dW_l on
+    the client's local test split. Global accuracy: the global model W0 + dW_g (+ head), without
+    any local branch, on the global test set.
+    """
+
+    name = "feddpa"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        personalized=True,
+        uploads="global LoRA g (A, B), head",
+        downloads="global LoRA g (A, B), head",
+        mixed_ranks=True,
+        paper="Yang et al., NeurIPS 2024 (arXiv:2403.19211)",
+    )
+
+    class Options(StrategyOptions):
+        global_rank: int = Field(
+            0,
+            ge=0,
+            description="Rank of the global LoRA g on every client (FedAvg needs one shape); "
+            "0 = model.lora_rank. The local LoRA l uses each client's own rank.",
+        )
+
+    def setup(self) -> None:
+        self.rank_g = global_branch_rank(self.options.model_dump(), self.experiment.model.lora_rank)
+        max_rank = min(min(shape) for shape in self.module_shapes.values())
+        if self.rank_g > max_rank:
+            raise RuntimeError(
+                f"strategy.global_rank must be in [1, {max_rank}] for this model, got {self.rank_g}"
+            )
+        initial = self.initial_adapter(self.rank_g)
+        self.global_adapter: Payload = initial if self.sends_head else {
+            k: v for k, v in initial.items() if k not in head_only(initial)
+        }
+
+    def download(self, node_id: int, server_round: int) -> Payload:
+        return self.global_adapter
+
+    def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
+        return self.lora_shapes(self.rank_g, send_A=True, send_B=True)
+
+    def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        self.global_adapter = weighted_average([u.payload for u in uploads], self.weights(uploads))
+
+    def global_payload(self) -> Payload:
+        return self.global_adapter
