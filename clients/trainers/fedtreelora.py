@@ -1,0 +1,123 @@
+"""FedTreeLoRA's client: mix the cluster expert and the frozen external expert per block.
+
+h = W0 x + lam_l B_c A_c x + (1 - lam_l) B_e A_e x, lam_l = sigmoid(theta_l) (ALGORITHMS.md,
+FedTreeLoRA, step 5). The cluster expert is peft's ``default`` adapter (trainable, uploaded);
+the external expert is a second peft adapter ``external`` (frozen), active at the same time in
+the blocks that have one. The mixing is done by each LoRA layer's own scaling: a forward
+pre-hook sets ``scaling[default] = s lam_l`` and ``scaling[external] = s (1 - lam_l)`` from
+theta as tensors, so the gradient reaches theta. theta is local: it stays in the client state
+and never travels. Blocks whose cut is c = 1 get no external expert and keep lam = 1 (FedIT).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from clients.trainers.base import LocalTrainer
+from fedlora.lora import Payload
+from fedlora.models import PEFT_PREFIX, adapter_payload, layer_index, load_payload
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+EXTERNAL_PREFIX = "external::"  # as in strategies/fedtreelora.py (clients do not import strategies)
+THETA_KEY = "fedtreelora::theta"  # local state only: (L,) mixing logits, one per block
+EXTERNAL_ADAPTER = "external"
+
+
+def add_external_expert(model: PeftModel, external: Payload, lora_alpha: float, dropout: float) -> list[str]:
+    """Add the frozen ``external`` adapter on the modules that ``external`` names and load it;
+    both adapters are then active on those modules. Returns the modules."""
+    import torch
+    from peft import LoraConfig, set_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+
+    modules = sorted({k.rsplit("::", 1)[0] for k in external})
+    rank = int(external[modules[0] + "::A"].shape[0])
+    config = LoraConfig(r=rank, lora_alpha=lora_alpha, lora_dropout=dropout, target_modules=modules)
+    model.add_adapter(EXTERNAL_ADAPTER, config)
+    state = {}
+    for key, array in external.items():
+        module, factor = key.rsplit("::", 1)
+        state[f"{PEFT_PREFIX}{module}.lora_{factor}.weight"] = torch.from_numpy(np.asarray(array, np.float32).copy())
+    set_peft_model_state_dict(model, state, adapter_name=EXTERNAL_ADAPTER)
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer) and EXTERNAL_ADAPTER in layer.lora_A:
+            layer._active_adapter = ["default", EXTERNAL_ADAPTER]  # both experts in the forward
+            for parameter in (layer.lora_A[EXTERNAL_ADAPTER].weight, layer.lora_B[EXTERNAL_ADAPTER].weight):
+                parameter.requires_grad_(False)  # the external expert is frozen
+    return modules
+
+
+def attach_mixer(model: PeftModel, theta: torch.nn.Parameter, mixed_modules: list[str]) -> None:
+    """Register theta on the model (so the optimiser trains it) and a pre-hook on every mixed
+    module that sets its two scalings from lam = sigmoid(theta_l)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    model.mixing_logits = theta  # registered parameter: model.parameters() yields it
+    wanted = {PEFT_PREFIX + m for m in mixed_modules}
+    for name, layer in model.named_modules():
+        if not (isinstance(layer, LoraLayer) and name in wanted):
+            continue
+        block = layer_index(name.removeprefix(PEFT_PREFIX))
+        scale = {adapter: float(layer.scaling[adapter]) for adapter in ("default", EXTERNAL_ADAPTER)}
+
+        def mix(module, args, block=block, scale=scale):  # noqa: ANN001 - torch hook signature
+            lam = torch.sigmoid(theta[block])
+            module.scaling["default"] = scale["default"] * lam
+            module.scaling[EXTERNAL_ADAPTER] = scale[EXTERNAL_ADAPTER] * (1 - lam)
+
+        layer.register_forward_pre_hook(mix)
+
+
+class FedTreeLoRATrainer(LocalTrainer):
+    """Cluster expert (trainable, uploaded) + frozen external expert, mixed by a local lam."""
+
+    strategy_names: ClassVar[tuple[str, ...]] = ("fedtreelora",)
+
+    def prepare(self, download: Payload) -> PeftModel:
+        import torch
+
+        model = self.build()
+        local = self.local_state()
+        blocks = 1 + max(layer_index(m) for m in self._modules(model))
+        theta_init = local.pop(THETA_KEY, np.zeros(blocks, dtype=np.float32))  # lam = 0.5 at first
+        if local:
+            load_payload(model, local)
+        own = {k: v for k, v in download.items() if not k.startswith(EXTERNAL_PREFIX)}
+        external = {k.removeprefix(EXTERNAL_PREFIX): v for k, v in download.items() if k.startswith(EXTERNAL_PREFIX)}
+        if own:
+            load_payload(model, own)
+        self.theta = torch.nn.Parameter(torch.tensor(theta_init, dtype=torch.float32))
+        self.mixed_blocks: list[int] = []
+        if external:
+            cfg = self.config.model
+            mixed = add_external_expert(model, external, cfg.lora_alpha, cfg.lora_dropout)
+            attach_mixer(model, self.theta, mixed)
+            self.mixed_blocks = sorted({layer_index(m) for m in mixed})
+        return model
+
+    @staticmethod
+    def _modules(model: PeftModel) -> list[str]:
+        return [k.rsplit("::", 1)[0] for k in adapter_payload(model) if k.endswith("::A")]
+
+    def upload(self, model: PeftModel) -> Payload:
+        """Nothing in the warm-up rounds before the last (the tree needs only the last B);
+        afterwards the cluster expert A, B (and the head when it is global)."""
+        if self.job.server_round < int(self.options.get("warmup_rounds", 3)):
+            return {}
+        return super().upload(model)
+
+    def keep(self, model: PeftModel) -> Payload:
+        """The cluster expert, head and the local mixing logits theta."""
+        return {**adapter_payload(model), THETA_KEY: self.theta.detach().cpu().numpy().copy()}
+
+    def train_metrics(self) -> dict[str, float]:
+        if not self.mixed_blocks:
+            return {}
+        lam = self.theta.detach().sigmoid().cpu().numpy()[self.mixed_blocks]
+        return {"lam-mean": float(lam.mean()), "lam-min": float(lam.min()), "lam-max": float(lam.max())}

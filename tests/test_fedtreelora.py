@@ -1,0 +1,310 @@
+"""FedTreeLoRA: tree, layer-wise cuts, cluster / external experts, the client's mixing, runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedlora.config import ConfigError, DataConfig, ModelConfig, load_config
+from fedlora.lora import Factors, join_payload, padded_average, split_payload
+from strategies.fedtreelora import (
+    build_tree,
+    cut_score,
+    cut_tree,
+    global_distance,
+    independent_cuts,
+    layer_cuts,
+    layer_distances,
+    mean_factors,
+    modules_by_layer,
+    tree_aggregate,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ["strategy.name=fedtreelora", "strategy.warmup_rounds=1", "train.rounds=3", "clients.ranks=[4,4,4]"]
+
+
+def grouped_Bs(
+    clients: int, shallow: int, deep: int, groups: int = 2, spread: float = 5.0, noise: float = 0.05, seed: int = 0
+) -> tuple[list[dict[str, np.ndarray]], dict[int, list[str]]]:
+    """Hand-made B (8, 2) per client for ``shallow`` + ``deep`` blocks (2 modules each): in the
+    shallow blocks everyone is near one centre; in the deep ones client k is near centre k % groups."""
+    rng = np.random.default_rng(seed)
+    modules = [f"enc.layer.{l}.{m}" for l in range(shallow + deep) for m in ("query", "value")]
+    centres = {m: rng.normal(size=(groups, 8, 2)) * spread for m in modules}
+    Bs = []
+    for k in range(clients):
+        B = {}
+        for m, c in centres.items():
+            deep_block = int(m.split(".")[2]) >= shallow
+            B[m] = c[k % groups if deep_block else 0] + noise * rng.normal(size=(8, 2))
+        Bs.append(B)
+    return Bs, modules_by_layer(modules)
+
+
+def random_factors(clients: int, modules: list[str], rank: int = 2, seed: int = 0) -> list[dict[str, Factors]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {m: Factors(rng.normal(size=(rank, 6)).astype(np.float32), rng.normal(size=(5, rank)).astype(np.float32)) for m in modules}
+        for _ in range(clients)
+    ]
+
+
+# ---------------------------------------------------------------- distances and tree
+def test_layer_distance_is_frobenius_norm_of_stacked_B() -> None:
+    # Prepare: two clients, one block of two modules
+    Bs = [{"l.0.q": np.zeros((3, 2)), "l.0.v": np.zeros((4, 2))}, {"l.0.q": np.ones((3, 2)), "l.0.v": 2 * np.ones((4, 2))}]
+    # Execute
+    D = layer_distances(Bs, {0: ["l.0.q", "l.0.v"]})[0]
+    # Assert: sqrt(6 * 1 + 8 * 4) on the off-diagonal, zero on the diagonal
+    assert D[0, 1] == pytest.approx(np.sqrt(6 + 32)) and D[1, 0] == D[0, 1] and D[0, 0] == 0.0
+
+
+def test_modules_are_grouped_by_transformer_block() -> None:
+    # Prepare / Execute
+    layers = modules_by_layer(["bert.encoder.layer.1.v", "bert.encoder.layer.0.q", "bert.encoder.layer.1.q"])
+    # Assert
+    assert layers == {0: ["bert.encoder.layer.0.q"], 1: ["bert.encoder.layer.1.q", "bert.encoder.layer.1.v"]}
+
+
+# ---------------------------------------------------------------- cuts
+CUT_CASES = [  # clients, shallow blocks, deep blocks, expected cuts
+    (6, 1, 1, [1, 2]),
+    (6, 2, 2, [1, 1, 2, 2]),
+    (4, 1, 3, [1, 2, 2, 2]),
+    (8, 3, 1, [1, 1, 1, 2]),
+]
+
+
+@pytest.mark.parametrize(("clients", "shallow", "deep", "expected"), CUT_CASES)
+def test_two_groups_in_deep_blocks_give_cuts_1_then_2(clients: int, shallow: int, deep: int, expected: list[int]) -> None:
+    # Prepare: one group in the shallow blocks, two obvious groups in the deep ones
+    Bs, layers = grouped_Bs(clients, shallow, deep)
+    per_layer = layer_distances(Bs, layers)
+    tree = build_tree(global_distance(per_layer))
+    # Execute
+    cuts = layer_cuts(tree, list(per_layer.values()), tau=0.1, K=2)
+    # Assert: 1 in the trunk, 2 in the branches, never decreasing, and the deep cut is the groups
+    assert cuts == expected
+    assert all(a <= b for a, b in zip(cuts, cuts[1:]))
+    labels = cut_tree(tree, 2, clients)
+    assert all(labels[k] == labels[k % 2] for k in range(clients)) and labels[0] != labels[1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_cuts_never_decrease_and_stay_in_the_window(seed: int, K: int) -> None:
+    # Prepare: random B, so that silhouettes vary from block to block
+    rng = np.random.default_rng(seed)
+    Bs = [{f"x.layer.{l}.q": rng.normal(size=(4, 2)) for l in range(6)} for _ in range(7)]
+    per_layer = layer_distances(Bs, modules_by_layer(list(Bs[0])))
+    tree = build_tree(global_distance(per_layer))
+    # Execute
+    cuts = layer_cuts(tree, list(per_layer.values()), tau=-1.0, K=K)
+    # Assert: c*_l in [c*_(l-1), c*_(l-1) + K) with c*_0 = 1
+    previous = 1
+    for c in cuts:
+        assert previous <= c < previous + K
+        previous = c
+
+
+def test_high_tau_keeps_one_cluster_everywhere() -> None:
+    # Prepare: clear groups in every block, but tau above any silhouette (<= 1)
+    Bs, layers = grouped_Bs(6, 0, 3)
+    per_layer = layer_distances(Bs, layers)
+    # Execute
+    cuts = layer_cuts(build_tree(global_distance(per_layer)), list(per_layer.values()), tau=1.5, K=2)
+    # Assert
+    assert cuts == [1, 1, 1]
+
+
+SCORE_CASES = [  # labels, expected kind of score
+    ([0, 0, 0, 0], "tau"),
+    ([0, 1, 2, 3], "-inf"),  # N clusters: silhouette undefined
+    ([0, 0, 1, 1], "silhouette"),
+]
+
+
+@pytest.mark.parametrize(("labels", "kind"), SCORE_CASES)
+def test_cut_score_is_tau_silhouette_or_minus_infinity(labels: list[int], kind: str) -> None:
+    # Prepare: two tight pairs far apart
+    points = np.array([[0.0], [0.1], [10.0], [10.1]])
+    D = np.abs(points - points.T)
+    # Execute
+    score = cut_score(D, np.array(labels), tau=0.25)
+    # Assert
+    expected = {"tau": 0.25, "-inf": -np.inf}.get(kind)
+    if expected is None:
+        assert 0.9 < score <= 1.0
+    else:
+        assert score == expected
+
+
+def test_independent_layers_may_get_coarser_with_depth() -> None:
+    # Prepare: two groups in block 0, one group in block 1 (the reverse of a trunk)
+    Bs_deep, _ = grouped_Bs(6, 0, 1, seed=1)
+    Bs_flat, _ = grouped_Bs(6, 1, 0, seed=2)
+    Bs = [{"m.layer.0.q": a["enc.layer.0.query"], "m.layer.1.q": b["enc.layer.0.query"]} for a, b in zip(Bs_deep, Bs_flat)]
+    per_layer = layer_distances(Bs, modules_by_layer(list(Bs[0])))
+    # Execute
+    cuts, labels = independent_cuts(list(per_layer.values()), tau=0.3)
+    # Assert: the ablation drops the never-coarser rule (tau 0.3 > the noise's best silhouette)
+    assert cuts == [2, 1] and len(np.unique(labels[1])) == 1
+
+
+# ---------------------------------------------------------------- aggregation
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [10.0, 30.0, 60.0]])
+def test_one_cluster_everywhere_equals_fedit(weights: list[float]) -> None:
+    # Prepare: hand-made factors of 3 clients; FedIT's aggregate of the same uploads
+    modules = ["m.layer.0.q", "m.layer.1.q"]
+    factors = random_factors(3, modules)
+    fedit = split_payload(padded_average([join_payload(f) for f in factors], weights, rank=2))[0]
+    # Execute: c = 1 in every block
+    cluster, external = tree_aggregate(factors, weights, {m: np.zeros(3, dtype=int) for m in modules})
+    # Assert: the single cluster expert is FedIT's A and B; no external expert exists
+    for m in modules:
+        np.testing.assert_allclose(cluster[m][0].A, fedit[m].A, rtol=1e-6)
+        np.testing.assert_allclose(cluster[m][0].B, fedit[m].B, rtol=1e-6)
+    assert external == {m: {} for m in modules}
+
+
+def test_cluster_and_external_experts_are_means_inside_and_outside() -> None:
+    # Prepare: 4 clients, block 0 one cluster, block 1 clusters {0, 1} and {2, 3}
+    modules = ["m.layer.0.q", "m.layer.1.q"]
+    factors = random_factors(4, modules, seed=3)
+    w = np.array([1.0, 3.0, 2.0, 2.0])
+    clusters = {"m.layer.0.q": np.array([0, 0, 0, 0]), "m.layer.1.q": np.array([0, 0, 1, 1])}
+    # Execute
+    cluster, external = tree_aggregate(factors, w, clusters)
+    # Assert: A and B averaged separately, weighted by n, inside / outside each cluster
+    deep = "m.layer.1.q"
+    mean_A = lambda ks: sum(w[k] * factors[k][deep].A for k in ks) / w[ks].sum()  # noqa: E731
+    mean_B = lambda ks: sum(w[k] * factors[k][deep].B for k in ks) / w[ks].sum()  # noqa: E731
+    np.testing.assert_allclose(cluster[deep][0].A, mean_A([0, 1]), rtol=1e-5)
+    np.testing.assert_allclose(cluster[deep][1].B, mean_B([2, 3]), rtol=1e-5)
+    np.testing.assert_allclose(external[deep][0].B, mean_B([2, 3]), rtol=1e-5)
+    np.testing.assert_allclose(external[deep][1].A, mean_A([0, 1]), rtol=1e-5)
+    assert external["m.layer.0.q"] == {}
+
+
+def test_mean_of_mixed_ranks_pads_like_fedit() -> None:
+    # Prepare: ranks 1 and 3
+    rng = np.random.default_rng(0)
+    small = Factors(rng.normal(size=(1, 4)), rng.normal(size=(5, 1)))
+    large = Factors(rng.normal(size=(3, 4)), rng.normal(size=(5, 3)))
+    # Execute
+    mean = mean_factors([small, large], [1.0, 1.0])
+    # Assert: the padded rows / columns of the rank-1 client count as zeros
+    np.testing.assert_allclose(mean.A[1:], large.A[1:] / 2, rtol=1e-5)
+    assert mean.rank == 3
+
+
+# ---------------------------------------------------------------- options
+OPTION_CASES = [  # overrides, message fragment
+    (["strategy.warmup_rounds=3", "train.rounds=3"], "strategy.warmup_rounds must be < train.rounds (3)"),
+    (["strategy.warmup_rounds=0"], "strategy.warmup_rounds"),
+    (["strategy.fixed_c=9"], "strategy.fixed_c must be <= data.num_clients (3)"),
+    (["strategy.weights=median"], "strategy.weights"),
+    (["strategy.K=0"], "strategy.K"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), OPTION_CASES)
+def test_bad_options_are_config_errors(overrides: list[str], message: str) -> None:
+    # Prepare / Execute / Assert
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(ROOT / "configs/smoke.toml", ["strategy.name=fedtreelora", "train.rounds=4", *overrides])
+
+
+# ---------------------------------------------------------------- client mixing
+def test_client_mixes_experts_by_sigmoid_theta_and_theta_gets_gradient() -> None:
+    # Prepare: a tiny model, an external expert on block 1 only, theta_1 = 0.7
+    import torch
+
+    from clients.trainers.fedtreelora import add_external_expert, attach_mixer
+    from fedlora.models import adapter_payload, build_model
+
+    cfg = ModelConfig(path="tiny-bert", lora_rank=2, lora_alpha=4, lora_dropout=0.0, init="gaussian")
+    model = build_model(cfg, 3, 2, seed=0)
+    own = adapter_payload(model)
+    rng = np.random.default_rng(0)
+    external = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in own.items() if ".layer.1." in k}
+    mixed = add_external_expert(model, external, cfg.lora_alpha, cfg.lora_dropout)
+    theta = torch.nn.Parameter(torch.tensor([0.0, 0.7]))
+    attach_mixer(model, theta, mixed)
+    module = "bert.encoder.layer.1.attention.self.query"
+    layer = model.get_submodule("base_model.model." + module)
+    x = torch.randn(3, 32)
+    # Execute
+    h = layer(x)
+    h.sum().backward()
+    # Assert: h = W0 x + lam s B_c A_c x + (1 - lam) s B_e A_e x, s = alpha / r = 2
+    lam = torch.sigmoid(torch.tensor(0.7))
+    W0 = layer.base_layer
+    A_c, B_c = (torch.from_numpy(own[f"{module}::{f}"]) for f in "AB")
+    A_e, B_e = (torch.from_numpy(external[f"{module}::{f}"]) for f in "AB")
+    expected = W0(x) + lam * 2 * x @ A_c.T @ B_c.T + (1 - lam) * 2 * x @ A_e.T @ B_e.T
+    torch.testing.assert_close(h, expected, rtol=1e-4, atol=1e-4)
+    assert theta.grad is not None and theta.grad[1] != 0 and theta.grad[0] == 0
+    assert not layer.lora_A["external"].weight.requires_grad and layer.lora_A["default"].weight.requires_grad
+    assert set(adapter_payload(model)) == set(own)  # the upload is the cluster expert only
+
+
+# ---------------------------------------------------------------- data
+def test_grouped_partition_gives_disjoint_class_blocks() -> None:
+    # Prepare
+    from fedlora.data import build_federated_data
+
+    cfg = DataConfig(max_examples=1200, global_test_size=200, num_clients=6, partition="grouped", num_groups=2)
+    # Execute
+    counts = build_federated_data(cfg).label_counts()
+    # Assert: clients 0-2 only see classes 0-3, clients 3-5 only classes 4-7
+    assert counts[:3, 4:].sum() == 0 and counts[3:, :4].sum() == 0
+    assert (counts.sum(axis=1) > 0).all()
+
+
+def test_grouped_partition_rejects_more_groups_than_clients() -> None:
+    from fedlora.data import DataError, build_federated_data
+
+    with pytest.raises(DataError, match="data.num_groups must be <="):
+        build_federated_data(DataConfig(max_examples=600, global_test_size=100, num_clients=3, partition="grouped", num_groups=4))
+
+
+# ---------------------------------------------------------------- end to end
+def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None:
+    # Prepare
+    from simulations.inprocess import run_inprocess
+
+    config = load_config(ROOT / "configs/smoke.toml", SMOKE)
+    # Execute
+    run_inprocess(config, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    # Assert: round 1 is the (only) warm-up round: nothing down; every round has metrics
+    rounds = results["rounds"]
+    assert rounds[0]["bytes_down"] == 0 and rounds[0]["bytes_up"] > 0
+    assert rounds[1]["bytes_down"] > 0 and rounds[1]["extra"]["phase"] == "tree"
+    cuts = rounds[-1]["extra"]["cuts"]
+    assert len(cuts) == 2 and all(1 <= a <= b for a, b in zip(cuts, cuts[1:]))
+    assert set(rounds[-1]["extra"]["clusters"]["0"]) == {"0", "1", "2"}
+    assert all(0.0 <= r["personalized_accuracy"] <= 1.0 for r in rounds)
+    assert results["strategy_info"]["fedtreelora"]["cuts"] == cuts
+    assert (tmp_path / "tree_cuts.png").stat().st_size > 0 and (tmp_path / "tree.json").is_file()
+
+
+@pytest.mark.slow
+def test_ray_run(tmp_path: Path) -> None:
+    # Prepare / Execute: the real simulation engine, through the CLI
+    sets = [arg for s in SMOKE for arg in ("--set", s)]
+    subprocess.run(
+        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path), *sets],
+        check=True, cwd=ROOT, capture_output=True, timeout=600,
+    )
+    # Assert
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["final"]["failures"] == 0 and len(results["rounds"]) == 3
+    assert (tmp_path / "tree_cuts.png").is_file()
