@@ -56,6 +56,7 @@ class FedDPA(LoRAStrategy):
         uploads="global LoRA g (A, B), head",
         downloads="global LoRA g (A, B), head",
         mixed_ranks=True,
+        dp_compatible=False,  # two active peft adapters in one model: not verified with Opacus
         paper="Yang et al., NeurIPS 2024 (arXiv:2403.19211)",
     )
 

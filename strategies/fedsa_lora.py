@@ -111,4 +111,3 @@ class FedSALoRA(LoRAStrategy):
 
     def global_payload(self) -> None:
         """None: B never leaves the clients, so there is no global model to evaluate."""
-        return None

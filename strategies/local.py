@@ -54,4 +54,3 @@ class LocalOnly(LoRAStrategy):
 
     def global_payload(self) -> None:
         """None: there is no global model; clients evaluate their own on the global test set."""
-        return None

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from clients.trainers.base import LOCAL_STATE_KEY
 from fedlora.config import ConfigError, load_config
-from fedlora.lora import from_array_record, payload_bytes
+from fedlora.lora import from_array_record, payload_bytes, split_payload
 from fedlora.nested import nested_A
 from simulations.inprocess import InProcessGrid, node_configs
 from strategies.base import ClientUpload, check_upload
@@ -204,7 +205,7 @@ def test_expected_upload_accepts_the_method_and_rejects_anything_else(
     # Prepare
     strategy = small_strategy(cls, [rank])
     head_shape = {} if cls is LocalOnly else {"head::classifier.weight": (2, 6)}
-    make = lambda shapes: {k: np.zeros(s, np.float32) for k, s in shapes.items()}  # noqa: E731
+    make = lambda shapes: {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     # Execute
     expected = strategy.expected_upload(100)
     # Assert
@@ -293,6 +294,19 @@ def test_round_trip_contract_and_exact_byte_ledger(tmp_path: Path, name: str) ->
         assert {k[-3:] for k in entry["up"] if not k.startswith("head::")} == suffixes
     assert 0.0 <= results["final"]["global_accuracy"] <= 1.0
     assert 0.0 <= results["final"]["personalized_accuracy"] <= 1.0
+    # Assert: what each client kept after its last round
+    for k, rank in enumerate(RANKS):
+        kept = from_array_record(grid.contexts[1000 + k].state[LOCAL_STATE_KEY])
+        factors, _ = split_payload({key: v for key, v in kept.items() if not key.startswith("local::")})
+        for module, f in factors.items():
+            assert f.A.shape == (4 if name == "feddpa" else rank, TINY_DIM)
+            if name == "ffa_lora":  # A never trained: still the shared seeded init
+                assert np.array_equal(f.A, nested_A(module, rank, TINY_DIM, seed=0))
+            if name == "fedsa_lora":  # B_k trained locally and never replaced by a download
+                assert np.abs(f.B).max() > 0
+        if name == "feddpa":  # the local branch at the client's own rank, under local:: keys
+            local, _ = split_payload({key.removeprefix("local::"): v for key, v in kept.items() if key.startswith("local::")})
+            assert len(local) == TINY_MODULES and {f.A.shape for f in local.values()} == {(rank, TINY_DIM)}
 
 
 @pytest.mark.slow
