@@ -34,10 +34,20 @@ class FedDPA(LoRAStrategy):
         LoRA l of client k has the client's own declared rank r_k, so heterogeneous ranks only
         change the private branch.
 
+    instance_weighting : bool, default False
+        The paper's test-time instance-wise dynamic weighting (FedDPA's official code,
+        ``get_weight``): for a test input x, w(x) = weight_max * mean_j cos(e(x), e(x_j)) over
+        ``reference_examples`` of the client's training inputs x_j, e = the mean-pooled last
+        hidden state of the client's model. [RECON: training uses the plain sum] evaluation
+        then uses W0 + 2 (1 - w) dW_g + 2 w dW_l, so w = 1/2 is exactly the trained model.
+        Off: every evaluation is the plain sum (ALGORITHMS.md's default).
+    weight_max : float, default 0.5
+        Upper bound of w(x) (the official code's 0.5 / 1.0 ``half`` switch); in (0, 1].
+    reference_examples : int, default 5
+        Number of local training inputs x_j (seeded sample) the weight compares against.
+
     Clients train g and l jointly (both peft adapters active and trainable, ``set_adapter(
-    ["default", "local"])``), with the plain sum W0 + dW_g + dW_l. The paper's test-time
-    instance-wise weighting of the two branches is not implemented (the sum is ALGORITHMS.md's
-    default).
+    ["default", "local"])``), with the plain sum W0 + dW_g + dW_l.
 
     Upload: g's A (r_g x d_in) and B (d_out x r_g) of every module, and the head when
     ``model.head = global``. l never leaves the client (its state only).
@@ -66,6 +76,16 @@ class FedDPA(LoRAStrategy):
             ge=0,
             description="Rank of the global LoRA g on every client (FedAvg needs one shape); "
             "0 = model.lora_rank. The local LoRA l uses each client's own rank.",
+        )
+        instance_weighting: bool = Field(
+            False,
+            description="FedDPA's test-time instance-wise weighting of the branches: "
+            "W0 + 2(1-w(x)) dW_g + 2 w(x) dW_l, w(x) = weight_max * mean cosine similarity to "
+            "reference_examples local training inputs; off = the plain sum.",
+        )
+        weight_max: float = Field(0.5, gt=0.0, le=1.0, description="Upper bound of w(x), in (0, 1].")
+        reference_examples: int = Field(
+            5, ge=1, description="Local training inputs the instance weight compares against."
         )
 
     def setup(self) -> None:

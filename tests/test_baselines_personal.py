@@ -333,3 +333,85 @@ def test_feddpa_clients_save_both_branches_loadable_with_peft(tmp_path: Path) ->
     with torch.no_grad():
         branches = sum(layer.scaling[a] * layer.lora_B[a](layer.lora_A[a](x)) for a in ("default", "local"))
         assert torch.allclose(layer(x), layer.base_layer(x) + branches, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ FedDPA instance weighting
+@pytest.mark.parametrize(
+    "embeddings, reference, weight_max, expected",
+    [
+        ([[1.0, 0.0]], [[2.0, 0.0], [3.0, 0.0]], 0.5, [0.5]),  # same direction: cos 1 -> weight_max
+        ([[0.0, 1.0]], [[1.0, 0.0]], 1.0, [0.0]),  # orthogonal: 0
+        ([[1.0, 1.0]], [[1.0, 0.0], [0.0, 1.0]], 1.0, [2**-0.5]),  # mean of two cos(45 deg)
+        ([[-1.0, 0.0], [1.0, 0.0]], [[1.0, 0.0]], 0.8, [0.0, 0.8]),  # negative similarity clipped to 0
+    ],
+)
+def test_feddpa_instance_weights_known_answers(
+    embeddings: list[list[float]], reference: list[list[float]], weight_max: float, expected: list[float]
+) -> None:
+    import torch
+
+    from clients.trainers.feddpa import instance_weights
+
+    # Execute
+    w = instance_weights(torch.tensor(embeddings), torch.tensor(reference), weight_max)
+    # Assert
+    assert torch.allclose(w, torch.tensor(expected), atol=1e-6)
+
+
+def test_feddpa_branch_hooks_scale_each_branch_per_example() -> None:
+    # Prepare: a tiny-bert with g (rank 4) and l (rank 2) both active, B != 0
+    import torch
+    from peft import LoraConfig
+
+    from clients.trainers.feddpa import LOCAL_BRANCH, branch_scale_hooks, instance_weighted
+    from fedlora.config import ModelConfig
+    from fedlora.models import build_model
+
+    model = build_model(ModelConfig(path="tiny-bert", lora_rank=4, lora_dropout=0.0), 8, 4, seed=0)
+    model.add_adapter(LOCAL_BRANCH, LoraConfig(r=2, lora_alpha=16, target_modules=["query", "value"]))
+    model.base_model.set_adapter(["default", LOCAL_BRANCH])
+    torch.manual_seed(0)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    model.eval()
+    layer = model.base_model.model.bert.encoder.layer[0].attention.self.query
+    x = torch.randn(2, 5, 32)  # (batch, seq, d_in)
+    s_g, s_l = torch.tensor([0.3, 1.7]), torch.tensor([2.0, 0.1])
+    # Execute
+    handles = branch_scale_hooks(model, {"default": s_g, LOCAL_BRANCH: s_l})
+    with torch.no_grad():
+        scaled = layer(x)
+    for handle in handles:
+        handle.remove()
+    # Assert: W0 x + s_g(x) dW_g x + s_l(x) dW_l x, per example; hooks gone afterwards
+    with torch.no_grad():
+        delta = {a: layer.scaling[a] * layer.lora_B[a](layer.lora_A[a](x)) for a in ("default", LOCAL_BRANCH)}
+        expected = layer.base_layer(x) + s_g.view(-1, 1, 1) * delta["default"] + s_l.view(-1, 1, 1) * delta[LOCAL_BRANCH]
+        assert torch.allclose(scaled, expected, atol=1e-6)
+        assert torch.allclose(layer(x), layer.base_layer(x) + delta["default"] + delta[LOCAL_BRANCH], atol=1e-6)
+        # w = 1/2 for every input (reference = the inputs' own embeddings, weight_max 1/2): the plain sum
+        inputs = {"input_ids": torch.randint(0, 1000, (1, 6)), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+        from clients.trainers.feddpa import mean_embedding
+
+        wrapper = instance_weighted(model, mean_embedding(model, inputs), 0.5)
+        assert torch.allclose(wrapper(**inputs).logits, model(**inputs).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_feddpa_instance_weighting_runs_and_reports_its_weights(tmp_path: Path) -> None:
+    # Execute
+    from simulations.inprocess import run_inprocess
+
+    config = load_config(SMOKE, ["strategy.name=feddpa", "strategy.instance_weighting=true", "strategy.weight_max=0.8",
+                                 "output.save_adapters=false"])
+    results = run_inprocess(config, tmp_path).to_dict()
+    # Assert: every client evaluated with its instance weights, within [0, weight_max]
+    per_client = results["rounds"][-1]["per_client"]
+    assert len(per_client) == 3
+    assert all(0.0 <= metrics["dpa-mean-weight"] <= 0.8 for metrics in per_client.values())
+
+
+def test_feddpa_rejects_a_weight_max_outside_the_unit_interval() -> None:
+    with pytest.raises(ConfigError, match="strategy.weight_max"):
+        load_config(SMOKE, ["strategy.name=feddpa", "strategy.weight_max=1.5"])

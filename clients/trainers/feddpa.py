@@ -10,13 +10,14 @@ subfolder; reload with ``PeftModel.from_pretrained(base, dir)``, then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from clients.trainers.base import LocalTrainer
 from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload
 from fedlora.models import PEFT_PREFIX, adapter_payload, load_payload, module_name
 
 if TYPE_CHECKING:
+    import torch
     from peft import PeftModel
 
 LOCAL_BRANCH = "local"  # peft adapter name of l
@@ -45,6 +46,65 @@ def load_branch(model: PeftModel, adapter: str, payload: Payload) -> None:
         factor = "lora_A" if key.endswith(A_SUFFIX) else "lora_B"
         state[f"{PEFT_PREFIX}{key[:-3]}.{factor}.weight"] = torch.from_numpy(np.asarray(array, np.float32).copy())
     set_peft_model_state_dict(model, state, adapter_name=adapter)
+
+
+def branch_scale_hooks(model: PeftModel, scales: dict[str, torch.Tensor]) -> list[Any]:
+    """Forward hooks multiplying each named branch's output (its lora_B) by a per-example scale
+    (batch,); remove them with ``handle.remove()``."""
+    from peft.tuners.lora import LoraLayer
+
+    handles = []
+    for layer in model.modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for adapter, scale in scales.items():
+            if adapter in layer.lora_B:
+
+                def hook(_module: Any, _inputs: Any, output: torch.Tensor, scale: torch.Tensor = scale) -> torch.Tensor:
+                    return output * scale.view(-1, *([1] * (output.dim() - 1))).to(output.dtype)
+
+                handles.append(layer.lora_B[adapter].register_forward_hook(hook))
+    return handles
+
+
+def mean_embedding(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Attention-masked mean of the last hidden state (batch, hidden)."""
+    hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]  # (batch, seq, hidden)
+    mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (batch, seq, 1)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def instance_weights(embeddings: torch.Tensor, reference: torch.Tensor, weight_max: float) -> torch.Tensor:
+    """w(x) = weight_max * mean_j cos(e(x), e(x_j)), clipped to [0, weight_max]; shape (batch,)."""
+    import torch.nn.functional as F
+
+    cosine = F.cosine_similarity(embeddings[:, None, :], reference[None, :, :], dim=-1)  # (batch, n_ref)
+    return (weight_max * cosine.mean(1)).clamp(0.0, weight_max)
+
+
+def instance_weighted(model: PeftModel, reference: torch.Tensor, weight_max: float) -> Any:
+    """An evaluation wrapper: W0 + 2 (1 - w(x)) dW_g + 2 w(x) dW_l, per input x (FedDPA's
+    instance-wise weighting; w = 1/2 is the plain sum the branches were trained with)."""
+    import torch
+
+    class InstanceWeighted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.weights: list[torch.Tensor] = []
+
+        def forward(self, **inputs: torch.Tensor) -> Any:
+            with torch.no_grad():
+                w = instance_weights(mean_embedding(self.model, inputs), reference, weight_max)  # (batch,)
+            self.weights.append(w.detach().cpu())
+            handles = branch_scale_hooks(self.model, {"default": 2.0 * (1.0 - w), LOCAL_BRANCH: 2.0 * w})
+            try:
+                return self.model(**inputs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+    return InstanceWeighted()
 
 
 class FedDPATrainer(LocalTrainer):
@@ -85,3 +145,31 @@ class FedDPATrainer(LocalTrainer):
         """g and the head (as the default adapter), and l under ``local::`` keys."""
         local = {LOCAL_PREFIX + k: v for k, v in branch_payload(model, LOCAL_BRANCH).items()}
         return adapter_payload(model) | local
+
+    def evaluate(self, model: PeftModel, with_global: bool) -> dict[str, float]:
+        """The plain sum, or (``strategy.instance_weighting``) the instance-weighted branches;
+        then also ``dpa-mean-weight``, the mean w(x) over every evaluated input."""
+        if not self.options.get("instance_weighting", False):
+            return super().evaluate(model, with_global)
+        import torch
+
+        wrapper = instance_weighted(model, self.reference_embeddings(model), float(self.options.get("weight_max", 0.5)))
+        metrics = super().evaluate(wrapper, with_global)
+        metrics["dpa-mean-weight"] = float(torch.cat(wrapper.weights).mean()) if wrapper.weights else 0.0
+        return metrics
+
+    def reference_embeddings(self, model: PeftModel) -> torch.Tensor:
+        """e(x_j) of ``strategy.reference_examples`` seeded local training inputs (n_ref, hidden)."""
+        import numpy as np
+        import torch
+
+        from fedlora.training import make_loader, model_inputs
+
+        train = self.job.data.train
+        count = min(int(self.options.get("reference_examples", 5)), len(train))
+        rng = np.random.default_rng(self.config.train.seed + self.job.profile.partition_id)
+        subset = train.select(sorted(int(i) for i in rng.choice(len(train), size=count, replace=False)))
+        loader = make_loader(subset, self.tokenizer, count, self.config.train.max_length, shuffle=False)
+        model.to(self.device).eval()
+        with torch.no_grad():
+            return torch.cat([mean_embedding(model, model_inputs(batch, self.device)) for batch in loader])
