@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
+from fedlora.config import ConfigError, ExperimentConfig
 from fedlora.lora import A_SUFFIX, Payload, head_only, split_payload, weighted_average
 from fedlora.nested import nested_A_payload
 from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
@@ -83,6 +84,14 @@ class FedSALoRA(LoRAStrategy):
             description="Mixed client ranks: 'nested' (rank-nested initial A, row-wise average "
             "over the clients holding each row, truncate back) or 'refuse' (one rank for all).",
         )
+
+    @classmethod
+    def check_config(cls, experiment: ExperimentConfig) -> None:
+        if experiment.model.init != "kaiming":
+            raise ConfigError(
+                f"fedsa_lora starts every client from one rank-nested A (kaiming-uniform, B = 0); "
+                f"model.init must be 'kaiming', got {experiment.model.init!r}"
+            )
 
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.profiles.values()})

@@ -221,9 +221,20 @@ def test_refuse_option_stops_at_setup_on_mixed_ranks(cls: type, option: str) -> 
     small_strategy(cls, [2, 2], [option])  # one rank: fine
 
 
-def test_ffa_refuses_an_init_it_cannot_freeze() -> None:
+@pytest.mark.parametrize("name, init", [("ffa_lora", "pissa"), ("ffa_lora", "gaussian"), ("fedsa_lora", "pissa")])
+def test_shared_nested_A_methods_refuse_another_init(name: str, init: str) -> None:
     with pytest.raises(ConfigError, match="model.init"):
-        load_config(SMOKE, ["strategy.name=ffa_lora", "model.init=pissa"])
+        load_config(SMOKE, [f"strategy.name={name}", f"model.init={init}"])
+
+
+@pytest.mark.parametrize("cls", [FFALoRA, FedSALoRA, FedDPA, LocalOnly])
+def test_local_head_never_travels(cls: type) -> None:
+    # Prepare
+    strategy = small_strategy(cls, [2], ["model.head=local"])
+    # Execute
+    down, up = strategy.download(100, 1), strategy.expected_upload(100)
+    # Assert
+    assert not [k for k in [*down, *up] if k.startswith("head::")]
 
 
 def test_feddpa_refuses_a_global_rank_larger_than_the_layers() -> None:
