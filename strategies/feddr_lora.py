@@ -80,8 +80,9 @@ def split_summary(per_client: Mapping[int, Mapping[str, float]]) -> dict[str, An
 class FedDRLoRA(LoRAStrategy):
     """FedDR-LoRA: decoupled robust LoRA; the server averages the robust B, A stays local.
 
-    Paper: Fang et al., "FedDR-LoRA: Federated Decoupled Robust LoRA" (2026, abstract;
-    code announced at github.com/FangXiuwen/FedDR-LoRA). ALGORITHMS.md, "FedDR-LoRA".
+    Paper: "Federated Decoupled Robust LoRA (FedDR-LoRA)", 2026; only the abstract is available
+    (shared/papers/abstracts.md; code announced at github.com/FangXiuwen/FedDR-LoRA).
+    ALGORITHMS.md, "FedDR-LoRA".
 
     Parameters
     ----------
@@ -128,7 +129,7 @@ class FedDRLoRA(LoRAStrategy):
         downloads="B, head",
         mixed_ranks=False,
         dp_compatible=False,
-        paper="Fang et al., FedDR-LoRA, 2026 (abstract)",
+        paper="FedDR-LoRA, 2026 (abstract; github.com/FangXiuwen/FedDR-LoRA)",
     )
 
     def setup(self) -> None:
