@@ -3,7 +3,9 @@
 For every noise setting (symmetric / pair-flip at 20, 40, 60 %) this runs ``fedlora compare``
 (:func:`fedlora.compare.compare`, in process) on ``configs/feddr_lora.toml`` into
 ``OUT/<setting>/`` and prints one markdown table: accuracy on the *clean* test data per setting
-and strategy, plus FedDR-LoRA's clean / suspect split quality against the injected noise.
+and strategy (mean over clients of each client's model on its clean local test split, and the
+global model - or, without one, the clients' models - on the clean global test set), plus
+FedDR-LoRA's clean / suspect split quality against the injected noise.
 
     flock /tmp/fedlora-cpu.lock python benchmarks/compare_feddr.py --seeds 0
     python benchmarks/compare_feddr.py --settings symmetric:0.4 --seeds 0,1,2
@@ -85,7 +87,7 @@ def main() -> None:
             tables[setting] = compare(args.config, strategies, seeds, folder, overrides, engine="inprocess", plots=False)
         print(f"done {setting}", flush=True)
 
-    header = ["noise", *(f"{s} pers. / global" for s in strategies), "FedDR split prec. / recall"]
+    header = ["noise", *(f"`{s}` clients / global" for s in strategies), "FedDR split prec. / recall"]
     print("\nScale: " + next(iter(tables.values())).scale)
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -93,7 +95,7 @@ def main() -> None:
         cells = []
         for strategy in strategies:
             row = table[strategy]
-            cells.append(f"{cell(row, 'personalized_accuracy')} / {cell(row, 'global_accuracy')} (n={row['seeds']})")
+            cells.append(f"{cell(row, 'personalized_accuracy_unweighted')} / {cell(row, 'global_accuracy')} (n={row['seeds']})")
         print(f"| {setting.replace(':', ' ')} | " + " | ".join(cells) + f" | {split_quality(setting_dir(out, setting))} |")
 
 
