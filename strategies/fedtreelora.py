@@ -20,7 +20,17 @@ from flwr.supercore import log
 from pydantic import Field
 
 from fedlora.config import ConfigError, ExperimentConfig
-from fedlora.lora import Factors, Payload, head_only, join_payload, normalise, pad_rank, split_payload, truncate_rank, weighted_average
+from fedlora.lora import (
+    Factors,
+    Payload,
+    head_only,
+    join_payload,
+    normalise,
+    pad_rank,
+    split_payload,
+    truncate_rank,
+    weighted_average,
+)
 from fedlora.models import layer_index
 from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
 
@@ -40,7 +50,9 @@ def modules_by_layer(modules: Sequence[str]) -> dict[int, list[str]]:
     return dict(sorted(layers.items()))
 
 
-def layer_distances(Bs: Sequence[Mapping[str, np.ndarray]], layers: Mapping[int, list[str]]) -> dict[int, np.ndarray]:
+def layer_distances(
+    Bs: Sequence[Mapping[str, np.ndarray]], layers: Mapping[int, list[str]]
+) -> dict[int, np.ndarray]:
     """D^(l)_ij = ||B_l,i - B_l,j||_F, B_l,i = client i's B of every module of block l, stacked.
 
     Bs: one ``module -> B (d_out, r_i)`` map per client; ranks may differ (zero-padded to the
@@ -49,9 +61,9 @@ def layer_distances(Bs: Sequence[Mapping[str, np.ndarray]], layers: Mapping[int,
     distances = {}
     for layer, modules in layers.items():
         rank = max(B[m].shape[1] for B in Bs for m in modules)
-        stacked = np.stack(
-            [np.concatenate([np.pad(B[m], ((0, 0), (0, rank - B[m].shape[1]))).ravel() for m in modules]) for B in Bs]
-        ).astype(np.float64)  # (N, sum_m d_out * r)
+        padded = [[np.pad(B[m], ((0, 0), (0, rank - B[m].shape[1]))) for m in modules] for B in Bs]
+        rows = [np.concatenate([b.ravel() for b in blocks]) for blocks in padded]
+        stacked = np.stack(rows).astype(np.float64)  # (N, sum_m d_out * r)
         diff = stacked[:, None, :] - stacked[None, :, :]  # (N, N, P)
         distances[layer] = np.sqrt((diff**2).sum(-1))
     return distances
@@ -283,7 +295,9 @@ class FedTreeLoRA(LoRAStrategy):
     def warming_up(self) -> bool:
         return self.current_round <= self.options.warmup_rounds
 
-    def configure_train(self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid) -> list[Message]:
+    def configure_train(
+        self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
         messages = list(super().configure_train(server_round, arrays, config, grid))  # runs setup() once
         self.current_round = server_round  # expected_upload depends on the phase
         return messages
@@ -305,10 +319,10 @@ class FedTreeLoRA(LoRAStrategy):
             cluster = self.membership.get(layer, {}).get(partition, NO_CLUSTER)
             for module in modules:
                 expert = self.cluster_experts.get(module, {}).get(cluster, self.fallback[module])
-                cluster_factors[module] = truncate_rank(pad_rank(expert, max(rank, expert.rank)), rank)
+                cluster_factors[module] = fit_rank(expert, rank)
                 external = self.external_experts.get(module, {}).get(cluster)
                 if external is not None:
-                    external_factors[module] = truncate_rank(pad_rank(external, max(rank, external.rank)), rank)
+                    external_factors[module] = fit_rank(external, rank)
         payload = join_payload(cluster_factors, self.head)
         payload.update({EXTERNAL_PREFIX + k: v for k, v in join_payload(external_factors).items()})
         return payload
@@ -351,12 +365,11 @@ class FedTreeLoRA(LoRAStrategy):
             log(WARNING, "fedtreelora: clients %s sent no warm-up upload; they get everyone's mean", missing)
         self.distances = layer_distances([{m: f.B for m, f in fs.items()} for fs in factors], self.layers)
         per_layer = list(self.distances.values())
-        if self.options.independent_layers:
+        if self.options.independent_layers and self.options.fixed_c is not None:
+            cuts = [min(self.options.fixed_c, n)] * len(per_layer)
+            labels = [cut_tree(build_tree(D), c, n) for D, c in zip(per_layer, cuts)]
+        elif self.options.independent_layers:
             cuts, labels = independent_cuts(per_layer, self.options.tau)
-            if self.options.fixed_c is not None:
-                trees = [build_tree(D) for D in per_layer]
-                cuts = [min(self.options.fixed_c, n)] * len(per_layer)
-                labels = [cut_tree(t, c, n) for t, c in zip(trees, cuts)]
         else:
             self.tree = build_tree(global_distance(self.distances))
             if self.options.fixed_c is not None:
@@ -367,20 +380,26 @@ class FedTreeLoRA(LoRAStrategy):
         for layer, c, labels_l in zip(self.layers, cuts, labels):
             self.cuts[layer] = int(c)
             self.membership[layer] = {p: int(cluster) for p, cluster in zip(partitions, labels_l)}
-        log(INFO, "fedtreelora: tree over %d clients, cuts per block %s", n, [self.cuts[l] for l in self.layers])
+        log(INFO, "fedtreelora: tree over %d clients, cuts per block %s", n, list(self.cuts.values()))
 
     def global_payload(self) -> Payload | None:
         return None  # personalised: global accuracy is the clients' models on the global test
 
     # ---------------------------------------------------------------- results
+    def tree_facts(self) -> dict[str, Any]:
+        """The cut c*_l of every block (shallow to deep) and block -> partition -> cluster."""
+        return {
+            "cuts": [self.cuts[layer] for layer in self.layers],
+            "clusters": {
+                str(layer): {str(p): c for p, c in members.items()} for layer, members in self.membership.items()
+            },
+        }
+
     def round_extra(self, server_round: int) -> dict[str, Any]:
         if server_round < self.options.warmup_rounds or not self.cuts:
             return {"phase": "warmup" if server_round <= self.options.warmup_rounds else "no tree"}
-        return {
-            "phase": "warmup" if server_round == self.options.warmup_rounds else "tree",
-            "cuts": [self.cuts[layer] for layer in self.layers],
-            "clusters": {str(layer): {str(p): c for p, c in m.items()} for layer, m in self.membership.items()},
-        }
+        phase = "warmup" if server_round == self.options.warmup_rounds else "tree"
+        return {"phase": phase, **self.tree_facts()}
 
     def save_artifacts(self, out_dir: Path) -> dict[str, Any]:
         """``tree.json`` and ``tree_cuts.png`` (dendrogram + cut per block); the cuts and
@@ -388,8 +407,7 @@ class FedTreeLoRA(LoRAStrategy):
         if not self.cuts:
             return {}
         info = {
-            "cuts": [self.cuts[layer] for layer in self.layers],
-            "clusters": {str(layer): {str(p): c for p, c in m.items()} for layer, m in self.membership.items()},
+            **self.tree_facts(),
             "tree_partitions": self.tree_partitions,
             "linkage": None if self.tree is None else self.tree.tolist(),
             "distances": {str(layer): D.round(6).tolist() for layer, D in self.distances.items()},
@@ -398,6 +416,11 @@ class FedTreeLoRA(LoRAStrategy):
         (out_dir / "tree.json").write_text(json.dumps(info, indent=1))
         plot_tree_cuts(self.tree, self.tree_partitions, info["cuts"], out_dir / "tree_cuts.png")
         return {"fedtreelora": {k: info[k] for k in ("cuts", "clusters", "tree_partitions")}}
+
+
+def fit_rank(f: Factors, rank: int) -> Factors:
+    """Zero-pad or truncate to ``rank`` (a client takes the first r_k components)."""
+    return truncate_rank(pad_rank(f, max(rank, f.rank)), rank)
 
 
 def plot_tree_cuts(tree: np.ndarray | None, partitions: list[int], cuts: list[int], path: Path) -> None:

@@ -42,7 +42,8 @@ def add_external_expert(model: PeftModel, external: Payload, lora_alpha: float, 
     state = {}
     for key, array in external.items():
         module, factor = key.rsplit("::", 1)
-        state[f"{PEFT_PREFIX}{module}.lora_{factor}.weight"] = torch.from_numpy(np.asarray(array, np.float32).copy())
+        tensor = torch.from_numpy(np.asarray(array, np.float32).copy())
+        state[f"{PEFT_PREFIX}{module}.lora_{factor}.weight"] = tensor
     set_peft_model_state_dict(model, state, adapter_name=EXTERNAL_ADAPTER)
     for name, layer in model.named_modules():
         if isinstance(layer, LoraLayer) and EXTERNAL_ADAPTER in layer.lora_A:
@@ -89,7 +90,7 @@ class FedTreeLoRATrainer(LocalTrainer):
         if local:
             load_payload(model, local)
         own = {k: v for k, v in download.items() if not k.startswith(EXTERNAL_PREFIX)}
-        external = {k.removeprefix(EXTERNAL_PREFIX): v for k, v in download.items() if k.startswith(EXTERNAL_PREFIX)}
+        external = {k[len(EXTERNAL_PREFIX) :]: v for k, v in download.items() if k not in own}
         if own:
             load_payload(model, own)
         self.theta = torch.nn.Parameter(torch.tensor(theta_init, dtype=torch.float32))
