@@ -212,8 +212,9 @@ class FedTreeLoRAOptions(StrategyOptions):
 class FedTreeLoRA(LoRAStrategy):
     """FedTreeLoRA: clients share a trunk in shallow blocks and branch into clusters in deep ones.
 
-    Paper: "FedTreeLoRA: tree-structured aggregation for layer-wise personalised federated LoRA"
-    (abstract in shared/papers/abstracts.md); ALGORITHMS.md, section FedTreeLoRA.
+    Paper: FedTreeLoRA (only its abstract is at hand: shared/papers/abstracts.md, "tree-structured
+    aggregation for fine-grained, layer-wise alignment"); the spec followed here is ALGORITHMS.md,
+    section FedTreeLoRA.
 
     Parameters
     ----------
