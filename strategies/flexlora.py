@@ -9,9 +9,10 @@ d_out x d_in sum when the stacked rank is smaller.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 
 from fedlora.lora import (
     Factors,
@@ -24,23 +25,38 @@ from fedlora.lora import (
     split_payload,
     weighted_average,
 )
-from strategies.base import Capabilities, ClientUpload, LoRAStrategy
+from fedlora.lowrank import batched_factor_svd, stack_factors
+from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
 
 
 def flexlora_aggregate(
-    clients: Sequence[Mapping[str, Factors]], weights: Sequence[float], scales: Sequence[float]
+    clients: Sequence[Mapping[str, Factors]],
+    weights: Sequence[float],
+    scales: Sequence[float],
+    dtype: type[np.floating] = np.float64,
 ) -> dict[str, LowRankSVD]:
     """Per module, the thin SVD of G = sum_k p_k s_k B_k A_k, computed from the stacked factors.
 
-    ``clients[k]`` maps module -> client k's factors (any rank), ``weights`` are p_k (summing to
-    one), ``scales`` are s_k = alpha / r_k.
+    ``clients[k]`` maps module -> client k's factors (any rank, the same for all its modules),
+    ``weights`` are p_k (summing to one), ``scales`` are s_k = alpha / r_k. Modules of one shape
+    are done together (:func:`fedlora.lowrank.batched_factor_svd`); when the stacked rank
+    R = sum r_k is not below min(d_out, d_in), :func:`fedlora.lora.factor_svd` takes the dense SVD.
     """
     coefficients = [float(p) * float(s) for p, s in zip(weights, scales)]  # p_k s_k
-    modules = clients[0].keys()
-    return {
-        m: factor_svd([c[m].B for c in clients], [c[m].A for c in clients], coefficients)  # G = U S V^T
-        for m in modules
-    }
+    groups: dict[tuple[int, int], list[str]] = {}
+    for module, f in clients[0].items():
+        groups.setdefault((f.B.shape[0], f.A.shape[1]), []).append(module)
+    out: dict[str, LowRankSVD] = {}
+    for (d_out, d_in), modules in groups.items():
+        Bs = [np.stack([c[m].B for m in modules]).astype(dtype, copy=False) for c in clients]  # (M, d_out, r_k)
+        As = [np.stack([c[m].A for m in modules]).astype(dtype, copy=False) for c in clients]  # (M, r_k, d_in)
+        B, A = stack_factors(Bs, As, coefficients)  # (M, d_out, R), (M, R, d_in)
+        if B.shape[-1] >= min(d_out, d_in):
+            out |= {m: factor_svd([B[i]], [A[i]], [1.0]) for i, m in enumerate(modules)}
+            continue
+        svd = batched_factor_svd(B, A)  # G = U S V^T per module
+        out |= {m: LowRankSVD(svd.U[i], svd.S[i], svd.Vt[i]) for i, m in enumerate(modules)}
+    return out
 
 
 def flexlora_factors(svd: LowRankSVD, rank: int, scale: float) -> Factors:
@@ -55,6 +71,14 @@ def flexlora_factors(svd: LowRankSVD, rank: int, scale: float) -> Factors:
     return pad_rank(Factors(A, B), rank)
 
 
+class FlexLoRAOptions(StrategyOptions):
+    svd_dtype: Literal["float64", "float32"] = Field(
+        "float64",
+        description="Precision of the server's factor-space SVD: 'float64' (default) or 'float32' "
+        "(about half the time on 7B-sized adapters, see benchmarks/aggregation.py).",
+    )
+
+
 class FlexLoRA(LoRAStrategy):
     """FlexLoRA: each client trains its own rank; the server averages the full-size updates and
     hands every client the best rank-r_k approximation of the average.
@@ -64,9 +88,11 @@ class FlexLoRA(LoRAStrategy):
 
     Parameters
     ----------
-    (none beyond the experiment config) Each client's rank r_k comes from its own profile
-    (``[clients] ranks`` / ``rank_tiers`` in simulation, ``rank=`` in a node config); its scale is
-    s_k = model.lora_alpha / r_k.
+    svd_dtype : {"float64", "float32"}, default "float64"
+        Precision of the server's factor-space SVD.
+
+    Each client's rank r_k comes from its own profile (``[clients] ranks`` / ``rank_tiers`` in
+    simulation, ``rank=`` in a node config); its scale is s_k = model.lora_alpha / r_k.
 
     Upload: A_k (r_k, d_in) and B_k (d_out, r_k) of every module (and the head when
     ``model.head = global``).
@@ -82,6 +108,7 @@ class FlexLoRA(LoRAStrategy):
     """
 
     name = "flexlora"
+    Options: ClassVar[type[StrategyOptions]] = FlexLoRAOptions
     capabilities: ClassVar[Capabilities] = Capabilities(
         personalized=False,
         uploads="A_k, B_k (own rank), head",
@@ -108,7 +135,8 @@ class FlexLoRA(LoRAStrategy):
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         clients = [split_payload(u.payload)[0] for u in uploads]
         scales = [self.scale(self.profiles[u.node_id].rank) for u in uploads]
-        self.spectrum = flexlora_aggregate(clients, self.weights(uploads), scales)
+        dtype = np.float32 if self.options.svd_dtype == "float32" else np.float64
+        self.spectrum = flexlora_aggregate(clients, self.weights(uploads), scales, dtype)
         if self.sends_head:
             self.head = weighted_average([head_only(u.payload) for u in uploads], self.weights(uploads))
 

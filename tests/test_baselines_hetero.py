@@ -1,0 +1,373 @@
+"""Heterogeneous-rank baselines: FlexLoRA, HetLoRA, FLoRA (known answers on hand-made factors),
+mixed-rank rounds end to end, the byte ledger, rank refusal and the mixed-rank policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedlora.config import ConfigError, load_config
+from fedlora.lora import Factors, dense_svd, from_array_record, payload_bytes, split_payload
+from fedlora.lowrank import batched_factor_svd, stack_factors
+from fedlora.stacking import read_stacks
+from simulations.inprocess import InProcessGrid, node_configs
+from strategies.base import ClientUpload
+from strategies.flexlora import FlexLoRA, flexlora_aggregate, flexlora_factors
+from strategies.flora import FLoRA, concat_stacks, flora_stack
+from strategies.hetlora import HetLoRA, hetlora_aggregate, product_norm
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs/smoke.toml"
+SMOKE_RANKS = [2, 4, 8]  # configs/smoke.toml
+TINY_MODULES = 4  # tiny-bert: 2 layers x (query, value), 32 x 32 each
+TINY_DIM = 32
+
+
+def random_factors(rng: np.random.Generator, d_out: int, d_in: int, r: int) -> Factors:
+    return Factors(rng.standard_normal((r, d_in)).astype(np.float32), rng.standard_normal((d_out, r)).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------ FLoRA
+@pytest.mark.parametrize(
+    "ranks, weights, alpha",
+    [
+        ([2, 4, 8], [0.2, 0.3, 0.5], 16.0),
+        ([1, 1], [0.5, 0.5], 1.0),
+        ([8, 3, 5, 2], [0.1, 0.4, 0.25, 0.25], 8.0),
+    ],
+)
+def test_flora_stacked_product_equals_weighted_sum(ranks: list[int], weights: list[float], alpha: float) -> None:
+    # Prepare
+    rng = np.random.default_rng(0)
+    clients = [{"m": random_factors(rng, 12, 9, r)} for r in ranks]
+    scales = [alpha / r for r in ranks]
+    # Execute
+    stack = flora_stack(clients, weights, scales)["m"]
+    # Assert: B A = sum_k p_k s_k B_k A_k, stacked rank = sum r_k
+    expected = sum(p * s * (c["m"].B.astype(np.float64) @ c["m"].A) for c, p, s in zip(clients, weights, scales))
+    assert stack.A.shape == (sum(ranks), 9) and stack.B.shape == (12, sum(ranks))
+    assert np.allclose(stack.B.astype(np.float64) @ stack.A, expected, atol=1e-5)
+
+
+def test_flora_rounds_concatenate_and_compress_exactly() -> None:
+    # Prepare: three rounds of stacked rank 6 on a 10 x 7 module: 18 >= 7 forces the compression
+    rng = np.random.default_rng(1)
+    stacks = [{"m": random_factors(rng, 10, 7, 6)} for _ in range(3)]
+    # Execute
+    total = concat_stacks(stacks)["m"]
+    # Assert
+    expected = sum(s["m"].B.astype(np.float64) @ s["m"].A for s in stacks)
+    assert total.rank == 7
+    assert np.allclose(total.B.astype(np.float64) @ total.A, expected, atol=1e-4)
+
+
+def small_strategy(cls: type, ranks: list[int], options: list[str] | None = None, alpha: float = 8.0) -> Any:
+    """A strategy on one hand-made module m (d_out 6, d_in 5) and a 2 x 6 head, profiles set."""
+    config = load_config(SMOKE, [f"strategy.name={cls.name}", f"model.lora_alpha={alpha}", *(options or [])])
+    rng = np.random.default_rng(0)
+
+    def initial(rank: int) -> dict[str, np.ndarray]:
+        return {"m::A": rng.standard_normal((rank, 5)).astype(np.float32), "m::B": np.zeros((6, rank), np.float32),
+                "head::classifier.weight": np.zeros((2, 6), np.float32)}
+
+    strategy = cls(config, initial, {"m": (6, 5)})
+    strategy.profiles = {100 + k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}
+    strategy.setup()
+    return strategy
+
+
+def fake_upload(rng: np.random.Generator, k: int, rank: int, n: int) -> ClientUpload:
+    f = random_factors(rng, 6, 5, rank)
+    payload = {"m::A": f.A, "m::B": f.B, "head::classifier.weight": np.full((2, 6), float(k), np.float32)}
+    return ClientUpload(node_id=100 + k, partition_id=k, payload=payload, num_examples=n, metrics={})
+
+
+def test_flora_global_model_is_base_plus_every_merged_product() -> None:
+    # Prepare: ranks 1, 2 (scales 8, 4), alpha 8; client 1 misses round 2
+    strategy = small_strategy(FLoRA, [1, 2])
+    rng = np.random.default_rng(2)
+    round1 = [fake_upload(rng, 0, 1, 10), fake_upload(rng, 1, 2, 30)]
+    round2 = [fake_upload(rng, 0, 1, 10)]
+    # Execute
+    strategy.download(100, 1), strategy.download(101, 1)
+    strategy.aggregate(1, round1)
+    strategy.download(100, 2)
+    strategy.aggregate(2, round2)
+    payload = strategy.global_payload()
+    catch_up = read_stacks(strategy.download(101, 3))
+    # Assert: s_R B A with R = 3 + 1 = 4 is the sum of both rounds' p_k s_k B_k A_k
+    def product(u: ClientUpload) -> np.ndarray:
+        return u.payload["m::B"].astype(np.float64) @ u.payload["m::A"]
+    expected = 0.25 * 8.0 * product(round1[0]) + 0.75 * 4.0 * product(round1[1]) + 1.0 * 8.0 * product(round2[0])
+    R = payload["m::A"].shape[0]
+    assert R == 4
+    assert np.allclose((8.0 / R) * payload["m::B"].astype(np.float64) @ payload["m::A"], expected, atol=1e-5)
+    assert sorted(catch_up) == [1, 2]  # client 1 never confirmed round 1's stack either (no reply since)
+    assert np.allclose(payload["head::classifier.weight"], 0.0)  # round 2: only client 0 (head 0)
+
+
+# ------------------------------------------------------------------------------ FlexLoRA
+@pytest.mark.parametrize(
+    "d_out, d_in, ranks",
+    [
+        (40, 30, [2, 4, 8]),  # stacked rank 14 < 30: the QR path
+        (12, 10, [4, 4, 8]),  # 16 >= 10: the dense fallback
+    ],
+)
+def test_flexlora_factor_space_equals_dense_svd(d_out: int, d_in: int, ranks: list[int]) -> None:
+    # Prepare
+    rng = np.random.default_rng(3)
+    clients = [{"m": random_factors(rng, d_out, d_in, r)} for r in ranks]
+    weights, alpha = [0.5, 0.3, 0.2], 16.0
+    scales = [alpha / r for r in ranks]
+    # Execute
+    svd = flexlora_aggregate(clients, weights, scales)["m"]
+    pushed = {r: flexlora_factors(svd, r, alpha / r) for r in ranks}
+    # Assert: same spectrum as the dense SVD; s_k B_k A_k is the dense rank-r_k truncation
+    ref = dense_svd([c["m"].B for c in clients], [c["m"].A for c in clients], [p * s for p, s in zip(weights, scales)])
+    k = min(len(svd.S), len(ref.S))
+    assert np.allclose(svd.S[:k], ref.S[:k], rtol=1e-5, atol=1e-8 * ref.S[0])
+    for r, f in pushed.items():
+        assert f.A.shape == (r, d_in) and f.B.shape == (d_out, r)
+        truncated = (ref.U[:, :r] * ref.S[:r]) @ ref.Vt[:r]
+        assert np.allclose((alpha / r) * f.B.astype(np.float64) @ f.A, truncated, atol=1e-4 * ref.S[0])
+
+
+@pytest.mark.parametrize(
+    "dtype, shared_A, rtol",
+    [
+        (np.float64, False, 1e-9),
+        (np.float64, True, 1e-9),  # clients with one A: a rank-deficient stack
+        (np.float32, False, 1e-4),
+    ],
+)
+def test_batched_factor_svd_equals_dense_svd(dtype: type, shared_A: bool, rtol: float) -> None:
+    # Prepare: 3 modules of 50 x 40, ranks 2, 4, 4 (R = 10)
+    rng = np.random.default_rng(8)
+    Bs = [rng.standard_normal((3, 50, r)).astype(dtype) for r in (2, 4, 4)]
+    As = [rng.standard_normal((3, r, 40)).astype(dtype) for r in (2, 4, 4)]
+    if shared_A:
+        As[2] = As[1].copy()
+    weights = [0.2, 0.5, 0.3]
+    # Execute
+    B, A = stack_factors(Bs, As, weights)
+    svd = batched_factor_svd(B, A)
+    top = batched_factor_svd(B, A, rank=3)
+    # Assert: per module, the same spectrum and the same rank-3 truncation as the dense SVD
+    for m in range(3):
+        ref = dense_svd([b[m] for b in Bs], [a[m] for a in As], weights)
+        assert np.allclose(svd.S[m], ref.S[:10], rtol=rtol, atol=rtol * ref.S[0])
+        rebuilt = (top.U[m] * top.S[m]) @ top.Vt[m]
+        assert np.allclose(rebuilt, (ref.U[:, :3] * ref.S[:3]) @ ref.Vt[:3], atol=10 * rtol * ref.S[0])
+
+
+def test_flexlora_pads_when_the_aggregate_has_fewer_components_than_the_rank() -> None:
+    # Prepare: only a rank-2 client took part; a rank-8 client must still get rank 8
+    rng = np.random.default_rng(4)
+    svd = flexlora_aggregate([{"m": random_factors(rng, 20, 16, 2)}], [1.0], [4.0])["m"]
+    # Execute
+    f = flexlora_factors(svd, 8, 2.0)
+    # Assert
+    assert f.A.shape == (8, 16) and f.B.shape == (20, 8)
+    assert np.allclose(2.0 * f.B.astype(np.float64) @ f.A, (svd.U * svd.S) @ svd.Vt, atol=1e-4)
+
+
+def test_flexlora_global_model_is_the_aggregate_itself() -> None:
+    # Prepare: ranks 1, 2, alpha 8
+    strategy = small_strategy(FlexLoRA, [1, 2])
+    rng = np.random.default_rng(5)
+    uploads = [fake_upload(rng, 0, 1, 10), fake_upload(rng, 1, 2, 30)]
+    # Execute
+    strategy.aggregate(1, uploads)
+    payload = strategy.global_payload()
+    # Assert: s_R B A = 0.25 * 8 * B_0 A_0 + 0.75 * 4 * B_1 A_1 with R = 3
+    expected = sum(p * s * (u.payload["m::B"].astype(np.float64) @ u.payload["m::A"])
+                   for p, s, u in zip([0.25, 0.75], [8.0, 4.0], uploads))
+    R = payload["m::A"].shape[0]
+    assert R == 3
+    assert np.allclose((8.0 / R) * payload["m::B"].astype(np.float64) @ payload["m::A"], expected, atol=1e-4)
+    assert np.allclose(payload["head::classifier.weight"], 0.75)
+
+
+# ------------------------------------------------------------------------------ HetLoRA
+def test_product_norm_equals_dense_frobenius_norm() -> None:
+    rng = np.random.default_rng(6)
+    f = random_factors(rng, 30, 20, 5)
+    assert product_norm(f) == pytest.approx(np.linalg.norm(f.B.astype(np.float64) @ f.A), rel=1e-6)
+
+
+def test_hetlora_pad_weight_truncate_by_hand() -> None:
+    # Prepare: client 0 rank 1 with B A = [[2, 0], [0, 0]] (norm 2); client 1 rank 2 with
+    # B = 2 I, A = I (norm 2 sqrt 2)
+    c0 = {"m": Factors(np.array([[1.0, 0.0]], np.float32), np.array([[2.0], [0.0]], np.float32))}
+    c1 = {"m": Factors(np.eye(2, dtype=np.float32), 2 * np.eye(2, dtype=np.float32))}
+    w0, w1 = 2 / (2 + 2 * np.sqrt(2)), 2 * np.sqrt(2) / (2 + 2 * np.sqrt(2))
+    # Execute
+    agg = hetlora_aggregate([c0, c1], rank=2, examples=[1, 1])["m"]
+    by_examples = hetlora_aggregate([c0, c1], rank=2, examples=[3, 1], weighting="examples")["m"]
+    # Assert: padded rows / columns are zero, so client 0 only adds to component 0
+    assert np.allclose(agg.A, [[w0 + w1, 0.0], [0.0, w1]])
+    assert np.allclose(agg.B, [[2 * w0 + 2 * w1, 0.0], [0.0, 2 * w1]])
+    assert np.allclose(by_examples.A, [[1.0, 0.0], [0.0, 0.25]])
+    assert np.allclose(by_examples.B, [[2.0, 0.0], [0.0, 0.5]])
+
+
+def test_hetlora_truncates_the_global_factors_to_each_rank() -> None:
+    # Prepare
+    strategy = small_strategy(HetLoRA, [1, 3])
+    rng = np.random.default_rng(7)
+    uploads = [fake_upload(rng, 0, 1, 10), fake_upload(rng, 1, 3, 10)]
+    # Execute
+    strategy.aggregate(1, uploads)
+    downloads = {node: strategy.download(node, 2) for node in (100, 101)}
+    # Assert
+    glob = strategy.global_factors["m"]
+    assert glob.rank == 3
+    assert np.array_equal(downloads[100]["m::A"], glob.A[:1]) and np.array_equal(downloads[100]["m::B"], glob.B[:, :1])
+    assert np.array_equal(downloads[101]["m::A"], glob.A) and np.array_equal(downloads[101]["m::B"], glob.B)
+
+
+def test_hetlora_rejects_an_unknown_weighting() -> None:
+    with pytest.raises(ConfigError, match="strategy.weighting"):
+        load_config(SMOKE, ["strategy.name=hetlora", "strategy.weighting=median"])
+
+
+# ------------------------------------------------------------------------------ end to end
+class RecordingGrid(InProcessGrid):
+    """InProcessGrid that keeps every message and reply (type, node, round, arrays)."""
+
+    def __init__(self, client_app: Any, configs: list[dict[str, Any]]) -> None:
+        super().__init__(client_app, configs)
+        self.log: list[dict[str, Any]] = []
+
+    def _deliver(self, message):  # type: ignore[no-untyped-def]
+        reply = super()._deliver(message)
+        content = message.content
+        self.log.append({
+            "type": message.metadata.message_type,
+            "node": message.metadata.dst_node_id,
+            "round": int(content["config"].get("server-round", 0)) if "config" in content else 0,
+            "down": from_array_record(content["arrays"]) if "arrays" in content else {},
+            "up": {} if reply.has_error() or "arrays" not in reply.content else from_array_record(reply.content["arrays"]),
+        })
+        return reply
+
+
+def run_recorded(tmp_path: Path, overrides: list[str], configs: list[dict[str, Any]] | None = None):
+    from clients.app import app as client_app
+    from fedlora.server import run_server
+
+    config = load_config(SMOKE, ["output.save_adapters=false", *overrides])
+    grid = RecordingGrid(client_app, configs or node_configs(config.data.num_clients))
+    writer = run_server(grid, config, tmp_path)
+    return writer, grid
+
+
+def lora_bytes(rank: int) -> int:
+    return TINY_MODULES * 2 * rank * TINY_DIM * 4  # A (r x 32) + B (32 x r), float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["flexlora", "hetlora", "flora"])
+def test_mixed_rank_round_every_client_gets_its_own_rank(tmp_path: Path, name: str) -> None:
+    # Execute: smoke (ranks 2, 4, 8), 2 rounds, every client every round
+    writer, grid = run_recorded(tmp_path, [f"strategy.name={name}"])
+    results = writer.to_dict()
+    # Assert: uploads at the client's own rank; the ledger equals what crossed the grid
+    node_rank = {1000 + k: r for k, r in enumerate(SMOKE_RANKS)}
+    train = [e for e in grid.log if e["type"] == "train"]
+    assert len(train) == 6
+    head = payload_bytes({k: v for k, v in train[0]["up"].items() if k.startswith("head::")})
+    for entry in train:
+        rank = node_rank[entry["node"]]
+        factors, _ = split_payload(entry["up"])
+        assert {f.A.shape for f in factors.values()} == {(rank, TINY_DIM)}
+        assert {f.B.shape for f in factors.values()} == {(TINY_DIM, rank)}
+        if name == "flora":  # down: the stacks of the rounds not merged yet (rank 2 + 4 + 8 each)
+            stacks = read_stacks(entry["down"])
+            assert sorted(stacks) == list(range(1, entry["round"]))
+            assert all(f.rank == sum(SMOKE_RANKS) for s in stacks.values() for f in s.values())
+        else:  # down: the client's own rank
+            factors, _ = split_payload(entry["down"])
+            assert {f.A.shape for f in factors.values()} == {(rank, TINY_DIM)}
+    for record in writer.rounds:
+        entries = [e for e in train if e["round"] == record.round]
+        assert record.failures == 0 and record.clients == 3
+        assert record.bytes_up == sum(payload_bytes(e["up"]) for e in entries)
+        assert record.bytes_down == sum(payload_bytes(e["down"]) for e in entries)
+        assert record.bytes_up == sum(lora_bytes(r) for r in SMOKE_RANKS) + 3 * head
+    expected_down_2 = 3 * lora_bytes(sum(SMOKE_RANKS)) if name == "flora" else sum(lora_bytes(r) for r in SMOKE_RANKS)
+    assert writer.rounds[1].bytes_down == expected_down_2 + 3 * head
+    assert 0.0 <= results["final"]["global_accuracy"] <= 1.0
+    assert 0.0 <= results["final"]["personalized_accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_flora_clients_catch_up_and_share_one_merged_base(tmp_path: Path) -> None:
+    # Execute: one client of three per round, three rounds
+    writer, grid = run_recorded(tmp_path, ["strategy.name=flora", "federation.fraction_train=0.34", "train.rounds=3",
+                                           "federation.fraction_evaluate=0"])
+    # Assert: a client's merged base is the sum of the stacks of every round before its training
+    stacks: dict[int, dict[str, Factors]] = {}
+    for entry in grid.log:
+        stacks |= read_stacks(entry["down"])
+    train = [e for e in grid.log if e["type"] == "train"]
+    assert [e["round"] for e in train] == [1, 2, 3]
+    for entry in train:
+        assert sorted(read_stacks(entry["down"])) == sorted(set(range(1, entry["round"])) - {
+            t for e in train if e["node"] == entry["node"] and e["round"] < entry["round"] for t in range(1, e["round"])})
+    for node, context in grid.contexts.items():
+        if "fedlora.local" not in context.state:
+            continue
+        state = from_array_record(context.state["fedlora.local"])
+        merged_rounds = [int(t) for t in state["merged-rounds"]]
+        for module, delta in ((k.removeprefix("merged::"), v) for k, v in state.items() if k.startswith("merged::")):
+            expected = sum(stacks[t][module].B.astype(np.float64) @ stacks[t][module].A for t in merged_rounds)
+            assert np.allclose(delta, expected, atol=1e-6)
+    assert all(r.failures == 0 for r in writer.rounds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad_rank", [0, -3, 100000])
+def test_unsupported_rank_is_refused_and_the_round_continues(tmp_path: Path, bad_rank: int) -> None:
+    # Prepare: client 1 declares an impossible rank in its own node config (tiny-bert layers are 32 wide)
+    configs = node_configs(3)
+    configs[1]["rank"] = bad_rank
+    # Execute
+    writer, grid = run_recorded(tmp_path, ["strategy.name=flexlora", "train.rounds=1"], configs)
+    results = writer.to_dict()
+    # Assert: refused with the reason, never sent a training message; the others trained
+    assert any(f"unsupported rank {bad_rank}" in reason for reason in results["strategy_info"]["refused"])
+    assert writer.rounds[0].refused == [1]
+    assert writer.rounds[0].clients == 2 and writer.rounds[0].failures == 0
+    assert 1001 not in {e["node"] for e in grid.log if e["type"] == "train"}
+
+
+# ------------------------------------------------------------------------------ mixed-rank policy
+def test_refuse_policy_gives_a_one_line_config_error_for_one_rank_strategies() -> None:
+    from strategies.registry import _check_rank_policy
+
+    one_rank = SimpleNamespace(name="one_rank", capabilities=SimpleNamespace(mixed_ranks=False))
+    config = load_config(SMOKE, ["clients.mixed_rank_policy=refuse"])
+    with pytest.raises(ConfigError, match=r"needs one LoRA rank .* ranks \[2, 4, 8\]"):
+        _check_rank_policy(one_rank, config)  # type: ignore[arg-type]
+    _check_rank_policy(FlexLoRA, config)  # mixed-rank strategies accept
+
+
+@pytest.mark.parametrize("policy", ["smallest", "refuse"])
+def test_one_rank_strategy_trains_every_client_at_the_smallest_rank(policy: str) -> None:
+    # Prepare: a FlexLoRA pretending to need one rank
+    strategy = small_strategy(FlexLoRA, [4, 2, 8], [f"clients.mixed_rank_policy={policy}"])
+    strategy.capabilities = SimpleNamespace(mixed_ranks=False)
+    # Execute / Assert
+    if policy == "refuse":
+        with pytest.raises(RuntimeError, match="needs one LoRA rank"):
+            strategy._settle_ranks()
+        return
+    strategy._settle_ranks()
+    assert strategy.common_rank == 2
+    assert {p.rank for p in strategy.profiles.values()} == {2}
