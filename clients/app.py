@@ -14,9 +14,36 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
+
+def _process_age() -> float:
+    """Seconds since this process started (the OS start time; nan where psutil cannot tell)."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a timing metric must never fail a message
+        return float("nan")
+
+
 app = ClientApp()
 
 IMPORT_SECONDS_KEY = "import-seconds"
+# Process start -> this module imported (interpreter, flwr and this module): the cold-start cost of
+# every message in a deployment, where each message gets a fresh ClientApp process.
+IMPORT_SECONDS = _process_age()
+_FIRST_MESSAGE = [True]
+
+
+def _startup_metrics(setup_seconds: float) -> dict[str, float]:
+    """``import-seconds``, ``setup-seconds`` and, for a process's first message, ``start-seconds``
+    (process start -> local training / evaluation starts; in a deployment: message arrival)."""
+    metrics = {IMPORT_SECONDS_KEY: IMPORT_SECONDS, "setup-seconds": setup_seconds}
+    if _FIRST_MESSAGE[0]:
+        _FIRST_MESSAGE[0] = False
+        metrics["start-seconds"] = _process_age()
+    return metrics
+
+
 
 
 def _job(msg: Message, context: Context):
@@ -34,7 +61,12 @@ def _job(msg: Message, context: Context):
     if "common-rank" in message_config:  # a same-rank method runs every client at one rank
         profile.rank = int(message_config["common-rank"])
     federated = build_federated_data(config.data)
-    data = federated.client(profile.partition_id)
+    if profile.data_path:  # the silo's own data (node config data-path), same labels as the server
+        from fedlora.data.silo import load_silo_data
+
+        data = load_silo_data(profile.data_path, config.data, federated.label_names, profile.partition_id)
+    else:
+        data = federated.client(profile.partition_id)
     profile.num_train_examples = len(data.train)
     job = ClientJob(config, profile, data, federated, context.state, message_config)
     return job, time.perf_counter() - started
@@ -68,6 +100,7 @@ def train(msg: Message, context: Context) -> Message:
     job, setup_seconds = _job(msg, context)
     trainer = _trainer(job)
     model = trainer.prepare(from_array_record(msg.content["arrays"]))
+    startup = _startup_metrics(setup_seconds)
     stats = trainer.fit(model)
     upload = trainer.upload(model)
     trainer.save_state(trainer.keep(model))
@@ -78,7 +111,7 @@ def train(msg: Message, context: Context) -> Message:
         "train-steps": stats.steps,
         "train-examples": stats.examples,
         "train-seconds": stats.seconds,
-        "setup-seconds": setup_seconds,
+        **startup,
         **trainer.train_metrics(),
     }
     log(DEBUG, "client %d round %d: loss %.4f in %.1fs", job.profile.partition_id, job.server_round, stats.loss, stats.seconds)
@@ -92,11 +125,13 @@ def evaluate(msg: Message, context: Context) -> Message:
     from fedlora.lora import from_array_record
     from fedlora.models import save_adapter
 
-    job, _ = _job(msg, context)
+    job, setup_seconds = _job(msg, context)
     trainer = _trainer(job)
     model = trainer.prepare(from_array_record(msg.content["arrays"]))
+    startup = _startup_metrics(setup_seconds)
     metrics = trainer.evaluate(model, with_global=bool(job.message_config.get("eval-global", False)))
     metrics["partition-id"] = float(job.profile.partition_id)
+    metrics |= startup  # per round and client in results.json (rounds[].per_client)
     save_dir = str(job.message_config.get("save-adapter-dir", ""))
     if save_dir:
         save_adapter(model, f"{save_dir}/client_{job.profile.partition_id}")

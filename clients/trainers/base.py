@@ -125,7 +125,7 @@ class LocalTrainer:
     # ------------------------------------------------------------------ evaluation
     def loader(self, dataset, split: str, shuffle: bool = False):
         cfg = self.config.train
-        key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{self.job.profile.partition_id}|{split}"
+        key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{self.job.profile.partition_id}|{self.job.profile.data_path}|{split}"
         return make_loader(
             dataset,
             self.tokenizer,

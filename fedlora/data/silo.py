@@ -1,0 +1,75 @@
+"""A silo's own data: a CSV / JSONL / JSON file or a ``datasets.save_to_disk`` folder.
+
+In a deployment a silo points its SuperNode at its data with the node config
+(``flower-supernode --node-config "partition-id=0 data-path='/data/silo.csv'"``) instead of
+using a simulated partition of ``[data].source``. The file is read with the experiment's
+``data.text_column`` / ``data.label_column`` and split into train / val / test with the
+experiment's ``data.test_fraction`` / ``data.val_fraction``; the experiment's label noise
+(``data.label_noise``, ``data.noise_rate``) is applied to the training labels, as in simulation.
+
+The label set must be the server's: the model's classification head and the server's global test
+set come from the experiment's ``[data].source`` (which the silo must be able to read too, for
+its label names). A label in the silo's file must therefore be one of those class names, or an
+integer class id in ``[0, num_classes)``; anything else is a one-line :class:`DataError`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+from fedlora.config import DataConfig
+from fedlora.data.federated import ClientData, _client_data
+from fedlora.data.sources import DataError, _features, _read_local
+
+
+def load_silo_data(path: str | Path, cfg: DataConfig, label_names: list[str], partition_id: int) -> ClientData:
+    """The silo's data at ``path`` as this client's train / val / test (labels = ``label_names``)."""
+    path = Path(path).expanduser().resolve()
+    if not path.exists():
+        raise DataError(f"node config data-path: {path} not found on this silo")
+    mtime = path.stat().st_mtime_ns
+    return _load_cached(str(path), mtime, cfg.model_dump_json(), tuple(label_names), partition_id)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str, _mtime: int, cfg_json: str, label_names: tuple[str, ...], partition_id: int) -> ClientData:
+    cfg = DataConfig.model_validate_json(cfg_json)
+    raw = _read_local(Path(path))
+    where = f"data-path {path}"
+    for key, column in (("text_column", cfg.text_column), ("label_column", cfg.label_column)):
+        if column not in raw.column_names:
+            raise DataError(f"{where}: column '{column}' (data.{key}) not found; columns are {raw.column_names}")
+    labels = encode_to_server_labels(list(raw[cfg.label_column][:]), raw.features[cfg.label_column], list(label_names), where)
+    texts = ["" if text is None else str(text) for text in raw[cfg.text_column][:]]
+    if len(texts) < 3:
+        raise DataError(f"{where}: {len(texts)} examples; a silo needs at least 3 (train / val / test)")
+    source = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=_features(list(label_names)))
+    rows = np.arange(len(source))
+    return _client_data(partition_id, source, rows, np.asarray(labels, dtype=np.int64), cfg)
+
+
+def encode_to_server_labels(raw: list[object], feature: object, label_names: list[str], where: str) -> list[int]:
+    """Map a silo's labels (class names, integer ids or a ClassLabel column) to the server's ids."""
+    if isinstance(feature, datasets.ClassLabel):
+        raw = [feature.names[value] for value in raw]  # type: ignore[index]
+    index = {name: i for i, name in enumerate(label_names)}
+    encoded: list[int] = []
+    unknown: set[str] = set()
+    for value in raw:
+        if isinstance(value, str) and value in index:
+            encoded.append(index[value])
+        elif isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < len(label_names):
+            encoded.append(int(value))
+        else:
+            unknown.add(repr(value))
+    if unknown:
+        shown = ", ".join(sorted(unknown)[:5])
+        raise DataError(
+            f"{where}: labels {shown} are not in the server's label set {label_names} "
+            f"(or ids 0..{len(label_names) - 1}); relabel the silo's data with those names"
+        )
+    return encoded
