@@ -219,3 +219,18 @@ def split_spectrum(svd: LowRankSVD, rank: int, scale: float) -> Factors:
     B = (svd.U[:, :rank] * root).astype(np.float32)  # (d_out, rank)
     A = (root[:, None] * svd.Vt[:rank]).astype(np.float32)  # (rank, d_in)
     return Factors(A, B)
+
+
+def scale_tail(factors: Mapping[str, Factors], r_main: Mapping[str, int], lam: float) -> dict[str, Factors]:
+    """FedHera's tail warm-up: rows r_main: of A and columns r_main: of B times sqrt(lam), so the
+    frozen tail's product B_tail A_tail is scaled by lam (unchanged when lam >= 0.999)."""
+    if lam >= 0.999:
+        return dict(factors)
+    root = np.float32(np.sqrt(max(lam, 0.0)))
+    out = {}
+    for module, f in factors.items():
+        A, B = np.array(f.A, copy=True), np.array(f.B, copy=True)
+        A[r_main[module]:] *= root  # (r_tot - r_main, d_in)
+        B[:, r_main[module]:] *= root  # (d_out, r_tot - r_main)
+        out[module] = Factors(A, B)
+    return out

@@ -42,6 +42,25 @@ def tier_ranks(tiers: Mapping[str, float], num_clients: int) -> list[int]:
     return [rank for (rank, _), count in zip(ordered, counts) for _ in range(count)]
 
 
+def largest_remainder_counts(shares: list[float], num_clients: int) -> list[int]:
+    """How many of ``num_clients`` each share gets (largest remainder rounding)."""
+    exact = [share * num_clients for share in shares]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[: num_clients - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def configured_budgets(clients: ClientsConfig, partition_id: int, num_clients: int) -> dict[str, float]:
+    """The budgets ``clients.budget_tiers`` give client ``partition_id`` (tiers in listed order)."""
+    if not clients.budget_tiers:
+        return {}
+    counts = largest_remainder_counts([tier.share for tier in clients.budget_tiers], num_clients)
+    tiers = [tier for tier, count in zip(clients.budget_tiers, counts) for _ in range(count)]
+    return tiers[partition_id].budgets()
+
+
 def configured_rank(clients: ClientsConfig, default_rank: int, partition_id: int, num_clients: int) -> int:
     """The rank the experiment config gives client ``partition_id``."""
     if clients.ranks:
@@ -64,7 +83,8 @@ def resolve_profile(config: ExperimentConfig, node_config: Mapping[str, Any]) ->
     rank = configured_rank(config.clients, config.model.lora_rank, partition_id, num_clients)
     if "rank" in node_config:
         rank = int(_number(node_config["rank"]))
-    budgets = {
+    budgets = configured_budgets(config.clients, partition_id, num_clients)
+    budgets |= {
         key.removeprefix("budget-"): _number(value)
         for key, value in node_config.items()
         if str(key).startswith("budget-")
