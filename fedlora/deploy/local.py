@@ -1,0 +1,620 @@
+"""``fedlora deploy local``: a real Flower deployment (SuperLink + N SuperNodes) on 127.0.0.1.
+
+What it does, in order (Flower 1.39; ``benchmarks/DEPLOY_NOTES.md`` has the measured details):
+
+1. certificates (``fedlora.deploy.certs``) in ``DIR/certs`` unless ``insecure``;
+2. ``flower-superlink`` with TLS and SuperNode authentication, the Fleet API (gRPC) on an
+   explicit 127.0.0.1 port, the Control API on another, runtime dependency install disabled;
+3. ``flwr supernode register`` for every SuperNode public key (Control API);
+4. N ``flower-supernode`` processes, each with its own node config (``partition-id``,
+   ``num-partitions``, ``rank``, ``budget-*`` from the experiment's ``[clients]``);
+5. ``flwr run <repo> fedlora-local --run-config DIR/run_config.toml``: the ServerApp gets the
+   resolved experiment (JSON) with ``output.dir = DIR`` and writes ``DIR/results.json``;
+6. polls ``flwr ls`` until the run is finished, then stops every process it started (process
+   groups, then any descendant left), also on an error, Ctrl-C or SIGTERM.
+
+Every process gets its own ``FLWR_HOME`` under ``DIR/flwr``, telemetry and the update check off,
+and writes its log to ``DIR/logs/<name>.log`` (files, never pipes: a full pipe blocks Flower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from fedlora.config import ConfigError, ExperimentConfig
+from fedlora.deploy.certs import CertPaths, public_key_path, write_certs
+
+logger = logging.getLogger("fedlora")
+
+HOST = "127.0.0.1"
+CONNECTION = "fedlora-local"
+BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr live next to python
+SUPERLINK_READY = "Uvicorn running on"
+SUPERNODE_READY = "SuperNode ID:"
+FLEET_LOG_LINE = "Fleet API (gRPC-rere)"
+INSECURE_WARNINGS = ("Option --insecure was set", "SuperNode authentication is disabled")
+# Lines of a refused SuperNode's log that say why (Flower 1.39 wording).
+REFUSAL_MARKERS = ("[code:", "Exit Code", "Giving up reconnection", "Insecure connection is enabled",
+                   "SSL/TLS handshake error", "Failed to initialize the connection")
+
+
+GENERIC_REFUSALS = ("Exit Code", "Failed to initialize the connection")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LEVEL = re.compile(r"^(INFO|WARNING|ERROR|DEBUG|CRITICAL)\s*:\s*")
+
+
+def _plain(line: str) -> str:
+    """A log line without colour codes, log level and repeated blanks."""
+    return _LEVEL.sub("", " ".join(_ANSI.sub("", line).split()))
+
+
+class DeployError(RuntimeError):
+    """A deployment step failed; the message is one line and names the log file to read."""
+
+
+@dataclass
+class Ports:
+    """Ports picked on 127.0.0.1: the Control/runtime HTTP API, the Fleet API, one per SuperNode."""
+
+    control: int
+    fleet: int
+    supernodes: list[int]
+
+    @staticmethod
+    def pick(num_supernodes: int) -> Ports:
+        sockets = []
+        try:
+            for _ in range(2 + num_supernodes):  # hold all sockets so no port is picked twice
+                sock = socket.socket()
+                sock.bind((HOST, 0))
+                sockets.append(sock)
+            numbers = [sock.getsockname()[1] for sock in sockets]
+        finally:
+            for sock in sockets:
+                sock.close()
+        return Ports(control=numbers[0], fleet=numbers[1], supernodes=numbers[2:])
+
+
+def port_open(port: int, host: str = HOST) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.3)
+        return sock.connect_ex((host, port)) == 0
+
+
+def flower_env(home: Path) -> dict[str, str]:
+    """Environment of every Flower process: own FLWR_HOME, no telemetry, no update check."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+    )
+    # The SuperLink / SuperNode start flower-superexec, flwr-serverapp and flwr-clientapp by name.
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+class Daemon:
+    """A long-running Flower process in its own session; stdout + stderr go to a log file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("wb")
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_for(self, needle: str, timeout: float) -> bool:
+        """True once ``needle`` is in the log; False if the process exits or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.text():
+                return True
+            if not self.alive():
+                time.sleep(0.3)  # let the last lines reach the file
+                return needle in self.text()
+            time.sleep(0.1)
+        return False
+
+    def reason(self) -> str:
+        """The log lines that say why this process failed (most specific first), as one line."""
+        lines = [_plain(line) for line in self.text().splitlines()]
+        hits = [line for line in lines if any(marker in line for marker in REFUSAL_MARKERS)]
+        specific = [line for line in hits if not line.startswith(GENERIC_REFUSALS)]
+        picked = (specific + hits)[:3] if hits else [line for line in lines if line][-2:]
+        return " | ".join(dict.fromkeys(picked)) or "no output"
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+    def close_log(self) -> None:
+        with contextlib.suppress(OSError):
+            self._log.close()
+
+
+def stop_daemons(daemons: Sequence[Daemon], grace: float = 10.0) -> None:
+    """SIGTERM each process group, SIGKILL after ``grace``, then end every descendant left.
+
+    The SuperLink's SuperExec runs in a session of its own and a run's ``flwr-serverapp`` may be
+    orphaned when the SuperExec stops, so descendants are collected before the first signal.
+    """
+    running = [daemon for daemon in daemons if daemon.alive()]
+    leftovers: list[psutil.Process] = []
+    for daemon in running:
+        leftovers.extend(daemon.descendants())
+        daemon.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for daemon in running:
+        try:
+            daemon.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            daemon.signal_group(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                daemon.process.wait(timeout=5)
+    for daemon in daemons:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            daemon.process.wait(timeout=0.1)  # reap
+        daemon.close_log()
+    alive = [proc for proc in leftovers if proc.is_running()]
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+@contextlib.contextmanager
+def terminate_on_signals() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise KeyboardInterrupt (like Ctrl-C) so ``finally`` blocks stop the
+    processes; only in the main thread, where Python delivers signals."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def node_config_string(values: dict[str, Any]) -> str:
+    """``--node-config`` text: TOML-typed ``k=v`` pairs (strings quoted, as Flower requires)."""
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def node_configs(config: ExperimentConfig, num_nodes: int) -> list[dict[str, Any]]:
+    """Each SuperNode's node config: what a silo declares (partition, rank, budgets).
+
+    Label noise is not declared: it is part of the experiment (``[data]``) the client receives.
+    """
+    from fedlora.profile import configured_budgets, configured_rank
+
+    configs = []
+    for partition_id in range(num_nodes):
+        values: dict[str, Any] = {
+            "partition-id": partition_id,
+            "num-partitions": num_nodes,
+            "rank": configured_rank(config.clients, config.model.lora_rank, partition_id, num_nodes),
+        }
+        budgets = configured_budgets(config.clients, partition_id, num_nodes)
+        values |= {f"budget-{key}": float(value) for key, value in budgets.items()}
+        configs.append(values)
+    return configs
+
+
+def app_dir() -> Path:
+    """The repository root: its pyproject.toml declares the Flower app (server + client)."""
+    import fedlora
+
+    root = Path(fedlora.__file__).resolve().parents[1]
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file() or "[tool.flwr.app.components]" not in pyproject.read_text(encoding="utf-8"):
+        raise ConfigError(
+            f"fedlora's Flower app not found at {root} (pyproject.toml with [tool.flwr.app.components]); "
+            "install fedlora editable from its repository: pip install -e ."
+        )
+    return root
+
+
+@dataclass
+class Refusal:
+    """A SuperNode the SuperLink did not accept."""
+
+    name: str
+    returncode: int | None
+    seconds: float
+    reason: str
+    log_path: Path
+
+
+@dataclass
+class LocalDeployment:
+    """One SuperLink on 127.0.0.1 and the SuperNodes started against it (context manager)."""
+
+    out_dir: Path
+    num_nodes: int
+    insecure: bool = False
+    max_retries: int = 3
+    start_timeout: float = 90.0
+    cli_timeout: float = 120.0
+    daemons: list[Daemon] = field(default_factory=list)
+    supernodes: list[Daemon] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir).resolve()
+        self.logs = self.out_dir / "logs"
+        self.homes = self.out_dir / "flwr"
+        self.ports = Ports.pick(self.num_nodes + 4)  # spares for extra (e.g. refused) SuperNodes
+        self.certs: CertPaths | None = None
+        self.superlink: Daemon | None = None
+        self._next_port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the SuperNodes first (they outlive a vanished SuperLink), then the SuperLink."""
+        started = time.monotonic()
+        nodes = [d for d in self.daemons if d is not self.superlink]
+        stop_daemons(nodes)
+        if self.superlink is not None:
+            stop_daemons([self.superlink])
+        self.timings["stop_seconds"] = round(time.monotonic() - started, 2)
+
+    def _spawn(self, name: str, cmd: list[str], home: str | None = None) -> Daemon:
+        daemon = Daemon(name, cmd, flower_env(self.homes / (home or name)), self.logs / f"{name}.log")
+        self.daemons.append(daemon)
+        return daemon
+
+    def _take_port(self) -> int:
+        if self._next_port >= len(self.ports.supernodes):
+            self.ports.supernodes.extend(Ports.pick(4).supernodes)
+        port = self.ports.supernodes[self._next_port]
+        self._next_port += 1
+        return port
+
+    # ------------------------------------------------------------------ SuperLink + CLI
+    def start_superlink(self) -> Daemon:
+        started = time.monotonic()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [str(BIN / "flower-superlink")]
+        if self.insecure:
+            cmd.append("--insecure")
+        else:
+            self.certs = write_certs(self.out_dir / "certs", num_nodes=self.num_nodes)
+            cmd += [
+                "--ssl-ca-certfile", str(self.certs.ca_cert),
+                "--ssl-certfile", str(self.certs.server_cert),
+                "--ssl-keyfile", str(self.certs.server_key),
+                "--enable-supernode-auth",
+            ]  # fmt: skip
+        cmd += [
+            "--disable-runtime-dependency-installation",
+            "--host", HOST, "--port", str(self.ports.control),
+            "--fleet-api-address", f"{HOST}:{self.ports.fleet}",
+        ]  # fmt: skip
+        self.superlink = self._spawn("superlink", cmd)
+        ready = self.superlink.wait_for(SUPERLINK_READY, self.start_timeout)
+        while ready and not (port_open(self.ports.control) and port_open(self.ports.fleet)):
+            if time.monotonic() - started > self.start_timeout:
+                ready = False
+                break
+            time.sleep(0.1)
+        if not ready:
+            raise DeployError(
+                f"the SuperLink did not start within {self.start_timeout:.0f}s: {self.superlink.reason()} "
+                f"(log: {self.superlink.log_path})"
+            )
+        self._write_cli_config()
+        self.timings["superlink_start_seconds"] = round(time.monotonic() - started, 2)
+        return self.superlink
+
+    def _write_cli_config(self) -> None:
+        home = self.homes / "cli"
+        home.mkdir(parents=True, exist_ok=True)
+        security = "insecure = true" if self.insecure else f'root-certificates = "{self.certs.ca_cert}"'
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "{HOST}:{self.ports.control}"\n{security}\n',
+            encoding="utf-8",
+        )
+
+    def flwr(self, *args: str, timeout: float | None = None) -> dict[str, Any]:
+        """Run ``flwr ARGS --format json`` against this SuperLink; the parsed JSON reply."""
+        cmd = [str(BIN / "flwr"), *args, "--format", "json"]
+        try:
+            done = subprocess.run(
+                cmd, env=flower_env(self.homes / "cli"), capture_output=True, text=True,
+                timeout=timeout or self.cli_timeout, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise DeployError(f"`flwr {args[0]}` did not answer within {timeout or self.cli_timeout:.0f}s") from None
+        output = done.stdout + done.stderr
+        start, end = output.find("{"), output.rfind("}")
+        try:
+            reply = json.loads(output[start : end + 1])
+        except ValueError:
+            last = " ".join(output.split())[-300:]
+            raise DeployError(f"`flwr {' '.join(args[:2])}` failed (rc {done.returncode}): {last}") from None
+        if not reply.get("success", True):
+            raise DeployError(f"`flwr {' '.join(args[:2])}` failed: {' '.join(str(reply.get('error-message')).split())}")
+        return reply
+
+    def register(self, private_keys: Sequence[Path]) -> list[int]:
+        """``flwr supernode register`` every key (in parallel); the node ids the SuperLink assigned."""
+        started = time.monotonic()
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(key: Path) -> int:
+            reply = self.flwr("supernode", "register", str(public_key_path(key)), CONNECTION)
+            return int(reply["node-id"])
+
+        with ThreadPoolExecutor(max_workers=max(1, min(4, len(private_keys)))) as pool:
+            ids = list(pool.map(one, private_keys))
+        self.timings["register_seconds"] = round(time.monotonic() - started, 2)
+        return ids
+
+    # ------------------------------------------------------------------ SuperNodes
+    def supernode_cmd(self, node_config: dict[str, Any], key: Path | None, tls: bool, port: int) -> list[str]:
+        cmd = [str(BIN / "flower-supernode"), "--superlink", f"{HOST}:{self.ports.fleet}"]
+        if tls:
+            if self.certs is None:
+                raise DeployError("a TLS SuperNode needs the deployment's CA; start the SuperLink with TLS")
+            cmd += ["--root-certificates", str(self.certs.ca_cert)]
+        else:
+            cmd.append("--insecure")
+        if key is not None:
+            cmd += ["--auth-supernode-private-key", str(key)]
+        cmd += [
+            "--node-config", node_config_string(node_config),
+            "--max-retries", str(self.max_retries),  # Flower's default retries forever
+            "--host", HOST, "--port", str(port),
+        ]  # fmt: skip
+        return cmd
+
+    def spawn_supernode(self, name: str, node_config: dict[str, Any], key: Path | None, tls: bool) -> Daemon:
+        daemon = self._spawn(name, self.supernode_cmd(node_config, key, tls, self._take_port()))
+        return daemon
+
+    def start_supernodes(self, configs: Sequence[dict[str, Any]], keys: Sequence[Path | None]) -> list[Daemon]:
+        """Start the SuperNodes in parallel and wait until each has been accepted (``SuperNode ID``)."""
+        started = time.monotonic()
+        tls = not self.insecure
+        first = len(self.supernodes)
+        new = [
+            self.spawn_supernode(f"supernode-{first + i}", cfg, key, tls)
+            for i, (cfg, key) in enumerate(zip(configs, keys, strict=True))
+        ]
+        for daemon in new:
+            if not daemon.wait_for(SUPERNODE_READY, self.start_timeout):
+                what = "was refused" if not daemon.alive() else f"was not accepted within {self.start_timeout:.0f}s"
+                raise DeployError(f"SuperNode {daemon.name} {what}: {daemon.reason()} (log: {daemon.log_path})")
+        self.supernodes.extend(new)
+        self.timings["supernodes_start_seconds"] = round(time.monotonic() - started, 2)
+        return new
+
+    def try_supernode(self, name: str, key: Path | None, tls: bool, timeout: float = 90.0) -> Refusal | None:
+        """Start one SuperNode and wait until it is accepted (None) or gives up (its Refusal).
+
+        Bounded: ``--max-retries`` makes a SuperNode that cannot connect exit; ``timeout`` stops
+        one that neither connects nor exits.
+        """
+        config = {"partition-id": 0, "num-partitions": max(1, self.num_nodes)}
+        daemon = self.spawn_supernode(name, config, key, tls)
+        accepted = daemon.wait_for(SUPERNODE_READY, timeout)
+        seconds = time.monotonic() - daemon.started
+        if accepted:
+            stop_daemons([daemon])
+            return None
+        alive = daemon.alive()
+        stop_daemons([daemon])
+        reason = daemon.reason() if not alive else f"no answer within {timeout:.0f}s; {daemon.reason()}"
+        return Refusal(name, daemon.process.returncode, round(seconds, 2), reason, daemon.log_path)
+
+    # ------------------------------------------------------------------ runs
+    def submit(self, app: Path, run_config: Path) -> int:
+        """``flwr run APP`` with a run-config file; the run id. The app's pyproject is never changed."""
+        pyproject = app / "pyproject.toml"
+        before = pyproject.read_bytes()
+        started = time.monotonic()
+        try:
+            reply = self.flwr("run", str(app), CONNECTION, "--run-config", str(run_config))
+        finally:
+            if pyproject.read_bytes() != before:  # e.g. a legacy [tool.flwr.federations] migration
+                pyproject.write_bytes(before)
+                logger.warning("flwr run rewrote %s; restored it", pyproject)
+        self.timings["submit_seconds"] = round(time.monotonic() - started, 2)
+        return int(reply["run-id"])
+
+    def run_status(self, run_id: int) -> dict[str, Any]:
+        runs = self.flwr("ls", CONNECTION, "--run-id", str(run_id)).get("runs", [])
+        return runs[0] if runs else {"status": "unknown"}
+
+    def wait_run(self, run_id: int, timeout: float, poll: float = 5.0) -> dict[str, Any]:
+        """Wait until the run is finished; fail fast if a SuperNode or the SuperLink dies.
+
+        One ``flwr log RUN --stream`` process follows the ServerApp log into
+        ``DIR/logs/serverapp.log`` and ends when the run ends (cheap: a CLI call costs about a
+        second of CPU); ``flwr ls`` then reads the status. If the stream ends early, ``flwr ls``
+        is polled every ``poll`` seconds.
+        """
+        started = time.monotonic()
+        deadline = started + timeout
+        stream = self._spawn("serverapp", [str(BIN / "flwr"), "log", str(run_id), CONNECTION, "--stream"], home="cli")
+        run: dict[str, Any] = {"status": "unknown"}
+        try:
+            while True:
+                if not stream.alive():
+                    run = self.run_status(run_id)
+                    if str(run.get("status", "")).startswith("finished"):
+                        break
+                for daemon in [self.superlink, *self.supernodes]:
+                    if daemon is not None and not daemon.alive():
+                        raise DeployError(
+                            f"{daemon.name} exited during run {run_id}: {daemon.reason()} (log: {daemon.log_path})"
+                        )
+                if time.monotonic() > deadline:
+                    with contextlib.suppress(DeployError):
+                        self.flwr("stop", str(run_id), CONNECTION)
+                    raise DeployError(
+                        f"run {run_id} did not finish within {timeout:.0f}s (status {run.get('status')}); "
+                        f"stopped it (logs: {self.logs})"
+                    )
+                time.sleep(poll if not stream.alive() else 1.0)
+        finally:
+            stop_daemons([stream], grace=3.0)
+            self.daemons.remove(stream)
+        self.timings["run_seconds"] = round(time.monotonic() - started, 2)
+        return run
+
+    # ------------------------------------------------------------------ evidence
+    def fleet_is_grpc_over_tls(self) -> bool:
+        """The SuperLink log names the gRPC Fleet API, serves https and has no insecure warning."""
+        text = self.superlink.text() if self.superlink else ""
+        return (
+            FLEET_LOG_LINE in text
+            and f"{SUPERLINK_READY} https://" in text
+            and not any(warning in text for warning in INSECURE_WARNINGS)
+        )
+
+
+def write_run_config(config: ExperimentConfig, path: Path) -> Path:
+    """A ``--run-config`` file whose single key ``experiment`` holds the resolved config (JSON)."""
+    # JSON string escapes (\" \\ \n \uXXXX) are valid TOML basic-string escapes.
+    path.write_text(f"experiment = {json.dumps(config.to_json())}\n", encoding="utf-8")
+    return path
+
+
+def deploy_local(
+    config: ExperimentConfig | str | Path | dict,
+    num_nodes: int | None = None,
+    out_dir: str | Path | None = None,
+    overrides: list[str] | None = None,
+    insecure: bool = False,
+    timeout: float = 3600.0,
+    on_ready: Callable[[LocalDeployment], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``config`` on a local SuperLink + ``num_nodes`` SuperNodes; the results dict.
+
+    ``on_ready(deployment)`` is called after the run finished, while every process is still up
+    (the tests use it for probes against the live SuperLink).
+    """
+    from fedlora.results import load_results
+    from fedlora.runner import check_inputs, resolve
+
+    config = resolve(config, overrides)
+    nodes = config.data.num_clients if num_nodes is None else num_nodes
+    if nodes != config.data.num_clients:
+        raise ConfigError(
+            f"--nodes {nodes} differs from data.num_clients={config.data.num_clients}; every SuperNode "
+            f"holds one partition: use --nodes {config.data.num_clients} or --set data.num_clients={nodes}"
+            + (f" --set clients.ranks=[...] ({nodes} ranks)" if config.clients.ranks else "")
+        )
+    out = Path(out_dir or config.output.dir).resolve()
+    if (out / "flwr").exists() or (out / "certs").exists():
+        raise ConfigError(f"{out} holds an earlier deployment (certs/, flwr/); choose a new --out folder")
+    config.output.dir = str(out)
+    app = app_dir()
+    check_inputs(config)  # one-line errors for a missing model or unreadable data, before any process
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure) as deployment:
+        deployment.start_superlink()
+        logger.info("SuperLink up: Control API https://%s:%d (loopback only), Fleet API %s:%d",
+                    HOST, deployment.ports.control, HOST, deployment.ports.fleet)
+        keys: list[Path | None] = [None] * nodes
+        if not insecure:
+            keys = list(deployment.certs.node_keys)
+            deployment.register(keys)
+        deployment.start_supernodes(node_configs(config, nodes), keys)
+        logger.info("%d SuperNodes accepted; submitting the run", nodes)
+        run_id = deployment.submit(app, write_run_config(config, out / "run_config.toml"))
+        run = deployment.wait_run(run_id, timeout)
+        server_log = deployment.logs / "serverapp.log"
+        if run.get("status") != "finished:completed":
+            details = " ".join(str(run.get("status-details", "")).split())
+            raise DeployError(f"run {run_id} ended {run.get('status')}: {details} (log: {server_log})")
+        if on_ready is not None:
+            on_ready(deployment)
+        evidence = {
+            "run_id": run_id,
+            "nodes": nodes,
+            "tls": not insecure,
+            "supernode_auth": not insecure,
+            "fleet_grpc_tls_logged": deployment.fleet_is_grpc_over_tls(),
+            "ports": {"control": deployment.ports.control, "fleet": deployment.ports.fleet},
+            "flower_run": {k: run.get(k) for k in ("status", "elapsed", "network-traffic", "compute-time")},
+        }
+    timings = {**deployment.timings, "total_seconds": round(time.monotonic() - started, 2)}
+    results_path = out / "results.json"
+    if not results_path.is_file():
+        raise DeployError(f"run {run_id} finished without writing {results_path} (log: {server_log})")
+    (out / "deployment.json").write_text(json.dumps({**evidence, "timings": timings}, indent=2), encoding="utf-8")
+    results = load_results(results_path)
+    results["deployment"] = {**evidence, "timings": timings}
+    return results

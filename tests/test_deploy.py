@@ -1,0 +1,228 @@
+"""Cross-silo deployment: certificates, a real TLS + auth SuperLink with SuperNodes on 127.0.0.1.
+
+The slow tests start real Flower 1.39 processes (``flower-superlink``, ``flower-supernode``,
+``flwr``); after each one no process that belongs to the test's folder may be left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from fedlora.config import ConfigError
+from fedlora.deploy.certs import write_certs, write_node_key
+from fedlora.deploy.local import HOST, DeployError, LocalDeployment, deploy_local
+
+REPO = Path(__file__).resolve().parents[1]
+FEDLORA = str(Path(sys.executable).parent / "fedlora")
+# Two silos with different ranks, a heterogeneous-rank method, 2 rounds of the smoke experiment.
+TWO_SILOS = ["data.num_clients=2", "clients.ranks=[2, 8]", "strategy.name=hetlora", "train.rounds=2"]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def processes_of(folder: Path) -> list[psutil.Process]:
+    """Processes whose FLWR_HOME or command line points into ``folder`` (every Flower process
+    the deployment starts has one or the other, including per-message ClientApps)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            home = proc.environ().get("FLWR_HOME", "")
+            if home.startswith(str(folder)) or str(folder) in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def no_leftovers(tmp_path: Path):
+    """Assert after the test that nothing it started is still running (and clean up if so)."""
+    yield tmp_path
+    left = processes_of(tmp_path)
+    _, alive = psutil.wait_procs(left, timeout=5)  # a process exiting right now is not a leak
+    names = [" ".join(p.cmdline()[:2]) for p in alive if p.is_running()]
+    for proc in alive:
+        proc.kill()
+    assert names == [], f"processes left behind: {names}"
+
+
+def tls_handshake(port: int, ca_file: Path) -> tuple[str, str, list[str]]:
+    """TLS handshake on ``port`` verifying the certificate against ``ca_file``, offering HTTP/2
+    (gRPC's transport): (TLS version, negotiated ALPN protocol, IP SANs of the peer)."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((HOST, port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname=HOST) as tls:
+            cert = tls.getpeercert()
+            ips = [value for kind, value in cert.get("subjectAltName", ()) if kind == "IP Address"]
+            return tls.version() or "", tls.selected_alpn_protocol() or "", ips
+
+
+# ---------------------------------------------------------------- certificates (fast)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "dns", "ips"),
+    [
+        (["localhost", "127.0.0.1", "::1"], ["localhost"], ["127.0.0.1", "::1"]),
+        (["superlink.example.org", "10.0.0.5"], ["superlink.example.org"], ["10.0.0.5", "127.0.0.1"]),
+    ],
+    ids=["default", "remote-host"],
+)
+def test_certs_are_a_valid_chain_with_ssh_node_keys(tmp_path: Path, hosts, dns, ips) -> None:
+    # Prepare / Execute
+    paths = write_certs(tmp_path / "certs", hosts=hosts, num_nodes=2)
+
+    # Assert: the server certificate is signed by the CA and names every host (+ 127.0.0.1)
+    ca = x509.load_pem_x509_certificate(paths.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(paths.server_cert.read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == dns
+    assert sorted(str(ip) for ip in san.get_values_for_type(x509.IPAddress)) == sorted(ips)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    # SuperNode keys: EC P-384 in OpenSSH format, private keys readable by the owner only
+    for key in paths.node_keys:
+        private = serialization.load_ssh_private_key(key.read_bytes(), password=None)
+        public = serialization.load_ssh_public_key(Path(f"{key}.pub").read_bytes())
+        assert isinstance(private.curve, ec.SECP384R1) and isinstance(public, ec.EllipticCurvePublicKey)
+        assert private.public_key().public_numbers() == public.public_numbers()
+        assert key.stat().st_mode & 0o077 == 0
+    assert paths.ca_key.stat().st_mode & 0o077 == 0 and paths.server_key.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["deploy", "local", "configs/smoke.toml", "--nodes", "5"], "--nodes 5 differs from data.num_clients=3"),
+        (["deploy", "certs", "{tmp}", "--hosts", "bad host"], "neither an IP address nor a host name"),
+        (["deploy", "local", "configs/smoke.toml", "--set", "data.num_clients=0"], "data.num_clients"),
+    ],
+    ids=["nodes-mismatch", "bad-host", "bad-config"],
+)
+def test_deploy_cli_user_errors_are_one_line_exit_2(tmp_path: Path, argv: list[str], message: str) -> None:
+    # Execute
+    argv = [arg.replace("{tmp}", str(tmp_path / "certs")) for arg in argv]
+    done = subprocess.run([FEDLORA, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    # Assert
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_earlier_certs_are_never_overwritten(tmp_path: Path) -> None:
+    write_certs(tmp_path / "certs")
+    with pytest.raises(ConfigError, match="already exists"):
+        write_certs(tmp_path / "certs")
+
+
+# ---------------------------------------------------------------- real deployments (slow)
+
+
+@pytest.mark.slow
+def test_tls_auth_deployment_two_silos_and_refused_supernodes(no_leftovers: Path) -> None:
+    # Prepare: probes that run against the live SuperLink once the run has finished
+    out = no_leftovers / "run"
+    pyproject_before = (REPO / "pyproject.toml").read_bytes()
+    probes: dict[str, object] = {}
+
+    def on_ready(deployment: LocalDeployment) -> None:
+        ca = deployment.certs.ca_cert
+        probes["handshake"] = tls_handshake(deployment.ports.fleet, ca)
+        other_ca = write_certs(no_leftovers / "other").ca_cert
+        with pytest.raises(ssl.SSLCertVerificationError):
+            tls_handshake(deployment.ports.fleet, other_ca)
+        rogue = write_node_key(no_leftovers / "rogue" / "node_rogue")
+        probes["unregistered"] = deployment.try_supernode("neg-unregistered-key", key=rogue, tls=True)
+        probes["plaintext"] = deployment.try_supernode("neg-plaintext", key=None, tls=False)
+        probes["keyless"] = deployment.try_supernode("neg-keyless", key=None, tls=True)
+        with pytest.raises(DeployError) as refused:  # how the tool reports a refused silo
+            deployment.start_supernodes([{"partition-id": 0, "num-partitions": 2}], [rogue])
+        probes["reported"] = str(refused.value)
+
+    # Execute
+    results = deploy_local("configs/smoke.toml", num_nodes=2, out_dir=out, overrides=TWO_SILOS, timeout=900,
+                           on_ready=on_ready)  # fmt: skip
+
+    # Assert: the run wrote the same results contract as `fedlora run`, for both silos and ranks
+    assert (out / "results.json").is_file() and (out / "accuracy_vs_round.png").is_file()
+    assert results["strategy"] == "hetlora" and results["config"]["output"]["dir"] == str(out)
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
+    assert all(r["clients"] == 2 and r["failures"] == 0 and r["bytes_up"] > 0 for r in results["rounds"])
+    assert results["final"]["global_accuracy"] is not None
+    profiles = results["strategy_info"]["clients"]
+    assert {pid: p["rank"] for pid, p in profiles.items()} == {"0": 2, "1": 8}  # from each node config
+    for per_client in results["rounds"][-1]["per_client"].values():  # cold-start timings per message
+        assert per_client["import-seconds"] > 0 and per_client["start-seconds"] >= per_client["setup-seconds"]
+    assert results["deployment"]["flower_run"]["status"] == "finished:completed"
+    # Fleet traffic is gRPC over TLS: the SuperLink's own log and a verified TLS handshake (HTTP/2)
+    superlink_log = (out / "logs" / "superlink.log").read_text()
+    assert f"Fleet API (gRPC-rere) on {HOST}:{results['deployment']['ports']['fleet']}" in superlink_log
+    assert "Uvicorn running on https://" in superlink_log
+    assert "Option --insecure was set" not in superlink_log
+    assert "SuperNode authentication is disabled" not in superlink_log
+    version, alpn, ips = probes["handshake"]
+    assert version in ("TLSv1.2", "TLSv1.3") and alpn == "h2" and "127.0.0.1" in ips
+    assert results["deployment"]["fleet_grpc_tls_logged"]
+    # Negative cases: each refused, and each SuperNode gave up by itself (no hang, no kill needed)
+    expected = {
+        "unregistered": "Failed to activate SuperNode",
+        "plaintext": "Giving up reconnection",
+        "keyless": "SuperNode authentication is enabled",
+    }
+    for case, marker in expected.items():
+        refusal = probes[case]
+        assert refusal is not None, f"{case}: the SuperLink accepted it"
+        assert refusal.returncode == 1, f"{case}: {refusal}"
+        assert marker in refusal.reason, f"{case}: {refusal.reason}"
+    assert "was refused" in probes["reported"] and "(log: " in probes["reported"]
+    assert "\n" not in probes["reported"]
+    # the plaintext SuperNode's attempts died in the SuperLink's TLS layer (gRPC's own log line)
+    assert "WRONG_VERSION_NUMBER" in (out / "logs" / "superlink.log").read_text()
+    # flwr run left the repository's pyproject.toml alone
+    assert (REPO / "pyproject.toml").read_bytes() == pyproject_before
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(no_leftovers: Path) -> None:
+    # Prepare: a CLI deployment, interrupted once both SuperNodes are up
+    out = no_leftovers / "run"
+    sets = [arg for item in TWO_SILOS for arg in ("--set", item)]
+    cli = subprocess.Popen(
+        [FEDLORA, "deploy", "local", "configs/smoke.toml", "--nodes", "2", "--out", str(out), *sets],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    node_log = out / "logs" / "supernode-1.log"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and cli.poll() is None:
+        if node_log.is_file() and "SuperNode ID:" in node_log.read_text():
+            break
+        time.sleep(0.5)
+    assert cli.poll() is None, cli.communicate()
+    started = processes_of(no_leftovers)
+
+    # Execute: Ctrl-C
+    os.kill(cli.pid, signal.SIGINT)
+    _, stderr = cli.communicate(timeout=120)
+
+    # Assert: interrupted, reported, and the processes that were running are gone (fixture: all)
+    assert cli.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert len(started) >= 3  # SuperLink + 2 SuperNodes (and their SuperExecs)
+    assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
