@@ -44,8 +44,6 @@ def _startup_metrics(setup_seconds: float) -> dict[str, float]:
     return metrics
 
 
-
-
 def _job(msg: Message, context: Context):
     """Resolve config, profile and data for this message (heavy imports happen here)."""
     started = time.perf_counter()
@@ -68,8 +66,34 @@ def _job(msg: Message, context: Context):
     else:
         data = federated.client(profile.partition_id)
     profile.num_train_examples = len(data.train)
+    _restore_state(message_config, context, profile.partition_id)
     job = ClientJob(config, profile, data, federated, context.state, message_config)
     return job, time.perf_counter() - started
+
+
+def _checkpoint_root(message_config: dict, context: Context) -> str:
+    """Where this client checkpoints its kept state: the node config's ``checkpoint-dir`` (a
+    silo's own folder in a deployment), else the folder the server names (simulation)."""
+    return str(context.node_config.get("checkpoint-dir", "") or message_config.get("checkpoint-dir", ""))
+
+
+def _restore_state(message_config: dict, context: Context, partition_id: int) -> None:
+    """On a resumed run, refill an empty ``context.state`` from the client's checkpoint."""
+    root = _checkpoint_root(message_config, context)
+    upto = int(message_config.get("resume-round", 0))
+    if root and upto and len(context.state) == 0:
+        from fedlora.checkpoint import restore_client_state
+
+        restored = restore_client_state(root, partition_id, upto, context.state)
+        log(DEBUG, "client %d: restored state of round %d", partition_id, restored)
+
+
+def _save_state(job, context: Context) -> None:
+    root = _checkpoint_root(job.message_config, context)
+    if root:
+        from fedlora.checkpoint import save_client_state
+
+        save_client_state(root, job.profile.partition_id, job.server_round, context.state)
 
 
 def _limit_threads(num_cpus: float) -> None:
@@ -97,13 +121,18 @@ def train(msg: Message, context: Context) -> Message:
     """Merge the download with local state, train locally, upload what the method uploads."""
     from fedlora.lora import from_array_record, to_array_record
 
+    from clients.faults import maybe_corrupt, maybe_fail
+
     job, setup_seconds = _job(msg, context)
+    faults = job.config.faults
+    maybe_fail(faults, job.server_round, job.profile.partition_id)  # simulated crash ([faults])
     trainer = _trainer(job)
     model = trainer.prepare(from_array_record(msg.content["arrays"]))
     startup = _startup_metrics(setup_seconds)
     stats = trainer.fit(model)
-    upload = trainer.upload(model)
+    upload, _ = maybe_corrupt(faults, job.server_round, job.profile.partition_id, trainer.upload(model))
     trainer.save_state(trainer.keep(model))
+    _save_state(job, context)
     metrics = {
         "num-examples": len(job.data.train),
         "partition-id": job.profile.partition_id,

@@ -244,6 +244,43 @@ class ClientsConfig(_Section):
         return tiers
 
 
+class FaultsConfig(_Section):
+    """Failure injection (simulation) and the server's defences against bad updates."""
+
+    drop_rate: float = Field(
+        0.0, description="Probability that a sampled client fails its training round (it raises "
+        "inside the ClientApp, as a crashed silo would), in [0, 1)."
+    )
+    corrupt_rate: float = Field(
+        0.0, description="Probability that a sampled client sends a malformed update instead of "
+        "its real one, in [0, 1) (exercises the server's validation)."
+    )
+    corrupt_kinds: list[Literal["nan", "inf", "shape", "rank", "keys", "norm"]] = Field(
+        default_factory=lambda: ["nan", "inf", "shape", "rank", "keys", "norm"],
+        description="Malformations a corrupting client picks from: NaN, Inf, a wrong shape, a "
+        "wrong rank, unexpected keys, or a huge norm (x1e6).",
+    )
+    seed: int = Field(0, description="Seed of the failure draws (per round and client).")
+    norm_outlier_factor: float = Field(
+        10.0, ge=0.0, description="Reject an update whose L2 norm exceeds this multiple of the "
+        "round's median update norm (needs >= 3 updates; 0 = off)."
+    )
+    max_update_norm: float = Field(
+        0.0, ge=0.0, description="Reject an update whose L2 norm exceeds this absolute bound (0 = off)."
+    )
+    max_failed_rounds: int = Field(
+        3, ge=1, description="Consecutive rounds with fewer than federation.min_clients valid "
+        "updates (state unchanged, the next round retries with a new sample) before the run stops."
+    )
+
+    @field_validator("drop_rate", "corrupt_rate")
+    @classmethod
+    def _rate_range(cls, value: float) -> float:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"must be in [0, 1), got {value}")
+        return value
+
+
 class OutputConfig(_Section):
     """Where results go."""
 
@@ -260,6 +297,7 @@ class ExperimentConfig(_Section):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")

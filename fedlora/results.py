@@ -39,7 +39,9 @@ class RoundRecord:
     bytes_down: int = 0  # training downloads this round
     bytes_eval_down: int = 0  # arrays sent with evaluation messages (not training traffic)
     clients: int = 0  # successful training replies
-    failures: int = 0  # failed or rejected training replies
+    failures: int = 0  # training replies not aggregated: errors (crash, timeout) + rejected
+    rejected: int = 0  # of which malformed or outlier updates refused by validation
+    rejections: list[str] = field(default_factory=list)  # "client <k>: <reason>" per rejection
     refused: list[int] = field(default_factory=list)  # partition ids refused (bad profile/update)
     seconds: float = 0.0  # wall time of the round (train + evaluation)
     client_train_seconds: float = 0.0  # summed local training time of the clients

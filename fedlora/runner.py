@@ -83,14 +83,26 @@ def run(
     overrides: list[str] | None = None,
     out_dir: str | Path | None = None,
     verbose: bool = False,
+    resume: str | Path | None = None,
+    engine: str = "ray",
 ) -> dict[str, Any]:
-    """Run one experiment in Flower's simulation engine and return its results dict."""
+    """Run one experiment in Flower's simulation engine and return its results dict.
+
+    ``resume``: the output folder of an interrupted run; continue it after its last complete
+    round (same config; ``train.rounds`` may grow). ``engine``: ``ray`` (Flower's simulation
+    engine) or ``inprocess`` (the same apps in this process, simulations/inprocess.py)."""
     config = resolve(config, overrides)
-    out = Path(out_dir or config.output.dir)
+    out = Path(resume or out_dir or config.output.dir)
     config.output.dir = str(out)
+    if resume:
+        from fedlora.checkpoint import load_server
+
+        load_server(out, config)  # a missing checkpoint or another config: one line, before any start
     out.mkdir(parents=True, exist_ok=True)
     prepare_environment(out)
     check_inputs(config)
+    if engine == "inprocess":
+        return _run_inprocess(config, out, bool(resume), verbose)
 
     from flwr.simulation import run_simulation
 
@@ -100,13 +112,16 @@ def run(
     module, attr = CLIENT_APP.split(":")
     client_app = getattr(importlib.import_module(module), attr)
     _quiet_flower(verbose)
-    run_simulation(
-        server_app=make_server_app(config, str(out)),
-        client_app=client_app,
-        num_supernodes=config.data.num_clients,
-        backend_config=backend_config(config, out),
-        verbose_logging=verbose,
-    )
+    try:
+        run_simulation(
+            server_app=make_server_app(config, str(out), resume=bool(resume)),
+            client_app=client_app,
+            num_supernodes=config.data.num_clients,
+            backend_config=backend_config(config, out),
+            verbose_logging=verbose,
+        )
+    except RuntimeError as error:  # Flower wraps the ServerApp's exception: report its cause
+        raise RunError(f"{root_cause(error)} (results so far: {out / 'results.json'})") from None
     results_path = out / "results.json"
     if not results_path.is_file():
         raise RunError(f"the simulation ended without writing {results_path}; rerun with --verbose")
@@ -114,6 +129,24 @@ def run(
     if not any(r["clients"] for r in results["rounds"]):
         raise RunError("every client update failed in every round; rerun with --verbose to see the client errors")
     return results
+
+
+def _run_inprocess(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -> dict[str, Any]:
+    from fedlora.results import load_results
+    from simulations.inprocess import run_inprocess
+
+    _quiet_flower(verbose)
+    writer = run_inprocess(config, out, resume=resume)
+    if not any(r.clients for r in writer.rounds):
+        raise RunError("every client update failed in every round; rerun with --verbose to see the client errors")
+    return load_results(out / "results.json")
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost exception of a chain, as one line."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def _quiet_flower(verbose: bool) -> None:

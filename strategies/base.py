@@ -38,6 +38,10 @@ from fedlora.results import RoundRecord
 InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
 
 
+class RoundFailedError(RuntimeError):
+    """Too many consecutive rounds without enough valid updates (faults.max_failed_rounds)."""
+
+
 class StrategyOptions(BaseModel):
     """Options common to every strategy (none yet); subclasses add theirs."""
 
@@ -108,7 +112,10 @@ class LoRAStrategy(Strategy):
         self.rng = np.random.default_rng(experiment.train.seed)
         self._experiment_json = experiment.to_json()
         self.adapter_dir = ""  # set by the ServerApp: personalised adapters are saved there
+        self.failed_rounds = 0  # consecutive rounds with too few valid updates
         self.common_rank = 0  # > 0: a same-rank method runs every client at this rank
+        self.checkpoint_dir = ""  # set by the ServerApp: clients write their kept state there
+        self.resumed_from = 0  # > 0: resumed after this round; clients restore their state
 
     # ---------------------------------------------------------------- method interface
     @classmethod
@@ -138,6 +145,10 @@ class LoRAStrategy(Strategy):
         """Extra config entries for ``node_id`` (e.g. its rank); values must be Flower scalars."""
         return {}
 
+    def sample_train(self, server_round: int) -> list[int]:
+        """The nodes that train in ``server_round`` (default: a seeded fraction_train sample)."""
+        return self._sample(self.experiment.federation.fraction_train)
+
     def round_extra(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
         return {}
@@ -151,6 +162,53 @@ class LoRAStrategy(Strategy):
         """Write method-specific files (e.g. plots) into the run's output folder at the end of a
         run; return facts to merge into the results' strategy info. Default: nothing."""
         return {}
+
+    # ---------------------------------------------------------------- checkpoint / resume
+    # Attributes rebuilt on every run (from the config, the models and the profile query).
+    NOT_STATE: ClassVar[frozenset[str]] = frozenset({
+        "experiment", "options", "initial_adapter", "module_shapes", "profiles", "refused",
+        "_experiment_json", "adapter_dir", "checkpoint_dir", "resumed_from",
+    })
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy learned, picklable and independent of Flower's node ids (which
+        are random per run): ``vars(self)`` minus :attr:`NOT_STATE`, with every dict keyed by node
+        id (or by ``(node id, ...)`` tuples) re-keyed by partition id."""
+        to_partition = {node: p.partition_id for node, p in self.profiles.items()}
+        return {key: _rekey(value, to_partition) for key, value in vars(self).items()
+                if key not in self.NOT_STATE and not callable(value)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` after this run's profile query (partition ids -> node ids)."""
+        to_node = {p.partition_id: node for node, p in self.profiles.items()}
+        missing = sorted(set(_partitions_in(state)) - set(to_node))
+        if missing:
+            raise RuntimeError(f"resume: clients {missing} of the checkpoint did not join this run")
+        for key, value in state.items():
+            setattr(self, key, _rekey_back(value, to_node))
+
+    def run_rounds(self, grid: Grid, first: int, last: int, evaluate_fn: Callable[[int, Any], Any] | None = None) -> None:
+        """Flower's ``Strategy.start`` loop for rounds ``first``..``last`` (start always begins at
+        round 1; a resumed run continues at ``k + 1``): configure_train -> send_and_receive ->
+        aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate ->
+        evaluate_fn."""
+        from flwr.app import ArrayRecord
+
+        arrays, timeout = ArrayRecord(), self.experiment.federation.round_timeout
+        if first == 1:
+            self.summary()
+        for server_round in range(first, last + 1):
+            log(INFO, "[ROUND %s/%s]", server_round, last)
+            replies = grid.send_and_receive(
+                messages=self.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+            )
+            self.aggregate_train(server_round, replies)
+            replies = grid.send_and_receive(
+                messages=self.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+            )
+            self.aggregate_evaluate(server_round, replies)
+            if evaluate_fn is not None:
+                evaluate_fn(server_round, arrays)
 
     # ---------------------------------------------------------------- helpers for subclasses
     def lora_shapes(self, rank: int, send_A: bool, send_B: bool, head: bool = True) -> dict[str, tuple[int, ...]]:
@@ -197,7 +255,7 @@ class LoRAStrategy(Strategy):
         self._ensure_profiles(grid)
         book = self.books.setdefault(server_round, _RoundBook(RoundRecord(round=server_round)))
         book.record.refused = sorted(self.refused_partitions())
-        nodes = self._sample(self.experiment.federation.fraction_train)
+        nodes = self.sample_train(server_round)
         messages = []
         for node_id in nodes:
             payload = self.download(node_id, server_round)
@@ -218,9 +276,15 @@ class LoRAStrategy(Strategy):
             book.record.train_examples = int(sum(u.metrics.get("train-examples", 0.0) for u in uploads))
         log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), book.record.failures)
         if len(uploads) < self.experiment.federation.min_clients:
-            log(WARNING, "aggregate_train: %d valid replies < federation.min_clients=%d, state unchanged",
-                len(uploads), self.experiment.federation.min_clients)
+            self.failed_rounds += 1
+            message = (f"round {server_round}: {len(uploads)} valid updates < federation.min_clients="
+                       f"{self.experiment.federation.min_clients}")
+            if self.failed_rounds >= self.experiment.faults.max_failed_rounds:
+                raise RoundFailedError(f"{message}, {self.failed_rounds} rounds in a row "
+                                       f"(faults.max_failed_rounds); stopping the run")
+            log(WARNING, "aggregate_train: %s: state unchanged, the next round retries", message)
             return None, None
+        self.failed_rounds = 0
         started = time.perf_counter()
         self.aggregate(server_round, uploads)
         book.record.aggregation_seconds = time.perf_counter() - started
@@ -291,6 +355,10 @@ class LoRAStrategy(Strategy):
         )
         if self.common_rank:
             config["common-rank"] = self.common_rank
+        if self.checkpoint_dir:
+            config["checkpoint-dir"] = self.checkpoint_dir
+        if self.resumed_from:
+            config["resume-round"] = self.resumed_from
         if message_type == MessageType.EVALUATE:
             config["eval-global"] = self.global_payload() is None
             if self.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:
@@ -375,12 +443,38 @@ class LoRAStrategy(Strategy):
             payload = from_array_record(msg.content["arrays"])
             problem = check_upload(payload, self.expected_upload(node_id))
             if problem:
-                record.failures += 1
-                log(WARNING, "aggregate_train: rejecting update of client %d: %s", self.partition_of(node_id), problem)
+                self._reject(record, self.partition_of(node_id), problem)
                 continue
             metrics = {k: float(v) for k, v in dict(msg.content["metrics"]).items()}
             uploads.append(ClientUpload(node_id, self.partition_of(node_id), payload, int(metrics["num-examples"]), metrics))
-        return sorted(uploads, key=lambda u: u.partition_id)
+        return self._drop_norm_outliers(sorted(uploads, key=lambda u: u.partition_id), record)
+
+    def _reject(self, record: RoundRecord, partition_id: int, reason: str) -> None:
+        record.failures += 1
+        record.rejected += 1
+        record.rejections.append(f"client {partition_id}: {reason}")
+        log(WARNING, "aggregate_train: rejecting update of client %d: %s", partition_id, reason)
+
+    def _drop_norm_outliers(self, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
+        """Refuse updates whose norm is absurd: above faults.max_update_norm, or above
+        faults.norm_outlier_factor x the round's median norm (with >= 3 updates)."""
+        faults = self.experiment.faults
+        norms = [update_norm(u.payload) for u in uploads]
+        limit = faults.max_update_norm or math.inf
+        if faults.norm_outlier_factor and len(uploads) >= 3:
+            limit = min(limit, faults.norm_outlier_factor * float(np.median(norms)))
+        kept = []
+        for upload, norm in zip(uploads, norms):
+            if norm > limit:
+                self._reject(record, upload.partition_id, f"update norm {norm:.3g} above the bound {limit:.3g}")
+            else:
+                kept.append(upload)
+        return kept
+
+
+def update_norm(payload: Payload) -> float:
+    """L2 norm of all arrays of an upload together."""
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in payload.values()))
 
 
 def check_upload(payload: Payload, expected: dict[str, tuple[int, ...]]) -> str:
@@ -395,3 +489,40 @@ def check_upload(payload: Payload, expected: dict[str, tuple[int, ...]]) -> str:
         if not np.all(np.isfinite(payload[key])):
             return f"{key} contains NaN or Inf"
     return ""
+
+
+@dataclass(frozen=True)
+class _ByPartition:
+    """A dict that was keyed by node id, stored keyed by partition id (checkpoints)."""
+
+    items: tuple[tuple[Any, Any], ...]
+
+
+def _node_of(key: Any) -> Any:
+    return key[0] if isinstance(key, tuple) and key else key
+
+
+def _rekey(value: Any, to_partition: dict[int, int]) -> Any:
+    """A non-empty dict whose keys (or keys' first items) are all node ids -> _ByPartition."""
+    if isinstance(value, dict) and value and all(
+        isinstance(_node_of(k), int) and _node_of(k) in to_partition for k in value
+    ):
+        def key_of(k: Any) -> Any:
+            return (to_partition[k[0]], *k[1:]) if isinstance(k, tuple) else to_partition[k]
+
+        return _ByPartition(tuple((key_of(k), v) for k, v in value.items()))
+    return value
+
+
+def _rekey_back(value: Any, to_node: dict[int, int]) -> Any:
+    if not isinstance(value, _ByPartition):
+        return value
+
+    def key_of(k: Any) -> Any:
+        return (to_node[k[0]], *k[1:]) if isinstance(k, tuple) else to_node[k]
+
+    return {key_of(k): v for k, v in value.items}
+
+
+def _partitions_in(state: dict[str, Any]) -> set[int]:
+    return {_node_of(k) for v in state.values() if isinstance(v, _ByPartition) for k, _ in v.items}

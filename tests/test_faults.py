@@ -1,0 +1,82 @@
+"""Failures and malformed updates: counted, rejected, never aggregated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from clients.app import app as client_app
+from clients.faults import corrupt
+from fedlora.config import ConfigError, load_config
+from fedlora.data import build_federated_data
+from fedlora.lora import to_array_record, weighted_average
+from fedlora.server import GlobalEvaluator
+from simulations.inprocess import InProcessGrid, node_configs, run_inprocess
+from strategies.registry import create_strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ["nan", "inf", "shape", "rank", "keys", "norm"]
+
+
+def fedit_round(num_clients: int):
+    """A FedIT strategy that has queried real in-process clients, and its round-1 messages."""
+    config = load_config(ROOT / "configs/smoke.toml", [f"data.num_clients={num_clients}", f"clients.ranks={[4] * num_clients}"])
+    evaluator = GlobalEvaluator(config, build_federated_data(config.data))
+    strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
+    grid = InProcessGrid(client_app, node_configs(num_clients))
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    return strategy, messages
+
+
+def reply(msg: Message, payload: dict, num_examples: int) -> Message:
+    metrics = MetricRecord({"num-examples": num_examples, "train-loss": 1.0, "partition-id": 0})
+    return Message(RecordDict({"arrays": to_array_record(payload), "metrics": metrics}), reply_to=msg)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_malformed_update_is_rejected_and_aggregate_is_of_valid_updates(kind: str) -> None:
+    # Prepare: 4 clients; the last sends a malformed version of a plausible update
+    strategy, messages = fedit_round(4)
+    rng = np.random.default_rng(0)
+    base = strategy.global_payload()
+    updates = [{k: (v + 0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in base.items()} for _ in messages]
+    replies = [reply(m, u, 10 * (i + 1)) for i, (m, u) in enumerate(zip(messages, updates))]
+    replies[-1] = reply(messages[-1], corrupt(updates[-1], kind), 40)
+    # Execute
+    strategy.aggregate_train(1, replies)
+    # Assert: rejected, counted, and the aggregate is FedAvg of the three valid updates alone
+    record = strategy.books[1].record
+    assert record.rejected == 1 and record.failures == 1 and record.clients == 3
+    assert len(record.rejections) == 1
+    expected = weighted_average(updates[:3], [10, 20, 30])
+    for key, value in expected.items():
+        np.testing.assert_allclose(strategy.global_payload()[key], value, rtol=1e-6)
+
+
+def test_too_few_valid_updates_stop_the_run_after_max_failed_rounds(tmp_path: Path) -> None:
+    config = load_config(ROOT / "configs/smoke.toml", [
+        "clients.ranks=[4, 4, 4]", "faults.drop_rate=0.99", "federation.min_clients=2", "faults.max_failed_rounds=1",
+    ])
+    with pytest.raises(RuntimeError, match="faults.max_failed_rounds"):
+        run_inprocess(config, tmp_path)
+    assert not (tmp_path / "results.json").exists() or (tmp_path / "results.json").stat().st_size > 0
+
+
+def test_drop_rate_30_percent_completes_close_to_no_failures(tmp_path: Path) -> None:
+    # Prepare: the same seeds with and without simulated crashes
+    overrides = ["clients.ranks=[4, 4, 4]", "train.rounds=4", "federation.min_clients=1"]
+    clean = run_inprocess(load_config(ROOT / "configs/smoke.toml", overrides), tmp_path / "clean")
+    flaky = run_inprocess(load_config(ROOT / "configs/smoke.toml", [*overrides, "faults.drop_rate=0.3"]), tmp_path / "flaky")
+    # Assert: failures were counted and the run still finished within 2 accuracy points
+    assert sum(r.failures for r in flaky.rounds) > 0
+    assert len(flaky.rounds) == 4
+    assert abs(flaky.final()["global_accuracy"] - clean.final()["global_accuracy"]) <= 0.02
+
+
+@pytest.mark.parametrize("override", ["faults.drop_rate=1.0", "faults.drop_rate=-0.1", "faults.corrupt_rate=2", "faults.corrupt_kinds=['bogus']"])
+def test_bad_fault_values_are_config_errors(override: str) -> None:
+    with pytest.raises(ConfigError, match="faults"):
+        load_config(ROOT / "configs/smoke.toml", [override])
