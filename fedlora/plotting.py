@@ -63,8 +63,22 @@ def _series(results_list: list[dict[str, Any]], key: str) -> tuple[list[int], An
     values = np.array(
         [[np.nan if x.get(key) is None else float(x[key]) for x in r["rounds"][:length]] for r in results_list]
     )
-    with np.errstate(invalid="ignore"):
-        return rounds, np.nanmean(values, axis=0), np.nanstd(values, axis=0)
+    finite = np.isfinite(values)
+    count = finite.sum(axis=0)
+    total = np.where(finite, values, 0.0).sum(axis=0)
+    mean = np.divide(total, count, out=np.full(len(rounds), np.nan), where=count > 0)  # NaN: not evaluated
+    spread = np.where(finite, (values - mean) ** 2, 0.0).sum(axis=0)
+    std = np.sqrt(np.divide(spread, count, out=np.zeros(len(rounds)), where=count > 0))
+    return rounds, mean, std
+
+
+def _evaluated(x: Any, mean: Any, std: Any) -> tuple[Any, Any, Any]:
+    """Keep the evaluated rounds only (``federation.evaluate_every`` > 1 leaves NaN between)."""
+    import numpy as np
+
+    x, mean, std = np.asarray(x, dtype=float), np.asarray(mean), np.asarray(std)
+    keep = np.isfinite(mean)
+    return x[keep], mean[keep], np.nan_to_num(std[keep])
 
 
 def _colors(labels: list[str]) -> dict[str, Any]:
@@ -75,15 +89,18 @@ def _colors(labels: list[str]) -> dict[str, Any]:
 def plot_accuracy_vs_round(runs: Runs, path: str | Path | None = None):
     """Global and personalised accuracy per round, mean over seeds with a +-1 std band."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     colors = _colors(list(runs))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, (key, title) in zip(axes, ACCURACY_PANELS, strict=True):
         for label, results_list in runs.items():
-            x, mean, std = _series(results_list, key)
+            x, mean, std = _evaluated(*_series(results_list, key))
             ax.plot(x, mean, marker="o", color=colors[label], label=f"{label} (n={len(results_list)})")
             ax.fill_between(x, mean - std, mean + std, color=colors[label], alpha=0.2)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (mean ± std over seeds)")
     axes[0].set_ylim(0, 1)
@@ -103,7 +120,7 @@ def plot_accuracy_vs_bytes(runs: Runs, path: str | Path | None = None):
             _, up, _ = _series(results_list, "bytes_up")
             _, down, _ = _series(results_list, "bytes_down")
             _, mean, std = _series(results_list, key)
-            megabytes = np.cumsum(up + down) / 1e6
+            megabytes, mean, std = _evaluated(np.cumsum(up + down) / 1e6, mean, std)
             ax.plot(megabytes, mean, marker="o", color=colors[label], label=label)
             ax.fill_between(megabytes, mean - std, mean + std, color=colors[label], alpha=0.2)
         ax.set_title(title, fontsize=10)
