@@ -28,6 +28,12 @@ class FedDRLoRAOptions(StrategyOptions):
         description="[RECON] 'shared_a': one local A shared by the robust B^r and the noise B^n "
         "(f_n = W0 x + s B^n A x); 'two_lora': the noise branch has its own local A^n and B^n.",
     )
+    noise_head: Literal["detached", "shared"] = Field(
+        "detached",
+        description="[RECON] The trainable head (classifier) in the noise branch: 'detached' = f_n uses "
+        "the robust head without training it (the NL loss reaches only B^n and A), 'shared' = the NL "
+        "loss also trains the head that inference uses.",
+    )
     warmup_rounds: int = Field(
         1, ge=0, description="[RECON] Rounds of plain cross-entropy on the robust branch before the split starts."
     )
@@ -88,6 +94,8 @@ class FedDRLoRA(LoRAStrategy):
     ----------
     topology : {"shared_a", "two_lora"}, default "shared_a"
         [RECON] One local A shared by the robust B^r and the noise B^n, or a separate (A^n, B^n).
+    noise_head : {"detached", "shared"}, default "detached"
+        [RECON] Whether the negative-learning loss of the noise branch also trains the head.
     warmup_rounds : int, default 1
         [RECON] Rounds of plain cross-entropy before the clean / suspect split starts.
     beta : float, default 1.0

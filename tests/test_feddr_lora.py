@@ -241,21 +241,22 @@ def grad_norms(model, trainer) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    "topology, reached, untouched",
+    "options, reached, untouched",
     [
-        ("shared_a", {"A", "B_n", "head"}, {"B_r", "A_n"}),  # NL reaches the shared A, never B^r
-        ("two_lora", {"A_n", "B_n", "head"}, {"A", "B_r"}),  # a separate (A^n, B^n) takes it all
+        (["strategy.topology=shared_a"], {"A", "B_n"}, {"B_r", "A_n", "head"}),  # NL reaches the shared A
+        (["strategy.topology=two_lora"], {"A_n", "B_n"}, {"A", "B_r", "head"}),  # (A^n, B^n) take it all
+        (["strategy.noise_head=shared"], {"A", "B_n", "head"}, {"B_r", "A_n"}),  # ... and the head if asked
     ],
 )
 def test_negative_learning_gradient_reaches_the_noise_branch_only(
-    topology: str, reached: set[str], untouched: set[str]
+    options: list[str], reached: set[str], untouched: set[str]
 ) -> None:
     from fedlora.training import model_inputs
 
     from clients.trainers.feddr_lora import negative_learning_loss
 
     # Prepare
-    trainer = make_trainer([f"strategy.topology={topology}"], server_round=2)
+    trainer = make_trainer(options, server_round=2)
     model = trainer.prepare({})
     randomise_B(model, trainer)
     model.train()

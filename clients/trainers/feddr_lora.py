@@ -9,8 +9,8 @@ ALGORITHMS.md, "FedDR-LoRA" (the [RECON] choices are options of
   branch f_r = W0 x + s B^r A x and inference / evaluation use it alone;
 - ``B^n`` (d_out, r): the noise up-projection (zero at the start), local, never uploaded. The noise
   branch f_n = W0 x + s B^n A x is the same peft model called with B^n in place of B^r
-  (``torch.func.functional_call``), so the negative-learning loss reaches A and B^n (and the
-  shared head) but never B^r. ``topology = two_lora`` also swaps in a separate local ``A^n``.
+  (``torch.func.functional_call``), so the negative-learning loss reaches A and B^n (and the head
+  only with ``noise_head = shared``) but never B^r. ``topology = two_lora`` also swaps in a separate local ``A^n``.
 
 Local objective: ``warmup_rounds`` rounds of plain cross-entropy on f_r; afterwards a
 2-component Gaussian mixture on the per-sample CE of f_r splits the samples into clean D_c (the
@@ -233,7 +233,10 @@ class FedDRLoRATrainer(LocalTrainer):
     def _noise_forward(self, model: PeftModel, inputs: dict[str, Any]) -> torch.Tensor:
         from torch.func import functional_call
 
-        return functional_call(model, dict(self.noise), args=(), kwargs=inputs).logits.float()
+        swapped: dict[str, torch.Tensor] = dict(self.noise)  # B^n (and A^n) in place of B^r (and A)
+        if self.options["noise_head"] == "detached":  # the head acts in f_n but only f_r trains it
+            swapped |= {n: p.detach() for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n}
+        return functional_call(model, swapped, args=(), kwargs=inputs).logits.float()
 
     def _epoch_split(self, model: PeftModel) -> np.ndarray:
         """Clean mask over the whole local set from the per-sample CE of f_r (eval mode)."""
