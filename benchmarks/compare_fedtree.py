@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     labels = args.labels.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
-    jobs = [Job(JOBS[label][0], seed, JOBS[label][1], label) for label in labels for seed in seeds]
+    # seed-major: an interrupted comparison still has every label for the first seeds
+    jobs = [Job(JOBS[label][0], seed, JOBS[label][1], label) for seed in seeds for label in labels]
     out = Path(args.out)
     run_jobs(args.config, jobs, out, engine=args.engine, overrides=args.set)
     table = summarize(out, labels=labels)
