@@ -1,0 +1,81 @@
+"""FedHera's client: resize to r_tot, load the push, warm the tail up, train only the prefix.
+
+ALGORITHMS.md, FedHera ("Client"). The server sends, per module, the top-r_tot spectrum of the
+global update (the payload's shapes give r_tot), and in the message config r_main per module and
+lambda. The client builds a fresh adapter at those ranks every round, scales the tail (rows
+r_main: of A, columns r_main: of B) by sqrt(lambda), and trains with *prefix gating*: after
+every backward the gradients outside A[:r_main, :] and B[:, :r_main] are zeroed, so with weight
+decay 0 the tail never moves but still acts in the forward pass as a frozen reference. It
+uploads all of A and B (tail included) and the head.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+from clients.trainers.base import LocalTrainer
+from fedlora.lora import HEAD_PREFIX, Payload, join_payload, scale_tail, split_payload
+from fedlora.models import PEFT_PREFIX, load_payload
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+
+def prefix_parameters(model: PeftModel) -> dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """Module name (as in payloads) -> (A weight (r, d_in), B weight (d_out, r)) of every LoRA layer."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        name.removeprefix(PEFT_PREFIX): (layer.lora_A["default"].weight, layer.lora_B["default"].weight)
+        for name, layer in model.named_modules()
+        if isinstance(layer, LoraLayer)
+    }
+
+
+def gate_prefix(parameters: Mapping[str, tuple[torch.nn.Parameter, torch.nn.Parameter]], r_main: Mapping[str, int]) -> None:
+    """Zero the gradients outside A[:r_main, :] and B[:, :r_main] (prefix gating)."""
+    for module, (A, B) in parameters.items():
+        if A.grad is not None:
+            A.grad[r_main[module]:] = 0.0  # tail rows of A
+        if B.grad is not None:
+            B.grad[:, r_main[module]:] = 0.0  # tail columns of B
+
+
+class FedHeraTrainer(LocalTrainer):
+    """FedHera's client (see the module docstring)."""
+
+    strategy_names: ClassVar[tuple[str, ...]] = ("fedhera",)
+
+    def model_rank(self) -> int | dict[str, int]:
+        return self.r_tot
+
+    def prepare(self, download: Payload) -> PeftModel:
+        """A fresh adapter at r_tot per module with the push loaded and its tail scaled."""
+        factors, extras = split_payload(download)
+        self.r_tot = {m: f.rank for m, f in factors.items()}
+        config = self.job.message_config
+        self.r_main: dict[str, int] = json.loads(str(config.get("fedhera-r-main", "{}"))) or dict(self.r_tot)
+        declared = json.loads(str(config.get("fedhera-r-tot", "{}")))
+        if declared and declared != self.r_tot:
+            raise ValueError(f"fedhera: download ranks {self.r_tot} differ from the announced r_tot {declared}")
+        lam = float(config.get("fedhera-lambda", 1.0))
+        model = self.build()
+        local_head = {k: v for k, v in self.local_state().items() if k.startswith(HEAD_PREFIX)}
+        if local_head and self.config.model.head == "local":
+            load_payload(model, local_head)
+        load_payload(model, join_payload(scale_tail(factors, self.r_main, lam), extras))
+        self.gated = prefix_parameters(model)
+        return model
+
+    def after_backward(self, model: PeftModel) -> None:
+        gate_prefix(self.gated, self.r_main)
+
+    def keep(self, model: PeftModel) -> Payload:
+        """Only the head stays (the LoRA ranks change every round; the push replaces them)."""
+        return {k: v for k, v in super().keep(model).items() if k.startswith(HEAD_PREFIX)}
+
+    def train_metrics(self) -> dict[str, float]:
+        return {"fedhera-r-main": float(sum(self.r_main.values())), "fedhera-r-tot": float(sum(self.r_tot.values()))}
