@@ -204,6 +204,98 @@ def test_mean_of_mixed_ranks_pads_like_fedit() -> None:
     assert mean.rank == 3
 
 
+def protocol_pair(options: list[str]) -> tuple:
+    """A FedTreeLoRA (warm-up 1 round) and a FedIT on hand-made shapes: blocks 0 and 1, one
+    module each (d_out 6, d_in 5), a 2 x 6 head; 4 clients of rank 2, profiles set."""
+    from types import SimpleNamespace
+
+    from strategies.fedit import FedIT
+    from strategies.fedtreelora import FedTreeLoRA
+
+    common = ["train.rounds=3", "data.num_clients=4", "clients.ranks=[2,2,2,2]"]
+    tree_options = ["strategy.name=fedtreelora", "strategy.warmup_rounds=1", *options]
+    configs = {
+        FedTreeLoRA: load_config(ROOT / "configs/smoke.toml", [*common, *tree_options]),
+        FedIT: load_config(ROOT / "configs/smoke.toml", common),
+    }
+    shapes = {"x.layer.0.q": (6, 5), "x.layer.1.q": (6, 5)}
+    initial = join_payload({m: Factors(np.zeros((2, 5), np.float32), np.zeros((6, 2), np.float32)) for m in shapes})
+    initial["head::classifier.weight"] = np.zeros((2, 6), np.float32)
+    profiles = {100 + k: SimpleNamespace(partition_id=k, rank=2) for k in range(4)}
+    pair = []
+    for cls in (FedTreeLoRA, FedIT):
+        strategy = cls(configs[cls], lambda r: initial, shapes)
+        strategy.profiles = dict(profiles)  # type: ignore[assignment]
+        strategy.setup()
+        pair.append(strategy)
+    return tuple(pair)
+
+
+def protocol_uploads(rng: np.random.Generator, groups: list[int]) -> list:
+    """Uploads whose B sits near one of two centres per client group (far apart)."""
+    from strategies.base import ClientUpload
+
+    centres = rng.normal(size=(2, 6, 2)) * 10
+    uploads = []
+    for k, g in enumerate(groups):
+        payload = {
+            f"x.layer.{l}.q::{f}": (rng.normal(size=(2, 5)) if f == "A" else centres[g] + rng.normal(size=(6, 2)) * 0.01)
+            for l in (0, 1) for f in "AB"
+        }
+        payload = {key: v.astype(np.float32) for key, v in payload.items()}
+        payload["head::classifier.weight"] = np.full((2, 6), float(k), np.float32)
+        uploads.append(ClientUpload(100 + k, k, payload, num_examples=10 * (k + 1), metrics={}))
+    return uploads
+
+
+def test_fixed_c_1_sends_every_client_fedits_global_adapter() -> None:
+    # Prepare: the same uploads for FedTreeLoRA (fixed_c = 1) and FedIT
+    tree, fedit = protocol_pair(["strategy.fixed_c=1"])
+    uploads = protocol_uploads(np.random.default_rng(0), [0, 0, 1, 1])
+    # Execute: round 1 builds the tree (warm-up end), round 2 aggregates again
+    for server_round in (1, 2):
+        tree.aggregate(server_round, uploads)
+        fedit.aggregate(server_round, uploads)
+    # Assert: no external expert; every client's download is FedIT's global A, B and head
+    for node in range(100, 104):
+        download = tree.download(node, 3)
+        assert set(download) == set(fedit.download(node, 3))
+        for key, value in fedit.download(node, 3).items():
+            np.testing.assert_allclose(download[key], value, rtol=1e-6)
+    assert tree.round_extra(2)["cuts"] == [1, 1]
+
+
+def test_groups_in_B_give_per_client_cluster_and_external_experts() -> None:
+    # Prepare: two groups of clients with far-apart B in both blocks
+    tree, _ = protocol_pair([])
+    uploads = protocol_uploads(np.random.default_rng(1), [0, 1, 0, 1])
+    # Execute
+    tree.aggregate(1, uploads)
+    download = tree.download(100, 2)
+    # Assert: block 0 already splits (the groups differ there too), clusters are the groups,
+    # client 0 gets the mean of clients {0, 2} and, as external expert, the mean of {1, 3}
+    extra = tree.round_extra(1)
+    assert extra["cuts"] == [2, 2] and extra["phase"] == "warmup"
+    assert extra["clusters"]["1"]["0"] == extra["clusters"]["1"]["2"] != extra["clusters"]["1"]["1"]
+    w = np.array([10.0, 30.0])  # n of clients 0 and 2
+    key = "x.layer.1.q::B"
+    np.testing.assert_allclose(download[key], (w[0] * uploads[0].payload[key] + w[1] * uploads[2].payload[key]) / w.sum(), rtol=1e-5)
+    w_ext = np.array([20.0, 40.0])  # n of clients 1 and 3
+    expected = (w_ext[0] * uploads[1].payload[key] + w_ext[1] * uploads[3].payload[key]) / w_ext.sum()
+    np.testing.assert_allclose(download["external::" + key], expected, rtol=1e-5)
+    assert tree.global_payload() is None
+
+
+def test_warmup_sends_nothing_and_expects_nothing_before_its_last_round() -> None:
+    # Prepare
+    tree, _ = protocol_pair(["strategy.warmup_rounds=2"])
+    # Execute / Assert: round 1 of 2 warm-up rounds: no download, no upload expected
+    tree.current_round = 1
+    assert tree.download(100, 1) == {} and tree.expected_upload(100) == {}
+    tree.current_round = 2
+    assert "x.layer.0.q::B" in tree.expected_upload(100)
+
+
 # ---------------------------------------------------------------- options
 OPTION_CASES = [  # overrides, message fragment
     (["strategy.warmup_rounds=3", "train.rounds=3"], "strategy.warmup_rounds must be < train.rounds (3)"),
