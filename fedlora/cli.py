@@ -1,8 +1,9 @@
 """The ``fedlora`` command line.
 
-    fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose]
+    fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose] [--resume DIR] [--engine ray|inprocess]
     fedlora compare CONFIG --strategies a,b,... [--seeds 0,1,2] [--out DIR] [--set k=v ...]
                    [--engine ray|inprocess]
+    fedlora tune CONFIG --strategies a,b --grid train.lr=1e-4,1e-3 [--seeds 0,1] [--out DIR]
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
     fedlora deploy local CONFIG --nodes N [--insecure] [--out DIR] [--set k=v ...]
@@ -35,7 +36,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedlora.runner import run
 
-    results = run(args.config, overrides=args.set, out_dir=args.out, verbose=args.verbose)
+    results = run(args.config, overrides=args.set, out_dir=args.out, verbose=args.verbose, resume=args.resume,
+                  engine=args.engine)
     final = results["final"]
     out = results["config"]["output"]["dir"]
     print(
@@ -74,6 +76,23 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     )
     print(table.to_markdown())
     print(f"summary: {table.out_dir}/summary.md, {table.out_dir}/summary.csv   plots: {table.out_dir}/*.png")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from fedlora.tune import parse_grid, tune
+
+    table = tune(
+        args.config,
+        _parse_list(args.strategies, "--strategies"),
+        parse_grid(args.grid),
+        seeds=_parse_list(args.seeds, "--seeds", int),
+        out_dir=args.out,
+        overrides=args.set,
+        engine=args.engine,
+    )
+    print(table.to_markdown())
+    print(f"chosen settings: {table.out_dir}/tuning.json   summary: {table.out_dir}/summary.md")
     return 0
 
 
@@ -141,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--out", default=None, help="output folder (default: output.dir)")
     run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
+    run.add_argument("--resume", default=None, metavar="DIR",
+                     help="continue the interrupted run in DIR after its last complete round (same config)")
+    run.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
+                     help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
     run.set_defaults(func=_cmd_run)
 
     cmp = sub.add_parser("compare", help="run strategies x seeds on the same partitions and summarise")
@@ -153,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
     cmp.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     cmp.set_defaults(func=_cmd_compare)
+
+    tune = sub.add_parser("tune", help="same grid for every strategy; each picks its best setting on validation")
+    tune.add_argument("config", help="TOML experiment config")
+    tune.add_argument("--strategies", required=True, help="comma-separated strategy names")
+    tune.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                      help="a config key and its values, e.g. train.lr=1e-4,3e-4,1e-3 (repeatable)")
+    tune.add_argument("--seeds", default="0", help="comma-separated train.seed values (default 0)")
+    tune.add_argument("--out", default=None, help="tuning folder (default: <output.dir>/tune)")
+    tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    tune.add_argument("--engine", choices=("ray", "inprocess"), default="ray", help="as for compare")
+    tune.set_defaults(func=_cmd_tune)
 
     deploy = sub.add_parser("deploy", help="cross-silo deployment: certificates, local SuperLink + SuperNodes")
     deploy_sub = deploy.add_subparsers(dest="deploy_command", required=True)

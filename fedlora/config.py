@@ -106,6 +106,10 @@ class DataConfig(_Section):
     )
     noise_rate: float = Field(0.0, description="Fraction of training labels flipped, in [0, 1).")
     seed: int = Field(0, description="Seed of subsampling, partitioning, splits and noise.")
+    shuffle_test_labels: bool = Field(
+        False, description="Audit only: permute the labels of every test split (local and global) "
+        "so test scores are noise; model selection, which reads validation only, must not change."
+    )
 
     @field_validator("noise_rate")
     @classmethod

@@ -9,6 +9,7 @@ label mix, and injects label noise into the client *training* labels only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -96,7 +97,16 @@ def _build_cached(config_json: str) -> FederatedData:
         time.perf_counter() - started,
     )
     global_test = source.select(np.sort(global_test_rows))
+    if cfg.shuffle_test_labels:
+        global_test = _shuffle_labels(global_test, cfg.seed)
+        clients = [dataclasses.replace(c, test=_shuffle_labels(c.test, cfg.seed + 1 + c.partition_id)) for c in clients]
     return FederatedData(label_names=label_names, global_test=global_test, clients=clients)
+
+
+def _shuffle_labels(split: datasets.Dataset, seed: int) -> datasets.Dataset:
+    """The split with its labels permuted (audit of model selection: test scores become noise)."""
+    permuted = np.random.default_rng(seed).permutation(np.asarray(split["label"][:], dtype=np.int64))
+    return split.map(lambda _, i: {"label": int(permuted[i])}, with_indices=True)
 
 
 def _hold_out_global_test(labels: np.ndarray, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
