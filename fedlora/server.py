@@ -90,8 +90,12 @@ def progress_line(record: RoundRecord, rounds: int) -> str:
     )
 
 
-def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path) -> ResultsWriter:
-    """Query, train and evaluate for ``config.train.rounds`` rounds; write results each round."""
+def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume: bool = False) -> ResultsWriter:
+    """Query, train and evaluate for ``config.train.rounds`` rounds; write results and a
+    checkpoint (fedlora.checkpoint) each round. ``resume``: continue ``out_dir``'s run after its
+    last complete round."""
+    from fedlora import checkpoint
+
     import torch
 
     from strategies.registry import create_strategy
@@ -104,6 +108,17 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path) -> Res
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.adapter_dir = str((out_dir / "adapters").resolve())
     writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
+    strategy.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
+    first = 1
+    if resume:
+        saved = checkpoint.load_server(out_dir, config)
+        strategy._ensure_profiles(grid)  # this run's node ids, then the saved state mapped onto them
+        strategy.load_state_dict(saved["strategy"])
+        strategy.resumed_from = first = saved["round"]
+        first += 1
+        writer.rounds = list(saved["rounds"])
+        writer.privacy = saved.get("privacy")
+        logger.info("resuming %s after round %d of %d", out_dir, saved["round"], config.train.rounds)
 
     def evaluate_fn(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0:
@@ -113,16 +128,11 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path) -> Res
         if payload is not None and strategy.evaluates(server_round):
             record.global_accuracy = evaluator.accuracy(payload)
         writer.add(record)
+        checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy)
         logger.info(progress_line(record, config.train.rounds))
         return MetricRecord({"global-accuracy": record.global_accuracy})
 
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(),
-        num_rounds=config.train.rounds,
-        timeout=config.federation.round_timeout,
-        evaluate_fn=evaluate_fn,
-    )
+    strategy.run_rounds(grid, first, config.train.rounds, evaluate_fn)
     finish(writer, strategy, evaluator, out_dir)
     return writer
 
@@ -156,14 +166,16 @@ def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out
     plot_accuracy(writer.to_dict(), out_dir / "accuracy_vs_round.png")
 
 
-def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None = None) -> ServerApp:
-    """A ServerApp for ``config`` (simulation) or for the run config (deployment)."""
+def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None = None, resume: bool = False) -> ServerApp:
+    """A ServerApp for ``config`` (simulation) or for the run config (deployment; run-config
+    ``resume = true`` continues the checkpoint in the output folder)."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         cfg = config or config_from_run_config(dict(context.run_config))
-        run_server(grid, cfg, out_dir or cfg.output.dir)
+        again = resume or str(context.run_config.get("resume", "")).lower() in ("1", "true")
+        run_server(grid, cfg, out_dir or cfg.output.dir, resume=again)
 
     return server_app
 

@@ -83,10 +83,12 @@ def node_configs(num_clients: int) -> list[dict[str, Any]]:
     return [{"partition-id": i, "num-partitions": num_clients} for i in range(num_clients)]
 
 
-def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[dict[str, Any]] | None = None):
-    """Run the real ServerApp logic against in-process ClientApps; returns the ResultsWriter."""
+def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[dict[str, Any]] | None = None,
+                  resume: bool = False):
+    """Run the real ServerApp logic against in-process ClientApps; returns the ResultsWriter
+    (``resume``: continue the checkpointed run in ``out_dir``)."""
     from clients.app import app as client_app
     from fedlora.server import run_server
 
     grid = InProcessGrid(client_app, configs or node_configs(config.data.num_clients))
-    return run_server(grid, config, out_dir)
+    return run_server(grid, config, out_dir, resume=resume)

@@ -1,0 +1,120 @@
+"""Checkpoint / resume: kill -9 mid-round, resume, same final adapters and metrics."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fedlora.checkpoint import checkpoint_dir, load_server, restore_client_state, save_client_state
+from fedlora.config import ConfigError, load_config
+from strategies.base import _ByPartition, _rekey, _rekey_back
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.toml"
+ROUNDS = 3
+
+
+def _cmd(out: Path, strategy: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fedlora.cli", "run", str(SMOKE), "--engine", "inprocess", "--out", str(out),
+            "--set", f"train.rounds={ROUNDS}", "--set", f"strategy.name={strategy}", *extra]
+
+
+def _adapters(out: Path) -> dict[str, dict[str, np.ndarray]]:
+    from safetensors.numpy import load_file
+
+    return {str(p.relative_to(out)): load_file(p) for p in sorted((out / "adapters").rglob("*.safetensors"))}
+
+
+def _metrics(results: dict) -> list[tuple]:
+    keys = ("global_accuracy", "personalized_accuracy", "train_loss", "bytes_up", "bytes_down", "clients")
+    return [tuple(r[k] for k in keys) for r in results["rounds"]]
+
+
+def test_rekey_maps_node_ids_to_partitions_and_back():
+    # Prepare: node ids of run 1 and of run 2 for partitions 0, 1
+    run1 = {9001: 0, 9002: 1}
+    run2 = {0: 17, 1: 42}
+    cases = [
+        ({9001: "a", 9002: "b"}, {17: "a", 42: "b"}),  # keyed by node id
+        ({(9001, 3): "x"}, {(17, 3): "x"}),  # keyed by (node id, round)
+        ({1: "round one"}, {1: "round one"}),  # keyed by something else: untouched
+        ({}, {}),
+    ]
+    for value, expected in cases:
+        # Execute
+        stored = pickle.loads(pickle.dumps(_rekey(value, run1)))
+        # Assert
+        assert _rekey_back(stored, run2) == expected
+    assert isinstance(_rekey({9001: 1}, run1), _ByPartition)
+
+
+def test_client_state_restores_newest_round_not_after_resume_round(tmp_path):
+    # Prepare: a client saved its state after rounds 1, 2 and 3
+    for r in (1, 2, 3):
+        state = RecordDict({"kept": ArrayRecord([np.full(2, float(r))]), "c": ConfigRecord({"r": r})})
+        save_client_state(tmp_path, 5, r, state)
+    # Execute: resume after round 2 (round 3 was interrupted)
+    restored = RecordDict()
+    newest = restore_client_state(tmp_path, 5, 2, restored)
+    # Assert: round 2's state, and only the files a resume can still need are kept
+    assert newest == 2
+    assert restored["c"]["r"] == 2
+    assert sorted(p.name for p in (tmp_path / "5").iterdir()) == ["round_2.bin", "round_3.bin"]
+    assert restore_client_state(tmp_path, 6, 2, RecordDict()) == 0
+
+
+def test_resume_without_checkpoint_or_with_other_config_is_one_line(tmp_path):
+    # Prepare / Execute / Assert: no checkpoint
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        load_server(tmp_path, load_config(SMOKE))
+    # CLI: one line, exit 2
+    proc = subprocess.run(_cmd(tmp_path, "fedit", "--resume", str(tmp_path)), capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "no checkpoint" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fedsa_lora", "flora"])  # client-kept state; node-keyed server state
+def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy):
+    # Prepare: an uninterrupted reference run
+    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    subprocess.run(_cmd(reference, strategy), check=True, capture_output=True, cwd=ROOT, env=env)
+
+    # Execute: the same run, SIGKILLed once round 1's checkpoint exists, then resumed
+    proc = subprocess.Popen(_cmd(resumed, strategy), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server_file = checkpoint_dir(resumed) / "server.pkl"
+    while not server_file.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_after = load_server(resumed)["round"]
+    subprocess.run(_cmd(resumed, strategy, "--resume", str(resumed)), check=True, capture_output=True, cwd=ROOT,
+                   env=env)
+
+    # Assert: the kill interrupted the run; same adapters (bitwise or 1e-6) and same metrics
+    import json
+
+    assert killed_after < ROUNDS
+    ref_results = json.loads((reference / "results.json").read_text())
+    res_results = json.loads((resumed / "results.json").read_text())
+    assert [r["round"] for r in res_results["rounds"]] == list(range(1, ROUNDS + 1))
+    np.testing.assert_allclose(np.array(_metrics(res_results), float), np.array(_metrics(ref_results), float),
+                               atol=1e-6, equal_nan=True)
+    ref_adapters, res_adapters = _adapters(reference), _adapters(resumed)
+    assert ref_adapters and ref_adapters.keys() == res_adapters.keys()
+    for name, tensors in ref_adapters.items():
+        assert tensors.keys() == res_adapters[name].keys()
+        for key, value in tensors.items():
+            np.testing.assert_allclose(res_adapters[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
+
