@@ -142,6 +142,7 @@ def train(msg: Message, context: Context) -> Message:
         "train-seconds": stats.seconds,
         **startup,
         **trainer.train_metrics(),
+        **trainer.privacy_metrics(),
     }
     log(DEBUG, "client %d round %d: loss %.4f in %.1fs", job.profile.partition_id, job.server_round, stats.loss, stats.seconds)
     content = RecordDict({"arrays": to_array_record(upload), "metrics": MetricRecord(metrics)})

@@ -285,6 +285,28 @@ class FaultsConfig(_Section):
         return value
 
 
+class PrivacyConfig(_Section):
+    """Per-client differential privacy: DP-SGD with Opacus on the trainable parameters."""
+
+    dp: bool = Field(False, description="Train every client with DP-SGD (Opacus: Poisson sampling, "
+                     "per-example clipping, Gaussian noise, RDP accountant over all its rounds).")
+    noise_multiplier: float | None = Field(
+        None, ge=0.0, description="Gaussian noise std / max_grad_norm (>= 0); give this or target_epsilon."
+    )
+    target_epsilon: float | None = Field(
+        None, gt=0.0, description="Epsilon every client must stay under after all train.rounds rounds; the "
+        "noise multiplier is chosen for the most steps a client can take (sampled every round)."
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Per-example gradient clipping bound C.")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="Delta of the (epsilon, delta) guarantee.")
+
+    @model_validator(mode="after")
+    def _one_noise_source(self) -> PrivacyConfig:
+        if self.dp and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("with dp = true give exactly one of privacy.noise_multiplier and privacy.target_epsilon")
+        return self
+
+
 class OutputConfig(_Section):
     """Where results go."""
 
@@ -302,6 +324,7 @@ class ExperimentConfig(_Section):
     federation: FederationConfig = Field(default_factory=FederationConfig)
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")

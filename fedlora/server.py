@@ -127,6 +127,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         payload = strategy.global_payload()
         if payload is not None and strategy.evaluates(server_round):
             record.global_accuracy = evaluator.accuracy(payload)
+        writer.privacy = strategy.privacy_report()
         writer.add(record)
         checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy)
         logger.info(progress_line(record, config.train.rounds))

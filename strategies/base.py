@@ -116,6 +116,7 @@ class LoRAStrategy(Strategy):
         self.common_rank = 0  # > 0: a same-rank method runs every client at this rank
         self.checkpoint_dir = ""  # set by the ServerApp: clients write their kept state there
         self.resumed_from = 0  # > 0: resumed after this round; clients restore their state
+        self.dp_epsilon: dict[int, float] = {}  # partition id -> its DP epsilon so far (privacy.dp)
 
     # ---------------------------------------------------------------- method interface
     @classmethod
@@ -162,6 +163,30 @@ class LoRAStrategy(Strategy):
         """Write method-specific files (e.g. plots) into the run's output folder at the end of a
         run; return facts to merge into the results' strategy info. Default: nothing."""
         return {}
+
+    # ---------------------------------------------------------------- privacy
+    def _note_privacy(self, replies: list[Message], record: RoundRecord) -> None:
+        """Each replying client's accountant epsilon (it spent it even if its update is rejected)."""
+        spent = {}
+        for msg in replies:
+            if msg.has_error() or "metrics" not in msg.content:
+                continue
+            metrics = msg.content["metrics"]
+            if "dp-epsilon" in metrics and "partition-id" in metrics:
+                spent[int(metrics["partition-id"])] = float(metrics["dp-epsilon"])
+        if spent:
+            self.dp_epsilon.update(spent)
+            record.extra["dp_epsilon"] = {str(k): v for k, v in sorted(spent.items())}
+
+    def privacy_report(self) -> dict[str, Any] | None:
+        """``{"epsilon": max over clients, "delta", "per_client"}`` when privacy.dp is on."""
+        privacy = self.experiment.privacy
+        if not privacy.dp:
+            return None
+        return {"epsilon": max(self.dp_epsilon.values(), default=0.0), "delta": privacy.delta,
+                "per_client": {str(k): v for k, v in sorted(self.dp_epsilon.items())},
+                "noise_multiplier": privacy.noise_multiplier, "target_epsilon": privacy.target_epsilon,
+                "max_grad_norm": privacy.max_grad_norm}
 
     # ---------------------------------------------------------------- checkpoint / resume
     # Attributes rebuilt on every run (from the config, the models and the profile query).
@@ -267,6 +292,8 @@ class LoRAStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, MetricRecord | None]:
         """Check replies, count bytes and failures, aggregate the valid uploads."""
         book = self.books[server_round]
+        replies = list(replies)
+        self._note_privacy(replies, book.record)
         uploads = self._valid_uploads(replies, book.record)
         book.record.clients = len(uploads)
         book.record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)

@@ -42,6 +42,7 @@ class Centralized(LoRAStrategy):
         downloads="A, B, head",
         mixed_ranks=False,
         partial_participation=False,
+        dp_compatible=False,  # one trainer on pooled data, its own fit: no per-client DP-SGD
         paper="reference: centralised training on the pooled client data",
     )
 

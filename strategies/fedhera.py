@@ -353,6 +353,7 @@ class FedHera(LoRAStrategy):
         uploads="A, B (r_tot, tail included), head",
         downloads="top-r_tot spectrum of G per module, head; r_tot, r_main, lambda",
         mixed_ranks=True,
+        dp_compatible=False,  # prefix gating edits p.grad; Opacus steps on per-example grads
         paper="FedHera, 2026 (ALGORITHMS.md, official code)",
     )
 

@@ -68,7 +68,16 @@ def validate_strategy_options(config: ExperimentConfig) -> None:
     for key, value in options.model_dump().items():
         setattr(config.strategy, key, value)
     _check_rank_policy(cls, config)
+    _check_privacy(cls, config)
     cls.check_config(config)
+
+
+def _check_privacy(cls: type[LoRAStrategy], config: ExperimentConfig) -> None:
+    """``privacy.dp`` with a strategy whose client step Opacus cannot make private."""
+    if config.privacy.dp and not cls.capabilities.dp_compatible:
+        usable = ", ".join(n for n in strategy_names() if strategy_class(n).capabilities.dp_compatible)
+        raise ConfigError(f"privacy.dp = true is not supported by strategy '{cls.name}' (its client step is "
+                          f"not DP-SGD compatible); use one of {usable}, or set privacy.dp = false")
 
 
 def _check_rank_policy(cls: type[LoRAStrategy], config: ExperimentConfig) -> None:

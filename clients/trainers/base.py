@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 LOCAL_STATE_KEY = "fedlora.local"
+PRIVACY_STATE_KEY = "fedlora.privacy"  # the client's DP accountant history (all its rounds)
 
 
 @dataclass
@@ -93,6 +94,8 @@ class LocalTrainer:
         """Hook between backward and the optimiser step (e.g. gradient gating)."""
 
     def fit(self, model: PeftModel) -> TrainStats:
+        if self.config.privacy.dp:
+            return self.fit_private(model)
         cfg = self.config.train
         loader = self.loader(self.job.data.train, "train", shuffle=True)
         return train(
@@ -106,6 +109,36 @@ class LocalTrainer:
             loss_fn=self.loss,
             after_backward=self.after_backward,
         )
+
+    def fit_private(self, model: PeftModel) -> TrainStats:
+        """DP-SGD with Opacus (fedlora.privacy); the accountant's history stays in the client's
+        state so epsilon composes over every round this client trained."""
+        from flwr.app import ConfigRecord
+
+        from fedlora.privacy import private_train
+
+        if type(self).fit is not LocalTrainer.fit or type(self).after_backward is not LocalTrainer.after_backward:
+            raise ValueError(f"privacy.dp: {type(self).__name__} customises its training step; DP-SGD not supported")
+        cfg, privacy = self.config.train, self.config.privacy
+        stored = self.job.state[PRIVACY_STATE_KEY] if PRIVACY_STATE_KEY in self.job.state else None
+        history = list(zip(stored["noise"], stored["rate"], stored["steps"])) if stored else []
+        result = private_train(
+            model, self.loader(self.job.data.train, "train", shuffle=True), privacy=privacy,
+            epochs=cfg.local_epochs, lr=cfg.lr, device=self.device, rounds=cfg.rounds, history=history,
+            seed=cfg.seed + 1000 * self.job.server_round + self.job.profile.partition_id,
+            max_steps=cfg.max_steps, weight_decay=cfg.weight_decay, loss_fn=self.loss,
+        )
+        self.job.state[PRIVACY_STATE_KEY] = ConfigRecord({
+            "noise": [float(h[0]) for h in result.history], "rate": [float(h[1]) for h in result.history],
+            "steps": [int(h[2]) for h in result.history],
+        })
+        self.privacy = {"dp-epsilon": result.epsilon, "dp-noise-multiplier": result.noise_multiplier,
+                        "dp-sample-rate": result.sample_rate}
+        return result.stats
+
+    def privacy_metrics(self) -> dict[str, float]:
+        """``dp-epsilon`` (this client's epsilon over all its rounds) etc. after a private fit."""
+        return dict(getattr(self, "privacy", {}))
 
     def train_metrics(self) -> dict[str, float]:
         """Method-specific metrics of the last :meth:`fit` (e.g. FedDR-LoRA's noise recall)."""

@@ -1,0 +1,148 @@
+"""Differential privacy: [privacy] validation, a private step really trains the adapter, the
+accountant composes over rounds, and a DP run reports epsilon <= target_epsilon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedlora.config import ConfigError, load_config
+from fedlora.privacy import epsilon_of, private_train
+from strategies.registry import strategy_class, strategy_names
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.toml"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["privacy.dp=true", "privacy.noise_multiplier=-1"], "noise_multiplier"),
+        (["privacy.dp=true"], "exactly one of"),
+        (["privacy.dp=true", "privacy.noise_multiplier=1", "privacy.target_epsilon=3"], "exactly one of"),
+        (["privacy.dp=true", "privacy.target_epsilon=0"], "target_epsilon"),
+        (["privacy.dp=true", "privacy.noise_multiplier=1", "privacy.delta=1.5"], "delta"),
+        (["privacy.dp=true", "privacy.noise_multiplier=1", "strategy.name=fedhera"], "not supported by strategy 'fedhera'"),
+        (["privacy.dp=true", "privacy.noise_multiplier=1", "strategy.name=feddr_lora"], "not supported"),
+        (["privacy.dp=true", "privacy.noise_multiplier=1", "strategy.name=feddpa"], "not supported"),
+    ],
+)
+def test_bad_privacy_config_is_refused(overrides, message):
+    # Prepare / Execute / Assert
+    with pytest.raises(ConfigError, match=message):
+        load_config(SMOKE, overrides)
+
+
+def test_cli_negative_noise_multiplier_is_one_line_exit_2(tmp_path):
+    # Prepare / Execute
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedlora.cli", "run", str(SMOKE), "--out", str(tmp_path), "--set", "privacy.dp=true",
+         "--set", "privacy.noise_multiplier=-0.5"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    # Assert
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "noise_multiplier" in proc.stderr
+
+
+def test_dp_compatible_strategies_train_with_the_base_step():
+    # Prepare: the trainers of every strategy that declares DP support
+    from clients.trainers import trainer_class
+    from clients.trainers.base import LocalTrainer
+
+    for name in strategy_names():
+        if not strategy_class(name).capabilities.dp_compatible:
+            continue
+        # Execute
+        trainer = trainer_class(name)
+        # Assert: the private step (LocalTrainer.fit -> fit_private) is the one it trains with
+        assert trainer.fit is LocalTrainer.fit, name
+        assert trainer.after_backward is LocalTrainer.after_backward, name
+
+
+def _tiny_setup(overrides: list[str]):
+    from fedlora.data import build_federated_data
+    from fedlora.models import build_model, load_tokenizer
+    from fedlora.training import make_loader
+
+    cfg = load_config(SMOKE, overrides)
+    federated = build_federated_data(cfg.data)
+    model = build_model(cfg.model, len(federated.label_names), 4, seed=0)
+    loader = make_loader(federated.client(0).train, load_tokenizer(cfg.model.path), 16, 32, shuffle=True, seed=0)
+    return cfg, model, loader
+
+
+def test_private_steps_change_the_adapter_and_compose_over_rounds():
+    import torch
+    from peft import PeftModel
+
+    from fedlora.models import adapter_payload
+
+    # Prepare
+    cfg, model, loader = _tiny_setup(["privacy.dp=true", "privacy.noise_multiplier=1.0"])
+    before = {k: v.copy() for k, v in adapter_payload(model).items()}  # not views of the parameters
+    kwargs = dict(privacy=cfg.privacy, epochs=1, lr=1e-2, device=torch.device("cpu"), rounds=2, max_steps=3)
+
+    # Execute: two "rounds", the second starting from the first's accountant history
+    first = private_train(model, loader, history=[], seed=1, **kwargs)
+    after = {k: v.copy() for k, v in adapter_payload(model).items()}
+    second = private_train(model, loader, history=first.history, seed=2, **kwargs)
+
+    # Assert: every LoRA factor and the head changed; the model is a plain peft model again
+    changed = [k for k in before if not np.array_equal(before[k], after[k])]
+    assert sorted(changed) == sorted(before)
+    assert isinstance(model, PeftModel)
+    assert not any(hasattr(p, "grad_sample") and p.grad_sample is not None for p in model.parameters())
+    assert first.stats.steps == 3 and sum(h[2] for h in second.history) == 6
+    assert 0 < first.epsilon < second.epsilon == pytest.approx(epsilon_of(second.history, cfg.privacy.delta))
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "fedsa_lora"])  # global; personalised (client-kept A/B)
+def test_dp_run_reports_epsilon_within_target(tmp_path, strategy):
+    from simulations.inprocess import run_inprocess
+
+    # Prepare
+    target = 3.0
+    cfg = load_config(SMOKE, [f"strategy.name={strategy}", "privacy.dp=true", f"privacy.target_epsilon={target}",
+                              "train.rounds=2", "train.max_steps=3"])
+
+    # Execute
+    run_inprocess(cfg, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+
+    # Assert: epsilon is the max over clients, within the target, and composes over the rounds
+    privacy = results["privacy"]
+    per_client = privacy["per_client"]
+    assert len(per_client) == cfg.data.num_clients
+    assert privacy["epsilon"] == max(per_client.values())
+    assert 0 < privacy["epsilon"] <= target
+    assert privacy["delta"] == cfg.privacy.delta
+    first, last = (results["rounds"][i]["extra"]["dp_epsilon"] for i in (0, -1))
+    assert all(last[k] > first[k] for k in first)
+    assert results["final"]["clients"] == cfg.data.num_clients
+
+
+def test_noiseless_private_step_follows_the_clipped_gradient():
+    import torch
+
+    from fedlora.models import adapter_payload
+
+    # Prepare: no noise, so any change comes from the (clipped, per-example) gradient itself
+    cfg, model, loader = _tiny_setup(["privacy.dp=true", "privacy.noise_multiplier=0"])
+    before = {k: v.copy() for k, v in adapter_payload(model).items()}
+
+    # Execute
+    result = private_train(model, loader, privacy=cfg.privacy, epochs=1, lr=1e-2, device=torch.device("cpu"),
+                           rounds=1, history=[], seed=0, max_steps=1)
+    after = adapter_payload(model)
+
+    # Assert: B (zero at init, so only the gradient moves it) and the head were updated
+    moved = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert {k for k in before if k.endswith("::B")} <= moved
+    assert any(k.startswith("head::") for k in moved)
+    assert result.noise_multiplier == 0.0 and result.stats.steps == 1
