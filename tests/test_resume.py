@@ -118,3 +118,70 @@ def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy):
         for key, value in tensors.items():
             np.testing.assert_allclose(res_adapters[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
 
+
+
+class _Interrupted(Exception):
+    """Stands in for a crash of the server process."""
+
+
+def _grid(config, id_offset: int, crash_round: int = 0):
+    """An in-process grid with its own node ids (Flower's are random per run), optionally
+    'crashing' when the training messages of ``crash_round`` are sent."""
+    from flwr.app import Context, MessageType
+
+    from clients.app import app as client_app
+    from simulations.inprocess import InProcessGrid, node_configs
+
+    class Grid(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            if crash_round and any(m.metadata.message_type == MessageType.TRAIN
+                                   and int(m.content["config"]["server-round"]) == crash_round for m in messages):
+                raise _Interrupted(crash_round)
+            return super().send_and_receive(messages, timeout=timeout)
+
+    grid = Grid(client_app, node_configs(config.data.num_clients))
+    grid.contexts = {id_offset + i: Context(run_id=1, node_id=id_offset + i, node_config=dict(c.node_config),
+                                            state=RecordDict(), run_config={})
+                     for i, c in enumerate(grid.contexts.values())}
+    return grid
+
+
+STRATEGY_OVERRIDES = {"fedtreelora": ["strategy.warmup_rounds=1"]}
+
+
+def _all_strategies() -> list[str]:
+    from strategies.registry import strategy_names
+
+    return strategy_names()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", _all_strategies())
+def test_every_strategy_resumes_with_new_node_ids(tmp_path, strategy):
+    from fedlora.server import run_server
+
+    # Prepare: the reference run, and a run that stops when round 3's training is sent
+    config = load_config(SMOKE, [f"strategy.name={strategy}", "train.rounds=3", "train.max_steps=2",
+                                 *STRATEGY_OVERRIDES.get(strategy, [])])
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_server(_grid(config, 1000), config, reference)
+    with pytest.raises(_Interrupted):
+        run_server(_grid(config, 2000, crash_round=3), config, resumed)
+
+    # Execute: resume with other node ids and empty client states
+    run_server(_grid(config, 7_000_000_000), config, resumed, resume=True)
+
+    # Assert: same metrics, same adapters
+    import json
+
+    ref_results = json.loads((reference / "results.json").read_text())
+    res_results = json.loads((resumed / "results.json").read_text())
+    np.testing.assert_allclose(np.array(_metrics(res_results), float), np.array(_metrics(ref_results), float),
+                               atol=1e-6, equal_nan=True)
+    assert [r["per_client"].keys() for r in res_results["rounds"]] == [r["per_client"].keys() for r in ref_results["rounds"]]
+    ref_adapters, res_adapters = _adapters(reference), _adapters(resumed)
+    assert ref_adapters.keys() == res_adapters.keys()
+    for name, tensors in ref_adapters.items():
+        for key, value in tensors.items():
+            np.testing.assert_allclose(res_adapters[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
