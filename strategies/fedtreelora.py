@@ -260,6 +260,7 @@ class FedTreeLoRA(LoRAStrategy):
         uploads="A, B, head (warm-up: only in its last round)",
         downloads="cluster expert A, B + external expert A, B per block, head",
         partial_participation=True,
+        dp_compatible=False,  # two active peft adapters + a bare theta parameter: not verified with Opacus
         paper="FedTreeLoRA (shared/papers/abstracts.md)",
     )
 
