@@ -39,6 +39,7 @@ NOISE_B_SUFFIX = "::B_noise"
 NOISE_A_SUFFIX = "::A_noise"
 GMM_REG_COVAR = 5e-4  # variance floor on losses normalised to [0, 1] (DivideMix's setting)
 GMM_MAX_ITER = 20
+GMM_INIT = "k-means++"  # 5x faster than a full k-means init on 1-D losses, and no OpenMP k-means in actors
 GMM_MIN_SAMPLES = 4  # below this (or with constant losses) every sample counts as clean
 
 
@@ -84,7 +85,9 @@ def gmm_clean_mask(losses: np.ndarray, threshold: float = 0.5, seed: int = 0) ->
     if losses.size < GMM_MIN_SAMPLES or not np.isfinite(spread) or spread < 1e-8:
         return np.ones(losses.size, dtype=bool)
     normalised = ((losses - losses.min()) / spread).reshape(-1, 1)
-    gmm = GaussianMixture(n_components=2, max_iter=GMM_MAX_ITER, tol=1e-2, reg_covar=GMM_REG_COVAR, random_state=seed)
+    gmm = GaussianMixture(
+        n_components=2, max_iter=GMM_MAX_ITER, tol=1e-2, reg_covar=GMM_REG_COVAR, init_params=GMM_INIT, random_state=seed
+    )
     gmm.fit(normalised)
     clean_component = int(np.argmin(gmm.means_.reshape(-1)))
     return gmm.predict_proba(normalised)[:, clean_component] > threshold
