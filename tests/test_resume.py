@@ -185,3 +185,30 @@ def test_every_strategy_resumes_with_new_node_ids(tmp_path, strategy):
     for name, tensors in ref_adapters.items():
         for key, value in tensors.items():
             np.testing.assert_allclose(res_adapters[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_dp_run_resumes_with_the_same_epsilon_and_adapters(tmp_path):
+    import json
+
+    from fedlora.server import run_server
+
+    # Prepare: a DP run (accountant history in the client state) and its interrupted twin
+    config = load_config(SMOKE, ["strategy.name=fedsa_lora", "train.rounds=3", "train.max_steps=2",
+                                 "privacy.dp=true", "privacy.target_epsilon=5"])
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_server(_grid(config, 1000), config, reference)
+    with pytest.raises(_Interrupted):
+        run_server(_grid(config, 2000, crash_round=3), config, resumed)
+
+    # Execute
+    run_server(_grid(config, 5000), config, resumed, resume=True)
+
+    # Assert: the resumed clients' accountants continued (same epsilon), same adapters
+    ref, res = (json.loads((d / "results.json").read_text()) for d in (reference, resumed))
+    assert res["privacy"] == ref["privacy"]
+    assert res["privacy"]["epsilon"] <= 5.0
+    assert [r["extra"] for r in res["rounds"]] == [r["extra"] for r in ref["rounds"]]
+    for name, tensors in _adapters(reference).items():
+        for key, value in tensors.items():
+            np.testing.assert_allclose(_adapters(resumed)[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
