@@ -8,7 +8,7 @@ cheap. Within one process (a simulation actor) data, tokenisation and the backbo
 from __future__ import annotations
 
 import time
-from logging import DEBUG
+from logging import DEBUG, WARNING
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -93,7 +93,10 @@ def _save_state(job, context: Context) -> None:
     if root:
         from fedlora.checkpoint import save_client_state
 
-        save_client_state(root, job.profile.partition_id, job.server_round, context.state)
+        try:
+            save_client_state(root, job.profile.partition_id, job.server_round, context.state)
+        except OSError as error:  # a checkpoint that cannot be written must not fail the round
+            log(WARNING, "client %d: cannot checkpoint its state in %s: %s", job.profile.partition_id, root, error)
 
 
 def _limit_threads(num_cpus: float) -> None:

@@ -90,10 +90,13 @@ def progress_line(record: RoundRecord, rounds: int) -> str:
     )
 
 
-def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume: bool = False) -> ResultsWriter:
+def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume: bool = False,
+               client_checkpoints: bool = True) -> ResultsWriter:
     """Query, train and evaluate for ``config.train.rounds`` rounds; write results and a
     checkpoint (fedlora.checkpoint) each round. ``resume``: continue ``out_dir``'s run after its
-    last complete round."""
+    last complete round. ``client_checkpoints``: tell clients to keep their state under
+    ``out_dir`` (simulation: one file system); in a deployment each silo names its own folder
+    (node config ``checkpoint-dir``)."""
     from fedlora import checkpoint
 
     import torch
@@ -108,7 +111,8 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.adapter_dir = str((out_dir / "adapters").resolve())
     writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
-    strategy.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
+    if client_checkpoints:
+        strategy.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
     first = 1
     if resume:
         saved = checkpoint.load_server(out_dir, config)
@@ -176,7 +180,7 @@ def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None 
     def main(grid: Grid, context: Context) -> None:
         cfg = config or config_from_run_config(dict(context.run_config))
         again = resume or str(context.run_config.get("resume", "")).lower() in ("1", "true")
-        run_server(grid, cfg, out_dir or cfg.output.dir, resume=again)
+        run_server(grid, cfg, out_dir or cfg.output.dir, resume=again, client_checkpoints=config is not None)
 
     return server_app
 
