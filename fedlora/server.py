@@ -97,10 +97,9 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     last complete round. ``client_checkpoints``: tell clients to keep their state under
     ``out_dir`` (simulation: one file system); in a deployment each silo names its own folder
     (node config ``checkpoint-dir``)."""
-    from fedlora import checkpoint
-
     import torch
 
+    from fedlora import checkpoint
     from strategies.registry import create_strategy
 
     torch.set_num_threads(max(1, int(config.federation.num_cpus)))

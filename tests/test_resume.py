@@ -77,7 +77,8 @@ def test_resume_without_checkpoint_or_with_other_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="no checkpoint"):
         load_server(tmp_path, load_config(SMOKE))
     # CLI: one line, exit 2
-    proc = subprocess.run(_cmd(tmp_path, "fedit", "--resume", str(tmp_path)), capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(_cmd(tmp_path, "fedit", "--resume", str(tmp_path)), check=False, capture_output=True,
+                          text=True, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no checkpoint" in proc.stderr
 

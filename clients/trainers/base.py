@@ -120,7 +120,7 @@ class LocalTrainer:
         if type(self).fit is not LocalTrainer.fit or type(self).after_backward is not LocalTrainer.after_backward:
             raise ValueError(f"privacy.dp: {type(self).__name__} customises its training step; DP-SGD not supported")
         cfg, privacy = self.config.train, self.config.privacy
-        stored = self.job.state[PRIVACY_STATE_KEY] if PRIVACY_STATE_KEY in self.job.state else None
+        stored = self.job.state.get(PRIVACY_STATE_KEY)
         history = list(zip(stored["noise"], stored["rate"], stored["steps"])) if stored else []
         result = private_train(
             model, self.loader(self.job.data.train, "train", shuffle=True), privacy=privacy,
