@@ -1,0 +1,387 @@
+"""FedPissa: the decorrelation projectors, Eq. 4, the one-rank protocol, PiSSA's shared residual,
+and the byte ledger (upload A + B + head, download B + head) end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from fedlora.config import ConfigError, load_config
+from strategies.base import ClientUpload
+from strategies.fedpissa import FedPissa, aggregate_B, decorrelation_projectors
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_ONE_RANK = ["strategy.name=fedpissa", "clients.ranks=[4, 4, 4]"]  # smoke.toml mixes ranks
+
+
+def orthonormal_split(rng: np.random.Generator, r: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random orthonormal basis of R^r cut into Q (r, s) and its complement Q_perp (r, r - s)."""
+    basis, _ = np.linalg.qr(rng.standard_normal((r, r)))
+    return basis[:, :s], basis[:, s:]
+
+
+def spanned_A(rng: np.random.Generator, Q: np.ndarray, d_in: int) -> np.ndarray:
+    """A (r, d_in) whose columns all lie in span(Q), i.e. A A^T has range span(Q)."""
+    return Q @ rng.standard_normal((Q.shape[1], d_in))
+
+
+# ------------------------------------------------------------------------------ projectors
+@pytest.mark.parametrize(
+    "r, s, clients, d_ins",
+    [
+        (4, 2, 3, [16]),  # other clients use 2 of 4 directions: the tail is the other 2
+        (8, 3, 4, [16, 24]),  # two modules with different d_in, stacked and eigendecomposed together
+        (6, 5, 2, [10]),  # delta = 1
+        (8, 1, 5, [12, 12, 20]),  # delta = 7 = r - 1
+    ],
+)
+def test_projector_is_the_complement_of_the_other_clients_subspace(
+    r: int, s: int, clients: int, d_ins: list[int]
+) -> None:
+    # Prepare: every client's A has columns in span(Q) (a different Q per module), so
+    # C_k = sum_{j != k} A_j A_j^T has range span(Q) and null space span(Q_perp), dim r - s
+    rng = np.random.default_rng(r * 100 + s)
+    bases = {f"m{i}": orthonormal_split(rng, r, s) for i in range(len(d_ins))}
+    A_by_client = {
+        k: {m: spanned_A(rng, bases[m][0], d) for m, d in zip(bases, d_ins)} for k in range(clients)
+    }
+    # Execute
+    P = decorrelation_projectors(A_by_client, delta=r - s)
+    # Assert: P_k = Q_perp Q_perp^T = I - Q Q^T for every client and module
+    for k in range(clients):
+        for module, (Q, Q_perp) in bases.items():
+            assert P[k][module].shape == (r, r)
+            assert np.allclose(P[k][module], Q_perp @ Q_perp.T, atol=1e-8)
+            assert np.allclose(P[k][module], np.eye(r) - Q @ Q.T, atol=1e-8)
+
+
+def test_projector_ignores_the_clients_own_A() -> None:
+    # Prepare: client 0's A lives in span(Q_perp), the others' in span(Q)
+    rng = np.random.default_rng(3)
+    r, s = 6, 3
+    Q, Q_perp = orthonormal_split(rng, r, s)
+    A_by_client = {
+        0: {"m": spanned_A(rng, Q_perp, 20)},
+        1: {"m": spanned_A(rng, Q, 20)},
+        2: {"m": spanned_A(rng, Q, 20)},
+    }
+    # Execute
+    P = decorrelation_projectors(A_by_client, delta=r - s)
+    # Assert: P_0 is built from clients 1 and 2 only, so it projects onto Q_perp (where A_0 lives)
+    assert np.allclose(P[0]["m"], Q_perp @ Q_perp.T, atol=1e-8)
+
+
+@pytest.mark.parametrize("r, delta, clients", [(4, 2, 3), (8, 4, 5), (8, 1, 2), (8, 7, 4)])
+def test_interference_equals_the_tail_eigenvalues(r: int, delta: int, clients: int) -> None:
+    # Prepare: random A (what the method's "why" rests on): sum_{j != k} ||P_k A_j||_F^2 = tr(P_k C_k)
+    rng = np.random.default_rng(delta)
+    A_by_client = {k: {"m": rng.standard_normal((r, 30))} for k in range(clients)}
+    # Execute
+    P = decorrelation_projectors(A_by_client, delta)
+    # Assert: the interference with the other clients is the sum of the delta smallest eigenvalues
+    for k in range(clients):
+        C_k = sum(A_by_client[j]["m"] @ A_by_client[j]["m"].T for j in range(clients) if j != k)
+        tail = np.linalg.eigvalsh(C_k)[:delta].sum()
+        interference = sum(
+            np.linalg.norm(P[k]["m"] @ A_by_client[j]["m"]) ** 2 for j in range(clients) if j != k
+        )
+        assert np.isclose(interference, tail, rtol=1e-8, atol=1e-8)
+        assert np.allclose(P[k]["m"] @ P[k]["m"], P[k]["m"], atol=1e-10)  # a projector
+        assert np.isclose(np.trace(P[k]["m"]), delta)
+
+
+# ------------------------------------------------------------------------------ Eq. 4
+@pytest.mark.parametrize(
+    "lam, weights",
+    [
+        (1.0, [0.5, 0.3, 0.2]),
+        (0.5, [0.5, 0.3, 0.2]),
+        (2.0, [1 / 3, 1 / 3, 1 / 3]),
+        (0.0, [0.6, 0.3, 0.1]),
+    ],
+)
+def test_B_agg_equals_eq4_on_a_known_projector(lam: float, weights: list[float]) -> None:
+    # Prepare: A_j spanning a known Q, so P_k = I - Q Q^T, and random B_k
+    rng = np.random.default_rng(int(lam * 10))
+    r, s, d_out = 4, 2, 12
+    Q, Q_perp = orthonormal_split(rng, r, s)
+    A_by_client = {k: {"m": spanned_A(rng, Q, 16)} for k in range(3)}
+    B_by_client = {k: {"m": rng.standard_normal((d_out, r))} for k in range(3)}
+    p = dict(enumerate(weights))
+    # Execute
+    P = decorrelation_projectors(A_by_client, delta=r - s)
+    B_agg = aggregate_B(B_by_client, P, p, lam)
+    # Assert: the formula written out with the known projector
+    B_avg = sum(p[k] * B_by_client[k]["m"] for k in range(3))
+    expected = B_avg + lam * sum((B_by_client[k]["m"] - B_avg) @ (Q_perp @ Q_perp.T) for k in range(3))
+    assert B_agg["m"].dtype == np.float32 and B_agg["m"].shape == (d_out, r)
+    assert np.allclose(B_agg["m"], expected, atol=1e-5)
+    # Assert: the correction only moves B inside the tail span Q_perp (columns of B Q are untouched)
+    assert np.allclose(B_agg["m"] @ Q, B_avg @ Q, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.2, 0.1], [0.25, 0.25, 0.5]])
+def test_lam_zero_is_plain_weighted_averaging_of_B(weights: list[float]) -> None:
+    # Prepare: arbitrary A and B
+    rng = np.random.default_rng(7)
+    A_by_client = {
+        k: {"q": rng.standard_normal((8, 20)), "v": rng.standard_normal((8, 20))} for k in range(3)
+    }
+    B_by_client = {k: {"q": rng.standard_normal((10, 8)), "v": rng.standard_normal((6, 8))} for k in range(3)}
+    p = dict(enumerate(weights))
+    # Execute
+    B_agg = aggregate_B(B_by_client, decorrelation_projectors(A_by_client, 4), p, lam=0.0)
+    # Assert
+    for module in ("q", "v"):
+        assert np.allclose(B_agg[module], sum(p[k] * B_by_client[k][module] for k in range(3)), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ the protocol
+def small_strategy(options: list[str], num_clients: int = 3, rank: int = 4) -> FedPissa:
+    """A FedPissa on hand-made shapes (module m: d_out 6, d_in 5; a 2 x 6 head) with profiles set."""
+    config = load_config(
+        ROOT / "configs/smoke.toml", [*SMOKE_ONE_RANK, f"clients.ranks={[rank] * num_clients}", *options]
+    )
+    rng = np.random.default_rng(0)
+    initial = {
+        "m::A": rng.standard_normal((rank, 5)).astype(np.float32),
+        "m::B": rng.standard_normal((6, rank)).astype(np.float32),
+        "head::classifier.weight": np.zeros((2, 6), np.float32),
+    }
+    strategy = FedPissa(config, lambda r: initial, {"m": (6, 5)})
+    strategy.profiles = {100 + k: SimpleNamespace(partition_id=k, rank=rank) for k in range(num_clients)}  # type: ignore[misc]
+    strategy.setup()
+    return strategy
+
+
+def fake_upload(rng: np.random.Generator, k: int, n: int, rank: int = 4) -> ClientUpload:
+    payload = {
+        "m::A": rng.standard_normal((rank, 5)).astype(np.float32),
+        "m::B": rng.standard_normal((6, rank)).astype(np.float32),
+        "head::classifier.weight": np.full((2, 6), float(k), np.float32),
+    }
+    return ClientUpload(node_id=100 + k, partition_id=k, payload=payload, num_examples=n, metrics={})
+
+
+@pytest.mark.parametrize(
+    "options, p",
+    [
+        ([], [10 / 40, 10 / 40, 20 / 40]),  # samples
+        (["strategy.weights=uniform"], [1 / 3, 1 / 3, 1 / 3]),
+    ],
+)
+def test_server_downloads_B_agg_and_head_only(options: list[str], p: list[float]) -> None:
+    # Prepare
+    strategy = small_strategy(["strategy.lam=0.7", *options])
+    rng = np.random.default_rng(1)
+    uploads = [fake_upload(rng, k, n) for k, n in enumerate([10, 10, 20])]
+    # Execute
+    strategy.aggregate(1, uploads)
+    download = strategy.download(100, 2)
+    # Assert: only B and the head go down; B is Eq. 4 with delta = r // 2; the head is averaged
+    assert set(download) == {"m::B", "head::classifier.weight"}
+    A = {u.partition_id: {"m": u.payload["m::A"]} for u in uploads}
+    B = {u.partition_id: {"m": u.payload["m::B"]} for u in uploads}
+    expected = aggregate_B(B, decorrelation_projectors(A, 2), dict(enumerate(p)), 0.7)
+    assert np.allclose(download["m::B"], expected["m"])
+    assert np.allclose(download["head::classifier.weight"], sum(pk * k for k, pk in enumerate(p)))
+    assert strategy.round_extra(1)["delta"] == 2
+    assert strategy.global_payload() is None  # default global_model = clients
+
+
+def test_mean_A_global_model_is_example_weighted() -> None:
+    # Prepare
+    strategy = small_strategy(["strategy.global_model=mean_A"])
+    rng = np.random.default_rng(2)
+    uploads = [fake_upload(rng, k, n) for k, n in enumerate([1, 1, 2])]
+    # Execute
+    strategy.aggregate(1, uploads)
+    payload = strategy.global_payload()
+    # Assert
+    assert payload is not None
+    expected_A = (
+        0.25 * uploads[0].payload["m::A"]
+        + 0.25 * uploads[1].payload["m::A"]
+        + 0.5 * uploads[2].payload["m::A"]
+    )
+    assert np.allclose(payload["m::A"], expected_A, atol=1e-6)
+    assert np.array_equal(payload["m::B"], strategy.B_agg["m"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["strategy.delta=0"], "strategy.delta must be in [1, rank), got 0"),
+        (["strategy.delta=4"], "strategy.delta must be in [1, rank), got 4"),
+        (
+            ["clients.ranks=[2, 4, 8]", "clients.mixed_rank_policy=refuse"],
+            "needs one LoRA rank for every client",
+        ),
+        (
+            [
+                "clients.ranks=[]",
+                "clients.rank_tiers={'2' = 0.5, '4' = 0.5}",
+                "clients.mixed_rank_policy=refuse",
+            ],
+            "needs one LoRA rank",
+        ),
+        (
+            ["clients.ranks=[2, 4, 8]", "strategy.delta=2"],
+            "strategy.delta must be in [1, rank), got 2 (rank = 2)",
+        ),
+        (["clients.ranks=[1, 1, 1]"], "needs LoRA rank >= 2"),
+        (["model.init=gaussian"], "conflicts with strategy.init"),
+        (["strategy.weights=median"], "strategy.weights"),
+        (["strategy.lam=-1"], "strategy.lam"),
+    ],
+)
+def test_bad_options_are_config_errors(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(ROOT / "configs/smoke.toml", [*SMOKE_ONE_RANK, *overrides])
+    assert message in str(error.value)
+
+
+def test_strategy_init_leaves_model_init_to_other_strategies() -> None:
+    # Prepare: a fedpissa config (PiSSA) from which a comparison derives its other strategies
+    config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
+    strategy = FedPissa(config, lambda r: {}, {"m": (6, 5)})
+    # Assert: the override lives in the strategy (server evaluator + client trainer), not the config
+    assert config.model.init == "kaiming" and strategy.model_init() == "pissa"
+    kaiming = load_config(ROOT / "configs/smoke.toml", [*SMOKE_ONE_RANK, "strategy.init=kaiming"])
+    assert FedPissa(kaiming, lambda r: {}, {"m": (6, 5)}).model_init() == "kaiming"
+
+
+def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
+    # Prepare: the server's GlobalEvaluator (label names are all it reads from the data here)
+    from fedlora.models import build_model
+    from fedlora.server import GlobalEvaluator
+
+    config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
+    evaluator = GlobalEvaluator(config, SimpleNamespace(label_names=list(range(8))))  # type: ignore[arg-type]
+    evaluator.init = FedPissa(config, evaluator.initial_adapter, {"m": (6, 5)}).model_init()  # as run_server
+    # Execute
+    server = evaluator.build(4).state_dict()
+    client = build_model(config.model, 8, 4, seed=config.train.seed, init="pissa").state_dict()
+    plain = build_model(config.model, 8, 4, seed=config.train.seed, init="kaiming").state_dict()
+    # Assert: same residual W0 - s B A, same A and B, and residual + s B A recovers W0
+    scale = config.model.lora_alpha / 4
+    bases = [k for k in server if k.endswith("base_layer.weight")]
+    assert len(bases) == 4
+    for key in bases:
+        A_key, B_key = (key.replace("base_layer.weight", f"lora_{f}.default.weight") for f in "AB")
+        for name in (key, A_key, B_key):
+            assert np.array_equal(server[name].numpy(), client[name].numpy())
+        assert not np.allclose(server[key].numpy(), plain[key].numpy())  # the base really changed
+        rebuilt = server[key] + scale * server[B_key] @ server[A_key]
+        assert np.allclose(rebuilt.numpy(), plain[key].numpy(), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ end to end
+def test_inprocess_bytes_and_personal_adapters(tmp_path: Path) -> None:
+    # Prepare: tiny-bert, 2 layers x (query, value), d = 32, rank 4, 8 labels, 3 clients
+    config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
+    from simulations.inprocess import run_inprocess
+
+    # Execute
+    writer = run_inprocess(config, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    # Assert: upload = A + B + head, download = B + head, exactly (float32)
+    A_bytes = B_bytes = 2 * 2 * (4 * 32) * 4
+    head = (8 * 32 + 8) * 4
+    for record in results["rounds"]:
+        assert record["bytes_up"] == 3 * (A_bytes + B_bytes + head)
+        assert record["bytes_down"] == 3 * (B_bytes + head)
+        assert record["bytes_eval_down"] == 3 * (B_bytes + head)
+        assert 0.0 <= record["personalized_accuracy"] <= 1.0 and 0.0 <= record["global_accuracy"] <= 1.0
+        assert record["extra"]["delta"] == 2
+    assert results["strategy_info"]["downloads"] == "B, head"
+    assert len(writer.rounds) == config.train.rounds
+    # Assert: personalised adapters: every client holds the same B_agg and its own A_k
+    adapters = [load_file(tmp_path / f"adapters/client_{k}/adapter_model.safetensors") for k in range(3)]
+    A_keys = [k for k in adapters[0] if "lora_A" in k]
+    B_keys = [k for k in adapters[0] if "lora_B" in k]
+    assert len(A_keys) == len(B_keys) == 4
+    for key in B_keys:
+        assert all(np.array_equal(adapters[0][key], a[key]) for a in adapters[1:])
+    for key in A_keys:
+        assert not np.allclose(adapters[0][key], adapters[1][key])
+
+
+def test_mixed_declared_ranks_train_at_the_smallest(tmp_path: Path) -> None:
+    # Prepare: smoke.toml's clients declare ranks 2, 4, 8 (clients.mixed_rank_policy = smallest)
+    config = load_config(ROOT / "configs/smoke.toml", ["strategy.name=fedpissa", "clients.ranks=[2, 4, 8]"])
+    from simulations.inprocess import run_inprocess
+
+    # Execute
+    run_inprocess(config, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    # Assert: everyone at rank 2 (delta = 1): the same ledger as a rank-2 federation
+    A_bytes = B_bytes = 2 * 2 * (2 * 32) * 4
+    head = (8 * 32 + 8) * 4
+    assert [r["bytes_up"] for r in results["rounds"]] == [3 * (A_bytes + B_bytes + head)] * 2
+    assert [r["bytes_down"] for r in results["rounds"]] == [3 * (B_bytes + head)] * 2
+    assert results["rounds"][0]["extra"]["delta"] == 1
+
+
+@pytest.mark.slow
+def test_ray_smoke_run(tmp_path: Path) -> None:
+    # Execute: the CLI on Flower's simulation engine
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedlora.cli",
+            "run",
+            str(ROOT / "configs/smoke.toml"),
+            "--out",
+            str(tmp_path),
+            "--set",
+            "strategy.name=fedpissa",
+            "--set",
+            "clients.ranks=[4, 4, 4]",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["strategy"] == "fedpissa" and len(results["rounds"]) == 2
+    assert all(r["bytes_down"] * 1.0 < r["bytes_up"] for r in results["rounds"])
+    assert all((tmp_path / f"adapters/client_{k}/adapter_config.json").is_file() for k in range(3))
+
+
+def test_cli_bad_delta_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedlora.cli",
+            "run",
+            str(ROOT / "configs/smoke.toml"),
+            "--out",
+            str(tmp_path),
+            "--set",
+            "strategy.name=fedpissa",
+            "--set",
+            "clients.ranks=[4, 4, 4]",
+            "--set",
+            "strategy.delta=0",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1
+    assert "strategy.delta must be in [1, rank), got 0" in lines[0]
