@@ -43,10 +43,12 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def _comparable(config: ExperimentConfig) -> dict[str, Any]:
-    """The config without what may change on resume (output folder, number of rounds)."""
+    """The config without what may change on resume: the output folder, and the number of rounds
+    unless a DP target epsilon was planned for it."""
     data = config.model_dump(mode="json")
     data.pop("output", None)
-    data["train"].pop("rounds", None)
+    if not (config.privacy.dp and config.privacy.target_epsilon is not None):
+        data["train"].pop("rounds", None)
     return data
 
 
@@ -72,8 +74,8 @@ def load_server(out_dir: str | Path, config: ExperimentConfig | None = None) -> 
         keys = sorted(f"{s}.{k}" for s in now for k in (now[s] if isinstance(now[s], dict) else {})
                       if isinstance(saved.get(s), dict) and saved[s].get(k) != now[s].get(k))
         raise ConfigError(f"--resume {out_dir}: the config differs from the checkpointed run in "
-                          f"{', '.join(keys) or 'its sections'}; resume with the same config (only "
-                          f"train.rounds may grow)")
+                          f"{', '.join(keys) or 'its sections'}; resume with the same config (train.rounds "
+                          f"may grow, except under a DP target_epsilon planned for it)")
     return blob
 
 

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedlora.checkpoint import checkpoint_dir, load_server, restore_client_state, save_client_state
+from fedlora.checkpoint import (
+    checkpoint_dir,
+    load_server,
+    restore_client_state,
+    save_client_state,
+    save_server,
+)
 from fedlora.config import ConfigError, load_config
 from strategies.base import _ByPartition, _rekey, _rekey_back
 
@@ -70,6 +76,26 @@ def test_client_state_restores_newest_round_not_after_resume_round(tmp_path):
     assert restored["c"]["r"] == 2
     assert sorted(p.name for p in (tmp_path / "5").iterdir()) == ["round_2.bin", "round_3.bin"]
     assert restore_client_state(tmp_path, 6, 2, RecordDict()) == 0
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "accepted"),
+    [
+        ([], ["train.rounds=5"], True),  # more rounds: fine
+        ([], ["train.lr=0.1"], False),
+        (["privacy.dp=true", "privacy.target_epsilon=3"], ["privacy.dp=true", "privacy.target_epsilon=3",
+                                                           "train.rounds=5"], False),  # noise planned for 2 rounds
+    ],
+)
+def test_resume_config_must_match_the_checkpoint(tmp_path, saved, resumed, accepted):
+    # Prepare: a checkpoint written under one config
+    save_server(tmp_path, 1, load_config(SMOKE, saved), {}, [])
+    # Execute / Assert
+    if accepted:
+        assert load_server(tmp_path, load_config(SMOKE, resumed))["round"] == 1
+    else:
+        with pytest.raises(ConfigError, match="differs from the checkpointed run"):
+            load_server(tmp_path, load_config(SMOKE, resumed))
 
 
 def test_resume_without_checkpoint_or_with_other_config_is_one_line(tmp_path):
