@@ -20,7 +20,7 @@ from fedlora.config import ExperimentConfig, apply_overrides, build_config, load
 logger = logging.getLogger("fedlora")
 
 CLIENT_APP = "clients.app:app"
-MAX_RAY_DIR = 60  # Ray appends ~45 characters of session/socket names; AF_UNIX allows 107
+MAX_RAY_DIR = 42  # Ray appends up to 64 characters (/session_<date>_<time>_<us>_<pid>/sockets/plasma_store); AF_UNIX allows 107
 
 
 class RunError(RuntimeError):
