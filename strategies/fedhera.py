@@ -509,7 +509,7 @@ class FedHera(LoRAStrategy):
 
     # ---------------------------------------------------------------- aggregation
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
-        weights = self.weights(uploads)
+        weights = [float(w) for w in self.weights(uploads)]
         alpha = self.experiment.model.lora_alpha
         updates, starts = [], []
         for u in uploads:

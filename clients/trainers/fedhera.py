@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from clients.trainers.base import LocalTrainer
 from fedlora.lora import HEAD_PREFIX, Payload, join_payload, scale_tail, split_payload
@@ -29,7 +29,10 @@ def prefix_parameters(model: PeftModel) -> dict[str, tuple[torch.nn.Parameter, t
     from peft.tuners.lora import LoraLayer
 
     return {
-        name.removeprefix(PEFT_PREFIX): (layer.lora_A["default"].weight, layer.lora_B["default"].weight)
+        name.removeprefix(PEFT_PREFIX): cast(
+            "tuple[torch.nn.Parameter, torch.nn.Parameter]",
+            (layer.lora_A["default"].weight, layer.lora_B["default"].weight),
+        )
         for name, layer in model.named_modules()
         if isinstance(layer, LoraLayer)
     }
