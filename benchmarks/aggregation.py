@@ -4,7 +4,8 @@ Default shape: 64 modules of 4096 x 4096 (32 layers x q, v), 20 clients of rank 
 (stacked rank R = 320). Both paths compute, per module, the SVD of G = sum_k p_k s_k B_k A_k and
 hand every client its rank-16 factors (B_k = U_r S_r / s_k, A_k = V_r^T):
 
-- factor space: ``strategies.flexlora.flexlora_aggregate`` (what the strategy runs, with
+- factor space: ``strategies.flexlora.flexlora_aggregate`` (what the strategy runs: leading r_max = r
+  components only, with
   ``strategy.svd_dtype = float32``): Gram matrices of the stacked factors, R x R
   eigendecompositions and SVD, never a d_out x d_in matrix. Timed on every module.
 - dense: what the reference implementations do: form G (d_out x d_in) and take its SVD
@@ -44,7 +45,7 @@ def make_clients(modules: int, d: int, rank: int, clients: int, seed: int) -> li
 
 
 def factor_round(clients: list[dict[str, Factors]], weights: np.ndarray, scale: float, rank: int):
-    svds = flexlora_aggregate(clients, weights, [scale] * len(clients), dtype=np.float32)
+    svds = flexlora_aggregate(clients, weights, [scale] * len(clients), dtype=np.float32, rank=rank)
     pushed = {m: flexlora_factors(svd, rank, scale) for m, svd in svds.items()}  # one rank: shared by clients
     return svds, pushed
 

@@ -15,6 +15,8 @@ import numpy as np
 from pydantic import Field
 
 from fedlora.lora import (
+    A_SUFFIX,
+    B_SUFFIX,
     Factors,
     LowRankSVD,
     Payload,
@@ -25,8 +27,9 @@ from fedlora.lora import (
     split_payload,
     weighted_average,
 )
-from fedlora.lowrank import batched_factor_svd, stack_factors
+from fedlora.lowrank import batched_factor_svd
 from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
+from strategies.flora import concat_stacks, flora_stack
 
 
 def flexlora_aggregate(
@@ -34,13 +37,15 @@ def flexlora_aggregate(
     weights: Sequence[float],
     scales: Sequence[float],
     dtype: type[np.floating] = np.float64,
+    rank: int | None = None,
 ) -> dict[str, LowRankSVD]:
     """Per module, the thin SVD of G = sum_k p_k s_k B_k A_k, computed from the stacked factors.
 
     ``clients[k]`` maps module -> client k's factors (any rank, the same for all its modules),
-    ``weights`` are p_k (summing to one), ``scales`` are s_k = alpha / r_k. Modules of one shape
-    are done together (:func:`fedlora.lowrank.batched_factor_svd`); when the stacked rank
-    R = sum r_k is not below min(d_out, d_in), :func:`fedlora.lora.factor_svd` takes the dense SVD.
+    ``weights`` are p_k (summing to one), ``scales`` are s_k = alpha / r_k; ``rank`` keeps only
+    the leading components (all R = sum r_k by default). Modules of one shape are done together
+    (:func:`fedlora.lowrank.batched_factor_svd`); when R is not below min(d_out, d_in),
+    :func:`fedlora.lora.factor_svd` takes the dense SVD.
     """
     coefficients = [float(p) * float(s) for p, s in zip(weights, scales)]  # p_k s_k
     groups: dict[tuple[int, int], list[str]] = {}
@@ -48,13 +53,22 @@ def flexlora_aggregate(
         groups.setdefault((f.B.shape[0], f.A.shape[1]), []).append(module)
     out: dict[str, LowRankSVD] = {}
     for (d_out, d_in), modules in groups.items():
-        Bs = [np.stack([c[m].B for m in modules]).astype(dtype, copy=False) for c in clients]  # (M, d_out, r_k)
-        As = [np.stack([c[m].A for m in modules]).astype(dtype, copy=False) for c in clients]  # (M, r_k, d_in)
-        B, A = stack_factors(Bs, As, coefficients)  # (M, d_out, R), (M, R, d_in)
-        if B.shape[-1] >= min(d_out, d_in):
-            out |= {m: factor_svd([B[i]], [A[i]], [1.0]) for i, m in enumerate(modules)}
+        ranks = [c[modules[0]].rank for c in clients]
+        R = sum(ranks)
+        B = np.empty((len(modules), d_out, R), dtype)  # [p_k s_k B_k] per module
+        A = np.empty((len(modules), R, d_in), dtype)  # [A_k] per module
+        start = 0
+        for c, w, r in zip(clients, coefficients, ranks):
+            for i, m in enumerate(modules):
+                np.multiply(c[m].B, w, out=B[i, :, start : start + r], casting="unsafe")
+                A[i, start : start + r] = c[m].A
+            start += r
+        if R >= min(d_out, d_in):
+            for i, m in enumerate(modules):
+                svd = factor_svd([B[i]], [A[i]], [1.0])
+                out[m] = LowRankSVD(svd.U[:, :rank], svd.S[:rank], svd.Vt[:rank])
             continue
-        svd = batched_factor_svd(B, A)  # G = U S V^T per module
+        svd = batched_factor_svd(B, A, rank)  # G = U S V^T per module
         out |= {m: LowRankSVD(svd.U[i], svd.S[i], svd.Vt[i]) for i, m in enumerate(modules)}
     return out
 
@@ -98,9 +112,11 @@ class FlexLoRA(LoRAStrategy):
     ``model.head = global``).
 
     Aggregation: per module G = sum_k p_k s_k B_k A_k, p_k = n_k / sum n over the round's
-    uploads, and its SVD G = U S V^T, computed in factor space (QR of the stacked factors and an
-    R x R SVD, R = sum r_k), exact. The head is averaged with p_k (FedAvg). The global model is G
-    itself, held at rank R (B = U S / s_R, A = V^T, s_R = alpha / R).
+    uploads, and its SVD G = U S V^T, computed in factor space (R x R Gram matrices of the
+    stacked factors, R = sum r_k, see fedlora/lowrank.py), exact; only the leading r_max singular
+    triplets are rotated back. The head is averaged with p_k (FedAvg). The global model is G
+    itself, held at rank R as the stacked factors [p_k s_k B_k], [A_k] / s_R, s_R = alpha / R
+    (compressed exactly by SVD if R reaches the layer width).
 
     Download: client k gets B_k = U[:, :r_k] S[:r_k] / s_k and A_k = V[:, :r_k]^T, so
     s_k B_k A_k is the best rank-r_k approximation of G (and the averaged head). Before the first
@@ -118,7 +134,8 @@ class FlexLoRA(LoRAStrategy):
     )
 
     def setup(self) -> None:
-        self.spectrum: dict[str, LowRankSVD] = {}  # module -> SVD of the last aggregate G
+        self.spectrum: dict[str, LowRankSVD] = {}  # module -> leading r_max SVD of the last G
+        self.aggregate_stack: dict[str, Factors] = {}  # module -> G as unit-scale stacked factors
         self.head: Payload = dict(self.head_initial) if self.sends_head else {}
 
     def scale(self, rank: int) -> float:
@@ -136,7 +153,9 @@ class FlexLoRA(LoRAStrategy):
         clients = [split_payload(u.payload)[0] for u in uploads]
         scales = [self.scale(self.profiles[u.node_id].rank) for u in uploads]
         dtype = np.float32 if self.options.svd_dtype == "float32" else np.float64
-        self.spectrum = flexlora_aggregate(clients, self.weights(uploads), scales, dtype)
+        max_rank = max(p.rank for p in self.profiles.values())
+        self.spectrum = flexlora_aggregate(clients, self.weights(uploads), scales, dtype, rank=max_rank)
+        self.aggregate_stack = concat_stacks([flora_stack(clients, self.weights(uploads), scales)])
         if self.sends_head:
             self.head = weighted_average([head_only(u.payload) for u in uploads], self.weights(uploads))
 
@@ -145,12 +164,12 @@ class FlexLoRA(LoRAStrategy):
             rank = max(p.rank for p in self.profiles.values())
             factors, _ = split_payload(self.initial_adapter(rank))
             return join_payload(factors, self.head)
-        factors = {}
-        for module, svd in self.spectrum.items():
-            rank = len(svd.S)  # the whole aggregate: G exactly
-            factors[module] = flexlora_factors(svd, rank, self.scale(rank))
-        return join_payload(factors, self.head)
+        payload: Payload = {}
+        for module, f in self.aggregate_stack.items():  # s_R B A = G exactly
+            payload[module + A_SUFFIX] = (f.A / self.scale(f.rank)).astype(np.float32)
+            payload[module + B_SUFFIX] = f.B
+        return payload | self.head
 
     def round_extra(self, server_round: int) -> dict[str, float]:
-        ranks = [len(svd.S) for svd in self.spectrum.values()]
+        ranks = [f.rank for f in self.aggregate_stack.values()]
         return {"aggregate_rank": float(max(ranks)) if ranks else 0.0}
