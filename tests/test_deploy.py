@@ -193,8 +193,6 @@ def test_tls_auth_deployment_two_silos_and_refused_supernodes(no_leftovers: Path
         assert marker in refusal.reason, f"{case}: {refusal.reason}"
     assert "was refused" in probes["reported"] and "(log: " in probes["reported"]
     assert "\n" not in probes["reported"]
-    # the plaintext SuperNode's attempts died in the SuperLink's TLS layer (gRPC's own log line)
-    assert "WRONG_VERSION_NUMBER" in (out / "logs" / "superlink.log").read_text()
     # flwr run left the repository's pyproject.toml alone
     assert (REPO / "pyproject.toml").read_bytes() == pyproject_before
 
