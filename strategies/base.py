@@ -16,6 +16,7 @@ Wire format: a training message carries ``arrays`` (the payload as an ArrayRecor
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -126,21 +127,21 @@ class LoRAStrategy(Strategy):
     def setup(self) -> None:
         """Called once after the profiles are known (e.g. to build per-client state)."""
 
+    @abstractmethod
     def download(self, node_id: int, server_round: int) -> Payload:
         """Arrays sent to ``node_id`` for training (and evaluation) in ``server_round``."""
-        raise NotImplementedError
 
     def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
         """Key -> shape of the arrays ``node_id`` must upload (default: A, B and the head)."""
         return self.lora_shapes(self.profiles[node_id].rank, send_A=True, send_B=True)
 
+    @abstractmethod
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         """Fold the round's valid uploads into the strategy's state."""
-        raise NotImplementedError
 
+    @abstractmethod
     def global_payload(self) -> Payload | None:
         """The method's single global adapter, evaluated on the global test set (None: none)."""
-        raise NotImplementedError
 
     def client_config(self, node_id: int, server_round: int) -> dict[str, Any]:
         """Extra config entries for ``node_id`` (e.g. its rank); values must be Flower scalars."""
