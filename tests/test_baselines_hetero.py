@@ -165,6 +165,24 @@ def test_batched_factor_svd_equals_dense_svd(dtype: type, shared_A: bool, rtol: 
         assert np.allclose(rebuilt, (ref.U[:, :3] * ref.S[:3]) @ ref.Vt[:3], atol=10 * rtol * ref.S[0])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batched_factor_svd_of_zero_and_rank_one_stacks_is_finite_and_exact(dtype: type) -> None:
+    # Prepare: module 0 has all-zero B (round one of LoRA), module 1 is rank one (R = 6)
+    rng = np.random.default_rng(9)
+    B = np.zeros((2, 30, 6), dtype)
+    A = rng.standard_normal((2, 6, 20)).astype(dtype)
+    u, v = rng.standard_normal(30), rng.standard_normal(6)
+    B[1] = np.outer(u, v).astype(dtype)
+    # Execute: the 3 leading components (partial eigendecomposition)
+    svd = batched_factor_svd(B, A, rank=3)
+    # Assert: no NaN; zero module -> zero spectrum; rank-one module -> one component, exact
+    assert all(np.isfinite(x).all() for x in svd)
+    assert np.all(svd.S[0] == 0) and np.allclose(svd.S[1, 1:], 0)
+    dense = B[1].astype(np.float64) @ A[1]
+    assert np.isclose(svd.S[1, 0], np.linalg.norm(dense), rtol=1e-4)
+    assert np.allclose((svd.U[1] * svd.S[1]) @ svd.Vt[1], dense, atol=1e-4 * np.linalg.norm(dense))
+
+
 def test_flexlora_pads_when_the_aggregate_has_fewer_components_than_the_rank() -> None:
     # Prepare: only a rank-2 client took part; a rank-8 client must still get rank 8
     rng = np.random.default_rng(4)
