@@ -45,7 +45,7 @@ def batched_factor_svd(B: np.ndarray, A: np.ndarray, rank: int | None = None) ->
     U (M, d_out, k), S (M, k) (descending), Vt (M, k, d_in) with k = ``rank`` (default R) leading
     components; asking for fewer components computes only those.
     """
-    M, R = B.shape[0], B.shape[-1]
+    R = B.shape[-1]
     k = R if rank is None else min(rank, R)
     gram_B = np.matmul(B.transpose(0, 2, 1), B)  # (M, R, R)
     gram_A = np.matmul(A, A.transpose(0, 2, 1))  # (M, R, R)

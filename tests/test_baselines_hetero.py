@@ -338,7 +338,7 @@ def test_flora_clients_catch_up_and_share_one_merged_base(tmp_path: Path) -> Non
     for entry in train:
         assert sorted(read_stacks(entry["down"])) == sorted(set(range(1, entry["round"])) - {
             t for e in train if e["node"] == entry["node"] and e["round"] < entry["round"] for t in range(1, e["round"])})
-    for node, context in grid.contexts.items():
+    for context in grid.contexts.values():
         if "fedlora.local" not in context.state:
             continue
         state = from_array_record(context.state["fedlora.local"])
