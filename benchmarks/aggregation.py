@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedlora.lora import Factors  # noqa: E402
-from strategies.flexlora import flexlora_aggregate, flexlora_factors  # noqa: E402
+from fedlora.lora import Factors
+from strategies.flexlora import flexlora_aggregate, flexlora_factors
 
 
 def make_clients(modules: int, d: int, rank: int, clients: int, seed: int) -> list[dict[str, Factors]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.compare import Job, run_jobs, summarize  # noqa: E402
+from fedlora.compare import Job, run_jobs, summarize
 
 # label -> (strategy, overrides)
 JOBS: dict[str, tuple[str, tuple[str, ...]]] = {

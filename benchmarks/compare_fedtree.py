@@ -23,8 +23,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.compare import Job, run_jobs, summarize  # noqa: E402
-from fedlora.config import load_config  # noqa: E402
+from fedlora.compare import Job, run_jobs, summarize
+from fedlora.config import load_config
 
 # label -> (strategy, overrides)
 JOBS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -116,7 +116,7 @@ def fedlora_run(config_path: Path, overrides: list[str], out: Path) -> dict[str,
     for override in overrides:
         command += ["--set", override]
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"fedlora run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -122,9 +122,8 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Merge the download with local state, train locally, upload what the method uploads."""
-    from fedlora.lora import from_array_record, to_array_record
-
     from clients.faults import maybe_corrupt, maybe_fail
+    from fedlora.lora import from_array_record, to_array_record
 
     job, setup_seconds = _job(msg, context)
     faults = job.config.faults

@@ -40,7 +40,7 @@ def maybe_corrupt(faults: FaultsConfig, server_round: int, partition_id: int, up
 def corrupt(upload: Payload, kind: str) -> Payload:
     """A malformed copy of ``upload`` of the given kind."""
     bad = {k: v.copy() for k, v in upload.items()}
-    key = sorted(bad)[0]
+    key = min(bad)
     if kind == "nan":
         bad[key].flat[0] = np.nan
     elif kind == "inf":

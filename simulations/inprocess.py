@@ -74,7 +74,7 @@ class InProcessGrid(Grid):
         context = self.contexts[message.metadata.dst_node_id]
         try:
             return self.client_app(message, context)
-        except Exception as error:  # Flower turns ClientApp exceptions into error replies too
+        except Exception as error:  # noqa: BLE001 - Flower turns ClientApp exceptions into error replies too
             reason = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=message)
 

@@ -16,8 +16,8 @@ Wire format: a training message carries ``arrays`` (the payload as an ArrayRecor
 from __future__ import annotations
 
 import math
-from abc import abstractmethod
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING

@@ -146,7 +146,7 @@ def test_cli_bad_input_is_one_line_exit_2_and_runs_nothing(tmp_path: Path, args:
     # Execute
     proc = subprocess.run(
         [sys.executable, "-m", "fedlora.cli", "compare", str(SMOKE), "--out", str(tmp_path / "cmp"), *args],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
     # Assert
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -160,9 +160,9 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
     command = [sys.executable, "-m", "fedlora.cli", "compare", str(SMOKE), "--strategies", ",".join(STRATEGIES),
                "--seeds", "0,1", "--out", str(tmp_path)]
     # Execute
-    first = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900)
     mtimes = results_mtimes(tmp_path)
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    second = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     # Assert
     assert first.returncode == 0, first.stderr[-3000:]
     assert second.returncode == 0, second.stderr[-3000:]

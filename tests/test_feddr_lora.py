@@ -251,9 +251,8 @@ def grad_norms(model, trainer) -> dict[str, float]:
 def test_negative_learning_gradient_reaches_the_noise_branch_only(
     options: list[str], reached: set[str], untouched: set[str]
 ) -> None:
-    from fedlora.training import model_inputs
-
     from clients.trainers.feddr_lora import negative_learning_loss
+    from fedlora.training import model_inputs
 
     # Prepare
     trainer = make_trainer(options, server_round=2)

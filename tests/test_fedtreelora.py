@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,7 @@ def test_two_groups_in_deep_blocks_give_cuts_1_then_2(clients: int, shallow: int
     cuts = layer_cuts(tree, list(per_layer.values()), tau=0.1, K=2)
     # Assert: 1 in the trunk, 2 in the branches, never decreasing, and the deep cut is the groups
     assert cuts == expected
-    assert all(a <= b for a, b in zip(cuts, cuts[1:]))
+    assert all(a <= b for a, b in pairwise(cuts))
     labels = cut_tree(tree, 2, clients)
     assert all(labels[k] == labels[k % 2] for k in range(clients)) and labels[0] != labels[1]
 
@@ -183,8 +184,8 @@ def test_cluster_and_external_experts_are_means_inside_and_outside() -> None:
     cluster, external = tree_aggregate(factors, w, clusters)
     # Assert: A and B averaged separately, weighted by n, inside / outside each cluster
     deep = "m.layer.1.q"
-    mean_A = lambda ks: sum(w[k] * factors[k][deep].A for k in ks) / w[ks].sum()  # noqa: E731
-    mean_B = lambda ks: sum(w[k] * factors[k][deep].B for k in ks) / w[ks].sum()  # noqa: E731
+    mean_A = lambda ks: sum(w[k] * factors[k][deep].A for k in ks) / w[ks].sum()
+    mean_B = lambda ks: sum(w[k] * factors[k][deep].B for k in ks) / w[ks].sum()
     np.testing.assert_allclose(cluster[deep][0].A, mean_A([0, 1]), rtol=1e-5)
     np.testing.assert_allclose(cluster[deep][1].B, mean_B([2, 3]), rtol=1e-5)
     np.testing.assert_allclose(external[deep][0].B, mean_B([2, 3]), rtol=1e-5)
@@ -381,7 +382,7 @@ def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None
     assert rounds[0]["bytes_down"] == 0 and rounds[0]["bytes_up"] > 0
     assert rounds[1]["bytes_down"] > 0 and rounds[1]["extra"]["phase"] == "tree"
     cuts = rounds[-1]["extra"]["cuts"]
-    assert len(cuts) == 2 and all(1 <= a <= b for a, b in zip(cuts, cuts[1:]))
+    assert len(cuts) == 2 and all(1 <= a <= b for a, b in pairwise(cuts))
     assert set(rounds[-1]["extra"]["clusters"]["0"]) == {"0", "1", "2"}
     assert all(0.0 <= r["personalized_accuracy"] <= 1.0 for r in rounds)
     assert results["strategy_info"]["fedtreelora"]["cuts"] == cuts

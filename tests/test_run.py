@@ -48,7 +48,7 @@ def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
     # Execute: the CLI on Flower's simulation engine (Ray backend)
     proc = subprocess.run(
         [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        check=False, capture_output=True, text=True, timeout=600,
     )
     # Assert
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,7 +72,7 @@ def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path), *args],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -86,7 +86,7 @@ def test_cli_unreadable_data_file(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path / "o"),
          "--set", f"data.source={bad}"],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1

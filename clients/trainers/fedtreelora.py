@@ -67,7 +67,7 @@ def attach_mixer(model: PeftModel, theta: torch.nn.Parameter, mixed_modules: lis
         block = layer_index(name.removeprefix(PEFT_PREFIX))
         scale = {adapter: float(layer.scaling[adapter]) for adapter in ("default", EXTERNAL_ADAPTER)}
 
-        def mix(module, args, block=block, scale=scale):  # noqa: ANN001 - torch hook signature
+        def mix(module, args, block=block, scale=scale):
             lam = torch.sigmoid(theta[block])
             module.scaling["default"] = scale["default"] * lam
             module.scaling[EXTERNAL_ADAPTER] = scale[EXTERNAL_ADAPTER] * (1 - lam)

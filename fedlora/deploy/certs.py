@@ -97,7 +97,7 @@ def san_entries(hosts: Sequence[str]) -> list[x509.GeneralName]:
 
 def make_ca(days: int = 365) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A self-signed EC P-384 certificate authority."""
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     key = ec.generate_private_key(ec.SECP384R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedlora-ca")])
     usage = x509.KeyUsage(
@@ -125,7 +125,7 @@ def make_server_cert(
     ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, hosts: Sequence[str], days: int = 365
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """The SuperLink's certificate for ``hosts`` (names and IPs; 127.0.0.1 is always added)."""
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     key = ec.generate_private_key(ec.SECP384R1())
     names = san_entries(hosts)
     common = str(names[0].value)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -311,7 +311,7 @@ class LocalDeployment:
         self._next_port = 0
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> LocalDeployment:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -389,7 +389,7 @@ class LocalDeployment:
         cmd = [str(BIN / "flwr"), *args, "--format", "json"]
         try:
             done = subprocess.run(
-                cmd, env=flower_env(self.homes / "cli"), capture_output=True, text=True,
+                cmd, env=flower_env(self.homes / "cli"), check=False, capture_output=True, text=True,
                 timeout=timeout or self.cli_timeout, stdin=subprocess.DEVNULL,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
