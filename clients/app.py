@@ -58,6 +58,8 @@ def _job(msg: Message, context: Context):
     profile = resolve_profile(config, context.node_config)
     if "common-rank" in message_config:  # a same-rank method runs every client at one rank
         profile.rank = int(message_config["common-rank"])
+    if "lora-rank" in message_config:  # a rank this client pruned itself down to (HetLoRA self-pruning)
+        profile.rank = min(profile.rank, int(message_config["lora-rank"]))
     federated = build_federated_data(config.data)
     if profile.data_path:  # the silo's own data (node config data-path), same labels as the server
         from fedlora.data.silo import load_silo_data

@@ -9,6 +9,7 @@ one-to-one onto a Flower ``ArrayRecord``; its byte count is the sum of the array
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -113,6 +114,11 @@ def pad_rank(f: Factors, rank: int) -> Factors:
     A = np.pad(f.A, ((0, extra), (0, 0)))  # (rank, d_in)
     B = np.pad(f.B, ((0, 0), (0, extra)))  # (d_out, rank)
     return Factors(A, B)
+
+
+def pruned_rank(rank: int, decay: float) -> int:
+    """The rank HetLoRA's self-pruning keeps: floor(decay * rank), at least 1."""
+    return max(1, math.floor(decay * rank))
 
 
 def truncate_rank(f: Factors, rank: int) -> Factors:

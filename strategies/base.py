@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -130,6 +130,10 @@ class LoRAStrategy(Strategy):
     @abstractmethod
     def download(self, node_id: int, server_round: int) -> Payload:
         """Arrays sent to ``node_id`` for training (and evaluation) in ``server_round``."""
+
+    def observe_reply(self, node_id: int, metrics: Mapping[str, float]) -> None:
+        """See a training reply's metrics before its upload is checked against
+        :meth:`expected_upload` (e.g. HetLoRA's self-pruned rank); default: nothing."""
 
     def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
         """Key -> shape of the arrays ``node_id`` must upload (default: A, B and the head)."""
@@ -469,11 +473,12 @@ class LoRAStrategy(Strategy):
                 log(WARNING, "aggregate_train: node %d failed: %s", node_id, msg.error.reason)
                 continue
             payload = from_array_record(msg.content["arrays"])
+            metrics = {k: float(v) for k, v in dict(msg.content["metrics"]).items()}
+            self.observe_reply(node_id, metrics)
             problem = check_upload(payload, self.expected_upload(node_id))
             if problem:
                 self._reject(record, self.partition_of(node_id), problem)
                 continue
-            metrics = {k: float(v) for k, v in dict(msg.content["metrics"]).items()}
             uploads.append(ClientUpload(node_id, self.partition_of(node_id), payload, int(metrics["num-examples"]), metrics))
         return self._drop_norm_outliers(sorted(uploads, key=lambda u: u.partition_id), record)
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from fedlora.config import ConfigError, load_config
-from fedlora.lora import Factors, dense_svd, from_array_record, payload_bytes, split_payload
+from fedlora.lora import Factors, dense_svd, from_array_record, payload_bytes, pruned_rank, split_payload
 from fedlora.lowrank import batched_factor_svd, stack_factors
 from fedlora.stacking import read_stacks
 from simulations.inprocess import InProcessGrid, node_configs
-from strategies.base import ClientUpload
+from strategies.base import ClientUpload, check_upload
 from strategies.flexlora import FlexLoRA, flexlora_aggregate, flexlora_factors
 from strategies.flora import FLoRA, concat_stacks, flora_stack
 from strategies.hetlora import HetLoRA, hetlora_aggregate, product_norm
@@ -254,6 +254,75 @@ def test_hetlora_rejects_an_unknown_weighting() -> None:
         load_config(SMOKE, ["strategy.name=hetlora", "strategy.weighting=median"])
 
 
+@pytest.mark.parametrize("rank, decay, kept", [(8, 0.75, 6), (4, 0.75, 3), (2, 0.75, 1), (1, 0.75, 1), (8, 0.5, 4)])
+def test_pruned_rank_is_floor_of_decay_times_rank_and_at_least_one(rank: int, decay: float, kept: int) -> None:
+    assert pruned_rank(rank, decay) == kept
+
+
+def test_hetlora_self_pruning_accepts_the_reported_pruned_rank_and_cuts_later_downloads() -> None:
+    # Prepare: ranks 4 and 4 with self-pruning (gamma 0.75: 4 -> 3)
+    strategy = small_strategy(HetLoRA, [4, 4], ["strategy.self_prune=true"])
+    rng = np.random.default_rng(3)
+    # Execute: client 0 reports and uploads rank 3, client 1 stays at 4
+    strategy.observe_reply(100, {"lora-rank": 3.0})
+    strategy.observe_reply(101, {"lora-rank": 4.0})
+    expected = {node: strategy.expected_upload(node)["m::A"] for node in (100, 101)}
+    strategy.aggregate(1, [fake_upload(rng, 0, 3, 10), fake_upload(rng, 1, 4, 10)])
+    # Assert: shapes checked at the reported rank; the pruned client stays at rank 3 from now on
+    assert expected == {100: (3, 5), 101: (4, 5)}
+    assert strategy.ranks == {100: 3, 101: 4}
+    assert strategy.download(100, 2)["m::A"].shape == (3, 5) and strategy.download(101, 2)["m::B"].shape == (6, 4)
+    assert strategy.client_config(100, 2) == {"lora-rank": 3}
+    assert strategy.round_extra(1) == {"ranks": {"0": 3, "1": 4}}
+    assert strategy.global_factors["m"].rank == 4  # padded to r_max as before
+
+
+@pytest.mark.parametrize("reported", [2.0, 5.0, 0.0])
+def test_hetlora_self_pruning_refuses_a_rank_other_than_current_or_pruned(reported: float) -> None:
+    # Prepare: rank 4 (may report 4 or 3 only)
+    strategy = small_strategy(HetLoRA, [4], ["strategy.self_prune=true"])
+    # Execute
+    strategy.observe_reply(100, {"lora-rank": reported})
+    # Assert: the upload is checked against the current rank, so a rank-2 upload is malformed
+    assert strategy.expected_upload(100)["m::A"] == (4, 5)
+    f = random_factors(np.random.default_rng(0), 6, 5, int(reported) or 1)
+    assert check_upload({"m::A": f.A, "m::B": f.B, "head::classifier.weight": np.zeros((2, 6), np.float32)},
+                        strategy.expected_upload(100))
+
+
+def test_hetlora_without_self_pruning_ignores_a_reported_rank() -> None:
+    strategy = small_strategy(HetLoRA, [4])
+    strategy.observe_reply(100, {"lora-rank": 3.0})
+    assert strategy.expected_upload(100)["m::A"] == (4, 5) and strategy.client_config(100, 1) == {}
+
+
+def test_lora_tail_norm_is_the_sum_of_tail_factor_norm_products() -> None:
+    # Prepare: tiny-bert at rank 4 with random B (peft starts B at zero)
+    import torch
+
+    from clients.trainers.hetero import lora_tail_norm, prune_payload
+    from fedlora.models import adapter_payload, build_model
+
+    config = load_config(SMOKE)
+    model = build_model(config.model, 3, 4, seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_()
+    payload = adapter_payload(model)
+    factors, head = split_payload(payload)
+    # Execute
+    with torch.no_grad():
+        tail = float(lora_tail_norm(model, 3))
+    pruned = prune_payload(payload, 3)
+    # Assert
+    expected = sum(np.linalg.norm(f.B[:, 3:]) * np.linalg.norm(f.A[3:]) for f in factors.values())
+    assert np.isclose(tail, expected, rtol=1e-5) and tail > 0
+    cut, cut_head = split_payload(pruned)
+    assert all(np.array_equal(cut[m].A, f.A[:3]) and np.array_equal(cut[m].B, f.B[:, :3]) for m, f in factors.items())
+    assert cut_head.keys() == head.keys()
+
+
 # ------------------------------------------------------------------------------ end to end
 class RecordingGrid(InProcessGrid):
     """InProcessGrid that keeps every message and reply (type, node, round, arrays)."""
@@ -322,6 +391,32 @@ def test_mixed_rank_round_every_client_gets_its_own_rank(tmp_path: Path, name: s
     assert writer.rounds[1].bytes_down == expected_down_2 + 3 * head
     assert 0.0 <= results["final"]["global_accuracy"] <= 1.0
     assert 0.0 <= results["final"]["personalized_accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_hetlora_self_pruning_end_to_end_shrinks_ranks_and_the_ledger(tmp_path: Path) -> None:
+    # Execute: smoke (ranks 2, 4, 8), 4 rounds, a strong tail regulariser so that tails shrink
+    writer, grid = run_recorded(tmp_path, ["strategy.name=hetlora", "strategy.self_prune=true",
+                                           "strategy.prune_lambda=1.0", "train.rounds=4"])
+    # Assert: ranks only ever step down to floor(0.75 r); every upload at the rank the server then
+    # records, every later download at that rank; the ledger is what crossed the grid
+    ranks = [{int(k): v for k, v in r.extra["ranks"].items()} for r in writer.rounds]
+    previous = dict(enumerate(SMOKE_RANKS))
+    for record, after in zip(writer.rounds, ranks):
+        assert record.failures == 0
+        assert all(after[k] in (previous[k], pruned_rank(previous[k], 0.75)) for k in after)
+        train = [e for e in grid.log if e["type"] == "train" and e["round"] == record.round]
+        for entry in train:
+            k = entry["node"] - 1000
+            up, _ = split_payload(entry["up"])
+            down, _ = split_payload(entry["down"])
+            assert {f.rank for f in up.values()} == {after[k]}
+            assert {f.rank for f in down.values()} == {previous[k]}
+        assert record.bytes_up == sum(payload_bytes(e["up"]) for e in train)
+        assert record.bytes_down == sum(payload_bytes(e["down"]) for e in train)
+        previous = after
+    assert ranks[-1] != dict(enumerate(SMOKE_RANKS)), "no client pruned in 4 rounds"
+    assert writer.rounds[-1].bytes_up < writer.rounds[0].bytes_up
 
 
 @pytest.mark.slow

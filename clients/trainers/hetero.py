@@ -2,17 +2,102 @@
 
 FlexLoRA and HetLoRA need nothing beyond the default client: the model is built at the client's
 own rank (its profile), the download (already cut to that rank by the server) overlays the local
-state, A, B and the head are trained and uploaded.
+state, A, B and the head are trained and uploaded. HetLoRA's optional rank self-pruning
+(``strategy.self_prune``, Cho et al. 2024, Sec. 3) adds a tail-norm regulariser to the loss and,
+when the tail shrank since the previous round, drops it for good.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import math
+from typing import TYPE_CHECKING, ClassVar
 
 from clients.trainers.base import LocalTrainer
+from fedlora.lora import Payload, join_payload, pruned_rank, split_payload, truncate_rank
+from fedlora.models import adapter_payload
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+PRUNE_STATE_KEY = "fedlora.hetlora.prune"  # context.state: the last tail norm and the rank it was taken at
+
+
+def lora_tail_norm(model: PeftModel, keep: int) -> torch.Tensor:
+    """sum over adapted modules of ‖B[:, keep:]‖_F ‖A[keep:, :]‖_F (HetLoRA's pruning regulariser)."""
+    import torch
+
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        for side in ("lora_A", "lora_B"):
+            if f".{side}." in name:
+                factors.setdefault(name.split(f".{side}.")[0], {})[side] = param
+    total = torch.zeros(())
+    for f in factors.values():
+        A, B = f["lora_A"], f["lora_B"]  # (r, d_in), (d_out, r)
+        total = total + torch.linalg.norm(B[:, keep:].float()).cpu() * torch.linalg.norm(A[keep:].float()).cpu()
+    return total
+
+
+def prune_payload(payload: Payload, rank: int) -> Payload:
+    """The adapter with only its first ``rank`` components (the head unchanged)."""
+    factors, head = split_payload(payload)
+    return join_payload({m: truncate_rank(f, rank) for m, f in factors.items()}, head)
 
 
 class HeteroRankTrainer(LocalTrainer):
     """FlexLoRA's and HetLoRA's client: the default trainer at the client's own rank r_k."""
 
     strategy_names: ClassVar[tuple[str, ...]] = ("flexlora", "hetlora")
+
+    @property
+    def self_prune(self) -> bool:
+        return bool(self.options.get("self_prune", False)) and self.keep_rank < self.job.profile.rank
+
+    @property
+    def keep_rank(self) -> int:
+        """floor(gamma r_k): the components a pruning step keeps."""
+        return pruned_rank(self.job.profile.rank, float(self.options.get("prune_decay", 0.75)))
+
+    def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = super().loss(model, batch)
+        if self.self_prune and self.options["prune_lambda"] > 0:
+            loss = loss + self.options["prune_lambda"] * lora_tail_norm(model, self.keep_rank).to(loss.device)
+        return loss
+
+    def upload(self, model: PeftModel) -> Payload:
+        """The adapter, cut to floor(gamma r_k) when this round's tail norm fell below the last one."""
+        payload = super().upload(model)
+        self.upload_rank = self.job.profile.rank
+        if not self.self_prune:
+            return payload
+        import torch
+
+        with torch.no_grad():
+            tail = float(lora_tail_norm(model, self.keep_rank))
+        previous = self.job.state.get(PRUNE_STATE_KEY)
+        shrank = previous is not None and int(previous["rank"]) == self.upload_rank and tail < float(previous["tail"])
+        if shrank:
+            self.upload_rank = self.keep_rank
+        self.tail_norm = tail
+        self._remember(self.upload_rank, math.nan if shrank else tail)
+        return prune_payload(payload, self.upload_rank) if shrank else payload
+
+    def keep(self, model: PeftModel) -> Payload:
+        payload = adapter_payload(model)
+        rank = getattr(self, "upload_rank", self.job.profile.rank)
+        return prune_payload(payload, rank) if rank < self.job.profile.rank else payload
+
+    def train_metrics(self) -> dict[str, float]:
+        """``lora-rank``: the rank of this round's upload (the server checks the upload against it)."""
+        if not self.options.get("self_prune", False):
+            return {}
+        metrics = {"lora-rank": float(getattr(self, "upload_rank", self.job.profile.rank))}
+        if hasattr(self, "tail_norm"):
+            metrics["tail-norm"] = self.tail_norm
+        return metrics
+
+    def _remember(self, rank: int, tail: float) -> None:
+        from flwr.app import ConfigRecord
+
+        self.job.state[PRUNE_STATE_KEY] = ConfigRecord({"rank": rank, "tail": tail})
