@@ -29,8 +29,8 @@ SMOKE = ROOT / "configs" / "smoke.toml"
 ROUNDS = 3
 
 
-def _cmd(out: Path, strategy: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fedlora.cli", "run", str(SMOKE), "--engine", "inprocess", "--out", str(out),
+def _cmd(out: Path, strategy: str, *extra: str, engine: str = "inprocess") -> list[str]:
+    return [sys.executable, "-m", "fedlora.cli", "run", str(SMOKE), "--engine", engine, "--out", str(out),
             "--set", f"train.rounds={ROUNDS}", "--set", f"strategy.name={strategy}", *extra]
 
 
@@ -110,24 +110,28 @@ def test_resume_without_checkpoint_or_with_other_config_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fedsa_lora", "flora"])  # client-kept state; node-keyed server state
-def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "engine"),
+    [("fedsa_lora", "inprocess"), ("flora", "inprocess"),  # client-kept state; node-keyed server state
+     ("fedsa_lora", "ray")],  # Flower's simulation engine: clients in Ray actors, new node ids on resume
+)
+def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy, engine):
     # Prepare: an uninterrupted reference run
     env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    subprocess.run(_cmd(reference, strategy), check=True, capture_output=True, cwd=ROOT, env=env)
+    subprocess.run(_cmd(reference, strategy, engine=engine), check=True, capture_output=True, cwd=ROOT, env=env)
 
     # Execute: the same run, SIGKILLed once round 1's checkpoint exists, then resumed
-    proc = subprocess.Popen(_cmd(resumed, strategy), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cmd(resumed, strategy, engine=engine), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     server_file = checkpoint_dir(resumed) / "server.pkl"
     while not server_file.exists() and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole session: the server and, on Ray, its workers
     proc.wait()
     killed_after = load_server(resumed)["round"]
-    subprocess.run(_cmd(resumed, strategy, "--resume", str(resumed)), check=True, capture_output=True, cwd=ROOT,
-                   env=env)
+    subprocess.run(_cmd(resumed, strategy, "--resume", str(resumed), engine=engine), check=True, capture_output=True,
+                   cwd=ROOT, env=env)
 
     # Assert: the kill interrupted the run; same adapters (bitwise or 1e-6) and same metrics
     import json
