@@ -250,12 +250,21 @@ def result_dirs(out_dir: str | Path) -> list[Path]:
 
 
 def load_runs(out_dir: str | Path, labels: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Label -> the results dicts of its seeds (``labels`` picks and orders them)."""
+    """Label -> the results dicts of its finished seeds (``labels`` picks and orders them).
+
+    A run still in progress (or interrupted) has a results.json with fewer rounds than its config
+    asks for; it is left out, so a summary never mixes partial and final numbers.
+    """
     from fedlora.results import load_results
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for folder in result_dirs(out_dir):
         results = load_results(folder)
+        planned = ((results.get("config") or {}).get("train") or {}).get("rounds")
+        done = [r.get("round") for r in results.get("rounds") or []]
+        if planned is not None and done != list(range(1, planned + 1)):
+            logger.info("compare: %s has %d of %d rounds, not summarised", folder, len(done), planned)
+            continue
         results["_seed_dir"] = folder.name
         runs.setdefault(folder.parent.name, []).append(results)
     if labels is not None:

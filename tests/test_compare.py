@@ -113,6 +113,20 @@ def test_partial_results_are_not_complete(tmp_path: Path) -> None:
     assert is_complete(tmp_path, config)
 
 
+def test_summary_leaves_out_runs_still_in_progress(tmp_path: Path) -> None:
+    # Prepare: seed 0 finished (2 of 2 rounds), seed 1 still running (1 of 2)
+    for seed, rounds in ((0, 2), (1, 1)):
+        folder = tmp_path / "fedit" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        results = fake_results(seed, 0.5 + seed, 0.5, rounds=rounds)
+        results["config"]["train"]["rounds"] = 2
+        (folder / "results.json").write_text(json.dumps(results))
+    # Execute
+    table = summarize(tmp_path, write=False)
+    # Assert: one seed, the finished one
+    assert table["fedit"]["seeds"] == 1 and table["fedit"]["personalized_accuracy_mean"] == 0.5
+
+
 # --------------------------------------------------------------------------- end to end
 def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> None:
     # Execute: 2 strategies x 2 seeds without Ray
