@@ -108,7 +108,13 @@ class LocalTrainer:
             weight_decay=cfg.weight_decay,
             loss_fn=self.loss,
             after_backward=self.after_backward,
+            parameters=self.trainable_parameters(model, loader),
         )
+
+    def trainable_parameters(self, model: PeftModel, loader: Any) -> list[torch.nn.Parameter]:
+        """What the optimiser updates (default: the model's trainable parameters); a method with
+        parameters outside the model (e.g. FedDR-LoRA's noise branch) adds them here."""
+        return [p for p in model.parameters() if p.requires_grad]
 
     def fit_private(self, model: PeftModel) -> TrainStats:
         """DP-SGD with Opacus (fedlora.privacy); the accountant's history stays in the client's
@@ -117,7 +123,8 @@ class LocalTrainer:
 
         from fedlora.privacy import private_train
 
-        if type(self).fit is not LocalTrainer.fit or type(self).after_backward is not LocalTrainer.after_backward:
+        customised = ("fit", "after_backward", "trainable_parameters")
+        if any(getattr(type(self), name) is not getattr(LocalTrainer, name) for name in customised):
             raise ValueError(f"privacy.dp: {type(self).__name__} customises its training step; DP-SGD not supported")
         cfg, privacy = self.config.train, self.config.privacy
         stored = self.job.state.get(PRIVACY_STATE_KEY)

@@ -28,7 +28,7 @@ import numpy as np
 from clients.trainers.base import LocalTrainer
 from fedlora.lora import B_SUFFIX, HEAD_PREFIX, Payload, from_array_record, to_array_record
 from fedlora.models import PEFT_PREFIX, adapter_payload
-from fedlora.training import TrainStats, model_inputs, predict_logits, train
+from fedlora.training import model_inputs, predict_logits
 
 if TYPE_CHECKING:
     import torch
@@ -176,28 +176,15 @@ class FedDRLoRATrainer(LocalTrainer):
         }
 
     # ------------------------------------------------------------------ training
-    def fit(self, model: PeftModel) -> TrainStats:
+    def trainable_parameters(self, model: PeftModel, loader: Any) -> list[torch.nn.Parameter]:
+        """The model's trainable parameters plus the noise branch (B^n, and A^n for two_lora)."""
         import torch
 
-        cfg = self.config.train
-        loader = self.loader(self.job.data.train, "train", shuffle=True)
-        self.steps_per_epoch = max(1, len(loader))
+        self.steps_per_epoch = max(1, len(loader))  # the per-epoch split refits every this many batches
         self.noise = {  # leaves on the training device, so the optimiser updates what the loss uses
             name: torch.nn.Parameter(p.detach().to(self.device).clone()) for name, p in self.noise.items()
         }
-        params = [p for p in model.parameters() if p.requires_grad] + list(self.noise.values())
-        return train(
-            model,
-            loader,
-            epochs=cfg.local_epochs,
-            lr=cfg.lr,
-            device=self.device,
-            max_steps=cfg.max_steps,
-            weight_decay=cfg.weight_decay,
-            loss_fn=self.loss,
-            after_backward=self.after_backward,
-            parameters=params,
-        )
+        return super().trainable_parameters(model, loader) + list(self.noise.values())
 
     def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         import torch
