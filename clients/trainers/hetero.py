@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, ClassVar
 
-from clients.trainers.base import LocalTrainer
+from clients.trainers.base import ClientJob, LocalTrainer
 from fedlora.lora import Payload, join_payload, pruned_rank, split_payload, truncate_rank
 from fedlora.models import adapter_payload
 
@@ -50,6 +50,11 @@ class HeteroRankTrainer(LocalTrainer):
 
     strategy_names: ClassVar[tuple[str, ...]] = ("flexlora", "hetlora")
 
+    def __init__(self, job: ClientJob) -> None:
+        super().__init__(job)
+        self.upload_rank = job.profile.rank  # the rank of this round's upload (pruned or not)
+        self.tail_norm: float | None = None  # this round's tail norm, once measured
+
     @property
     def self_prune(self) -> bool:
         return bool(self.options.get("self_prune", False)) and self.keep_rank < self.job.profile.rank
@@ -68,7 +73,6 @@ class HeteroRankTrainer(LocalTrainer):
     def upload(self, model: PeftModel) -> Payload:
         """The adapter, cut to floor(gamma r_k) when this round's tail norm fell below the last one."""
         payload = super().upload(model)
-        self.upload_rank = self.job.profile.rank
         if not self.self_prune:
             return payload
         import torch
@@ -85,15 +89,14 @@ class HeteroRankTrainer(LocalTrainer):
 
     def keep(self, model: PeftModel) -> Payload:
         payload = adapter_payload(model)
-        rank = getattr(self, "upload_rank", self.job.profile.rank)
-        return prune_payload(payload, rank) if rank < self.job.profile.rank else payload
+        return prune_payload(payload, self.upload_rank) if self.upload_rank < self.job.profile.rank else payload
 
     def train_metrics(self) -> dict[str, float]:
         """``lora-rank``: the rank of this round's upload (the server checks the upload against it)."""
         if not self.options.get("self_prune", False):
             return {}
-        metrics = {"lora-rank": float(getattr(self, "upload_rank", self.job.profile.rank))}
-        if hasattr(self, "tail_norm"):
+        metrics = {"lora-rank": float(self.upload_rank)}
+        if self.tail_norm is not None:
             metrics["tail-norm"] = self.tail_norm
         return metrics
 
