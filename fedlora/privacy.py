@@ -19,15 +19,13 @@ ignored by the DP optimiser, which steps on per-example gradients, so such metho
 
 from __future__ import annotations
 
-import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fedlora.config import PrivacyConfig
-from fedlora.training import TrainStats, cross_entropy_loss
+from fedlora.training import TrainStats, cross_entropy_loss, optimise
 
 History = list[tuple[float, float, int]]  # (noise multiplier, sample rate, steps), RDPAccountant.history
 
@@ -104,25 +102,9 @@ def private_train(
         max_grad_norm=privacy.max_grad_norm, poisson_sampling=False,  # already Poisson, seeded
         noise_generator=torch.Generator(device=device).manual_seed(seed + 1),
     )
-    start, total_loss, steps, examples = time.perf_counter(), 0.0, 0, 0
     try:
-        for _ in range(epochs):
-            for batch in poisson:
-                if not isinstance(batch, dict) or len(batch["labels"]) == 0:
-                    continue  # an empty Poisson batch: nothing to compute
-                loss = loss_fn(private_model, batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                total_loss += float(loss.detach())
-                steps += 1
-                examples += len(batch["labels"])
-                if max_steps and steps >= max_steps:
-                    break
-            if max_steps and steps >= max_steps:
-                break
+        stats = optimise(private_model, poisson, optimizer, epochs, max_steps, loss_fn)
     finally:
         private_model._close()  # remove Opacus' hooks and per-example grads: the peft model is plain again
     new_history: History = [tuple(h) for h in engine.accountant.history]
-    stats = TrainStats(total_loss / steps if steps else math.nan, steps, examples, time.perf_counter() - start)
     return PrivateTrainStats(stats, epsilon_of(new_history, privacy.delta), sigma, sample_rate, new_history)

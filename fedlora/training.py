@@ -135,10 +135,30 @@ def train(
     params = parameters if parameters is not None else [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     model.to(device).train()
+    return optimise(model, loader, optimizer, epochs, max_steps, loss_fn, after_backward, autocast_device=device)
+
+
+def optimise(
+    model,
+    loader,
+    optimizer,
+    epochs: int,
+    max_steps: int,
+    loss_fn: LossFn,
+    after_backward: Callable[[Any], None] | None = None,
+    autocast_device=None,
+) -> TrainStats:
+    """The step loop shared by :func:`train` and DP training (:mod:`fedlora.privacy`): ``epochs``
+    passes over ``loader``, at most ``max_steps`` steps (0: no cap). Empty batches (Poisson
+    sampling can draw none) are skipped; ``autocast_device`` enables bf16 autocast on CUDA."""
+    import contextlib
+
     start, total_loss, steps, examples = time.perf_counter(), 0.0, 0, 0
     for _ in range(epochs):
         for batch in loader:
-            with autocast(device):
+            if not isinstance(batch, dict) or len(batch["labels"]) == 0:
+                continue
+            with autocast(autocast_device) if autocast_device is not None else contextlib.nullcontext():
                 loss = loss_fn(model, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
