@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import fedlora_run
 
 from fedlora.config import ConfigError, load_config
 from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX
@@ -360,15 +359,7 @@ def test_inprocess_noisy_smoke_ledger_is_B_r_only(
 @pytest.mark.slow
 def test_ray_noisy_smoke_run(tmp_path: Path) -> None:
     # Execute: the CLI on Flower's simulation engine
-    sets = NOISY_SMOKE + ONE_RANK
-    args = [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = fedlora_run(tmp_path, *NOISY_SMOKE, *ONE_RANK)
     # Assert
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

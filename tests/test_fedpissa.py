@@ -4,13 +4,12 @@ and the byte ledger (upload A + B + head, download B + head) end to end."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from cli_helpers import fedlora_run
 from safetensors.numpy import load_file
 
 from fedlora.config import ConfigError, load_config
@@ -333,25 +332,7 @@ def test_mixed_declared_ranks_train_at_the_smallest(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ray_smoke_run(tmp_path: Path) -> None:
     # Execute: the CLI on Flower's simulation engine
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedlora.cli",
-            "run",
-            str(ROOT / "configs/smoke.toml"),
-            "--out",
-            str(tmp_path),
-            "--set",
-            "strategy.name=fedpissa",
-            "--set",
-            "clients.ranks=[4, 4, 4]",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = fedlora_run(tmp_path, "strategy.name=fedpissa", "clients.ranks=[4, 4, 4]")
     # Assert
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -361,27 +342,7 @@ def test_ray_smoke_run(tmp_path: Path) -> None:
 
 
 def test_cli_bad_delta_is_one_line_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedlora.cli",
-            "run",
-            str(ROOT / "configs/smoke.toml"),
-            "--out",
-            str(tmp_path),
-            "--set",
-            "strategy.name=fedpissa",
-            "--set",
-            "clients.ranks=[4, 4, 4]",
-            "--set",
-            "strategy.delta=0",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = fedlora_run(tmp_path, "strategy.name=fedpissa", "clients.ranks=[4, 4, 4]", "strategy.delta=0", timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1
     assert "strategy.delta must be in [1, rank), got 0" in lines[0]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import fedlora_run
 
 from fedlora.config import ConfigError, DataConfig, ModelConfig, load_config
 from fedlora.lora import Factors, join_payload, padded_average, split_payload
@@ -392,11 +391,8 @@ def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_ray_run(tmp_path: Path) -> None:
     # Prepare / Execute: the real simulation engine, through the CLI
-    sets = [arg for s in SMOKE for arg in ("--set", s)]
-    subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path), *sets],
-        check=True, cwd=ROOT, capture_output=True, timeout=600,
-    )
+    proc = fedlora_run(tmp_path, *SMOKE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     # Assert
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["final"]["failures"] == 0 and len(results["rounds"]) == 3

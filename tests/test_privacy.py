@@ -4,12 +4,11 @@ accountant composes over rounds, and a DP run reports epsilon <= target_epsilon.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import fedlora_run
 
 from fedlora.config import ConfigError, load_config
 from fedlora.privacy import epsilon_of, private_train
@@ -40,11 +39,7 @@ def test_bad_privacy_config_is_refused(overrides, message):
 
 def test_cli_negative_noise_multiplier_is_one_line_exit_2(tmp_path):
     # Prepare / Execute
-    proc = subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "run", str(SMOKE), "--out", str(tmp_path), "--set", "privacy.dp=true",
-         "--set", "privacy.noise_multiplier=-0.5"],
-        check=False, capture_output=True, text=True, cwd=ROOT,
-    )
+    proc = fedlora_run(tmp_path, "privacy.dp=true", "privacy.noise_multiplier=-0.5", timeout=120)
     # Assert
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "noise_multiplier" in proc.stderr

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import fedlora_run
 
 from fedlora.config import load_config
 from simulations.inprocess import run_inprocess
@@ -46,10 +45,7 @@ def test_inprocess_fedit_counts_exact_bytes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
     # Execute: the CLI on Flower's simulation engine (Ray backend)
-    proc = subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=600,
-    )
+    proc = fedlora_run(tmp_path)
     # Assert
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -70,10 +66,7 @@ def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path), *args],
-        check=False, capture_output=True, text=True, timeout=120,
-    )
+    proc = fedlora_run(tmp_path, args=tuple(args), timeout=120)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -83,10 +76,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], m
 def test_cli_unreadable_data_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.csv"
     bad.write_bytes(b"\xff\xfe\x00garbage")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "run", str(ROOT / "configs/smoke.toml"), "--out", str(tmp_path / "o"),
-         "--set", f"data.source={bad}"],
-        check=False, capture_output=True, text=True, timeout=120,
-    )
+    proc = fedlora_run(tmp_path / "o", f"data.source={bad}", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
