@@ -37,6 +37,8 @@ from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOp
 
 BYTES_PER_PARAM = 4  # adapters cross the wire as float32 arrays
 BUDGET_KEYS = ("download", "time", "memory")
+ATW_MIN_NORM = 1e-6  # official: a norm at or below this gives s_i = 0
+NEVER_SCORED = (0.0, -1)  # official default (s, t_hat) of a client with no score yet
 Allocation = Literal["greedy", "uniform", "random"]
 
 
@@ -216,20 +218,47 @@ def frobenius_inner(B1: np.ndarray, A1: np.ndarray, B2: np.ndarray, A2: np.ndarr
 
 
 def alignment_score(update: Mapping[str, Factors], G: Mapping[str, LowRankSVD]) -> float:
-    """ATW score s_i = sum over modules of cosine(dW_i^l, G^l) (``update`` already scaled)."""
-    total = 0.0
+    """ATW score s_i: ONE cosine between the client's whole product and the whole new G.
+
+    Official ``fed_utils/model_aggregation.py`` (l.247-305): over all modules together,
+    s_i = sum_l <P_i^l, G^l>_F / (sqrt(sum_l ||P_i^l||_F^2) * sqrt(sum_l ||G^l||_F^2)) with
+    P_i^l = s_i B_i^l A_i^l the client's uploaded product (``update``, already scaled; its frozen
+    tail carries the lambda it trained with) and G the aggregate this round produced (client i's
+    own contribution included). s_i is in [-1, 1]; 0 when either norm is <= 1e-6 (as there).
+    """
+    inner, update_sq, global_sq = 0.0, 0.0, 0.0
     for m, f in update.items():
         g_B, g_A = G[m].U * G[m].S, G[m].Vt  # G = (U S) Vt
-        norms = math.sqrt(max(frobenius_inner(f.B, f.A, f.B, f.A), 0.0)) * float(np.linalg.norm(G[m].S))
-        if norms > 0:
-            total += frobenius_inner(f.B, f.A, g_B, g_A) / norms
-    return total
+        inner += frobenius_inner(f.B, f.A, g_B, g_A)
+        update_sq += frobenius_inner(f.B, f.A, f.B, f.A)
+        global_sq += float(np.sum(np.square(G[m].S, dtype=np.float64)))
+    update_norm, global_norm = math.sqrt(max(update_sq, 0.0)), math.sqrt(global_sq)
+    if update_norm <= ATW_MIN_NORM or global_norm <= ATW_MIN_NORM:
+        return 0.0
+    return inner / (update_norm * global_norm)
 
 
-def tail_lambda(score: float, score_round: int, t: int, horizon: float, decay: float) -> float:
-    """lambda_k = clip(1 - exp(-(1 + s_k decay^(t - t_k)) (t + 1) / T_atw), 0, 1)."""
-    boost = 1.0 + score * decay ** max(t - score_round, 0)
-    return float(np.clip(1.0 - math.exp(-boost * (t + 1) / horizon), 0.0, 1.0))
+def tail_lambda(score: float, score_round: int, push_round: int, horizon: float, decay: float) -> float:
+    """lambda = clip(1 - exp(-(1 + s decay^(e - t_hat)) (e + 1) / T_atw), 0, 1).
+
+    Official lines (``model_aggregation.py`` l.408-418), with their 0-based round indices:
+    ``e`` = ``push_round``, the round whose aggregation produced the push (it is trained on in
+    round e + 1); ``t_hat`` = ``score_round``, the round in which the client last trained and
+    was scored (-1 and s = 0 for a client never scored); T_atw = ``horizon``.
+    """
+    boost = 1.0 + score * decay ** (push_round - score_round)
+    return float(np.clip(1.0 - math.exp(-boost * (push_round + 1) / horizon), 0.0, 1.0))
+
+
+def push_round_of(server_round: int) -> int:
+    """The official 0-based round ``e`` whose push is trained on in fedlora's 1-based
+    ``server_round`` (round R trains on the aggregate of round R - 1, i.e. e = R - 2)."""
+    return server_round - 2
+
+
+def scored_round_of(server_round: int) -> int:
+    """The official 0-based stamp t_hat of a score computed when 1-based ``server_round`` trained."""
+    return server_round - 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,15 +267,20 @@ def tail_lambda(score: float, score_round: int, t: int, horizon: float, decay: f
 
 
 class FedHeraOptions(StrategyOptions):
+    """FedHera's options. Defaults follow the official code (github.com/shock-xiaoke/FedHera,
+    ``main.py`` and ``fed_utils/``); a [RECON] option is a choice the code does not make."""
+
     aggregation: Literal["original", "unbiased"] = Field(
         "original",
-        description="'original': G = sum_i w_i s_i B_i A_i over this round's uploads; 'unbiased': "
-        "G = G_prev + sum_i w_i (dW_i - dW_i,init), dW_i,init = client i's starting adapter.",
+        description="'original' (official default, --fedhera_server_agg original): G = sum_i w_i "
+        "s_i B_i A_i over this round's uploads; 'unbiased' (the README's 'paper-style' example): "
+        "G = G_prev + sum_i w_i (dW_i - dW_i,init), dW_i,init = what was pushed to client i.",
     )
-    unbiased_reference: Literal["start", "push"] = Field(
-        "start",
-        description="[RECON] dW_i,init of 'unbiased': 'start' = the push with the tail scaled by "
-        "lambda_i as the client does (its real starting point), 'push' = the push as sent.",
+    unbiased_reference: Literal["push", "start"] = Field(
+        "push",
+        description="dW_i,init of 'unbiased': 'push' = the push as sent (official: read back from "
+        "the saved push file, tail not scaled by lambda); [RECON] 'start' = the push with its "
+        "tail scaled by lambda_i, the client's real starting point.",
     )
     allocation: Allocation = Field(
         "greedy",
@@ -256,22 +290,38 @@ class FedHeraOptions(StrategyOptions):
     coupled: bool = Field(
         False, description="Ablation: r_tot = r_main (download only what is trained, no frozen tail)."
     )
-    atw: bool = Field(True, description="Adaptive tail warm-up: scale the frozen tail by lambda_k.")
-    atw_horizon: float = Field(2.0, gt=0.0, description="T_atw of the lambda schedule.")
-    atw_decay: float = Field(0.9, gt=0.0, le=1.0, description="Decay of a client's stale ATW score per round.")
+    atw: bool = Field(
+        False,
+        description="Adaptive tail warm-up: scale the frozen tail by lambda_k. Off by default as in "
+        "the official code (--use_atw is store_true) and as in the abstract, which names the "
+        "allocation and prefix gating but not ATW; the official README examples turn it on "
+        "(the fidelity benchmark runs both).",
+    )
+    atw_horizon: float = Field(2.0, gt=0.0, description="T_atw of the lambda schedule (official --atw_temperature 2.0).")
+    atw_decay: float = Field(
+        0.9, gt=0.0, le=1.0, description="Per-round decay of a client's remembered score (official: beta = 0.9)."
+    )
     time_unit: float = Field(1.0, gt=0.0, description="t_unit: time units per trained parameter.")
     memory_unit: float = Field(1.0, gt=0.0, description="m_unit: memory units per trained parameter.")
     min_rank: int = Field(1, ge=1, description="[RECON] Smallest r_tot and r_main of any module.")
     initial_rank: int = Field(
         0,
         ge=0,
-        description="Rank of every module of every client in round 1 (standard init); 0 = the "
-        "largest rank <= model.lora_rank that every client's budgets afford.",
+        description="Rank of every module of every client in round 1 (standard init, every column "
+        "trainable); 0 = model.lora_rank (official main.py: every client trains lora_r = 8 in "
+        "its first round, whatever its tier).",
+    )
+    initial_budget: Literal["ignore", "fit"] = Field(
+        "ignore",
+        description="Budgets in round 1: 'ignore' (official: budgets apply from the first push "
+        "on; round-1 downloads are not counted as violations); [RECON] 'fit': lower the round-1 "
+        "rank to the largest rank <= the initial rank that every client's budgets afford.",
     )
     fresh_components: bool = Field(
-        True,
-        description="[RECON] Columns past the global spectrum's rank start as standard LoRA init "
-        "(A kaiming, B = 0) instead of zero rows that never receive a gradient.",
+        False,
+        description="[RECON] Columns past the numerical rank of G start as standard LoRA init "
+        "(A kaiming, B = 0) instead of the official near-zero columns (sigma ~ 0: A = B = 0, which "
+        "receive no gradient).",
     )
 
 
@@ -291,6 +341,7 @@ class Push:
     lam: float
     payload: Payload
     bytes: int
+    budget_applies: bool = True  # False for round 1 under initial_budget = 'ignore' (official)
 
 
 class FedHera(LoRAStrategy):
@@ -303,14 +354,15 @@ class FedHera(LoRAStrategy):
     ----------
     aggregation : {'original', 'unbiased'}, default 'original'
         'original': G = sum_i w_i s_i B_i A_i; 'unbiased': G = G_prev + sum_i w_i (dW_i - dW_i,init).
-    unbiased_reference : {'start', 'push'}, default 'start'
-        [RECON] dW_i,init of 'unbiased': the client's start (tail scaled by lambda) or the push.
+    unbiased_reference : {'push', 'start'}, default 'push'
+        dW_i,init of 'unbiased': the push as sent (official) or [RECON] the client's start (tail
+        scaled by lambda).
     allocation : {'greedy', 'uniform', 'random'}, default 'greedy'
         Water-filling of the budgets on sigma^2 / cost (paper), or the ablations.
     coupled : bool, default False
         Ablation: r_tot = r_main (no frozen tail).
-    atw : bool, default True
-        Adaptive tail warm-up (lambda schedule); off: lambda = 1.
+    atw : bool, default False
+        Adaptive tail warm-up (lambda schedule); off as in the official code's default.
     atw_horizon : float, default 2.0
         T_atw of the lambda schedule.
     atw_decay : float, default 0.9
@@ -320,9 +372,10 @@ class FedHera(LoRAStrategy):
     min_rank : int, default 1
         [RECON] Smallest r_tot / r_main of any module (peft needs r >= 1).
     initial_rank : int, default 0
-        Round-1 rank of every module of every client; 0 = the largest rank <= model.lora_rank
-        that every client's budgets afford.
-    fresh_components : bool, default True
+        Round-1 rank of every module of every client; 0 = model.lora_rank (official).
+    initial_budget : {'ignore', 'fit'}, default 'ignore'
+        Round 1 ignores the budgets (official) or [RECON] fits the initial rank to them.
+    fresh_components : bool, default False
         [RECON] Columns past the spectrum's rank start as standard init instead of zero.
 
     Budgets: a client declares ``download`` (bytes per round, LoRA factors + head), ``time`` and
@@ -334,7 +387,7 @@ class FedHera(LoRAStrategy):
 
     Aggregation: per module, the thin SVD of G = sum_i w_i s_i B_i A_i (or the 'unbiased'
     update) in factor space, w_i = n_i / sum n; the head is averaged (FedAvg). Each upload's
-    cosine with G is remembered as the client's ATW score.
+    cosine with G (one cosine over all modules, official) is remembered as its ATW score.
 
     Download: for each client sampled for the next round, water-filling gives r_tot^l under the
     download budget and r_main^l <= r_tot^l under the time / memory budgets; the client gets
@@ -404,7 +457,8 @@ class FedHera(LoRAStrategy):
         if problem or unknown:
             return problem or f"unknown budgets {unknown} (FedHera reads {list(BUDGET_KEYS)})"
         budgets = self.budgets_of(profile)
-        rank = self.options.initial_rank or self.options.min_rank
+        rank = self.options.initial_rank if self.options.initial_budget == "fit" else 0
+        rank = max(rank, self.options.min_rank)
         if not self.uniform_rank_fits(budgets, rank):
             return f"budgets {budgets} cannot afford rank {rank} on every module (plus the head)"
         return ""
@@ -412,14 +466,16 @@ class FedHera(LoRAStrategy):
     # ---------------------------------------------------------------- state
     def setup(self) -> None:
         self.budgets = {node: self.budgets_of(p) for node, p in self.profiles.items()}
-        self.initial_rank = self.options.initial_rank or max(
-            r for r in range(self.options.min_rank, max(self.experiment.model.lora_rank, self.options.min_rank) + 1)
-            if all(self.uniform_rank_fits(b, r) for b in self.budgets.values())
-        )
+        self.initial_rank = self.options.initial_rank or self.experiment.model.lora_rank
+        if self.options.initial_budget == "fit":
+            self.initial_rank = max(
+                r for r in range(self.options.min_rank, max(self.initial_rank, self.options.min_rank) + 1)
+                if all(self.uniform_rank_fits(b, r) for b in self.budgets.values())
+            )
         self.max_rank = {m: min(shape) for m, shape in self.module_shapes.items()}
         self.G: dict[str, LowRankSVD] | None = None  # None until the first aggregation
         self.head: Payload = dict(self.head_initial)
-        self.scores: dict[int, tuple[float, int]] = {}  # partition -> (ATW score, round)
+        self.scores: dict[int, tuple[float, int]] = {}  # partition -> (ATW score s, official 0-based t_hat)
         self.pushes: dict[tuple[int, int], Push] = {}  # (node, round) -> what it got
         self.last_push: dict[int, Push] = {}
         self.violations = 0
@@ -455,17 +511,20 @@ class FedHera(LoRAStrategy):
         return (dict(r_main) if opts.coupled else r_tot), r_main
 
     def lam(self, node_id: int, server_round: int) -> float:
-        if not self.options.atw:
+        """lambda_k of the push trained on in ``server_round`` (1 without ATW and in round 1,
+        which has no push)."""
+        if not self.options.atw or server_round < 2:
             return 1.0
-        score, seen = self.scores.get(self.partition_of(node_id), (0.0, server_round - 1))
-        return tail_lambda(score, seen, server_round - 1, self.options.atw_horizon, self.options.atw_decay)
+        score, seen = self.scores.get(self.partition_of(node_id), NEVER_SCORED)
+        push_round = push_round_of(server_round)
+        return tail_lambda(score, seen, push_round, self.options.atw_horizon, self.options.atw_decay)
 
     def download(self, node_id: int, server_round: int) -> Payload:
         key = (node_id, server_round)
         if key not in self.pushes:
             self.pushes[key] = self._push(node_id, server_round)
         push = self.last_push[node_id] = self.pushes[key]
-        if push.bytes > self.budgets[node_id].download:
+        if push.budget_applies and push.bytes > self.budgets[node_id].download:
             self.violations += 1
             log(WARNING, "download: client %d gets %d bytes over its budget %.0f",
                 self.partition_of(node_id), push.bytes, self.budgets[node_id].download)
@@ -477,7 +536,8 @@ class FedHera(LoRAStrategy):
             payload = dict(self.initial_adapter(self.initial_rank))
             if not self.sends_head:
                 payload = {k: v for k, v in payload.items() if k not in self.head}
-            return Push(ranks, dict(ranks), 1.0, payload, payload_bytes(payload))
+            applies = self.options.initial_budget == "fit"
+            return Push(ranks, dict(ranks), 1.0, payload, payload_bytes(payload), budget_applies=applies)
         r_tot, r_main = self.allocate(node_id)
         alpha = self.experiment.model.lora_alpha
         rng = np.random.default_rng([self.experiment.train.seed, server_round, self.partition_of(node_id)])
@@ -527,7 +587,7 @@ class FedHera(LoRAStrategy):
         if self.sends_head:
             self.head = weighted_average([head_only(u.payload) for u in uploads], weights)
         for u, update in zip(uploads, updates):
-            self.scores[u.partition_id] = (alignment_score(update, self.G), server_round - 1)
+            self.scores[u.partition_id] = (alignment_score(update, self.G), scored_round_of(server_round))
         self._global = None
         self.pushes = {k: v for k, v in self.pushes.items() if k[1] >= server_round}
 
@@ -555,6 +615,7 @@ class FedHera(LoRAStrategy):
                 "r_tot": sum(push.r_tot.values()),
                 "r_main": sum(push.r_main.values()),
                 "lambda": push.lam,
+                "budget_applies": push.budget_applies,
             }
             for (node, rnd), push in self.pushes.items()
             if rnd == server_round

@@ -19,6 +19,8 @@ from strategies.fedhera import (
     alignment_score,
     allocate_download,
     allocate_training,
+    push_round_of,
+    scored_round_of,
     spectral_push,
     tail_lambda,
 )
@@ -176,30 +178,78 @@ def test_aggregations_original_and_unbiased() -> None:
     assert np.allclose(dense(unbiased["m"]), expected)
 
 
-def test_alignment_score_is_the_cosine_summed_over_modules() -> None:
-    # Prepare: module x aligned with G, module y opposite to it
+def official_alignment_score(uploads: dict[str, tuple[np.ndarray, np.ndarray]], aggregated: dict[str, np.ndarray],
+                             lora_alpha: float) -> float:
+    """Transliteration of the official ``fed_utils/model_aggregation.py`` l.247-305 (dense G)."""
+    global_sq_norm = sum(float(np.linalg.norm(g)) ** 2 for g in aggregated.values())
+    global_norm = math.sqrt(global_sq_norm)
+    dot_product, client_sq_norm = 0.0, 0.0
+    for key, g_mat in aggregated.items():
+        a_mat, b_mat = uploads[key]
+        merge_rate = float(lora_alpha) / float(max(b_mat.shape[1], 1))
+        dot_product += float(np.sum(a_mat * (b_mat.T @ g_mat))) * merge_rate
+        client_sq_norm += float(np.sum((b_mat.T @ b_mat) * (a_mat @ a_mat.T))) * merge_rate**2
+    client_norm = math.sqrt(client_sq_norm)
+    return dot_product / (global_norm * client_norm) if global_norm > 1e-6 and client_norm > 1e-6 else 0.0
+
+
+def test_alignment_score_matches_the_official_single_cosine() -> None:
+    # Prepare: two clients, two modules of different shapes and per-client ranks, alpha 16
+    rng = np.random.default_rng(3)
+    alpha, weights = 16.0, [0.25, 0.75]
+    shapes, ranks = {"q": (6, 8), "v": (5, 7)}, [2, 3]
+    uploads = [
+        {m: (rng.standard_normal((r, d_in)), rng.standard_normal((d_out, r))) for m, (d_out, d_in) in shapes.items()}
+        for r in ranks
+    ]
+    dense_G = {m: sum(w * (alpha / r) * u[m][1] @ u[m][0] for w, r, u in zip(weights, ranks, uploads)) for m in shapes}
+    scaled = [{m: Factors(A, (alpha / r) * B) for m, (A, B) in u.items()} for r, u in zip(ranks, uploads)]
+    G = aggregate_original(scaled, weights)
+    # Execute
+    ours = [alignment_score(update, G) for update in scaled]
+    official = [official_alignment_score(u, dense_G, alpha) for u in uploads]
+    # Assert: the same number, and a cosine (in [-1, 1]) even with two modules
+    assert ours == pytest.approx(official, rel=1e-9)
+    assert all(-1.0 <= s <= 1.0 for s in ours)
+
+
+def test_alignment_score_is_one_cosine_not_a_sum_of_module_cosines() -> None:
+    # Prepare: module x aligned with G, module y opposite to it and twice as large in G
     rng = np.random.default_rng(3)
     f = Factors(rng.standard_normal((2, 8)), rng.standard_normal((6, 2)))
     G = {"x": factor_svd([f.B], [f.A], [1.0]), "y": factor_svd([f.B], [f.A], [-2.0])}
     # Execute
     score = alignment_score({"x": f, "y": f}, G)
-    # Assert: cos = 1 and cos = -1
-    assert score == pytest.approx(0.0, abs=1e-9)
+    # Assert: <P, G> = |P_x|^2 - 2 |P_x|^2, |P| = sqrt(2) |P_x|, |G| = sqrt(5) |P_x|: -1 / sqrt(10);
+    # a sum of per-module cosines would give 1 - 1 = 0
+    assert score == pytest.approx(-1 / math.sqrt(10))
     assert alignment_score({"x": f}, {"x": G["x"]}) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(
-    "score, score_round, t, expected",
+    "score, score_round, server_round, expected",
     [
-        (0.0, 0, 0, 1 - math.exp(-0.5)),  # never seen, first round
-        (0.0, 0, 3, 1 - math.exp(-2.0)),
-        (2.0, 3, 3, 1 - math.exp(-3 * 4 / 2)),  # fresh score boosts the warm-up
-        (2.0, 1, 3, 1 - math.exp(-(1 + 2 * 0.81) * 4 / 2)),  # stale score decays 0.9 per round
-        (-5.0, 3, 3, 0.0),  # a client opposed to G gets no tail
+        # official λ = clip(1 - exp(-(1 + s 0.9^(e - t)) (e + 1) / 2), 0, 1), e = 0-based push round
+        (0.0, -1, 2, 0.3934693),  # never scored, first push (e = 0): the official table's first value
+        (0.0, -1, 3, 0.6321206),  # e = 1
+        (0.0, -1, 4, 0.7768698),  # e = 2
+        (1.0, 0, 2, 0.6321206),  # scored in round 1 (t = 0), fully aligned, first push: 1 - exp(-1)
+        (1.0, 0, 4, 1 - math.exp(-(1 + 0.81) * 3 / 2)),  # stale by two rounds: 0.9^2
+        (-1.0, 0, 2, 0.0),  # opposed to G, fresh: no tail
     ],
 )
-def test_tail_lambda_schedule(score: float, score_round: int, t: int, expected: float) -> None:
-    assert tail_lambda(score, score_round, t, horizon=2.0, decay=0.9) == pytest.approx(expected)
+def test_tail_lambda_follows_the_official_schedule(score: float, score_round: int, server_round: int,
+                                                   expected: float) -> None:
+    # Execute: fedlora's 1-based training round -> the official 0-based push round e = R - 2
+    lam = tail_lambda(score, score_round, push_round_of(server_round), horizon=2.0, decay=0.9)
+    # Assert
+    assert lam == pytest.approx(expected, abs=1e-7)
+
+
+def test_scores_are_stamped_with_the_official_round() -> None:
+    # a client that trains in fedlora round 1 is scored at the official round t = 0, and the push it
+    # trains on in round 2 was made at e = 0: no decay
+    assert scored_round_of(1) == 0 and push_round_of(2) == 0
 
 
 def test_scale_tail_scales_only_the_tail_product() -> None:
@@ -332,21 +382,26 @@ def run_smoke(tmp_path: Path, extra: list[str]) -> dict:
 
 
 def test_inprocess_fedhera_never_exceeds_a_download_budget(tmp_path: Path) -> None:
-    # Execute
-    results = run_smoke(tmp_path, [])
-    # Assert: every client's download within its budget, no failures, ranks and tails as declared
+    # Execute: with the adaptive tail warm-up (off by default, as in the official code)
+    results = run_smoke(tmp_path, ["strategy.atw=true"])
+    # Assert: round 1 trains every client at model.lora_rank (4) whatever its budget (official round 0);
+    # from round 2 on every download fits its budget; no failures; ranks and tails as declared
     assert [r["failures"] for r in results["rounds"]] == [0, 0, 0]
+    first = results["rounds"][0]["extra"]["fedhera"]["clients"]
+    assert {row["r_tot"] for row in first.values()} == {4 * 4} and not any(row["budget_applies"] for row in first.values())
     for record in results["rounds"]:
         fedhera = record["extra"]["fedhera"]
         assert fedhera["budget_violations"] == 0
         assert set(fedhera["clients"]) == {"0", "1", "2"}
         for row in fedhera["clients"].values():
-            assert row["download_bytes"] <= row["download_budget"]
+            assert not row["budget_applies"] or row["download_bytes"] <= row["download_budget"]
         assert record["bytes_down"] == sum(row["download_bytes"] for row in fedhera["clients"].values())
     later = results["rounds"][-1]["extra"]["fedhera"]["clients"]
+    assert all(row["budget_applies"] for row in later.values())
     assert later["2"]["r_tot"] > later["0"]["r_tot"]  # the high tier downloads more of the spectrum
     assert later["0"]["r_main"] < later["0"]["r_tot"]  # the low tier trains a prefix, with a tail
-    assert 0.0 < later["0"]["lambda"] <= 1.0
+    # round 3 trains on the push of the official round e = 1, the score stamped at t = 1: lambda <= 1 - exp(-2)
+    assert 0.0 <= later["0"]["lambda"] <= 1 - math.exp(-2.0) + 1e-9
     assert results["final"]["global_accuracy"] is not None
 
 
@@ -361,5 +416,5 @@ def test_inprocess_fedhera_ablations_run(tmp_path: Path) -> None:
     for record in results["rounds"]:
         assert record["failures"] == 0
         for row in record["extra"]["fedhera"]["clients"].values():
-            assert row["download_bytes"] <= row["download_budget"]
+            assert not row["budget_applies"] or row["download_bytes"] <= row["download_budget"]
             assert row["r_main"] == row["r_tot"] and row["lambda"] == 1.0
