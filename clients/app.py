@@ -133,6 +133,7 @@ def train(msg: Message, context: Context) -> Message:
     trainer = _trainer(job)
     model = trainer.prepare(from_array_record(msg.content["arrays"]))
     startup = _startup_metrics(setup_seconds)
+    received = trainer.received_metrics(model) if job.message_config.get("eval-received") else {}
     stats = trainer.fit(model)
     upload, _ = maybe_corrupt(faults, job.server_round, job.profile.partition_id, trainer.upload(model))
     trainer.save_state(trainer.keep(model))
@@ -145,6 +146,7 @@ def train(msg: Message, context: Context) -> Message:
         "train-examples": stats.examples,
         "train-seconds": stats.seconds,
         **startup,
+        **received,
         **trainer.train_metrics(),
         **trainer.privacy_metrics(),
     }

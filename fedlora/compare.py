@@ -83,6 +83,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("personalized_accuracy", "pers. acc (weighted)", "final round: each client's own model on its local test "
            "split, mean weighted by the clients' test examples"),
     Column("personalized_accuracy_unweighted", "pers. acc (unweighted)", "final round: same, plain mean over clients"),
+    Column("received_accuracy", "received acc", "final round: each sampled client's model as received (the "
+           "download before local training; FedHera's official metric) on its local test split, example-weighted"),
     Column("personalized_accuracy_worst", "pers. worst", "final round: lowest client's personalised accuracy"),
     Column("personalized_accuracy_p10", "pers. p10", "final round: 10th percentile of the clients' personalised accuracy"),
     Column("best_round", "best round (val)", "round with the highest validation accuracy (client validation splits; "

@@ -34,6 +34,8 @@ class RoundRecord:
     personalized_accuracy_worst: float = math.nan
     personalized_accuracy_p10: float = math.nan
     validation_accuracy: float = math.nan  # example-weighted mean on the clients' validation parts
+    received_accuracy: float = math.nan  # sampled clients' received models on their local test, before training
+    received_accuracy_unweighted: float = math.nan  # same, plain mean over clients
     train_loss: float = math.nan
     bytes_up: int = 0  # training uploads this round
     bytes_down: int = 0  # training downloads this round

@@ -84,7 +84,7 @@ def progress_line(record: RoundRecord, rounds: int) -> str:
 
     return (
         f"round {record.round:>3}/{rounds}  global {pct(record.global_accuracy)}  "
-        f"personalised {pct(record.personalized_accuracy)}  loss {pct(record.train_loss)}  "
+        f"personalised {pct(record.personalized_accuracy)}  received {pct(record.received_accuracy)}  loss {pct(record.train_loss)}  "
         f"up {record.bytes_up / 1e6:.2f} MB  down {record.bytes_down / 1e6:.2f} MB  "
         f"clients {record.clients} failures {record.failures}  {record.seconds:.1f}s"
     )

@@ -37,6 +37,9 @@ from fedlora.profile import ClientProfile
 from fedlora.results import RoundRecord
 
 InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
+EVAL_RECEIVED = "eval-received"  # train config: evaluate the received model before local training
+RECEIVED_ACCURACY = "received-accuracy"  # train reply metrics: that accuracy, and its test examples
+RECEIVED_EXAMPLES = "received-examples"
 
 
 class RoundFailedError(RuntimeError):
@@ -303,6 +306,7 @@ class LoRAStrategy(Strategy):
         book.record.clients = len(uploads)
         book.record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
         if uploads:
+            self._note_received(uploads, book.record)
             book.record.train_loss = float(np.average([u.metrics.get("train-loss", math.nan) for u in uploads], weights=self.weights(uploads)))
             book.record.client_train_seconds = float(sum(u.metrics.get("train-seconds", 0.0) for u in uploads))
             book.record.train_examples = int(sum(u.metrics.get("train-examples", 0.0) for u in uploads))
@@ -366,6 +370,19 @@ class LoRAStrategy(Strategy):
         return MetricRecord({"personalized-accuracy": record.personalized_accuracy})
 
     # ---------------------------------------------------------------- results
+    @staticmethod
+    def _note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:
+        """Received accuracy: each sampled client's model as it received it (the download overlaid
+        on its kept state; FedHera's tail scaled by lambda), on its local test split, before local
+        training (FedHera's official metric; evaluation rounds only)."""
+        rows = [u.metrics for u in uploads if RECEIVED_ACCURACY in u.metrics]
+        if not rows:
+            return
+        accuracy = np.array([r[RECEIVED_ACCURACY] for r in rows])
+        examples = np.array([max(r.get(RECEIVED_EXAMPLES, 1.0), 1.0) for r in rows])
+        record.received_accuracy = float(np.average(accuracy, weights=examples))
+        record.received_accuracy_unweighted = float(accuracy.mean())
+
     def evaluates(self, server_round: int) -> bool:
         """Whether ``server_round`` is an evaluation round (every k rounds, and the last)."""
         every = self.experiment.federation.evaluate_every
@@ -391,6 +408,8 @@ class LoRAStrategy(Strategy):
             config["checkpoint-dir"] = self.checkpoint_dir
         if self.resumed_from:
             config["resume-round"] = self.resumed_from
+        if message_type == MessageType.TRAIN and self.evaluates(server_round):
+            config[EVAL_RECEIVED] = True
         if message_type == MessageType.EVALUATE:
             config["eval-global"] = self.global_payload() is None
             if self.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:

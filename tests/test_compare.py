@@ -141,6 +141,7 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
     for row in table.rows:
         assert 0.0 <= row["personalized_accuracy_mean"] <= 1.0
         assert 0.0 <= row["personalized_accuracy_unweighted_mean"] <= 1.0
+        assert 0.0 <= row["received_accuracy_mean"] <= 1.0
         assert row["bytes_total_mean"] > 0 and row["client_train_seconds_mean"] > 0
     assert again.to_csv() == summarize(tmp_path, labels=list(STRATEGIES), write=False).to_csv()
     seeds = {json.loads((tmp_path / f"fedit/seed{s}/results.json").read_text())["config"]["train"]["seed"] for s in (0, 1)}

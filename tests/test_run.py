@@ -42,6 +42,20 @@ def test_inprocess_fedit_counts_exact_bytes(tmp_path: Path) -> None:
     assert (tmp_path / "accuracy_vs_round.png").is_file()
 
 
+def test_received_accuracy_is_the_previous_aggregate_on_the_local_test_splits(tmp_path: Path) -> None:
+    # Prepare: FedIT, mixed ranks (each client receives the global factors cut to its rank), every
+    # client trains and is evaluated every round
+    config = load_config(ROOT / "configs/smoke.toml", ["train.rounds=3"])
+    # Execute
+    rounds = run_inprocess(config, tmp_path).to_dict()["rounds"]
+    # Assert: the model a client receives in round t is the one it is evaluated with after round t - 1,
+    # on the same local test split: the two accuracies agree exactly, client by client
+    for before, after in zip(rounds, rounds[1:]):
+        assert after["received_accuracy"] == pytest.approx(before["personalized_accuracy"], abs=1e-12)
+        assert after["received_accuracy_unweighted"] == pytest.approx(before["personalized_accuracy_unweighted"], abs=1e-12)
+    assert 0.0 <= rounds[0]["received_accuracy"] <= 1.0  # round 1: the common initial adapter
+
+
 @pytest.mark.slow
 def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
     # Execute: the CLI on Flower's simulation engine (Ray backend)

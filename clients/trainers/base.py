@@ -176,6 +176,14 @@ class LocalTrainer:
             cache_key=key,
         )
 
+    def received_metrics(self, model: PeftModel) -> dict[str, float]:
+        """``received-accuracy`` / ``-examples``: the model as received (before local training) on
+        the local test split (FedHera's official metric)."""
+        test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
+        if not math.isfinite(test.accuracy):
+            return {}
+        return {"received-accuracy": test.accuracy, "received-examples": float(test.examples)}
+
     def evaluate(self, model: PeftModel, with_global: bool) -> dict[str, float]:
         """Accuracy on the local test split and validation split (and the global test set)."""
         test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
