@@ -37,6 +37,14 @@ class FedPissaOptions(StrategyOptions):
         description="Tail rank: P_k projects onto the eigenvectors of the delta smallest "
         "eigenvalues of C_k; 1 <= delta < r. Empty = r // 2 (ALGORITHMS.md default r/2).",
     )
+    correction: Literal["bounded", "literal"] = Field(
+        "bounded",
+        description="[RECON] How the projected deviations enter Eq. 4: 'bounded' = lam * sum_k p_k "
+        "(B_k - B_avg) P_k (identical projectors give exactly B_avg; a convex mix per direction "
+        "for lam <= 1); 'literal' = lam * sum_k (B_k - B_avg) P_k as the figure draws it, which "
+        "extrapolates under sample weights (10 clients, one holding 43 % of the data: a "
+        "coefficient near -2.8 on the others' deviations).",
+    )
     weights: Literal["samples", "uniform"] = Field(
         "samples",
         description="p_k in B_avg = sum_k p_k B_k (and in the head's average): 'samples' "
@@ -89,21 +97,24 @@ def aggregate_B(
     P_by_client: Mapping[ClientId, Mapping[str, np.ndarray]],
     weights: Mapping[ClientId, float],
     lam: float,
+    correction: Literal["bounded", "literal"] = "bounded",
 ) -> dict[str, np.ndarray]:
-    """Eq. 4: B_agg = B_avg + lam * sum_k (B_k - B_avg) P_k, with B_avg = sum_k p_k B_k.
+    """Eq. 4: B_agg = B_avg + lam * sum_k c_k (B_k - B_avg) P_k, with B_avg = sum_k p_k B_k.
 
-    ``weights`` are the p_k (summing to one); the deviation sum is unweighted, as in the spec.
+    ``weights`` are the p_k (summing to one); c_k = p_k for ``correction = 'bounded'`` (the
+    default) and c_k = 1 for ``'literal'`` (the figure's unweighted sum).
     Returns one B_agg (d_out, r) per module, float32 (the wire dtype).
     """
     clients = list(B_by_client)
     p = np.array([weights[k] for k in clients], dtype=np.float64)  # (K,)
+    c = p if correction == "bounded" else np.ones_like(p)  # (K,)
     result: dict[str, np.ndarray] = {}
     for module in B_by_client[clients[0]]:
         B = np.stack([np.asarray(B_by_client[k][module], dtype=np.float64) for k in clients])  # (K, d_out, r)
         P = np.stack([P_by_client[k][module] for k in clients])  # (K, r, r)
         B_avg = np.einsum("k,kor->or", p, B)  # (d_out, r)
-        correction = np.einsum("kor,krs->os", B - B_avg, P)  # (d_out, r)
-        result[module] = (B_avg + lam * correction).astype(np.float32)
+        correction_term = np.einsum("k,kor,krs->os", c, B - B_avg, P)  # (d_out, r)
+        result[module] = (B_avg + lam * correction_term).astype(np.float32)
     return result
 
 
@@ -125,6 +136,9 @@ class FedPissa(LoRAStrategy):
         lambda of Eq. 4; 0 reduces the server to plain (weighted) averaging of B.
     delta : int or None, default None (= r // 2)
         Tail rank of the projection, 1 <= delta < r.
+    correction : {"bounded", "literal"}, default "bounded"
+        [RECON] Deviation weights in Eq. 4: p_k (bounded; identical projectors give B_avg) or 1
+        (literal, as drawn in the figure; extrapolates under skewed sample weights).
     weights : {"samples", "uniform"}, default "samples"
         p_k for B_avg (and for the head's FedAvg when ``model.head = global``).
     init : {"pissa", "kaiming"}, default "pissa"
@@ -150,8 +164,9 @@ class FedPissa(LoRAStrategy):
     Aggregation: B and A are treated differently. B_avg = sum_k p_k B_k; for each client
     C_k = sum_{j != k} A_j A_j^T (r x r, from the other clients' A), P_k = U_tail U_tail^T with
     U_tail the eigenvectors of the delta smallest eigenvalues of C_k, and
-    B_agg = B_avg + lam * sum_k (B_k - B_avg) P_k: each client's deviation survives only along
-    directions the other clients' A barely use. A is never aggregated. The head is FedAvg'd.
+    B_agg = B_avg + lam * sum_k p_k (B_k - B_avg) P_k (``correction = bounded``; the figure's
+    literal form drops the p_k): each client's deviation survives only along directions the other
+    clients' A barely use. A is never aggregated. The head is FedAvg'd.
 
     Download: the same B_agg (and head) to every client; A_k stays on client k and is never
     overwritten, so client k's model is W0 + s B_agg A_k: upload A + B, download B only.
@@ -216,7 +231,7 @@ class FedPissa(LoRAStrategy):
             self.last_A[upload.partition_id] = A_by_client[upload.partition_id]
             self.last_examples[upload.partition_id] = upload.num_examples
         P_by_client = decorrelation_projectors(A_by_client, self.delta)
-        B_agg = aggregate_B(B_by_client, P_by_client, p, self.options.lam)
+        B_agg = aggregate_B(B_by_client, P_by_client, p, self.options.lam, self.options.correction)
         self.diagnostics = projection_diagnostics(A_by_client, B_by_client, P_by_client, p, B_agg)
         self.B_agg = B_agg
         if self.sends_head:

@@ -116,14 +116,68 @@ def test_B_agg_equals_eq4_on_a_known_projector(lam: float, weights: list[float])
     p = dict(enumerate(weights))
     # Execute
     P = decorrelation_projectors(A_by_client, delta=r - s)
-    B_agg = aggregate_B(B_by_client, P, p, lam)
-    # Assert: the formula written out with the known projector
+    B_agg = aggregate_B(B_by_client, P, p, lam, correction="literal")
+    # Assert: the literal formula written out with the known projector
     B_avg = sum(p[k] * B_by_client[k]["m"] for k in range(3))
     expected = B_avg + lam * sum((B_by_client[k]["m"] - B_avg) @ (Q_perp @ Q_perp.T) for k in range(3))
     assert B_agg["m"].dtype == np.float32 and B_agg["m"].shape == (d_out, r)
     assert np.allclose(B_agg["m"], expected, atol=1e-5)
     # Assert: the correction only moves B inside the tail span Q_perp (columns of B Q are untouched)
     assert np.allclose(B_agg["m"] @ Q, B_avg @ Q, atol=1e-5)
+
+
+def diagonal_A(gram_diagonal: list[float]) -> dict[str, np.ndarray]:
+    """A (r, r) with A A^T = diag(gram_diagonal)."""
+    return {"m": np.diag(np.sqrt(np.asarray(gram_diagonal, dtype=np.float64)))}
+
+
+# Three clients whose projectors differ: C_0 = diag(1, 5, 6), C_1 = diag(6, 1, 5), C_2 = diag(5, 6, 1),
+# so with delta = 1 the tail of client k is the basis vector e_k and P_k = e_k e_k^T.
+DISTINCT_A = {0: diagonal_A([5, 1, 0]), 1: diagonal_A([0, 5, 1]), 2: diagonal_A([1, 0, 5])}
+DISTINCT_B = {
+    0: {"m": np.array([[4.0, 0.0, 8.0], [0.0, 4.0, 0.0]])},
+    1: {"m": np.array([[0.0, 8.0, 0.0], [4.0, 0.0, 4.0]])},
+    2: {"m": np.array([[8.0, 4.0, 0.0], [0.0, 0.0, 12.0]])},
+}
+DISTINCT_P = {0: 0.5, 1: 0.25, 2: 0.25}  # B_avg = [[4, 3, 4], [1, 2, 4]]
+
+
+@pytest.mark.parametrize(
+    "correction, lam, expected",
+    [
+        # literal: column k = B_avg[:, k] + (B_k[:, k] - B_avg[:, k]) = B_k[:, k]
+        ("literal", 1.0, [[4.0, 8.0, 0.0], [0.0, 0.0, 12.0]]),
+        # bounded: column k = B_avg[:, k] + p_k (B_k[:, k] - B_avg[:, k])
+        ("bounded", 1.0, [[4.0, 4.25, 3.0], [0.5, 1.5, 6.0]]),
+        ("bounded", 0.5, [[4.0, 3.625, 3.5], [0.75, 1.75, 5.0]]),
+    ],
+)
+def test_B_agg_with_distinct_projectors_by_hand(correction: str, lam: float, expected: list[list[float]]) -> None:
+    # Execute
+    P = decorrelation_projectors(DISTINCT_A, delta=1)
+    B_agg = aggregate_B(DISTINCT_B, P, DISTINCT_P, lam, correction=correction)  # type: ignore[arg-type]
+    # Assert: the projectors are the distinct e_k e_k^T, and B_agg is the hand-computed matrix
+    for k in range(3):
+        assert np.allclose(P[k]["m"], np.outer(np.eye(3)[k], np.eye(3)[k]), atol=1e-12)
+    assert np.allclose(B_agg["m"], expected, atol=1e-6)
+
+
+def test_bounded_correction_with_identical_projectors_is_exactly_B_avg() -> None:
+    # Prepare: one projector shared by every client, skewed sample weights (one client holds 43 %)
+    rng = np.random.default_rng(11)
+    P_shared = {"m": np.diag([1.0, 1.0, 0.0, 0.0])}
+    B_by_client = {k: {"m": rng.standard_normal((5, 4))} for k in range(10)}
+    p = dict(enumerate([0.43] + [0.57 / 9] * 9))
+    B_avg = sum(p[k] * B_by_client[k]["m"] for k in range(10))
+    # Execute
+    bounded = aggregate_B(B_by_client, {k: P_shared for k in range(10)}, p, 1.0, correction="bounded")
+    literal = aggregate_B(B_by_client, {k: P_shared for k in range(10)}, p, 1.0, correction="literal")
+    # Assert: sum_k p_k (B_k - B_avg) = 0, so bounded leaves B_avg; the literal sum extrapolates,
+    # B_avg + sum_k (B_k - B_avg) P = B_avg + K (mean_k B_k - B_avg) P, on the projected columns
+    assert np.allclose(bounded["m"], B_avg, atol=1e-6)
+    mean_B = sum(B_by_client[k]["m"] for k in range(10)) / 10
+    assert np.allclose(literal["m"], B_avg + 10 * (mean_B - B_avg) @ P_shared["m"], atol=1e-5)
+    assert not np.allclose(literal["m"], B_avg, atol=1e-2)
 
 
 @pytest.mark.parametrize("weights", [[0.7, 0.2, 0.1], [0.25, 0.25, 0.5]])
