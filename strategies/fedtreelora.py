@@ -51,9 +51,13 @@ def modules_by_layer(modules: Sequence[str]) -> dict[int, list[str]]:
 
 
 def layer_distances(
-    Bs: Sequence[Mapping[str, np.ndarray]], layers: Mapping[int, list[str]]
+    Bs: Sequence[Mapping[str, np.ndarray]], layers: Mapping[int, list[str]], mode: str = "module_mean"
 ) -> dict[int, np.ndarray]:
-    """D^(l)_ij = ||B_l,i - B_l,j||_F, B_l,i = client i's B of every module of block l, stacked.
+    """D^(l)_ij between clients i and j in every block l, from their B factors.
+
+    ``mode = 'module_mean'`` (the spec): D^(l)_ij = mean over the adapted modules m of block l of
+    ||B_m,i - B_m,j||_F; ``'stacked'``: ||B_l,i - B_l,j||_F with B_l,i = client i's B of every
+    module of block l stacked into one vector (larger modules weigh more).
 
     Bs: one ``module -> B (d_out, r_i)`` map per client; ranks may differ (zero-padded to the
     largest, which leaves B A unchanged). Returns block -> (N, N) symmetric, zero diagonal.
@@ -61,11 +65,15 @@ def layer_distances(
     distances = {}
     for layer, modules in layers.items():
         rank = max(B[m].shape[1] for B in Bs for m in modules)
-        padded = [[np.pad(B[m], ((0, 0), (0, rank - B[m].shape[1]))) for m in modules] for B in Bs]
-        rows = [np.concatenate([b.ravel() for b in blocks]) for blocks in padded]
-        stacked = np.stack(rows).astype(np.float64)  # (N, sum_m d_out * r)
-        diff = stacked[:, None, :] - stacked[None, :, :]  # (N, N, P)
-        distances[layer] = np.sqrt((diff**2).sum(-1))
+        per_module = []
+        for m in modules:
+            rows = np.stack([np.pad(B[m], ((0, 0), (0, rank - B[m].shape[1]))).ravel() for B in Bs])  # (N, d_out r)
+            diff = rows[:, None, :].astype(np.float64) - rows[None, :, :]  # (N, N, d_out r)
+            per_module.append((diff**2).sum(-1))  # squared distances, (N, N)
+        if mode == "stacked":
+            distances[layer] = np.sqrt(np.sum(per_module, axis=0))
+        else:
+            distances[layer] = np.mean(np.sqrt(per_module), axis=0)
     return distances
 
 
@@ -207,6 +215,16 @@ class FedTreeLoRAOptions(StrategyOptions):
     weights: Literal["samples", "uniform"] = Field(
         "samples", description="Expert averaging weights: 'samples' (p_k = n_k / sum n) or 'uniform'."
     )
+    layer_distance: Literal["module_mean", "stacked"] = Field(
+        "module_mean",
+        description="D^(l)_ij: 'module_mean' = mean over the block's adapted modules of ||B_m,i - B_m,j||_F "
+        "(the spec); 'stacked' = one norm of the block's B factors stacked together.",
+    )
+    lam0: float = Field(
+        0.5, gt=0.0, lt=1.0,
+        description="[RECON] Initial mixing weight lam = sigmoid(theta_l) of the cluster expert in every "
+        "block (theta_l starts at logit(lam0)); the papers do not give it.",
+    )
 
 
 class FedTreeLoRA(LoRAStrategy):
@@ -230,6 +248,10 @@ class FedTreeLoRA(LoRAStrategy):
         Ablation: per-block trees and cuts, no global tree, cuts may decrease with depth.
     weights : {"samples", "uniform"}, default "samples"
         Weights of the expert means.
+    layer_distance : {"module_mean", "stacked"}, default "module_mean"
+        D^(l)_ij as the mean of per-module norms (spec) or one norm of the stacked block.
+    lam0 : float, default 0.5
+        [RECON] Initial lam = sigmoid(theta_l) of every block (theta_l = logit(lam0)).
 
     Warm-up (rounds 1..W): nothing goes down (every client builds the same seeded initial
     adapter); clients train locally. Only round W's upload (A, B, and the head when
@@ -365,7 +387,9 @@ class FedTreeLoRA(LoRAStrategy):
         missing = sorted(set(map(self.partition_of, self.profiles)) - set(partitions))
         if missing:
             log(WARNING, "fedtreelora: clients %s sent no warm-up upload; they get everyone's mean", missing)
-        self.distances = layer_distances([{m: f.B for m, f in fs.items()} for fs in factors], self.layers)
+        self.distances = layer_distances(
+            [{m: f.B for m, f in fs.items()} for fs in factors], self.layers, self.options.layer_distance
+        )
         per_layer = list(self.distances.values())
         if self.options.independent_layers and self.options.fixed_c is not None:
             cuts = [min(self.options.fixed_c, n)] * len(per_layer)

@@ -56,13 +56,32 @@ def random_factors(clients: int, modules: list[str], rank: int = 2, seed: int = 
 
 
 # ---------------------------------------------------------------- distances and tree
-def test_layer_distance_is_frobenius_norm_of_stacked_B() -> None:
-    # Prepare: two clients, one block of two modules
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("module_mean", (np.sqrt(6 * 1) + np.sqrt(8 * 4)) / 2),  # mean of the per-module norms (spec)
+        ("stacked", np.sqrt(6 * 1 + 8 * 4)),  # one norm of the stacked block
+    ],
+)
+def test_layer_distance_by_hand(mode: str, expected: float) -> None:
+    # Prepare: two clients, one block of two modules (3 x 2 and 4 x 2)
     Bs = [{"l.0.q": np.zeros((3, 2)), "l.0.v": np.zeros((4, 2))}, {"l.0.q": np.ones((3, 2)), "l.0.v": 2 * np.ones((4, 2))}]
     # Execute
-    D = layer_distances(Bs, {0: ["l.0.q", "l.0.v"]})[0]
-    # Assert: sqrt(6 * 1 + 8 * 4) on the off-diagonal, zero on the diagonal
-    assert D[0, 1] == pytest.approx(np.sqrt(6 + 32)) and D[1, 0] == D[0, 1] and D[0, 0] == 0.0
+    D = layer_distances(Bs, {0: ["l.0.q", "l.0.v"]}, mode)[0]
+    # Assert: the hand value off the diagonal, symmetric, zero on the diagonal
+    assert D[0, 1] == pytest.approx(expected) and D[1, 0] == D[0, 1] and D[0, 0] == 0.0
+
+
+@pytest.mark.parametrize("lam0", [0.1, 0.5, 0.9])
+def test_initial_mixing_weight_is_the_lam0_option(lam0: float) -> None:
+    import torch
+
+    from clients.trainers.fedtreelora import initial_theta
+
+    # Execute
+    theta = initial_theta(4, lam0)
+    # Assert: every block starts at lam = sigmoid(theta) = lam0
+    assert torch.sigmoid(torch.from_numpy(theta)).numpy() == pytest.approx([lam0] * 4, abs=1e-6)
 
 
 def test_modules_are_grouped_by_transformer_block() -> None:
@@ -303,6 +322,8 @@ OPTION_CASES = [  # overrides, message fragment
     (["strategy.fixed_c=9"], "strategy.fixed_c must be <= data.num_clients (3)"),
     (["strategy.weights=median"], "strategy.weights"),
     (["strategy.K=0"], "strategy.K"),
+    (["strategy.lam0=1.0"], "strategy.lam0"),
+    (["strategy.layer_distance=max"], "strategy.layer_distance"),
 ]
 
 

@@ -11,6 +11,7 @@ and never travels. Blocks whose cut is c = 1 get no external expert and keep lam
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
 EXTERNAL_PREFIX = "external::"  # as in strategies/fedtreelora.py (clients do not import strategies)
 THETA_KEY = "fedtreelora::theta"  # local state only: (L,) mixing logits, one per block
 EXTERNAL_ADAPTER = "external"
+
+
+def initial_theta(blocks: int, lam0: float) -> np.ndarray:
+    """theta_l = logit(lam0) for every block, so lam_l = sigmoid(theta_l) starts at lam0 (strategy.lam0)."""
+    return np.full(blocks, math.log(lam0 / (1.0 - lam0)), dtype=np.float32)  # (L,)
 
 
 def add_external_expert(model: PeftModel, external: Payload, lora_alpha: float, dropout: float) -> list[str]:
@@ -86,7 +92,7 @@ class FedTreeLoRATrainer(LocalTrainer):
         model = self.build()
         local = self.local_state()
         blocks = 1 + max(layer_index(m) for m in self._modules(model))
-        theta_init = local.pop(THETA_KEY, np.zeros(blocks, dtype=np.float32))  # lam = 0.5 at first
+        theta_init = local.pop(THETA_KEY, initial_theta(blocks, float(self.options.get("lam0", 0.5))))
         if local:
             load_payload(model, local)
         own = {k: v for k, v in download.items() if not k.startswith(EXTERNAL_PREFIX)}
