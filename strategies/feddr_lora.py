@@ -38,10 +38,18 @@ class FedDRLoRAOptions(StrategyOptions):
         1, ge=0, description="[RECON] Rounds of plain cross-entropy on the robust branch before the split starts."
     )
     beta: float = Field(1.0, ge=0.0, description="[RECON] Weight of the negative-learning loss of the noise branch.")
-    nl_target: Literal["given", "complementary"] = Field(
-        "given",
-        description="[RECON] Negative-learning target: 'given' = the (possibly wrong) label of each "
-        "suspect sample; 'complementary' = a random label != the given one, on all samples.",
+    nl_target: Literal["complementary", "given"] = Field(
+        "complementary",
+        description="[RECON] Negative-learning target of the noise branch: 'complementary' = a random "
+        "label != the given one, on every sample (standard negative learning, Kim et al., ICCV 2019: "
+        "'this sample is not of class y-bar'); 'given' = the given (possibly wrong) label of each "
+        "suspect sample only.",
+    )
+    robust_loss: Literal["clean", "all"] = Field(
+        "clean",
+        description="[RECON] Cross-entropy of the robust branch f_r on the clean part D_c only (the "
+        "spec; drops every suspect sample from f_r's training) or on 'all' samples (nothing dropped; "
+        "the split then only matters for nl_target = 'given').",
     )
     split: Literal["epoch", "batch"] = Field(
         "epoch",
@@ -100,8 +108,11 @@ class FedDRLoRA(LoRAStrategy):
         [RECON] Rounds of plain cross-entropy before the clean / suspect split starts.
     beta : float, default 1.0
         [RECON] Weight of the negative-learning loss NL(p, y) = -log(1 - p_y) on the noise branch.
-    nl_target : {"given", "complementary"}, default "given"
-        [RECON] NL on the suspect samples' given labels, or on a random other label for all samples.
+    nl_target : {"complementary", "given"}, default "complementary"
+        [RECON] NL on a random other label for every sample (standard negative learning), or on
+        the suspect samples' given labels.
+    robust_loss : {"clean", "all"}, default "clean"
+        [RECON] CE of the robust branch on the clean samples only, or on all of them.
     split : {"epoch", "batch"}, default "epoch"
         [RECON] 2-component GMM on per-sample CE of f_r over the local set per epoch, or per batch.
     clean_threshold : float, default 0.5

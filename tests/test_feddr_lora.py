@@ -71,6 +71,43 @@ def test_negative_learning_matches_the_definition_on_random_logits() -> None:
     assert torch.allclose(loss, -torch.log(1 - p_y), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "nl_target, expected",
+    [
+        # every sample with its complementary label y-bar = (0, 2, 2): -log(1 - p_y-bar) per sample
+        ("complementary", (-math.log(1 - 0.25) - math.log(1 - 0.2) - math.log(1 - 1 / 3)) / 3),
+        # the one suspect sample (index 1) with its given label 0: -log(1 - 0.6)
+        ("given", -math.log(1 - 0.6)),
+    ],
+)
+def test_noise_branch_negative_learning_value_by_hand(nl_target: str, expected: float) -> None:
+    import torch
+
+    from clients.trainers.feddr_lora import negative_learning_loss, noise_targets
+
+    # Prepare: p = (1/4, 1/4, 1/2), (3/5, 1/5, 1/5), (1/3, 1/3, 1/3); sample 1 is the suspect
+    logits = torch.tensor([[0.0, 0.0, math.log(2)], [math.log(3), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    labels, clean = torch.tensor([2, 0, 1]), torch.tensor([True, False, True])
+    complementary = torch.tensor([0, 2, 2])
+    # Execute
+    mask, targets = noise_targets(labels, clean, nl_target, complementary)
+    value = negative_learning_loss(logits[mask], targets[mask]).mean()
+    # Assert
+    assert float(value) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode, expected", [("clean", (1.0 + 3.0) / 2), ("all", (1.0 + 2.0 + 3.0) / 3)])
+def test_robust_branch_cross_entropy_on_clean_or_all_samples(mode: str, expected: float) -> None:
+    import torch
+
+    from clients.trainers.feddr_lora import robust_term
+
+    # Execute: per-sample CE (1, 2, 3), sample 1 suspect
+    value = robust_term(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([True, False, True]), mode)
+    # Assert
+    assert float(value) == pytest.approx(expected)
+
+
 def test_complementary_labels_never_equal_the_given_label() -> None:
     import torch
 
@@ -185,6 +222,7 @@ def test_split_summary_micro_averages_client_counts() -> None:
         (["strategy.beta=-1"], "strategy.beta"),
         (["strategy.topology=three_lora"], "strategy.topology"),
         (["strategy.nl_target=random"], "strategy.nl_target"),
+        (["strategy.robust_loss=some"], "strategy.robust_loss"),
         (["strategy.clean_threshold=1.5"], "strategy.clean_threshold"),
         (["strategy.warmup=2"], "unknown option 'strategy.warmup'"),
     ],
@@ -327,7 +365,7 @@ def test_warm_up_round_is_plain_cross_entropy_without_split_metrics() -> None:
     "overrides, rank, head_bytes",
     [
         (ONE_RANK, 4, HEAD_BYTES),
-        (ONE_RANK + ["strategy.split=batch", "strategy.nl_target=complementary", "model.head=local"], 4, 0),
+        (ONE_RANK + ["strategy.split=batch", "strategy.nl_target=given", "model.head=local"], 4, 0),
         ([], 2, HEAD_BYTES),  # smoke's mixed ranks [2, 4, 8]: one rank, the smallest (mixed_rank_policy)
     ],
 )

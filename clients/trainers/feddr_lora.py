@@ -15,7 +15,9 @@ ALGORITHMS.md, "FedDR-LoRA" (the [RECON] choices are options of
 Local objective: ``warmup_rounds`` rounds of plain cross-entropy on f_r; afterwards a
 2-component Gaussian mixture on the per-sample CE of f_r splits the samples into clean D_c (the
 low-loss component, posterior > ``clean_threshold``) and suspect D_n, and the loss is
-mean CE(f_r on D_c) + beta * mean NL(f_n on D_n), with NL(p, y) = -log(1 - p_y).
+mean CE(f_r on D_c) + beta * mean NL(f_n on all samples, complementary labels y-bar != y),
+NL(p, y) = -log(1 - p_y) (``nl_target = given``: NL on D_n with the given labels;
+``robust_loss = all``: CE of f_r on every sample).
 """
 
 from __future__ import annotations
@@ -61,6 +63,26 @@ def negative_learning_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.
         logits = logits.float()  # bf16 autocast on CUDA: the log-sum-exp needs float32
     others = logits.masked_fill(torch.nn.functional.one_hot(target, logits.shape[-1]).bool(), -math.inf)
     return torch.logsumexp(logits, dim=-1) - torch.logsumexp(others, dim=-1)
+
+
+def robust_term(ce: torch.Tensor, clean: torch.Tensor, mode: str) -> torch.Tensor:
+    """The robust branch's objective from per-sample CE (n,): mean over the clean samples
+    (``robust_loss = clean``; 0 with a gradient graph when none is clean) or over all (``all``)."""
+    if mode == "all":
+        return ce.mean()
+    return ce[clean].mean() if bool(clean.any()) else ce.sum() * 0.0
+
+
+def noise_targets(
+    labels: torch.Tensor, clean: torch.Tensor, nl_target: str, complementary: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, targets) of the noise branch's negative learning: every sample with its
+    complementary label (``nl_target = complementary``), or the suspects with their given label."""
+    import torch
+
+    if nl_target == "complementary":
+        return torch.ones_like(clean), complementary
+    return ~clean, labels
 
 
 def complementary_labels(labels: torch.Tensor, num_classes: int, generator: torch.Generator) -> torch.Tensor:
@@ -199,11 +221,9 @@ class FedDRLoRATrainer(LocalTrainer):
         if self.warming_up:
             return ce.mean()
         clean = self._batch_clean(ce, batch)  # (n,) bool
-        loss = ce[clean].mean() if clean.any() else ce.sum() * 0.0
-        if self.options["nl_target"] == "complementary":
-            suspect, targets = torch.ones_like(clean), self._complementary(labels)
-        else:
-            suspect, targets = ~clean, labels
+        loss = robust_term(ce, clean, str(self.options.get("robust_loss", "clean")))
+        complementary = self._complementary(labels) if self.options["nl_target"] == "complementary" else labels
+        suspect, targets = noise_targets(labels, clean, str(self.options["nl_target"]), complementary)
         if suspect.any() and self.options["beta"] > 0:
             noise_logits = self._noise_forward(model, inputs)  # (n, C) noise branch
             nl = negative_learning_loss(noise_logits[suspect], targets[suspect])
