@@ -2,7 +2,7 @@
 
     fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose] [--resume DIR] [--engine ray|inprocess]
     fedlora compare CONFIG --strategies a,b,... [--seeds 0,1,2] [--out DIR] [--set k=v ...]
-                   [--engine ray|inprocess]
+                   [--engine ray|inprocess] [--workers N]
     fedlora tune CONFIG --strategies a,b --grid train.lr=1e-4,1e-3 [--seeds 0,1] [--out DIR]
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
@@ -73,6 +73,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         overrides=args.set,
         engine=args.engine,
         verbose=args.verbose,
+        workers=args.workers,
     )
     print(table.to_markdown())
     print(f"summary: {table.out_dir}/summary.md, {table.out_dir}/summary.csv   plots: {table.out_dir}/*.png")
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
                      help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
     cmp.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
+    cmp.add_argument("--workers", type=int, default=1,
+                     help="runs at a time, each in its own process (in-process engine; they share a GPU)")
     cmp.set_defaults(func=_cmd_compare)
 
     tune = sub.add_parser("tune", help="same grid for every strategy; each picks its best setting on validation")

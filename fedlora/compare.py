@@ -378,26 +378,87 @@ def run_jobs(
     engine: Engine = "ray",
     overrides: Sequence[str] = (),
     verbose: bool = False,
+    workers: int = 1,
 ) -> list[Path]:
     """Run every job into ``OUT/<label>/seed<k>/`` (complete runs are skipped); returns the folders.
 
     Every job's config is built and validated before the first run starts, so a bad strategy
-    name or override fails at once.
+    name or override fails at once. ``workers > 1`` runs that many jobs at a time, each in its own
+    process (in-process engine only: each Ray run starts its own cluster); on a CUDA machine the
+    workers share the GPU. A worker's log goes to ``<run dir>/run.log``.
     """
     check_engine(engine)
+    if workers < 1:
+        from fedlora.config import ConfigError
+
+        raise ConfigError(f"workers must be >= 1, got {workers}")
+    if workers > 1 and engine != "inprocess":
+        from fedlora.config import ConfigError
+
+        raise ConfigError("parallel workers need the in-process engine (--engine inprocess); Ray already "
+                          "runs the clients of one experiment in parallel")
     base = resolve_base(config, overrides)
     out = Path(out_dir)
     planned = [(job, job.run_dir(out)) for job in jobs]
     configs = [job_config(base, job, run_dir) for job, run_dir in planned]
+    todo = []
     for index, ((job, run_dir), cfg) in enumerate(zip(planned, configs, strict=True), start=1):
         if is_complete(run_dir, cfg):
             logger.info("compare: [%d/%d] %s seed %d: complete, skipped", index, len(planned), job.name, job.seed)
-            continue
-        logger.info("compare: [%d/%d] %s seed %d -> %s (%s)", index, len(planned), job.name, job.seed, run_dir, engine)
-        started = time.perf_counter()
-        run_one(cfg, run_dir, engine, verbose)
-        logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
+        else:
+            todo.append((index, job, run_dir, cfg))
+    if workers == 1:
+        for index, job, run_dir, cfg in todo:
+            logger.info("compare: [%d/%d] %s seed %d -> %s (%s)", index, len(planned), job.name, job.seed, run_dir, engine)
+            started = time.perf_counter()
+            run_one(cfg, run_dir, engine, verbose)
+            logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
+    else:
+        _run_parallel(todo, len(planned), workers)
     return [run_dir for _, run_dir in planned]
+
+
+def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig]], total: int, workers: int) -> None:
+    """``todo`` on a pool of ``workers`` fresh processes (spawned: no inherited torch or Ray state)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from fedlora.runner import RunError
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {}
+        for index, job, run_dir, cfg in todo:
+            logger.info("compare: [%d/%d] %s seed %d -> %s (worker)", index, total, job.name, job.seed, run_dir)
+            futures[pool.submit(_worker_run, cfg.to_json(), str(run_dir))] = job
+        failed = []
+        for future in as_completed(futures):
+            job = futures[future]
+            error = future.exception()
+            if error is not None:
+                failed.append(f"{job.name} seed {job.seed}: {error}")
+                logger.warning("compare: %s seed %d failed: %s", job.name, job.seed, error)
+            else:
+                logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, future.result())
+    if failed:
+        raise RunError(f"{len(failed)} run(s) failed: {'; '.join(failed)}")
+
+
+def _worker_run(config_json: str, run_dir: str) -> float:
+    """One job in a worker process: the in-process engine, its log in ``run_dir/run.log``."""
+    import logging as logging_module
+
+    from fedlora.config import config_from_json
+
+    folder = Path(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    handler = logging_module.FileHandler(folder / "run.log", mode="w")
+    handler.setFormatter(logging_module.Formatter("%(asctime)s %(message)s"))
+    root = logging_module.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging_module.INFO)
+    started = time.perf_counter()
+    run_one(config_from_json(config_json), folder, "inprocess")
+    return time.perf_counter() - started
 
 
 def default_out_dir(base: ExperimentConfig) -> Path:
@@ -413,6 +474,7 @@ def compare(
     engine: Engine = "ray",
     plots: bool = True,
     verbose: bool = False,
+    workers: int = 1,
 ) -> ComparisonTable:
     """Run every strategy x seed on the same partitions, then summarise and plot.
 
@@ -430,6 +492,8 @@ def compare(
     engine : {"ray", "inprocess"}, default "ray"
         ``ray``: Flower's simulation engine (:func:`fedlora.runner.run`); ``inprocess``: the same
         ServerApp / ClientApp code without Ray (:func:`simulations.inprocess.run_inprocess`).
+    workers : int, default 1
+        Runs at a time, each in its own process (in-process engine only; they share a GPU).
 
     Runs whose results.json already holds every round of the same config are not run again.
     """
@@ -441,7 +505,7 @@ def compare(
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base)
     jobs = [Job(strategy, int(seed)) for strategy in strategies for seed in seeds]
-    run_jobs(base, jobs, out, engine=engine, verbose=verbose)
+    run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers)
     table = summarize(out, labels=list(dict.fromkeys(strategies)))
     if plots:
         from fedlora.plotting import plot_comparison

@@ -129,8 +129,8 @@ def test_summary_leaves_out_runs_still_in_progress(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- end to end
 def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> None:
-    # Execute: 2 strategies x 2 seeds without Ray
-    table = compare_strategies(SMOKE, STRATEGIES, seeds=(0, 1), out_dir=tmp_path, engine="inprocess")
+    # Execute: 2 strategies x 2 seeds without Ray, two runs at a time in worker processes
+    table = compare_strategies(SMOKE, STRATEGIES, seeds=(0, 1), out_dir=tmp_path, engine="inprocess", workers=2)
     first = results_mtimes(tmp_path)
     again = compare_strategies(SMOKE, STRATEGIES, seeds=(0, 1), out_dir=tmp_path, engine="inprocess")
     # Assert
@@ -144,6 +144,7 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
         assert 0.0 <= row["received_accuracy_mean"] <= 1.0
         assert row["bytes_total_mean"] > 0 and row["client_train_seconds_mean"] > 0
     assert again.to_csv() == summarize(tmp_path, labels=list(STRATEGIES), write=False).to_csv()
+    assert all((tmp_path / f"{s}/seed{k}/run.log").stat().st_size > 0 for s in STRATEGIES for k in (0, 1))
     seeds = {json.loads((tmp_path / f"fedit/seed{s}/results.json").read_text())["config"]["train"]["seed"] for s in (0, 1)}
     assert seeds == {0, 1}
 
