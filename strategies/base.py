@@ -158,6 +158,10 @@ class LoRAStrategy(Strategy):
         """The nodes that train in ``server_round`` (default: a seeded fraction_train sample)."""
         return self._sample(self.experiment.federation.fraction_train)
 
+    def min_uploads(self) -> int:
+        """Fewest valid uploads a round needs to aggregate (``federation.min_clients``)."""
+        return self.experiment.federation.min_clients
+
     def round_extra(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
         return {}
@@ -311,10 +315,10 @@ class LoRAStrategy(Strategy):
             book.record.client_train_seconds = float(sum(u.metrics.get("train-seconds", 0.0) for u in uploads))
             book.record.train_examples = int(sum(u.metrics.get("train-examples", 0.0) for u in uploads))
         log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), book.record.failures)
-        if len(uploads) < self.experiment.federation.min_clients:
+        if len(uploads) < self.min_uploads():
             self.failed_rounds += 1
             message = (f"round {server_round}: {len(uploads)} valid updates < federation.min_clients="
-                       f"{self.experiment.federation.min_clients}")
+                       f"{self.min_uploads()}")
             if self.failed_rounds >= self.experiment.faults.max_failed_rounds:
                 raise RoundFailedError(f"{message}, {self.failed_rounds} rounds in a row "
                                        f"(faults.max_failed_rounds); stopping the run")

@@ -52,6 +52,10 @@ class Centralized(LoRAStrategy):
             profile.rank = self.model_rank
         self.model_adapter: Payload = self.initial_adapter(self.model_rank)
 
+    def min_uploads(self) -> int:
+        """One trainer: its update is the round's (federation.min_clients counts federated clients)."""
+        return 1
+
     def sample_train(self, server_round: int) -> list[int]:
         return [min(self.profiles, key=self.partition_of)]
 

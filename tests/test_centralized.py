@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_centralized_trains_one_node_with_the_federation_step_budget(tmp_path: Path) -> None:
     # Prepare: 3 clients, each would take 5 steps per round -> the reference takes 15
-    config = load_config(ROOT / "configs/smoke.toml", ["strategy.name=centralized"])
+    # with federation.min_clients = 2, which counts federated clients, not the one reference trainer
+    config = load_config(ROOT / "configs/smoke.toml", ["strategy.name=centralized", "federation.min_clients=2"])
     # Execute
     writer = run_inprocess(config, tmp_path)
     # Assert: one trainer per round, 15 x 16 examples, every client evaluated the model
