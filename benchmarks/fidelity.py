@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.compare import Job, load_runs, run_jobs, summarize  # noqa: E402
-from fedlora.tune import choose, point_label  # noqa: E402
+from fedlora.compare import Job, load_runs, run_jobs, summarize
+from fedlora.tune import choose, point_label
 
 logger = logging.getLogger("fedlora")
 
@@ -202,11 +202,11 @@ def report(name: str, scenario: Scenario, table, facts: dict, seeds: list[int], 
     verdict = "counts" if facts["counts"] else f"does NOT count (gap above {REGIME_POINTS:g} points: too short to compare)"
     lines = [
         f"# Fidelity: {name}", "", f"    {command}", "",
-        f"Config: `{scenario.config}`. Paper's claim checked: {scenario.claim}. Metric the paper reports: "
-        f"`{scenario.metric}`.", "",
-        f"Regime: FedIT {facts['regime_metric']} {facts['fedit']:.4f} vs centralised reference "
+        (f"Config: `{scenario.config}`. Paper's claim checked: {scenario.claim}. Metric the paper reports: "
+        f"`{scenario.metric}`."), "",
+        (f"Regime: FedIT {facts['regime_metric']} {facts['fedit']:.4f} vs centralised reference "
         f"{facts['centralized']:.4f} (same data, same total optimiser steps): gap {facts['gap_points']:.1f} points, "
-        f"the scenario {verdict}.", "",
+        f"the scenario {verdict}."), "",
     ]
     if facts["tuning"]:
         lines += ["Equal tuning budget (first seed, chosen on validation accuracy):", ""]

@@ -14,6 +14,8 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log
 
+from fedlora import protocol
+
 
 def _process_age() -> float:
     """Seconds since this process started (the OS start time; nan where psutil cannot tell)."""
@@ -48,18 +50,16 @@ def _job(msg: Message, context: Context):
     """Resolve config, profile and data for this message (heavy imports happen here)."""
     started = time.perf_counter()
     from clients.trainers.base import ClientJob
-    from fedlora.config import config_from_json
     from fedlora.data import build_federated_data
     from fedlora.profile import resolve_profile
+    from fedlora.schema import config_from_json
 
     message_config = dict(msg.content["config"])
-    config = config_from_json(str(message_config["experiment"]))
+    config = config_from_json(str(message_config[protocol.EXPERIMENT]))
     _limit_threads(config.federation.num_cpus)
     profile = resolve_profile(config, context.node_config)
-    if "common-rank" in message_config:  # a same-rank method runs every client at one rank
-        profile.rank = int(message_config["common-rank"])
-    if "lora-rank" in message_config:  # a rank this client pruned itself down to (HetLoRA self-pruning)
-        profile.rank = min(profile.rank, int(message_config["lora-rank"]))
+    if protocol.RANK in message_config:  # the server's one rank decision for this client and round
+        profile.rank = int(message_config[protocol.RANK])
     federated = build_federated_data(config.data)
     if profile.data_path:  # the silo's own data (node config data-path), same labels as the server
         from fedlora.data.silo import load_silo_data
@@ -76,13 +76,13 @@ def _job(msg: Message, context: Context):
 def _checkpoint_root(message_config: dict, context: Context) -> str:
     """Where this client checkpoints its kept state: the node config's ``checkpoint-dir`` (a
     silo's own folder in a deployment), else the folder the server names (simulation)."""
-    return str(context.node_config.get("checkpoint-dir", "") or message_config.get("checkpoint-dir", ""))
+    return str(context.node_config.get(protocol.CHECKPOINT_DIR, "") or message_config.get(protocol.CHECKPOINT_DIR, ""))
 
 
 def _restore_state(message_config: dict, context: Context, partition_id: int) -> None:
     """On a resumed run, refill an empty ``context.state`` from the client's checkpoint."""
     root = _checkpoint_root(message_config, context)
-    upto = int(message_config.get("resume-round", 0))
+    upto = int(message_config.get(protocol.RESUME_ROUND, 0))
     if root and upto and len(context.state) == 0:
         from fedlora.checkpoint import restore_client_state
 
@@ -133,18 +133,18 @@ def train(msg: Message, context: Context) -> Message:
     trainer = _trainer(job)
     model = trainer.prepare(from_array_record(msg.content["arrays"]))
     startup = _startup_metrics(setup_seconds)
-    received = trainer.received_metrics(model) if job.message_config.get("eval-received") else {}
+    received = trainer.received_metrics(model) if job.message_config.get(protocol.EVAL_RECEIVED) else {}
     stats = trainer.fit(model)
     upload, _ = maybe_corrupt(faults, job.server_round, job.profile.partition_id, trainer.upload(model))
     trainer.save_state(trainer.keep(model))
     _save_state(job, context)
     metrics = {
-        "num-examples": len(job.data.train),
-        "partition-id": job.profile.partition_id,
-        "train-loss": stats.loss,
+        protocol.NUM_EXAMPLES: len(job.data.train),
+        protocol.PARTITION_ID: job.profile.partition_id,
+        protocol.TRAIN_LOSS: stats.loss,
         "train-steps": stats.steps,
-        "train-examples": stats.examples,
-        "train-seconds": stats.seconds,
+        protocol.TRAIN_EXAMPLES: stats.examples,
+        protocol.TRAIN_SECONDS: stats.seconds,
         **startup,
         **received,
         **trainer.train_metrics(),
@@ -165,10 +165,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     trainer = _trainer(job)
     model = trainer.prepare(from_array_record(msg.content["arrays"]))
     startup = _startup_metrics(setup_seconds)
-    metrics = trainer.evaluate(model, with_global=bool(job.message_config.get("eval-global", False)))
-    metrics["partition-id"] = float(job.profile.partition_id)
+    metrics = trainer.evaluate(model, with_global=bool(job.message_config.get(protocol.EVAL_GLOBAL, False)))
+    metrics[protocol.PARTITION_ID] = float(job.profile.partition_id)
     metrics |= startup  # per round and client in results.json (rounds[].per_client)
-    save_dir = str(job.message_config.get("save-adapter-dir", ""))
+    save_dir = str(job.message_config.get(protocol.SAVE_ADAPTER_DIR, ""))
     if save_dir:
         save_adapter(model, f"{save_dir}/client_{job.profile.partition_id}")
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

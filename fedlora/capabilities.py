@@ -28,11 +28,11 @@ def _tick(flag: bool) -> str:
 
 
 def capability_rows() -> list[list[str]]:
-    from strategies.registry import strategy_class, strategy_names
+    from fedlora.methods import method, method_names
 
     rows = []
-    for name in strategy_names():
-        caps = strategy_class(name).capabilities
+    for name in method_names():
+        caps = method(name).capabilities
         rows.append([
             f"`{name}`",
             "personalised" if caps.personalized else "global",
@@ -41,7 +41,7 @@ def capability_rows() -> list[list[str]]:
             _tick(caps.mixed_ranks),
             _tick(caps.partial_participation),
             _tick(caps.dp_compatible),
-            _tick(caps.deployment_tested),
+            _tick(False),  # deployment over gRPC is not exercised per strategy yet
             caps.paper,
         ])
     return rows

@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import ConfigError, ExperimentConfig
+from fedlora.errors import ConfigError
+from fedlora.schema import ExperimentConfig
 
 SERVER_FILE = "server.pkl"
 CLIENTS_DIR = "clients"
@@ -53,11 +54,11 @@ def _comparable(config: ExperimentConfig) -> dict[str, Any]:
 
 
 def save_server(out_dir: str | Path, server_round: int, config: ExperimentConfig, state: dict[str, Any],
-                rounds: list, privacy: dict[str, float] | None = None) -> Path:
+                rounds: list, privacy: dict[str, float] | None = None, partitions: list[int] | None = None) -> Path:
     """Write the server checkpoint of the completed round ``server_round`` (atomically)."""
     path = checkpoint_dir(out_dir) / SERVER_FILE
     blob = {"format": FORMAT, "round": server_round, "config": _comparable(config), "strategy": state,
-            "rounds": rounds, "privacy": privacy}
+            "rounds": rounds, "privacy": privacy, "partitions": list(partitions or [])}
     _atomic_write(path, pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
     return path
 

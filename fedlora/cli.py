@@ -98,10 +98,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_strategies(args: argparse.Namespace) -> int:
-    from strategies.registry import strategy_class, strategy_names
+    from fedlora.methods import method, method_names
 
-    for name in strategy_names():
-        caps = strategy_class(name).capabilities
+    for name in method_names():
+        caps = method(name).capabilities
         kind = "personalised" if caps.personalized else "global"
         print(f"{name:<12} {kind:<13} up: {caps.uploads:<22} down: {caps.downloads}")
     return 0

@@ -316,11 +316,10 @@ def resolve_base(config: ExperimentConfig | str | Path | dict, overrides: Sequen
 def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentConfig:
     """The resolved config of one job (raises ConfigError for a bad strategy or override)."""
     from fedlora.config import apply_overrides, build_config
-    from strategies.registry import strategy_class
+    from fedlora.methods import method
 
-    cls = strategy_class(job.strategy)  # ConfigError listing the known names
+    declared = set(method(job.strategy).options.model_fields)  # ConfigError listing the known names
     raw = base.model_dump(mode="json")
-    declared = set(cls.Options.model_fields)
     raw["strategy"] = {k: v for k, v in raw["strategy"].items() if k in declared} | {"name": job.strategy}
     raw = apply_overrides(raw, [*job.overrides, f"train.seed={job.seed}"])
     raw["output"]["dir"] = str(run_dir)

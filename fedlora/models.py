@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedlora.config import ModelConfig
 from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX, Payload
+from fedlora.schema import ModelConfig
 
 if TYPE_CHECKING:
     import torch

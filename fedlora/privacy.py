@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedlora.config import PrivacyConfig
+from fedlora.schema import PrivacyConfig
 from fedlora.training import TrainStats, cross_entropy_loss, optimise
 
 History = list[tuple[float, float, int]]  # (noise multiplier, sample rate, steps), RDPAccountant.history

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedlora.config import ClientsConfig, ExperimentConfig
+from fedlora.schema import ClientsConfig, ExperimentConfig
 
 
 class ClientProfile(BaseModel):

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import ExperimentConfig
+from fedlora.schema import ExperimentConfig
 
 PACKAGES = ("fedlora", "flwr", "torch", "peft", "transformers", "datasets", "flwr-datasets", "opacus")
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedlora.config import ExperimentConfig, config_from_json, load_config
@@ -108,16 +109,19 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     evaluator = GlobalEvaluator(config, federated)
     strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
-    strategy.adapter_dir = str((out_dir / "adapters").resolve())
+    strategy.paths.adapter_dir = str((out_dir / "adapters").resolve())
     writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
     if client_checkpoints:
-        strategy.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
+        strategy.paths.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
     first = 1
     if resume:
         saved = checkpoint.load_server(out_dir, config)
-        strategy._ensure_profiles(grid)  # this run's node ids, then the saved state mapped onto them
+        strategy.connect(grid)  # this run's clients (new node ids), then the state saved by partition
+        missing = sorted(set(saved["partitions"]) - set(strategy.roster.partitions))
+        if missing:
+            raise RuntimeError(f"resume: clients {missing} of the checkpoint did not join this run")
         strategy.load_state_dict(saved["strategy"])
-        strategy.resumed_from = first = saved["round"]
+        strategy.paths.resumed_from = first = saved["round"]
         first += 1
         writer.rounds = list(saved["rounds"])
         writer.privacy = saved.get("privacy")
@@ -132,13 +136,35 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
             record.global_accuracy = evaluator.accuracy(payload)
         writer.privacy = strategy.privacy_report()
         writer.add(record)
-        checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy)
+        checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy,
+                               partitions=strategy.roster.partitions)
         logger.info(progress_line(record, config.train.rounds))
         return MetricRecord({"global-accuracy": record.global_accuracy})
 
-    strategy.run_rounds(grid, first, config.train.rounds, evaluate_fn)
+    run_rounds(strategy, grid, first, config.train.rounds, evaluate_fn)
     finish(writer, strategy, evaluator, out_dir)
     return writer
+
+
+def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
+               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]) -> None:
+    """Flower's ``Strategy.start`` loop for rounds ``first``..``last`` (``start`` always begins at
+    round 1; a resumed run continues at ``k + 1``): configure_train -> send_and_receive ->
+    aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate -> evaluate_fn."""
+    arrays, timeout = ArrayRecord(), strategy.experiment.federation.round_timeout
+    if first == 1:
+        strategy.summary()
+    for server_round in range(first, last + 1):
+        logger.info("[ROUND %s/%s]", server_round, last)
+        replies = grid.send_and_receive(
+            messages=strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+        )
+        strategy.aggregate_train(server_round, replies)
+        replies = grid.send_and_receive(
+            messages=strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+        )
+        strategy.aggregate_evaluate(server_round, replies)
+        evaluate_fn(server_round, arrays)
 
 
 def strategy_info(strategy: Any) -> dict[str, Any]:
@@ -161,10 +187,8 @@ def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out
     payload = strategy.global_payload()
     if payload is not None and writer.config.output.save_adapters:
         save_adapter(evaluator.model_for(payload), out_dir / "adapters" / "global")
-    writer.strategy_info["clients"] = {
-        str(p.partition_id): p.model_dump() for p in strategy.profiles.values()
-    }
-    writer.strategy_info["refused"] = list(strategy.refused.values())
+    writer.strategy_info["clients"] = {str(p): profile.model_dump() for p, profile in sorted(strategy.roster.profiles.items())}
+    writer.strategy_info["refused"] = list(strategy.roster.refused.values())
     writer.strategy_info.update(strategy.save_artifacts(out_dir))
     writer.write()
     plot_accuracy(writer.to_dict(), out_dir / "accuracy_vs_round.png")

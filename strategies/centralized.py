@@ -1,16 +1,13 @@
-"""Centralised reference: one trainer holding every client's training data.
-
-Not a federated method: the upper reference a comparison table puts next to the federated rows
-(issue "fair evaluation protocol"), with the same model, the same LoRA rank and the same total
-number of local optimiser steps per round as the federation it is compared with.
-"""
+"""Centralised reference: one trainer holding every client's training data (``fedlora/methods/centralized.py``)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from fedlora.lora import Payload
-from strategies.base import Capabilities, ClientUpload, LoRAStrategy
+from fedlora.methods import centralized
+from fedlora.protocol import Phase
+from strategies.base import ClientUpload, LoRAStrategy
 
 
 class Centralized(LoRAStrategy):
@@ -35,36 +32,28 @@ class Centralized(LoRAStrategy):
     for the federated methods. The bytes reported are those of this one trainer.
     """
 
-    name = "centralized"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        personalized=False,
-        uploads="A, B, head (one trainer)",
-        downloads="A, B, head",
-        mixed_ranks=False,
-        partial_participation=False,
-        dp_compatible=False,  # one trainer on pooled data, its own fit: no per-client DP-SGD
-        paper="reference: centralised training on the pooled client data",
-    )
+    method = centralized.METHOD
 
     def setup(self) -> None:
-        self.model_rank = min(p.rank for p in self.profiles.values())
-        for profile in self.profiles.values():
-            profile.rank = self.model_rank
+        self.model_rank = min(p.rank for p in self.roster.profiles.values())
         self.model_adapter: Payload = self.initial_adapter(self.model_rank)
+
+    def rank_of(self, partition: int) -> int:
+        return self.model_rank
 
     def min_uploads(self) -> int:
         """One trainer: its update is the round's (federation.min_clients counts federated clients)."""
         return 1
 
     def sample_train(self, server_round: int) -> list[int]:
-        return [min(self.profiles, key=self.partition_of)]
+        return [self.roster.partitions[0]]
 
-    def client_config(self, node_id: int, server_round: int) -> dict[str, Any]:
+    def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
         fed = self.experiment.federation
-        sampled = min(len(self.profiles), max(fed.min_clients, round(fed.fraction_train * len(self.profiles))))
-        return {"centralized-rank": self.model_rank, "centralized-clients": sampled}
+        clients = len(self.roster.partitions)
+        return {centralized.CLIENTS_KEY: min(clients, max(fed.min_clients, round(fed.fraction_train * clients)))}
 
-    def download(self, node_id: int, server_round: int) -> Payload:
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return self.model_adapter
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:

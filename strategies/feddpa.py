@@ -1,22 +1,11 @@
-"""FedDPA: dual-personalising adapters, a federated global LoRA g plus a private local LoRA l.
-
-Yang, Long, Shen, Jiang, Blumenstein, "Dual-Personalizing Adapter for Federated Foundation
-Models", NeurIPS 2024. ALGORITHMS.md, Baselines table, row ``feddpa``.
-"""
+"""FedDPA: a federated global LoRA g plus a private local LoRA l (``fedlora/methods/feddpa.py``)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from pydantic import Field
-
-from fedlora.lora import Payload, head_only, weighted_average
-from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
-
-
-def global_branch_rank(options: dict, default_rank: int) -> int:
-    """Rank of the global LoRA g: ``strategy.global_rank``, or ``model.lora_rank`` when 0."""
-    return int(options.get("global_rank", 0)) or default_rank
+from fedlora.lora import Payload, weighted_average, without_head
+from fedlora.methods import feddpa
+from fedlora.protocol import Phase
+from strategies.base import ClientUpload, LoRAStrategy
 
 
 class FedDPA(LoRAStrategy):
@@ -33,14 +22,13 @@ class FedDPA(LoRAStrategy):
         0 means ``model.lora_rank``. [RECON for mixed ranks, the paper has one rank] the local
         LoRA l of client k has the client's own declared rank r_k, so heterogeneous ranks only
         change the private branch.
-
     instance_weighting : bool, default False
         The paper's test-time instance-wise dynamic weighting (FedDPA's official code,
         ``get_weight``): for a test input x, w(x) = weight_max * mean_j cos(e(x), e(x_j)) over
         ``reference_examples`` of the client's training inputs x_j, e = the mean-pooled last
         hidden state of the client's model. [RECON: training uses the plain sum] evaluation
         then uses W0 + 2 (1 - w) dW_g + 2 w dW_l, so w = 1/2 is exactly the trained model.
-        Off: every evaluation is the plain sum (ALGORITHMS.md's default).
+        Off: every evaluation is the plain sum.
     weight_max : float, default 0.5
         Upper bound of w(x) (the official code's 0.5 / 1.0 ``half`` switch); in (0, 1].
     reference_examples : int, default 5
@@ -60,50 +48,21 @@ class FedDPA(LoRAStrategy):
     any local branch, on the global test set.
     """
 
-    name = "feddpa"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        personalized=True,
-        uploads="global LoRA g (A, B), head",
-        downloads="global LoRA g (A, B), head",
-        mixed_ranks=True,
-        dp_compatible=False,  # two active peft adapters in one model: not verified with Opacus
-        paper="Yang et al., NeurIPS 2024 (arXiv:2403.19211)",
-    )
-
-    class Options(StrategyOptions):
-        global_rank: int = Field(
-            0,
-            ge=0,
-            description="Rank of the global LoRA g on every client (FedAvg needs one shape); "
-            "0 = model.lora_rank. The local LoRA l uses each client's own rank.",
-        )
-        instance_weighting: bool = Field(
-            False,
-            description="FedDPA's test-time instance-wise weighting of the branches: "
-            "W0 + 2(1-w(x)) dW_g + 2 w(x) dW_l, w(x) = weight_max * mean cosine similarity to "
-            "reference_examples local training inputs; off = the plain sum.",
-        )
-        weight_max: float = Field(0.5, gt=0.0, le=1.0, description="Upper bound of w(x), in (0, 1].")
-        reference_examples: int = Field(
-            5, ge=1, description="Local training inputs the instance weight compares against."
-        )
+    method = feddpa.METHOD
+    options: feddpa.FedDPAOptions
 
     def setup(self) -> None:
-        self.rank_g = global_branch_rank(self.options.model_dump(), self.experiment.model.lora_rank)
+        self.rank_g = self.options.rank_of_g(self.experiment.model.lora_rank)
         max_rank = min(min(shape) for shape in self.module_shapes.values())
         if self.rank_g > max_rank:
-            raise RuntimeError(
-                f"strategy.global_rank must be in [1, {max_rank}] for this model, got {self.rank_g}"
-            )
+            raise RuntimeError(f"strategy.global_rank must be in [1, {max_rank}] for this model, got {self.rank_g}")
         initial = self.initial_adapter(self.rank_g)
-        self.global_adapter: Payload = initial if self.sends_head else {
-            k: v for k, v in initial.items() if k not in head_only(initial)
-        }
+        self.global_adapter: Payload = initial if self.sends_head else without_head(initial)
 
-    def download(self, node_id: int, server_round: int) -> Payload:
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return self.global_adapter
 
-    def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
         return self.lora_shapes(self.rank_g, send_A=True, send_B=True)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:

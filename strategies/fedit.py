@@ -1,22 +1,18 @@
-"""FedIT: federated instruction tuning with FedAvg over LoRA factors.
-
-Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning", ICASSP 2024.
-ALGORITHMS.md, Baselines table, row ``fedit``.
-"""
+"""FedIT: federated instruction tuning with FedAvg over LoRA factors (``fedlora/methods/fedit.py``)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from fedlora.lora import Payload, padded_average, truncate_payload
-from strategies.base import Capabilities, ClientUpload, LoRAStrategy
+from fedlora.methods import fedit
+from fedlora.protocol import Phase
+from strategies.base import ClientUpload, LoRAStrategy
 
 
 class FedIT(LoRAStrategy):
     """FedIT (FedAvg-LoRA): every client trains A and B; the server averages each separately.
 
     Paper: Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning",
-    ICASSP 2024.
+    ICASSP 2024 (arXiv:2305.05644).
 
     Parameters
     ----------
@@ -36,21 +32,14 @@ class FedIT(LoRAStrategy):
     Download: the global A and B (and head) to every sampled client.
     """
 
-    name = "fedit"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        personalized=False,
-        uploads="A, B, head",
-        downloads="A, B, head",
-        mixed_ranks=True,  # zero-padded to r_max, truncated to r_k (see the docstring)
-        paper="Zhang et al., ICASSP 2024 (arXiv:2305.05644)",
-    )
+    method = fedit.METHOD
 
     def setup(self) -> None:
-        self.max_rank = max(p.rank for p in self.profiles.values())
+        self.max_rank = max(p.rank for p in self.roster.profiles.values())
         self.global_adapter: Payload = self.initial_adapter(self.max_rank)  # (r_max) factors
 
-    def download(self, node_id: int, server_round: int) -> Payload:
-        return truncate_payload(self.global_adapter, self.profiles[node_id].rank)
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+        return truncate_payload(self.global_adapter, self.rank_of(partition))
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.global_adapter = padded_average([u.payload for u in uploads], self.weights(uploads), self.max_rank)

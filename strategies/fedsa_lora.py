@@ -1,46 +1,12 @@
-"""FedSA-LoRA: selective aggregation, A is shared (averaged), B stays on the client.
-
-Guo et al., "Selective Aggregation for Low-Rank Adaptation in Federated Learning", ICLR 2025.
-ALGORITHMS.md, Baselines table, row ``fedsa_lora``.
-"""
+"""FedSA-LoRA: A shared (averaged), B stays on the client (``fedlora/methods/fedsa_lora.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar, Literal
-
-import numpy as np
-from pydantic import Field
-
-from fedlora.config import ConfigError, ExperimentConfig
-from fedlora.lora import A_SUFFIX, Payload, head_only, split_payload, weighted_average
-from fedlora.nested import nested_A_payload
-from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
-
-
-def rowwise_average(As: Sequence[np.ndarray], weights: Sequence[float], previous: np.ndarray) -> np.ndarray:
-    """Row j of the result = sum_{k: r_k > j} p_k A_k[j] / sum_{k: r_k > j} p_k.
-
-    ``As`` are the clients' A (r_k, d_in), ``previous`` the current global A (R, d_in): a row
-    no client of this round holds keeps its previous value. With equal ranks this is FedSA-LoRA's
-    A = sum_k p_k A_k.
-    """
-    p = np.asarray(weights, dtype=np.float64)
-    total = np.zeros(previous.shape)  # (R, d_in)
-    mass = np.zeros(previous.shape[0])  # (R,) weight of the clients holding each row
-    for p_k, A_k in zip(p, As):
-        r_k = A_k.shape[0]
-        total[:r_k] += p_k * np.asarray(A_k, dtype=np.float64)
-        mass[:r_k] += p_k
-    held = mass > 0
-    out = np.array(previous, dtype=np.float64)
-    out[held] = total[held] / mass[held, None]
-    return out.astype(np.float32)
-
-
-def aggregate_A(client_A: Sequence[dict[str, np.ndarray]], weights: Sequence[float], previous: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """:func:`rowwise_average` for every module."""
-    return {m: rowwise_average([A[m] for A in client_A], weights, previous[m]) for m in previous}
+from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload, split_payload, weighted_average
+from fedlora.methods import fedsa_lora
+from fedlora.methods.fedsa_lora import aggregate_A
+from fedlora.protocol import Phase
+from strategies.base import ClientUpload, LoRAStrategy
 
 
 class FedSALoRA(LoRAStrategy):
@@ -54,7 +20,7 @@ class FedSALoRA(LoRAStrategy):
     ----------
     mixed_ranks : {"nested", "refuse"}, default "nested"
         Clients with different ranks. ``nested`` [RECON, the paper has one rank]: the initial A
-        is drawn rank-nested (:func:`fedlora.nested.nested_A`), so row j means the same on every
+        is drawn rank-nested (:func:`fedlora.lora.nested_A`), so row j means the same on every
         client; row j of the global A is the example-weighted mean over the clients holding
         it (rank > j), and client k receives the first r_k rows. ``refuse``: stop at setup
         unless every client has the same rank.
@@ -69,32 +35,11 @@ class FedSALoRA(LoRAStrategy):
     is the example-weighted mean of the clients' own models on the global test set.
     """
 
-    name = "fedsa_lora"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        personalized=True,
-        uploads="A, head",
-        downloads="A, head",
-        mixed_ranks=True,
-        paper="Guo et al., ICLR 2025 (arXiv:2410.01463)",
-    )
-
-    class Options(StrategyOptions):
-        mixed_ranks: Literal["nested", "refuse"] = Field(
-            "nested",
-            description="Mixed client ranks: 'nested' (rank-nested initial A, row-wise average "
-            "over the clients holding each row, truncate back) or 'refuse' (one rank for all).",
-        )
-
-    @classmethod
-    def check_config(cls, experiment: ExperimentConfig) -> None:
-        if experiment.model.init != "kaiming":
-            raise ConfigError(
-                f"fedsa_lora starts every client from one rank-nested A (kaiming-uniform, B = 0); "
-                f"model.init must be 'kaiming', got {experiment.model.init!r}"
-            )
+    method = fedsa_lora.METHOD
+    options: fedsa_lora.FedSALoRAOptions
 
     def setup(self) -> None:
-        ranks = sorted({p.rank for p in self.profiles.values()})
+        ranks = sorted({p.rank for p in self.roster.profiles.values()})
         if len(ranks) > 1 and self.options.mixed_ranks == "refuse":
             raise RuntimeError(
                 f"fedsa_lora with strategy.mixed_ranks='refuse' needs one rank for every client, "
@@ -104,12 +49,12 @@ class FedSALoRA(LoRAStrategy):
         self.A = {key[: -len(A_SUFFIX)]: value for key, value in initial.items()}  # (R, d_in) each
         self.head: Payload = dict(self.head_initial) if self.sends_head else {}
 
-    def download(self, node_id: int, server_round: int) -> Payload:
-        rank = self.profiles[node_id].rank
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+        rank = self.rank_of(partition)
         return {m + A_SUFFIX: A[:rank].copy() for m, A in self.A.items()} | self.head
 
-    def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
-        return self.lora_shapes(self.profiles[node_id].rank, send_A=True, send_B=False)
+    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+        return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=False)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = self.weights(uploads)

@@ -1,238 +1,49 @@
-"""FedTreeLoRA: layer-wise tree-structured aggregation (shared trunk, per-cluster branches).
-
-ALGORITHMS.md, section "FedTreeLoRA". The math lives in the pure functions of this module
-(distances, tree, cuts, cluster / external experts); :class:`FedTreeLoRA` is the protocol.
-"""
+"""FedTreeLoRA: layer-wise tree-structured aggregation, the server protocol (the math and the
+options are ``fedlora/methods/fedtreelora.py``)."""
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Message
-from flwr.serverapp import Grid
 from flwr.supercore import log
-from pydantic import Field
 
-from fedlora.config import ConfigError, ExperimentConfig
 from fedlora.lora import (
     Factors,
     Payload,
+    average_factors,
+    fit_rank,
     head_only,
     join_payload,
-    normalise,
-    pad_rank,
     split_payload,
-    truncate_rank,
     weighted_average,
 )
-from fedlora.models import layer_index
-from strategies.base import Capabilities, ClientUpload, LoRAStrategy, StrategyOptions
-
-EXTERNAL_PREFIX = "external::"  # download keys of the frozen external expert: external::<module>::A
-NO_CLUSTER = -1
-
-# --------------------------------------------------------------------------------------------
-# pure functions: distances, tree, cuts
-# --------------------------------------------------------------------------------------------
-
-
-def modules_by_layer(modules: Sequence[str]) -> dict[int, list[str]]:
-    """Transformer block -> its adapted modules (sorted), blocks ordered shallow to deep."""
-    layers: dict[int, list[str]] = {}
-    for module in sorted(modules):
-        layers.setdefault(layer_index(module), []).append(module)
-    return dict(sorted(layers.items()))
-
-
-def layer_distances(
-    Bs: Sequence[Mapping[str, np.ndarray]], layers: Mapping[int, list[str]], mode: str = "module_mean"
-) -> dict[int, np.ndarray]:
-    """D^(l)_ij between clients i and j in every block l, from their B factors.
-
-    ``mode = 'module_mean'`` (the spec): D^(l)_ij = mean over the adapted modules m of block l of
-    ||B_m,i - B_m,j||_F; ``'stacked'``: ||B_l,i - B_l,j||_F with B_l,i = client i's B of every
-    module of block l stacked into one vector (larger modules weigh more).
-
-    Bs: one ``module -> B (d_out, r_i)`` map per client; ranks may differ (zero-padded to the
-    largest, which leaves B A unchanged). Returns block -> (N, N) symmetric, zero diagonal.
-    """
-    distances = {}
-    for layer, modules in layers.items():
-        rank = max(B[m].shape[1] for B in Bs for m in modules)
-        per_module = []
-        for m in modules:
-            rows = np.stack([np.pad(B[m], ((0, 0), (0, rank - B[m].shape[1]))).ravel() for B in Bs])  # (N, d_out r)
-            diff = rows[:, None, :].astype(np.float64) - rows[None, :, :]  # (N, N, d_out r)
-            per_module.append((diff**2).sum(-1))  # squared distances, (N, N)
-        if mode == "stacked":
-            distances[layer] = np.sqrt(np.sum(per_module, axis=0))
-        else:
-            distances[layer] = np.mean(np.sqrt(per_module), axis=0)
-    return distances
-
-
-def global_distance(per_layer: Mapping[int, np.ndarray]) -> np.ndarray:
-    """D_ij = (1/L) sum_l D^(l)_ij."""
-    return np.mean(np.stack(list(per_layer.values())), axis=0)
-
-
-def build_tree(D: np.ndarray) -> np.ndarray | None:
-    """Agglomerative tree (scipy linkage matrix), average linkage on the condensed ``D``;
-    None for fewer than two clients."""
-    from scipy.cluster.hierarchy import linkage
-    from scipy.spatial.distance import squareform
-
-    if len(D) < 2:
-        return None
-    return linkage(squareform(D, checks=False), method="average")
-
-
-def cut_tree(tree: np.ndarray | None, c: int, n: int) -> np.ndarray:
-    """P_c: cluster label (0-based) of each of the ``n`` clients when the tree is cut into at
-    most ``c`` clusters (scipy fcluster, criterion "maxclust")."""
-    from scipy.cluster.hierarchy import fcluster
-
-    if tree is None or c <= 1:
-        return np.zeros(n, dtype=np.int64)
-    return fcluster(tree, c, criterion="maxclust").astype(np.int64) - 1
-
-
-def cut_score(D: np.ndarray, labels: np.ndarray, tau: float) -> float:
-    """phi(P): tau for a single cluster, else the silhouette of P under the precomputed D
-    (defined for 2 <= #clusters <= N - 1; -inf otherwise)."""
-    from sklearn.metrics import silhouette_score
-
-    clusters = len(np.unique(labels))
-    if clusters == 1:
-        return tau
-    if not 2 <= clusters <= len(labels) - 1:
-        return -math.inf
-    return float(silhouette_score(D, labels, metric="precomputed"))
-
-
-def layer_cuts(tree: np.ndarray | None, per_layer: Sequence[np.ndarray], tau: float, K: int) -> list[int]:
-    """Cuts c*_l, shallow to deep, of ONE tree: c*_0 = 1 before the first block, then
-    c*_l = argmax_{c in Omega_l} phi(P_c under D^(l)), Omega_l = {c : c*_(l-1) <= c <
-    min(N, c*_(l-1) + K)}. Ties and an empty window keep c*_(l-1): cuts never decrease."""
-    cuts, previous = [], 1
-    for D in per_layer:
-        n = len(D)
-        window = range(previous, min(n, previous + K))
-        scores = [cut_score(D, cut_tree(tree, c, n), tau) for c in window]
-        if scores and max(scores) > -math.inf:
-            previous = window[int(np.argmax(scores))]
-        cuts.append(previous)
-    return cuts
-
-
-def independent_cuts(per_layer: Sequence[np.ndarray], tau: float) -> tuple[list[int], list[np.ndarray]]:
-    """Ablation ``independent_layers``: every block builds its own tree from D^(l) and picks
-    c in {1, ..., N-1} by phi, with no global tree and no monotone constraint."""
-    cuts, labels = [], []
-    for D in per_layer:
-        n, tree = len(D), build_tree(D)
-        window = range(1, max(2, n))
-        scores = [cut_score(D, cut_tree(tree, c, n), tau) for c in window]
-        c = window[int(np.argmax(scores))]
-        cuts.append(c)
-        labels.append(cut_tree(tree, c, n))
-    return cuts, labels
-
-
-# --------------------------------------------------------------------------------------------
-# pure functions: aggregation
-# --------------------------------------------------------------------------------------------
-
-
-def mean_factors(factors: Sequence[Factors], weights: Sequence[float]) -> Factors:
-    """FedAvg of one module: A = sum p_k A_k and B = sum p_k B_k, *separately* (ranks
-    zero-padded to the largest, as FedIT does over mixed ranks)."""
-    rank = max(f.rank for f in factors)
-    padded = [pad_rank(f, rank) for f in factors]
-    p = normalise(weights)
-    A = np.tensordot(p, np.stack([f.A for f in padded]).astype(np.float64), axes=1)  # (r, d_in)
-    B = np.tensordot(p, np.stack([f.B for f in padded]).astype(np.float64), axes=1)  # (d_out, r)
-    return Factors(A.astype(np.float32), B.astype(np.float32))
-
-
-def tree_aggregate(
-    factors: Sequence[Mapping[str, Factors]],
-    weights: Sequence[float],
-    clusters: Mapping[str, np.ndarray],
-) -> tuple[dict[str, dict[int, Factors]], dict[str, dict[int, Factors]]]:
-    """Cluster and external experts of every module.
-
-    factors: the uploaders' ``module -> Factors``; weights: their p_k; clusters: module -> the
-    uploaders' cluster labels in that module's block. For a cluster S of a module:
-    cluster expert = weighted mean of A and of B over S; external expert = the same over the
-    uploaders outside S (absent when there are none, e.g. c*_l = 1: FedIT on that block).
-    Returns (cluster experts, external experts), each module -> cluster id -> Factors.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    cluster_experts: dict[str, dict[int, Factors]] = {}
-    external_experts: dict[str, dict[int, Factors]] = {}
-    for module, labels in clusters.items():
-        labels = np.asarray(labels)
-        cluster_experts[module], external_experts[module] = {}, {}
-        for cluster in np.unique(labels):
-            inside = labels == cluster
-            members = [factors[i][module] for i in np.flatnonzero(inside)]
-            cluster_experts[module][int(cluster)] = mean_factors(members, w[inside])
-            if (~inside).any():
-                others = [factors[i][module] for i in np.flatnonzero(~inside)]
-                external_experts[module][int(cluster)] = mean_factors(others, w[~inside])
-    return cluster_experts, external_experts
-
-
-# --------------------------------------------------------------------------------------------
-# protocol
-# --------------------------------------------------------------------------------------------
-
-
-class FedTreeLoRAOptions(StrategyOptions):
-    """Options of FedTreeLoRA (ALGORITHMS.md, FedTreeLoRA; hyper-parameters tau, K, warm-up)."""
-
-    warmup_rounds: int = Field(
-        3, ge=1, description="Rounds of local-only training before the tree is built from the clients' B "
-        "(must be < train.rounds)."
-    )
-    tau: float = Field(0.1, description="Score phi of the single-cluster cut c = 1 (bias toward sharing).")
-    K: int = Field(2, ge=1, description="Window: block l may use c in [c*_(l-1), c*_(l-1) + K).")
-    fixed_c: int | None = Field(
-        None, ge=1, description="Ablation: cut every block into this many clusters (None = choose by "
-        "silhouette). fixed_c = 1 is FedIT.",
-    )
-    independent_layers: bool = Field(
-        False, description="Ablation: cluster every block on its own D^(l) (own tree, c in [1, N)) "
-        "without the global tree or the never-coarser constraint.",
-    )
-    weights: Literal["samples", "uniform"] = Field(
-        "samples", description="Expert averaging weights: 'samples' (p_k = n_k / sum n) or 'uniform'."
-    )
-    layer_distance: Literal["module_mean", "stacked"] = Field(
-        "module_mean",
-        description="D^(l)_ij: 'module_mean' = mean over the block's adapted modules of ||B_m,i - B_m,j||_F "
-        "(the spec); 'stacked' = one norm of the block's B factors stacked together.",
-    )
-    lam0: float = Field(
-        0.5, gt=0.0, lt=1.0,
-        description="[RECON] Initial mixing weight lam = sigmoid(theta_l) of the cluster expert in every "
-        "block (theta_l starts at logit(lam0)); the papers do not give it.",
-    )
+from fedlora.methods import fedtreelora
+from fedlora.methods.fedtreelora import (
+    EXTERNAL_PREFIX,
+    NO_CLUSTER,
+    build_tree,
+    cut_tree,
+    global_distance,
+    independent_cuts,
+    layer_cuts,
+    layer_distances,
+    modules_by_layer,
+    tree_aggregate,
+)
+from fedlora.protocol import Phase
+from strategies.base import ClientUpload, LoRAStrategy
 
 
 class FedTreeLoRA(LoRAStrategy):
     """FedTreeLoRA: clients share a trunk in shallow blocks and branch into clusters in deep ones.
 
-    Paper: FedTreeLoRA (only its abstract is at hand: shared/papers/abstracts.md, "tree-structured
-    aggregation for fine-grained, layer-wise alignment"); the spec followed here is ALGORITHMS.md,
-    section FedTreeLoRA.
+    Paper: FedTreeLoRA (2026; only its abstract is public: "tree-structured aggregation for
+    fine-grained, layer-wise alignment"); the steps follow a detailed summary of the paper and
+    every open choice is an option (docs/algorithms.md).
 
     Parameters
     ----------
@@ -274,37 +85,12 @@ class FedTreeLoRA(LoRAStrategy):
     largest rank and each client takes its first r_k components, as FedIT does.
     """
 
-    name = "fedtreelora"
-    Options: ClassVar[type[StrategyOptions]] = FedTreeLoRAOptions
-    options: FedTreeLoRAOptions
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        personalized=True,
-        uploads="A, B, head (warm-up: only in its last round)",
-        downloads="cluster expert A, B + external expert A, B per block, head",
-        partial_participation=True,
-        dp_compatible=False,  # two active peft adapters + a bare theta parameter: not verified with Opacus
-        paper="FedTreeLoRA (shared/papers/abstracts.md)",
-    )
-
-    @classmethod
-    def check_config(cls, experiment: ExperimentConfig) -> None:
-        options = FedTreeLoRAOptions(**experiment.strategy.options())
-        rounds = experiment.train.rounds
-        if options.warmup_rounds >= rounds:
-            raise ConfigError(
-                f"strategy.warmup_rounds must be < train.rounds ({rounds}) so that some rounds "
-                f"aggregate, got {options.warmup_rounds}; lower it or raise train.rounds"
-            )
-        if options.fixed_c is not None and options.fixed_c > experiment.data.num_clients:
-            raise ConfigError(
-                f"strategy.fixed_c must be <= data.num_clients ({experiment.data.num_clients}), "
-                f"got {options.fixed_c}; lower it or unset it"
-            )
+    method = fedtreelora.METHOD
+    options: fedtreelora.FedTreeLoRAOptions
 
     # ---------------------------------------------------------------- state
     def setup(self) -> None:
         self.layers = modules_by_layer(list(self.module_shapes))
-        self.current_round = 0
         self.tree: np.ndarray | None = None
         self.tree_partitions: list[int] = []  # partition ids in tree order (leaf i = tree_partitions[i])
         self.cuts: dict[int, int] = {}  # block -> c*_l
@@ -315,28 +101,16 @@ class FedTreeLoRA(LoRAStrategy):
         self.head: Payload = {}
         self.distances: dict[int, np.ndarray] = {}
 
-    @property
-    def warming_up(self) -> bool:
-        return self.current_round <= self.options.warmup_rounds
-
-    def configure_train(
-        self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid
-    ) -> list[Message]:
-        messages = list(super().configure_train(server_round, arrays, config, grid))  # runs setup() once
-        self.current_round = server_round  # expected_upload depends on the phase
-        return messages
-
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
         if self.options.weights == "uniform":
             return np.full(len(uploads), 1.0 / len(uploads))
         return super().weights(uploads)
 
     # ---------------------------------------------------------------- messages
-    def download(self, node_id: int, server_round: int) -> Payload:
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         if server_round <= self.options.warmup_rounds or not self.cluster_experts:
             return {}  # warm-up: local-only training from the common seeded initial adapter
-        rank = self.profiles[node_id].rank
-        partition = self.partition_of(node_id)
+        rank = self.rank_of(partition)
         cluster_factors: dict[str, Factors] = {}
         external_factors: dict[str, Factors] = {}
         for layer, modules in self.layers.items():
@@ -351,10 +125,10 @@ class FedTreeLoRA(LoRAStrategy):
         payload.update({EXTERNAL_PREFIX + k: v for k, v in join_payload(external_factors).items()})
         return payload
 
-    def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
-        if self.current_round < self.options.warmup_rounds:
+    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+        if server_round < self.options.warmup_rounds:
             return {}  # early warm-up rounds: nothing needs to travel
-        return self.lora_shapes(self.profiles[node_id].rank, send_A=True, send_B=True)
+        return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=True)
 
     # ---------------------------------------------------------------- aggregation
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
@@ -376,7 +150,7 @@ class FedTreeLoRA(LoRAStrategy):
             for module in new_cluster:  # a cluster without uploads this round keeps its experts
                 self.cluster_experts.setdefault(module, {}).update(new_cluster[module])
                 self.external_experts.setdefault(module, {}).update(new_external[module])
-        self.fallback = {m: mean_factors([f[m] for f in factors], w) for m in self.module_shapes}
+        self.fallback = {m: average_factors([f[m] for f in factors], w) for m in self.module_shapes}
         if self.sends_head:
             self.head = weighted_average([head_only(u.payload) for u in uploads], w)
 
@@ -384,7 +158,7 @@ class FedTreeLoRA(LoRAStrategy):
         """Distances, the global tree and the per-block cuts and memberships (once)."""
         self.tree_partitions = partitions
         n = len(partitions)
-        missing = sorted(set(map(self.partition_of, self.profiles)) - set(partitions))
+        missing = sorted(set(self.roster.partitions) - set(partitions))
         if missing:
             log(WARNING, "fedtreelora: clients %s sent no warm-up upload; they get everyone's mean", missing)
         self.distances = layer_distances(
@@ -442,11 +216,6 @@ class FedTreeLoRA(LoRAStrategy):
         (out_dir / "tree.json").write_text(json.dumps(info, indent=1))
         plot_tree_cuts(self.tree, self.tree_partitions, info["cuts"], out_dir / "tree_cuts.png")
         return {"fedtreelora": {k: info[k] for k in ("cuts", "clusters", "tree_partitions")}}
-
-
-def fit_rank(f: Factors, rank: int) -> Factors:
-    """Zero-pad or truncate to ``rank`` (a client takes the first r_k components)."""
-    return truncate_rank(pad_rank(f, max(rank, f.rank)), rank)
 
 
 def plot_tree_cuts(tree: np.ndarray | None, partitions: list[int], cuts: list[int], path: Path) -> None:

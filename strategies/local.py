@@ -1,15 +1,11 @@
-"""Local training only: every client trains its own adapter and nothing crosses the wire.
-
-ALGORITHMS.md, Baselines table, row ``local``: the lower bound every personalised federated
-method must beat (what a client gets without federation).
-"""
+"""Local training only: nothing crosses the wire (``fedlora/methods/local.py``)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from fedlora.lora import Payload
-from strategies.base import Capabilities, ClientUpload, LoRAStrategy
+from fedlora.methods import local
+from fedlora.protocol import Phase
+from strategies.base import ClientUpload, LoRAStrategy
 
 
 class LocalOnly(LoRAStrategy):
@@ -34,19 +30,12 @@ class LocalOnly(LoRAStrategy):
     example-weighted mean of the clients' own models on the global test set.
     """
 
-    name = "local"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        personalized=True,
-        uploads="nothing",
-        downloads="nothing",
-        mixed_ranks=True,
-        paper="no-federation baseline (lower bound)",
-    )
+    method = local.METHOD
 
-    def download(self, node_id: int, server_round: int) -> Payload:
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return {}
 
-    def expected_upload(self, node_id: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
         return {}
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:

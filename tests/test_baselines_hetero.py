@@ -11,14 +11,29 @@ import numpy as np
 import pytest
 
 from fedlora.config import ConfigError, load_config
-from fedlora.lora import Factors, dense_svd, from_array_record, payload_bytes, pruned_rank, split_payload
-from fedlora.lowrank import batched_factor_svd, stack_factors
-from fedlora.stacking import read_stacks
+from fedlora.lora import (
+    Factors,
+    batched_factor_svd,
+    concat_stacks,
+    dense_svd,
+    from_array_record,
+    payload_bytes,
+    product_norm,
+    read_stacks,
+    split_payload,
+    stack_factors,
+)
+from fedlora.lora import leading_factors as flexlora_factors
+from fedlora.lora import stack as flora_stack
+from fedlora.methods.flexlora import flexlora_aggregate
+from fedlora.methods.hetlora import hetlora_aggregate, pruned_rank
+from fedlora.profile import ClientProfile
 from simulations.inprocess import InProcessGrid, node_configs
-from strategies.base import ClientUpload, check_upload
-from strategies.flexlora import FlexLoRA, flexlora_aggregate, flexlora_factors
-from strategies.flora import FLoRA, concat_stacks, flora_stack
-from strategies.hetlora import HetLoRA, hetlora_aggregate, product_norm
+from strategies.base import ClientUpload
+from strategies.flexlora import FlexLoRA
+from strategies.flora import FLoRA
+from strategies.hetlora import HetLoRA
+from strategies.validation import check_upload
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -75,7 +90,8 @@ def small_strategy(cls: type, ranks: list[int], options: list[str] | None = None
                 "head::classifier.weight": np.zeros((2, 6), np.float32)}
 
     strategy = cls(config, initial, {"m": (6, 5)})
-    strategy.profiles = {100 + k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}
+    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}  # type: ignore[misc]
+    strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
     strategy.setup()
     return strategy
 
@@ -83,7 +99,7 @@ def small_strategy(cls: type, ranks: list[int], options: list[str] | None = None
 def fake_upload(rng: np.random.Generator, k: int, rank: int, n: int) -> ClientUpload:
     f = random_factors(rng, 6, 5, rank)
     payload = {"m::A": f.A, "m::B": f.B, "head::classifier.weight": np.full((2, 6), float(k), np.float32)}
-    return ClientUpload(node_id=100 + k, partition_id=k, payload=payload, num_examples=n, metrics={})
+    return ClientUpload(partition_id=k, payload=payload, num_examples=n, metrics={})
 
 
 def test_flora_global_model_is_base_plus_every_merged_product() -> None:
@@ -93,12 +109,12 @@ def test_flora_global_model_is_base_plus_every_merged_product() -> None:
     round1 = [fake_upload(rng, 0, 1, 10), fake_upload(rng, 1, 2, 30)]
     round2 = [fake_upload(rng, 0, 1, 10)]
     # Execute
-    strategy.download(100, 1), strategy.download(101, 1)
+    strategy.download(0, 1, "train"), strategy.download(1, 1, "train")
     strategy.aggregate(1, round1)
-    strategy.download(100, 2)
+    strategy.download(0, 2, "train")
     strategy.aggregate(2, round2)
     payload = strategy.global_payload()
-    catch_up = read_stacks(strategy.download(101, 3))
+    catch_up = read_stacks(strategy.download(1, 3, "train"))
     # Assert: s_R B A with R = 3 + 1 = 4 is the sum of both rounds' p_k s_k B_k A_k
     def product(u: ClientUpload) -> np.ndarray:
         return u.payload["m::B"].astype(np.float64) @ u.payload["m::A"]
@@ -241,12 +257,12 @@ def test_hetlora_truncates_the_global_factors_to_each_rank() -> None:
     uploads = [fake_upload(rng, 0, 1, 10), fake_upload(rng, 1, 3, 10)]
     # Execute
     strategy.aggregate(1, uploads)
-    downloads = {node: strategy.download(node, 2) for node in (100, 101)}
+    downloads = {k: strategy.download(k, 2, "train") for k in (0, 1)}
     # Assert
     glob = strategy.global_factors["m"]
     assert glob.rank == 3
-    assert np.array_equal(downloads[100]["m::A"], glob.A[:1]) and np.array_equal(downloads[100]["m::B"], glob.B[:, :1])
-    assert np.array_equal(downloads[101]["m::A"], glob.A) and np.array_equal(downloads[101]["m::B"], glob.B)
+    assert np.array_equal(downloads[0]["m::A"], glob.A[:1]) and np.array_equal(downloads[0]["m::B"], glob.B[:, :1])
+    assert np.array_equal(downloads[1]["m::A"], glob.A) and np.array_equal(downloads[1]["m::B"], glob.B)
 
 
 def test_hetlora_rejects_an_unknown_weighting() -> None:
@@ -264,15 +280,15 @@ def test_hetlora_self_pruning_accepts_the_reported_pruned_rank_and_cuts_later_do
     strategy = small_strategy(HetLoRA, [4, 4], ["strategy.self_prune=true"])
     rng = np.random.default_rng(3)
     # Execute: client 0 reports and uploads rank 3, client 1 stays at 4
-    strategy.observe_reply(100, {"lora-rank": 3.0})
-    strategy.observe_reply(101, {"lora-rank": 4.0})
-    expected = {node: strategy.expected_upload(node)["m::A"] for node in (100, 101)}
+    strategy.observe_reply(0, {"upload-rank": 3.0})
+    strategy.observe_reply(1, {"upload-rank": 4.0})
+    expected = {k: strategy.expected_upload(k, 1)["m::A"] for k in (0, 1)}
     strategy.aggregate(1, [fake_upload(rng, 0, 3, 10), fake_upload(rng, 1, 4, 10)])
     # Assert: shapes checked at the reported rank; the pruned client stays at rank 3 from now on
-    assert expected == {100: (3, 5), 101: (4, 5)}
-    assert strategy.ranks == {100: 3, 101: 4}
-    assert strategy.download(100, 2)["m::A"].shape == (3, 5) and strategy.download(101, 2)["m::B"].shape == (6, 4)
-    assert strategy.client_config(100, 2) == {"lora-rank": 3}
+    assert expected == {0: (3, 5), 1: (4, 5)}
+    assert strategy.ranks == {0: 3, 1: 4}
+    assert strategy.download(0, 2, "train")["m::A"].shape == (3, 5) and strategy.download(1, 2, "train")["m::B"].shape == (6, 4)
+    assert strategy.rank_of(0) == 3  # every later message says lora-rank = 3
     assert strategy.round_extra(1) == {"ranks": {"0": 3, "1": 4}}
     assert strategy.global_factors["m"].rank == 4  # padded to r_max as before
 
@@ -282,25 +298,25 @@ def test_hetlora_self_pruning_refuses_a_rank_other_than_current_or_pruned(report
     # Prepare: rank 4 (may report 4 or 3 only)
     strategy = small_strategy(HetLoRA, [4], ["strategy.self_prune=true"])
     # Execute
-    strategy.observe_reply(100, {"lora-rank": reported})
+    strategy.observe_reply(0, {"upload-rank": reported})
     # Assert: the upload is checked against the current rank, so a rank-2 upload is malformed
-    assert strategy.expected_upload(100)["m::A"] == (4, 5)
+    assert strategy.expected_upload(0, 2)["m::A"] == (4, 5)
     f = random_factors(np.random.default_rng(0), 6, 5, int(reported) or 1)
     assert check_upload({"m::A": f.A, "m::B": f.B, "head::classifier.weight": np.zeros((2, 6), np.float32)},
-                        strategy.expected_upload(100))
+                        strategy.expected_upload(0, 2))
 
 
 def test_hetlora_without_self_pruning_ignores_a_reported_rank() -> None:
     strategy = small_strategy(HetLoRA, [4])
-    strategy.observe_reply(100, {"lora-rank": 3.0})
-    assert strategy.expected_upload(100)["m::A"] == (4, 5) and strategy.client_config(100, 1) == {}
+    strategy.observe_reply(0, {"upload-rank": 3.0})
+    assert strategy.expected_upload(0, 2)["m::A"] == (4, 5) and strategy.client_config(0, 1, "train") == {}
 
 
 def test_lora_tail_norm_is_the_sum_of_tail_factor_norm_products() -> None:
     # Prepare: tiny-bert at rank 4 with random B (peft starts B at zero)
     import torch
 
-    from clients.trainers.hetero import lora_tail_norm, prune_payload
+    from clients.trainers.hetlora import lora_tail_norm, prune_payload
     from fedlora.models import adapter_payload, build_model
 
     config = load_config(SMOKE)
@@ -462,25 +478,24 @@ def test_unsupported_rank_is_refused_and_the_round_continues(tmp_path: Path, bad
 
 # ------------------------------------------------------------------------------ mixed-rank policy
 def test_refuse_policy_gives_a_one_line_config_error_for_one_rank_strategies() -> None:
-    from strategies.registry import _check_rank_policy
-
-    one_rank = SimpleNamespace(name="one_rank", capabilities=SimpleNamespace(mixed_ranks=False))
-    config = load_config(SMOKE, ["clients.mixed_rank_policy=refuse"])
-    with pytest.raises(ConfigError, match=r"needs one LoRA rank .* ranks \[2, 4, 8\]"):
-        _check_rank_policy(one_rank, config)  # type: ignore[arg-type]
-    _check_rank_policy(FlexLoRA, config)  # mixed-rank strategies accept
+    # Execute / Assert: a same-rank method (fedpissa) with the smoke's ranks [2, 4, 8] is refused at
+    # load time; a mixed-rank method (flexlora) with the same clients is accepted
+    with pytest.raises(ConfigError, match=r"strategy 'fedpissa' needs one LoRA rank .* ranks \[2, 4, 8\]"):
+        load_config(SMOKE, ["clients.mixed_rank_policy=refuse", "strategy.name=fedpissa"])
+    load_config(SMOKE, ["clients.mixed_rank_policy=refuse", "strategy.name=flexlora"])
 
 
-@pytest.mark.parametrize("policy", ["smallest", "refuse"])
-def test_one_rank_strategy_trains_every_client_at_the_smallest_rank(policy: str) -> None:
-    # Prepare: a FlexLoRA pretending to need one rank
-    strategy = small_strategy(FlexLoRA, [4, 2, 8], [f"clients.mixed_rank_policy={policy}"])
-    strategy.capabilities = SimpleNamespace(mixed_ranks=False)
+@pytest.mark.parametrize("refuse", [False, True])
+def test_one_rank_roster_trains_every_client_at_the_smallest_rank(refuse: bool) -> None:
+    from strategies.roster import ClientRoster, MixedRanksError
+
+    # Prepare: three clients of ranks 4, 2, 8
+    roster = ClientRoster()
+    roster.profiles = {k: ClientProfile(partition_id=k, rank=r) for k, r in enumerate([4, 2, 8])}
     # Execute / Assert
-    if policy == "refuse":
-        with pytest.raises(RuntimeError, match="needs one LoRA rank"):
-            strategy._settle_ranks()
+    if refuse:
+        with pytest.raises(MixedRanksError, match="needs one LoRA rank"):
+            roster.settle_common_rank(True, "one_rank")
         return
-    strategy._settle_ranks()
-    assert strategy.common_rank == 2
-    assert {p.rank for p in strategy.profiles.values()} == {2}
+    assert roster.settle_common_rank(False, "one_rank") == 2
+    assert {p.rank for p in roster.profiles.values()} == {2}

@@ -14,14 +14,16 @@ import pytest
 
 from clients.trainers.base import LOCAL_STATE_KEY
 from fedlora.config import ConfigError, load_config
-from fedlora.lora import from_array_record, payload_bytes, split_payload
-from fedlora.nested import nested_A
+from fedlora.lora import from_array_record, nested_A, payload_bytes, split_payload
+from fedlora.methods.fedsa_lora import rowwise_average
+from fedlora.methods.ffa_lora import aggregate_B, download_B
 from simulations.inprocess import InProcessGrid, node_configs
-from strategies.base import ClientUpload, check_upload
+from strategies.base import ClientUpload
 from strategies.feddpa import FedDPA
-from strategies.fedsa_lora import FedSALoRA, rowwise_average
-from strategies.ffa_lora import FFALoRA, aggregate_B, download_B
+from strategies.fedsa_lora import FedSALoRA
+from strategies.ffa_lora import FFALoRA
 from strategies.local import LocalOnly
+from strategies.validation import check_upload
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -130,13 +132,14 @@ def small_strategy(cls: type, ranks: list[int], options: list[str] | None = None
                 "head::classifier.weight": np.zeros((2, 6), np.float32)}
 
     strategy = cls(config, initial, {"m": (6, 5)})
-    strategy.profiles = {100 + k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}
+    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}  # type: ignore[misc]
+    strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
     strategy.setup()
     return strategy
 
 
 def upload(k: int, payload: dict[str, np.ndarray], n: int) -> ClientUpload:
-    return ClientUpload(node_id=100 + k, partition_id=k, payload=payload, num_examples=n, metrics={})
+    return ClientUpload(partition_id=k, payload=payload, num_examples=n, metrics={})
 
 
 def head(value: float) -> dict[str, np.ndarray]:
@@ -149,9 +152,9 @@ def test_ffa_round_downloads_B_only_at_each_rank() -> None:
     uploads = [upload(0, {"m::B": np.ones((6, 1), np.float32)} | head(1.0), 10),
                upload(1, {"m::B": np.full((6, 2), 2.0, np.float32)} | head(3.0), 30)]
     # Execute
-    first = strategy.download(100, 1)
+    first = strategy.download(0, 1, "train")
     strategy.aggregate(1, uploads)
-    down0, down1 = strategy.download(100, 2), strategy.download(101, 2)
+    down0, down1 = strategy.download(0, 2, "train"), strategy.download(1, 2, "train")
     # Assert: B = 0.25 * 2 * pad(1) + 0.75 * 2 -> columns [2, 1.5]; rank 1 gets (1/2) [2]
     assert set(first) == {"m::B", "head::classifier.weight"} and not first["m::B"].any()
     assert np.allclose(down1["m::B"], np.tile([2.0, 1.5], (6, 1)))
@@ -167,9 +170,9 @@ def test_fedsa_round_sends_A_keeps_no_B_and_has_no_global_model() -> None:
     uploads = [upload(0, {"m::A": np.ones((1, 5), np.float32)} | head(1.0), 10),
                upload(1, {"m::A": np.full((2, 5), 2.0, np.float32)} | head(3.0), 30)]
     # Execute
-    first = strategy.download(101, 1)
+    first = strategy.download(1, 1, "train")
     strategy.aggregate(1, uploads)
-    down0, down1 = strategy.download(100, 2), strategy.download(101, 2)
+    down0, down1 = strategy.download(0, 2, "train"), strategy.download(1, 2, "train")
     # Assert: row 0 = 0.25 * 1 + 0.75 * 2, row 1 = 2 (client 1 only); rank 1 gets row 0
     assert np.array_equal(first["m::A"], nested_A("m", 2, 5, seed=0))
     assert np.allclose(down1["m::A"], [[1.75] * 5, [2.0] * 5])
@@ -183,7 +186,7 @@ def test_feddpa_round_averages_the_global_branch_only() -> None:
     g = [{"m::A": np.full((4, 5), a, np.float32), "m::B": np.full((6, 4), b, np.float32)} for a, b in ((1.0, 2.0), (3.0, 6.0))]
     # Execute
     strategy.aggregate(1, [upload(0, g[0] | head(1.0), 10), upload(1, g[1] | head(3.0), 30)])
-    down = strategy.download(100, 2)
+    down = strategy.download(0, 2, "train")
     # Assert: A = 0.25 * 1 + 0.75 * 3, B = 0.25 * 2 + 0.75 * 6, separately
     assert np.allclose(down["m::A"], 2.5) and np.allclose(down["m::B"], 5.0)
     assert np.allclose(down["head::classifier.weight"], 2.5)
@@ -207,7 +210,7 @@ def test_expected_upload_accepts_the_method_and_rejects_anything_else(
     head_shape = {} if cls is LocalOnly else {"head::classifier.weight": (2, 6)}
     make = lambda shapes: {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     # Execute
-    expected = strategy.expected_upload(100)
+    expected = strategy.expected_upload(0, 2)
     # Assert
     assert check_upload(make(good | head_shape), expected) == ""
     assert check_upload(make(bad | head_shape), expected) != ""
@@ -232,7 +235,7 @@ def test_local_head_never_travels(cls: type) -> None:
     # Prepare
     strategy = small_strategy(cls, [2], ["model.head=local"])
     # Execute
-    down, up = strategy.download(100, 1), strategy.expected_upload(100)
+    down, up = strategy.download(0, 1, "train"), strategy.expected_upload(0, 2)
     # Assert
     assert not [k for k in [*down, *up] if k.startswith("head::")]
 

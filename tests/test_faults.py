@@ -48,7 +48,7 @@ def test_malformed_update_is_rejected_and_aggregate_is_of_valid_updates(kind: st
     # Execute
     strategy.aggregate_train(1, replies)
     # Assert: rejected, counted, and the aggregate is FedAvg of the three valid updates alone
-    record = strategy.books[1].record
+    record = strategy.record(1)
     assert record.rejected == 1 and record.failures == 1 and record.clients == 3
     assert len(record.rejections) == 1
     expected = weighted_average(updates[:3], [10, 20, 30])

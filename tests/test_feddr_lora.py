@@ -140,7 +140,7 @@ def test_gmm_split_flags_injected_noise_far_above_chance(
     min_precision: float,
     min_recall: float,
 ) -> None:
-    from clients.trainers.feddr_lora import gmm_clean_mask, split_counts, split_quality
+    from fedlora.methods.feddr_lora import gmm_clean_mask, split_counts, split_quality
 
     # Prepare: per-sample losses where noisy samples (wrong label) have high loss
     rng = np.random.default_rng(0)
@@ -159,7 +159,7 @@ def test_gmm_split_flags_injected_noise_far_above_chance(
 
 @pytest.mark.parametrize("losses", [[1.0] * 50, [0.5, 2.0, 0.1], []])
 def test_gmm_split_keeps_everything_when_there_is_nothing_to_separate(losses: list[float]) -> None:
-    from clients.trainers.feddr_lora import gmm_clean_mask
+    from fedlora.methods.feddr_lora import gmm_clean_mask
 
     # Execute
     clean = gmm_clean_mask(np.asarray(losses))
@@ -168,7 +168,7 @@ def test_gmm_split_keeps_everything_when_there_is_nothing_to_separate(losses: li
 
 
 def test_split_quality_counts_on_a_hand_made_mask() -> None:
-    from clients.trainers.feddr_lora import split_counts, split_quality
+    from fedlora.methods.feddr_lora import split_counts, split_quality
 
     # Prepare: 3 flagged, 2 of them noisy; 4 noisy in 10
     suspect = np.array([1, 1, 1, 0, 0, 0, 0, 0, 0, 0], dtype=bool)
@@ -184,7 +184,7 @@ def test_split_quality_counts_on_a_hand_made_mask() -> None:
 # ------------------------------------------------------------------------------ server math
 @pytest.mark.parametrize("weights", [[1.0, 1.0, 2.0], [0.2, 0.3, 0.5], [5.0, 0.0, 0.0]])
 def test_server_averages_robust_B_and_refuses_A(weights: list[float]) -> None:
-    from strategies.feddr_lora import aggregate_robust_B
+    from fedlora.methods.feddr_lora import aggregate_robust_B
 
     # Prepare
     rng = np.random.default_rng(1)
@@ -200,7 +200,7 @@ def test_server_averages_robust_B_and_refuses_A(weights: list[float]) -> None:
 
 
 def test_split_summary_micro_averages_client_counts() -> None:
-    from strategies.feddr_lora import split_summary
+    from fedlora.methods.feddr_lora import split_summary
 
     # Prepare: client 0 flagged 3 (2 noisy) of 4 noisy; client 1 flagged 1 (1 noisy) of 2 noisy
     per_client = {

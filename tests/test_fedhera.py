@@ -11,19 +11,20 @@ import numpy as np
 import pytest
 
 from fedlora.config import ConfigError, load_config
-from fedlora.lora import Factors, LowRankSVD, factor_svd, scale_tail
-from fedlora.profile import resolve_profile
-from strategies.fedhera import (
+from fedlora.lora import Factors, LowRankSVD, factor_svd
+from fedlora.methods.fedhera import (
     aggregate_original,
     aggregate_unbiased,
     alignment_score,
     allocate_download,
     allocate_training,
     push_round_of,
+    scale_tail,
     scored_round_of,
     spectral_push,
     tail_lambda,
 )
+from fedlora.profile import resolve_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,9 @@ from cli_helpers import fedlora_run
 from safetensors.numpy import load_file
 
 from fedlora.config import ConfigError, load_config
+from fedlora.methods.fedpissa import aggregate_B, decorrelation_projectors
 from strategies.base import ClientUpload
-from strategies.fedpissa import FedPissa, aggregate_B, decorrelation_projectors
+from strategies.fedpissa import FedPissa
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_ONE_RANK = ["strategy.name=fedpissa", "clients.ranks=[4, 4, 4]"]  # smoke.toml mixes ranks
@@ -209,7 +210,8 @@ def small_strategy(options: list[str], num_clients: int = 3, rank: int = 4) -> F
         "head::classifier.weight": np.zeros((2, 6), np.float32),
     }
     strategy = FedPissa(config, lambda r: initial, {"m": (6, 5)})
-    strategy.profiles = {100 + k: SimpleNamespace(partition_id=k, rank=rank) for k in range(num_clients)}  # type: ignore[misc]
+    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=rank) for k in range(num_clients)}  # type: ignore[misc]
+    strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
     strategy.setup()
     return strategy
 
@@ -220,7 +222,7 @@ def fake_upload(rng: np.random.Generator, k: int, n: int, rank: int = 4) -> Clie
         "m::B": rng.standard_normal((6, rank)).astype(np.float32),
         "head::classifier.weight": np.full((2, 6), float(k), np.float32),
     }
-    return ClientUpload(node_id=100 + k, partition_id=k, payload=payload, num_examples=n, metrics={})
+    return ClientUpload(partition_id=k, payload=payload, num_examples=n, metrics={})
 
 
 @pytest.mark.parametrize(
@@ -237,7 +239,7 @@ def test_server_downloads_B_agg_and_head_only(options: list[str], p: list[float]
     uploads = [fake_upload(rng, k, n) for k, n in enumerate([10, 10, 20])]
     # Execute
     strategy.aggregate(1, uploads)
-    download = strategy.download(100, 2)
+    download = strategy.download(0, 2, "train")
     # Assert: only B and the head go down; B is Eq. 4 with delta = r // 2; the head is averaged
     assert set(download) == {"m::B", "head::classifier.weight"}
     A = {u.partition_id: {"m": u.payload["m::A"]} for u in uploads}

@@ -12,7 +12,8 @@ from cli_helpers import fedlora_run
 
 from fedlora.config import ConfigError, DataConfig, ModelConfig, load_config
 from fedlora.lora import Factors, join_payload, padded_average, split_payload
-from strategies.fedtreelora import (
+from fedlora.lora import average_factors as mean_factors
+from fedlora.methods.fedtreelora import (
     build_tree,
     cut_score,
     cut_tree,
@@ -20,7 +21,6 @@ from strategies.fedtreelora import (
     independent_cuts,
     layer_cuts,
     layer_distances,
-    mean_factors,
     modules_by_layer,
     tree_aggregate,
 )
@@ -240,11 +240,12 @@ def protocol_pair(options: list[str]) -> tuple:
     shapes = {"x.layer.0.q": (6, 5), "x.layer.1.q": (6, 5)}
     initial = join_payload({m: Factors(np.zeros((2, 5), np.float32), np.zeros((6, 2), np.float32)) for m in shapes})
     initial["head::classifier.weight"] = np.zeros((2, 6), np.float32)
-    profiles = {100 + k: SimpleNamespace(partition_id=k, rank=2) for k in range(4)}
+    profiles = {k: SimpleNamespace(partition_id=k, rank=2) for k in range(4)}
     pair = []
     for cls in (FedTreeLoRA, FedIT):
         strategy = cls(configs[cls], lambda r: initial, shapes)
-        strategy.profiles = dict(profiles)  # type: ignore[assignment]
+        strategy.roster.profiles = dict(profiles)  # type: ignore[arg-type]
+        strategy.roster.node_of = {k: 100 + k for k in profiles}
         strategy.setup()
         pair.append(strategy)
     return tuple(pair)
@@ -263,7 +264,7 @@ def protocol_uploads(rng: np.random.Generator, groups: list[int]) -> list:
         }
         payload = {key: v.astype(np.float32) for key, v in payload.items()}
         payload["head::classifier.weight"] = np.full((2, 6), float(k), np.float32)
-        uploads.append(ClientUpload(100 + k, k, payload, num_examples=10 * (k + 1), metrics={}))
+        uploads.append(ClientUpload(k, payload, num_examples=10 * (k + 1), metrics={}))
     return uploads
 
 
@@ -276,10 +277,10 @@ def test_fixed_c_1_sends_every_client_fedits_global_adapter() -> None:
         tree.aggregate(server_round, uploads)
         fedit.aggregate(server_round, uploads)
     # Assert: no external expert; every client's download is FedIT's global A, B and head
-    for node in range(100, 104):
-        download = tree.download(node, 3)
-        assert set(download) == set(fedit.download(node, 3))
-        for key, value in fedit.download(node, 3).items():
+    for k in range(4):
+        download = tree.download(k, 3, "train")
+        assert set(download) == set(fedit.download(k, 3, "train"))
+        for key, value in fedit.download(k, 3, "train").items():
             np.testing.assert_allclose(download[key], value, rtol=1e-6)
     assert tree.round_extra(2)["cuts"] == [1, 1]
 
@@ -290,7 +291,7 @@ def test_groups_in_B_give_per_client_cluster_and_external_experts() -> None:
     uploads = protocol_uploads(np.random.default_rng(1), [0, 1, 0, 1])
     # Execute
     tree.aggregate(1, uploads)
-    download = tree.download(100, 2)
+    download = tree.download(0, 2, "train")
     # Assert: block 0 already splits (the groups differ there too), clusters are the groups,
     # client 0 gets the mean of clients {0, 2} and, as external expert, the mean of {1, 3}
     extra = tree.round_extra(1)
@@ -309,10 +310,8 @@ def test_warmup_sends_nothing_and_expects_nothing_before_its_last_round() -> Non
     # Prepare
     tree, _ = protocol_pair(["strategy.warmup_rounds=2"])
     # Execute / Assert: round 1 of 2 warm-up rounds: no download, no upload expected
-    tree.current_round = 1
-    assert tree.download(100, 1) == {} and tree.expected_upload(100) == {}
-    tree.current_round = 2
-    assert "x.layer.0.q::B" in tree.expected_upload(100)
+    assert tree.download(0, 1, "train") == {} and tree.expected_upload(0, 1) == {}
+    assert "x.layer.0.q::B" in tree.expected_upload(0, 2)
 
 
 # ---------------------------------------------------------------- options

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -22,7 +21,6 @@ from fedlora.checkpoint import (
     save_server,
 )
 from fedlora.config import ConfigError, load_config
-from strategies.base import _ByPartition, _rekey, _rekey_back
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -43,24 +41,6 @@ def _adapters(out: Path) -> dict[str, dict[str, np.ndarray]]:
 def _metrics(results: dict) -> list[tuple]:
     keys = ("global_accuracy", "personalized_accuracy", "train_loss", "bytes_up", "bytes_down", "clients")
     return [tuple(r[k] for k in keys) for r in results["rounds"]]
-
-
-def test_rekey_maps_node_ids_to_partitions_and_back():
-    # Prepare: node ids of run 1 and of run 2 for partitions 0, 1
-    run1 = {9001: 0, 9002: 1}
-    run2 = {0: 17, 1: 42}
-    cases = [
-        ({9001: "a", 9002: "b"}, {17: "a", 42: "b"}),  # keyed by node id
-        ({(9001, 3): "x"}, {(17, 3): "x"}),  # keyed by (node id, round)
-        ({1: "round one"}, {1: "round one"}),  # keyed by something else: untouched
-        ({}, {}),
-    ]
-    for value, expected in cases:
-        # Execute
-        stored = pickle.loads(pickle.dumps(_rekey(value, run1)))
-        # Assert
-        assert _rekey_back(stored, run2) == expected
-    assert isinstance(_rekey({9001: 1}, run1), _ByPartition)
 
 
 def test_client_state_restores_newest_round_not_after_resume_round(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def test_received_accuracy_is_the_previous_aggregate_on_the_local_test_splits(tm
     rounds = run_inprocess(config, tmp_path).to_dict()["rounds"]
     # Assert: the model a client receives in round t is the one it is evaluated with after round t - 1,
     # on the same local test split: the two accuracies agree exactly, client by client
-    for before, after in zip(rounds, rounds[1:]):
+    for before, after in itertools.pairwise(rounds):
         assert after["received_accuracy"] == pytest.approx(before["personalized_accuracy"], abs=1e-12)
         assert after["received_accuracy_unweighted"] == pytest.approx(before["personalized_accuracy_unweighted"], abs=1e-12)
     assert 0.0 <= rounds[0]["received_accuracy"] <= 1.0  # round 1: the common initial adapter

@@ -15,11 +15,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fedlora.config import ExperimentConfig
+from fedlora import protocol
 from fedlora.data import ClientData, FederatedData
-from fedlora.lora import HEAD_PREFIX, Payload, from_array_record, to_array_record
+from fedlora.lora import Payload, from_array_record, to_array_record, without_head
+from fedlora.methods import options_of
 from fedlora.models import adapter_payload, build_model, load_payload, load_tokenizer, resolve_device
 from fedlora.profile import ClientProfile
+from fedlora.schema import ExperimentConfig
 from fedlora.training import (
     EvalStats,
     TrainStats,
@@ -51,18 +53,19 @@ class ClientJob:
 
     @property
     def server_round(self) -> int:
-        return int(self.message_config.get("server-round", 0))
+        return int(self.message_config.get(protocol.SERVER_ROUND, 0))
 
 
 class LocalTrainer:
-    """FedIT's client (and the default): train A, B and the head; upload them all."""
+    """FedIT's and FlexLoRA's client (and the default): train A, B and the head at the rank the
+    server decided; upload them all."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("fedit",)  # the strategies this client serves
+    strategy_names: ClassVar[tuple[str, ...]] = ("fedit", "flexlora")  # the strategies this client serves
 
     def __init__(self, job: ClientJob) -> None:
         self.job = job
         self.config = job.config
-        self.options = job.config.strategy.options()
+        self.options = options_of(job.config)  # the method's typed options (defaults from its home)
         self.device: torch.device = resolve_device(job.config.train.device)
         self.tokenizer = load_tokenizer(job.config.model.path)
 
@@ -154,9 +157,7 @@ class LocalTrainer:
     def upload(self, model: PeftModel) -> Payload:
         """What goes up: the whole adapter, without the head when the head is local."""
         payload = adapter_payload(model)
-        if self.config.model.head == "local":
-            payload = {k: v for k, v in payload.items() if not k.startswith(HEAD_PREFIX)}
-        return payload
+        return without_head(payload) if self.config.model.head == "local" else payload
 
     def keep(self, model: PeftModel) -> Payload:
         """What stays on the client for the next round (default: the whole adapter)."""
@@ -182,7 +183,7 @@ class LocalTrainer:
         test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
         if not math.isfinite(test.accuracy):
             return {}
-        return {"received-accuracy": test.accuracy, "received-examples": float(test.examples)}
+        return {protocol.RECEIVED_ACCURACY: test.accuracy, protocol.RECEIVED_EXAMPLES: float(test.examples)}
 
     def evaluate(self, model: PeftModel, with_global: bool) -> dict[str, float]:
         """Accuracy on the local test split and validation split (and the global test set)."""

@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING, ClassVar
 
 from clients.trainers.base import LocalTrainer
+from fedlora.methods.centralized import CLIENTS_KEY
 from fedlora.training import TrainStats, train
 
 if TYPE_CHECKING:
@@ -17,15 +18,12 @@ class CentralizedTrainer(LocalTrainer):
 
     strategy_names: ClassVar[tuple[str, ...]] = ("centralized",)
 
-    def model_rank(self) -> int:
-        return int(self.job.message_config.get("centralized-rank", self.job.profile.rank))
-
     def fit(self, model: PeftModel) -> TrainStats:
         import datasets
 
         cfg = self.config.train
         pooled = datasets.concatenate_datasets([client.train for client in self.job.federated.clients])
-        clients = int(self.job.message_config.get("centralized-clients", 1))
+        clients = int(self.job.message_config.get(CLIENTS_KEY, 1))
         if cfg.max_steps:
             steps, epochs = cfg.max_steps * clients, math.ceil(cfg.max_steps * clients * cfg.batch_size / len(pooled))
         else:

@@ -114,7 +114,7 @@ class FedDPATrainer(LocalTrainer):
 
     def model_rank(self) -> int:
         """Rank of g (``strategy.global_rank``, 0 = ``model.lora_rank``)."""
-        return int(self.options.get("global_rank", 0)) or self.config.model.lora_rank
+        return int(self.options.rank_of_g(self.config.model.lora_rank))
 
     def prepare(self, download: Payload) -> PeftModel:
         from peft import LoraConfig
@@ -149,11 +149,11 @@ class FedDPATrainer(LocalTrainer):
     def evaluate(self, model: PeftModel, with_global: bool) -> dict[str, float]:
         """The plain sum, or (``strategy.instance_weighting``) the instance-weighted branches;
         then also ``dpa-mean-weight``, the mean w(x) over every evaluated input."""
-        if not self.options.get("instance_weighting", False):
+        if not self.options.instance_weighting:
             return super().evaluate(model, with_global)
         import torch
 
-        wrapper = instance_weighted(model, self.reference_embeddings(model), float(self.options.get("weight_max", 0.5)))
+        wrapper = instance_weighted(model, self.reference_embeddings(model), self.options.weight_max)
         metrics = super().evaluate(wrapper, with_global)
         metrics["dpa-mean-weight"] = float(torch.cat(wrapper.weights).mean()) if wrapper.weights else 0.0
         return metrics
@@ -166,7 +166,7 @@ class FedDPATrainer(LocalTrainer):
         from fedlora.training import make_loader, model_inputs
 
         train = self.job.data.train
-        count = min(int(self.options.get("reference_examples", 5)), len(train))
+        count = min(self.options.reference_examples, len(train))
         rng = np.random.default_rng(self.config.train.seed + self.job.profile.partition_id)
         subset = train.select(sorted(int(i) for i in rng.choice(len(train), size=count, replace=False)))
         loader = make_loader(subset, self.tokenizer, count, self.config.train.max_length, shuffle=False)

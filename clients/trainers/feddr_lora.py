@@ -1,7 +1,8 @@
 """FedDR-LoRA's client: a robust and a noise branch over one local A, negative learning on suspects.
 
-ALGORITHMS.md, "FedDR-LoRA" (the [RECON] choices are options of
-:class:`strategies.feddr_lora.FedDRLoRAOptions`). Per adapted module the client holds
+The method's home is ``fedlora/methods/feddr_lora.py`` (its [RECON] choices are the options of
+:class:`~fedlora.methods.feddr_lora.FedDRLoRAOptions`; the clean / suspect split is its
+:func:`~fedlora.methods.feddr_lora.gmm_clean_mask`). Per adapted module the client holds
 
 - ``A`` (r, d_in): local, never uploaded, shared by both branches (``topology = shared_a``);
 - ``B^r`` (d_out, r): the robust up-projection, overwritten by the global B every round and
@@ -29,6 +30,7 @@ import numpy as np
 
 from clients.trainers.base import LocalTrainer
 from fedlora.lora import B_SUFFIX, HEAD_PREFIX, Payload, from_array_record, to_array_record
+from fedlora.methods.feddr_lora import NOISE_METRIC_PREFIX, gmm_clean_mask, split_counts, split_quality
 from fedlora.models import PEFT_PREFIX, adapter_payload
 from fedlora.training import model_inputs, predict_logits
 
@@ -39,10 +41,6 @@ if TYPE_CHECKING:
 NOISE_STATE_KEY = "fedlora.feddr_lora.noise"  # context.state entry holding B^n (and A^n)
 NOISE_B_SUFFIX = "::B_noise"
 NOISE_A_SUFFIX = "::A_noise"
-GMM_REG_COVAR = 5e-4  # variance floor on losses normalised to [0, 1] (DivideMix's setting)
-GMM_MAX_ITER = 20
-GMM_INIT = "k-means++"  # 5x faster than a full k-means init on 1-D losses, and no OpenMP k-means in actors
-GMM_MIN_SAMPLES = 4  # below this (or with constant losses) every sample counts as clean
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,50 +91,6 @@ def complementary_labels(labels: torch.Tensor, num_classes: int, generator: torc
     return (labels.cpu() + shift) % num_classes
 
 
-def gmm_clean_mask(losses: np.ndarray, threshold: float = 0.5, seed: int = 0) -> np.ndarray:
-    """Clean / suspect split of per-sample losses with a 2-component Gaussian mixture.
-
-    Losses are min-max normalised to [0, 1]; a sample is clean when its posterior under the
-    component with the lower mean exceeds ``threshold``. Too few samples or constant losses:
-    everything is clean (there is nothing to separate). Returns a boolean mask, True = clean.
-    """
-    from sklearn.mixture import GaussianMixture
-
-    losses = np.asarray(losses, dtype=np.float64).reshape(-1)
-    spread = float(np.ptp(losses)) if losses.size else 0.0
-    if losses.size < GMM_MIN_SAMPLES or not np.isfinite(spread) or spread < 1e-8:
-        return np.ones(losses.size, dtype=bool)
-    normalised = ((losses - losses.min()) / spread).reshape(-1, 1)
-    gmm = GaussianMixture(
-        n_components=2, max_iter=GMM_MAX_ITER, tol=1e-2, reg_covar=GMM_REG_COVAR, init_params=GMM_INIT, random_state=seed
-    )
-    gmm.fit(normalised)
-    clean_component = int(np.argmin(gmm.means_.reshape(-1)))
-    return gmm.predict_proba(normalised)[:, clean_component] > threshold
-
-
-def split_counts(suspect: np.ndarray, is_noisy: np.ndarray) -> dict[str, float]:
-    """How a suspect mask matches the injected noise: flagged, true positives, noisy, samples."""
-    suspect = np.asarray(suspect, dtype=bool)
-    is_noisy = np.asarray(is_noisy, dtype=bool)
-    return {
-        "flagged": float(suspect.sum()),
-        "true-positives": float((suspect & is_noisy).sum()),
-        "noisy": float(is_noisy.sum()),
-        "samples": float(suspect.size),
-    }
-
-
-def split_quality(counts: dict[str, float]) -> dict[str, float]:
-    """Precision (flagged that are noisy), recall (noisy that are flagged), flagged fraction."""
-    flagged, hits, noisy, samples = (counts.get(k, 0.0) for k in ("flagged", "true-positives", "noisy", "samples"))
-    return {
-        "precision": hits / flagged if flagged else math.nan,
-        "recall": hits / noisy if noisy else math.nan,
-        "flagged-fraction": flagged / samples if samples else math.nan,
-    }
-
-
 # --------------------------------------------------------------------------------------------
 # the client
 # --------------------------------------------------------------------------------------------
@@ -165,7 +119,7 @@ class FedDRLoRATrainer(LocalTrainer):
     # ------------------------------------------------------------------ model and state
     @property
     def warming_up(self) -> bool:
-        return self.job.server_round <= int(self.options["warmup_rounds"])
+        return self.job.server_round <= self.options.warmup_rounds
 
     def prepare(self, download: Payload) -> PeftModel:
         """Local A (and B^r, head) overlaid with the global B; B^n (and A^n) from the state."""
@@ -177,7 +131,7 @@ class FedDRLoRATrainer(LocalTrainer):
         for name, param in model.named_parameters():
             if ".lora_B." in name:
                 self.noise[name] = _noise_parameter(stored.get(_state_key(name)), torch.zeros_like(param))
-            elif ".lora_A." in name and self.options["topology"] == "two_lora":
+            elif ".lora_A." in name and self.options.topology == "two_lora":
                 A_n = torch.empty_like(param)
                 torch.nn.init.kaiming_uniform_(A_n, a=math.sqrt(5), generator=generator)  # peft's init of A
                 self.noise[name] = _noise_parameter(stored.get(_state_key(name)), A_n)
@@ -209,10 +163,9 @@ class FedDRLoRATrainer(LocalTrainer):
         return super().trainable_parameters(model, loader) + list(self.noise.values())
 
     def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        import torch
         import torch.nn.functional as F
 
-        if self.options["split"] == "epoch" and self.batches_seen % self.steps_per_epoch == 0 and not self.warming_up:
+        if self.options.split == "epoch" and self.batches_seen % self.steps_per_epoch == 0 and not self.warming_up:
             self.clean = self._epoch_split(model)
         self.batches_seen += 1
         inputs = model_inputs(batch, self.device)
@@ -221,13 +174,13 @@ class FedDRLoRATrainer(LocalTrainer):
         if self.warming_up:
             return ce.mean()
         clean = self._batch_clean(ce, batch)  # (n,) bool
-        loss = robust_term(ce, clean, str(self.options.get("robust_loss", "clean")))
-        complementary = self._complementary(labels) if self.options["nl_target"] == "complementary" else labels
-        suspect, targets = noise_targets(labels, clean, str(self.options["nl_target"]), complementary)
-        if suspect.any() and self.options["beta"] > 0:
+        loss = robust_term(ce, clean, self.options.robust_loss)
+        complementary = self._complementary(labels) if self.options.nl_target == "complementary" else labels
+        suspect, targets = noise_targets(labels, clean, self.options.nl_target, complementary)
+        if suspect.any() and self.options.beta > 0:
             noise_logits = self._noise_forward(model, inputs)  # (n, C) noise branch
             nl = negative_learning_loss(noise_logits[suspect], targets[suspect])
-            loss = loss + self.options["beta"] * nl.mean()
+            loss = loss + self.options.beta * nl.mean()
         return loss
 
     def train_metrics(self) -> dict[str, float]:
@@ -235,8 +188,8 @@ class FedDRLoRATrainer(LocalTrainer):
         if not self.splits:
             return {}
         quality = split_quality(self.counts)
-        metrics = {f"noise-{key}": value for key, value in quality.items()}
-        metrics |= {f"noise-{key}": value for key, value in self.counts.items()}
+        metrics = {NOISE_METRIC_PREFIX + key: value for key, value in quality.items()}
+        metrics |= {NOISE_METRIC_PREFIX + key: value for key, value in self.counts.items()}
         return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
     # ------------------------------------------------------------------ internals
@@ -244,7 +197,7 @@ class FedDRLoRATrainer(LocalTrainer):
         from torch.func import functional_call
 
         swapped: dict[str, torch.Tensor] = dict(self.noise)  # B^n (and A^n) in place of B^r (and A)
-        if self.options["noise_head"] == "detached":  # the head acts in f_n but only f_r trains it
+        if self.options.noise_head == "detached":  # the head acts in f_n but only f_r trains it
             swapped |= {n: p.detach() for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n}
         return functional_call(model, swapped, args=(), kwargs=inputs).logits.float()
 
@@ -256,7 +209,7 @@ class FedDRLoRATrainer(LocalTrainer):
         logits, labels = predict_logits(model, loader, self.device)  # unshuffled: row i = index i
         model.train()
         losses = F.cross_entropy(logits, labels, reduction="none").numpy()
-        clean = gmm_clean_mask(losses, self.options["clean_threshold"], seed=self.config.train.seed)
+        clean = gmm_clean_mask(losses, self.options.clean_threshold, seed=self.config.train.seed)
         self._count(~clean, np.arange(len(clean)))
         return clean
 
@@ -264,11 +217,11 @@ class FedDRLoRATrainer(LocalTrainer):
         import torch
 
         index = batch["index"].cpu().numpy()
-        if self.options["split"] == "epoch" and self.clean is not None:
+        if self.options.split == "epoch" and self.clean is not None:
             clean = self.clean[index]
         else:
             losses = ce.detach().cpu().numpy()
-            clean = gmm_clean_mask(losses, self.options["clean_threshold"], seed=self.config.train.seed)
+            clean = gmm_clean_mask(losses, self.options.clean_threshold, seed=self.config.train.seed)
             self._count(~clean, index)
         return torch.from_numpy(clean).to(ce.device)
 

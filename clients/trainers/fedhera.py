@@ -1,6 +1,6 @@
 """FedHera's client: resize to r_tot, load the push, warm the tail up, train only the prefix.
 
-ALGORITHMS.md, FedHera ("Client"). The server sends, per module, the top-r_tot spectrum of the
+The method's home is ``fedlora/methods/fedhera.py`` (the official code's client, ``adaptive_peft.py``). The server sends, per module, the top-r_tot spectrum of the
 global update (the payload's shapes give r_tot), and in the message config r_main per module and
 lambda. The client builds a fresh adapter at those ranks every round, scales the tail (rows
 r_main: of A, columns r_main: of B) by sqrt(lambda), and trains with *prefix gating*: after
@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar, cast
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import HEAD_PREFIX, Payload, join_payload, scale_tail, split_payload
+from fedlora.lora import Payload, head_only, join_payload, split_payload
+from fedlora.methods.fedhera import LAMBDA_KEY, R_MAIN_KEY, R_TOT_KEY, scale_tail
 from fedlora.models import PEFT_PREFIX, load_payload
 
 if TYPE_CHECKING:
@@ -60,13 +61,13 @@ class FedHeraTrainer(LocalTrainer):
         factors, extras = split_payload(download)
         self.r_tot = {m: f.rank for m, f in factors.items()}
         config = self.job.message_config
-        self.r_main: dict[str, int] = json.loads(str(config.get("fedhera-r-main", "{}"))) or dict(self.r_tot)
-        declared = json.loads(str(config.get("fedhera-r-tot", "{}")))
+        self.r_main: dict[str, int] = json.loads(str(config.get(R_MAIN_KEY, "{}"))) or dict(self.r_tot)
+        declared = json.loads(str(config.get(R_TOT_KEY, "{}")))
         if declared and declared != self.r_tot:
             raise ValueError(f"fedhera: download ranks {self.r_tot} differ from the announced r_tot {declared}")
-        lam = float(config.get("fedhera-lambda", 1.0))
+        lam = float(config.get(LAMBDA_KEY, 1.0))
         model = self.build()
-        local_head = {k: v for k, v in self.local_state().items() if k.startswith(HEAD_PREFIX)}
+        local_head = head_only(self.local_state())
         if local_head and self.config.model.head == "local":
             load_payload(model, local_head)
         load_payload(model, join_payload(scale_tail(factors, self.r_main, lam), extras))
@@ -78,7 +79,7 @@ class FedHeraTrainer(LocalTrainer):
 
     def keep(self, model: PeftModel) -> Payload:
         """Only the head stays (the LoRA ranks change every round; the push replaces them)."""
-        return {k: v for k, v in super().keep(model).items() if k.startswith(HEAD_PREFIX)}
+        return head_only(super().keep(model))
 
     def train_metrics(self) -> dict[str, float]:
         return {"fedhera-r-main": float(sum(self.r_main.values())), "fedhera-r-tot": float(sum(self.r_tot.values()))}

@@ -24,7 +24,7 @@ class FedPissaTrainer(LocalTrainer):
     strategy_names: ClassVar[tuple[str, ...]] = ("fedpissa",)
 
     def build(self) -> PeftModel:
-        init = str(self.options.get("init", "pissa"))
+        init = self.options.init
         return build_model(
             self.config.model,
             len(self.job.federated.label_names),

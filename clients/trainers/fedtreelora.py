@@ -1,6 +1,6 @@
 """FedTreeLoRA's client: mix the cluster expert and the frozen external expert per block.
 
-h = W0 x + lam_l B_c A_c x + (1 - lam_l) B_e A_e x, lam_l = sigmoid(theta_l) (ALGORITHMS.md,
+h = W0 x + lam_l B_c A_c x + (1 - lam_l) B_e A_e x, lam_l = sigmoid(theta_l) (fedlora/methods/fedtreelora.py,
 FedTreeLoRA, step 5). The cluster expert is peft's ``default`` adapter (trainable, uploaded);
 the external expert is a second peft adapter ``external`` (frozen), active at the same time in
 the blocks that have one. The mixing is done by each LoRA layer's own scaling: a forward
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import Payload
+from fedlora.lora import A_SUFFIX, Payload
+from fedlora.methods.fedtreelora import EXTERNAL_PREFIX
 from fedlora.models import PEFT_PREFIX, adapter_payload, layer_index, load_payload
 
 if TYPE_CHECKING:
     import torch
     from peft import PeftModel
 
-EXTERNAL_PREFIX = "external::"  # as in strategies/fedtreelora.py (clients do not import strategies)
 THETA_KEY = "fedtreelora::theta"  # local state only: (L,) mixing logits, one per block
 EXTERNAL_ADAPTER = "external"
 
@@ -42,7 +42,7 @@ def add_external_expert(model: PeftModel, external: Payload, lora_alpha: float, 
     from peft.tuners.lora import LoraLayer
 
     modules = sorted({k.rsplit("::", 1)[0] for k in external})
-    rank = int(external[modules[0] + "::A"].shape[0])
+    rank = int(external[modules[0] + A_SUFFIX].shape[0])
     config = LoraConfig(r=rank, lora_alpha=lora_alpha, lora_dropout=dropout, target_modules=modules)
     model.add_adapter(EXTERNAL_ADAPTER, config)
     state = {}
@@ -92,7 +92,7 @@ class FedTreeLoRATrainer(LocalTrainer):
         model = self.build()
         local = self.local_state()
         blocks = 1 + max(layer_index(m) for m in self._modules(model))
-        theta_init = local.pop(THETA_KEY, initial_theta(blocks, float(self.options.get("lam0", 0.5))))
+        theta_init = local.pop(THETA_KEY, initial_theta(blocks, self.options.lam0))
         if local:
             load_payload(model, local)
         own = {k: v for k, v in download.items() if not k.startswith(EXTERNAL_PREFIX)}
@@ -110,12 +110,12 @@ class FedTreeLoRATrainer(LocalTrainer):
 
     @staticmethod
     def _modules(model: PeftModel) -> list[str]:
-        return [k.rsplit("::", 1)[0] for k in adapter_payload(model) if k.endswith("::A")]
+        return [k.removesuffix(A_SUFFIX) for k in adapter_payload(model) if k.endswith(A_SUFFIX)]
 
     def upload(self, model: PeftModel) -> Payload:
         """Nothing in the warm-up rounds before the last (the tree needs only the last B);
         afterwards the cluster expert A, B (and the head when it is global)."""
-        if self.job.server_round < int(self.options.get("warmup_rounds", 3)):
+        if self.job.server_round < self.options.warmup_rounds:
             return {}
         return super().upload(model)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import A_SUFFIX, Payload
+from fedlora.lora import A_SUFFIX, Payload, nested_A_payload
 from fedlora.models import load_payload, module_shapes
-from fedlora.nested import nested_A_payload
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -8,15 +8,13 @@ fresh ClientApp process (deployment) rebuilds the same base: W0 + merged. A stac
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import HEAD_PREFIX, Payload, head_only
+from fedlora.lora import Payload, head_only, kaiming_bound, read_stacks
 from fedlora.models import PEFT_PREFIX, adapter_payload, load_payload
-from fedlora.stacking import read_stacks
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -74,13 +72,13 @@ class FLoRATrainer(LocalTrainer):
                     if self.config.model.init == "gaussian":
                         A.copy_(torch.randn(A.shape, generator=generator) / A.shape[0])
                     else:  # peft's default (kaiming): uniform with a = sqrt(5)
-                        bound = 1.0 / math.sqrt(A.shape[1])
+                        bound = kaiming_bound(A.shape[1])
                         A.copy_(torch.rand(A.shape, generator=generator) * 2 * bound - bound)
                     B.zero_()
 
     def keep(self, model: PeftModel) -> Payload:
         """The head, the merged update and the merged round ids (the LoRA restarts anyway)."""
-        kept = {k: v for k, v in adapter_payload(model).items() if k.startswith(HEAD_PREFIX)}
+        kept = head_only(adapter_payload(model))
         kept |= {MERGED_PREFIX + m: v for m, v in self.merged.items()}
         kept[MERGED_ROUNDS_KEY] = np.asarray(self.merged_rounds, dtype=np.int64)
         return kept

@@ -24,9 +24,9 @@ from flwr_datasets.partitioner import (
     PathologicalPartitioner,
 )
 
-from fedlora.config import DataConfig
 from fedlora.data.noise import apply_label_noise
 from fedlora.data.sources import DataError, load_source, split_indices
+from fedlora.schema import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from fedlora.config import DataConfig
 from fedlora.data.federated import ClientData, _client_data
 from fedlora.data.sources import DataError, _features, _read_local
+from fedlora.schema import DataConfig
 
 
 def load_silo_data(path: str | Path, cfg: DataConfig, label_names: list[str], partition_id: int) -> ClientData:

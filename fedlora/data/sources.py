@@ -21,7 +21,7 @@ import datasets
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from fedlora.config import DataConfig
+from fedlora.schema import DataConfig
 
 logger = logging.getLogger(__name__)
 

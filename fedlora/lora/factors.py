@@ -1,19 +1,21 @@
-"""LoRA factor algebra, shared by the server (strategies) and the clients.
+"""LoRA factors and payloads: the algebra every method shares (written once, here).
 
-A LoRA-adapted linear layer ("module") has frozen W0 (d_out, d_in), A (r, d_in), B (d_out, r)
-and scale s = alpha / r, so dW = s * B @ A (ALGORITHMS.md, notation). On the wire an adapter is a
-flat ``dict[str, np.ndarray]`` ("payload") with keys ``<module>::A``, ``<module>::B`` and
+A LoRA-adapted linear layer ("module") has frozen W0 (d_out, d_in), A (r, d_in), B (d_out, r) and
+scale s = alpha / r (:func:`lora_scale`), so dW = s * B @ A. On the wire an adapter is a flat
+``dict[str, np.ndarray]`` ("payload") with keys ``<module>::A``, ``<module>::B`` and
 ``head::<param>`` for trainable non-LoRA parameters (the classification head). A payload maps
-one-to-one onto a Flower ``ArrayRecord``; its byte count is the sum of the arrays' ``nbytes``.
+one-to-one onto a Flower ``ArrayRecord``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from flwr.app import ArrayRecord
 
 Payload = dict[str, np.ndarray]
 
@@ -35,6 +37,11 @@ class Factors(NamedTuple):
     def delta(self, scale: float) -> np.ndarray:
         """The dense update s * B @ A (d_out, d_in): for tests and small layers only."""
         return scale * (self.B @ self.A)
+
+
+def lora_scale(alpha: float, rank: int) -> float:
+    """s = alpha / r: the scale peft applies to a rank-``rank`` adapter (dW = s B A)."""
+    return float(alpha) / float(rank)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,19 +91,24 @@ def head_only(payload: Mapping[str, np.ndarray]) -> Payload:
     return {k: v for k, v in payload.items() if k.startswith(HEAD_PREFIX)}
 
 
+def without_head(payload: Mapping[str, np.ndarray]) -> Payload:
+    """The payload without its head arrays."""
+    return {k: v for k, v in payload.items() if not k.startswith(HEAD_PREFIX)}
+
+
 def payload_bytes(payload: Mapping[str, np.ndarray]) -> int:
-    """Exact size of the arrays in a payload, as they cross the wire."""
+    """Size of the arrays in a payload (their ``nbytes``, without any wire framing)."""
     return int(sum(np.asarray(v).nbytes for v in payload.values()))
 
 
-def to_array_record(payload: Mapping[str, np.ndarray]):  # -> flwr.app.ArrayRecord
+def to_array_record(payload: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Payload -> Flower ArrayRecord (keys kept, arrays copied to contiguous float32 / int)."""
     from flwr.app import Array, ArrayRecord
 
     return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.items()})
 
 
-def from_array_record(record) -> Payload:  # record: flwr.app.ArrayRecord
+def from_array_record(record: ArrayRecord) -> Payload:
     """Flower ArrayRecord -> payload (exact inverse of :func:`to_array_record`)."""
     return {key: array.numpy() for key, array in record.items()}
 
@@ -116,16 +128,16 @@ def pad_rank(f: Factors, rank: int) -> Factors:
     return Factors(A, B)
 
 
-def pruned_rank(rank: int, decay: float) -> int:
-    """The rank HetLoRA's self-pruning keeps: floor(decay * rank), at least 1."""
-    return max(1, math.floor(decay * rank))
-
-
 def truncate_rank(f: Factors, rank: int) -> Factors:
     """Keep the first ``rank`` components (rows of A, columns of B)."""
     if rank > f.rank:
         raise ValueError(f"cannot truncate rank {f.rank} up to {rank}")
     return Factors(f.A[:rank].copy(), f.B[:, :rank].copy())
+
+
+def fit_rank(f: Factors, rank: int) -> Factors:
+    """Zero-pad or truncate to ``rank`` (a client takes the first r_k components)."""
+    return truncate_rank(pad_rank(f, max(rank, f.rank)), rank)
 
 
 def normalise(weights: Sequence[float]) -> np.ndarray:
@@ -140,12 +152,26 @@ def weighted_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequ
     if not payloads:
         raise ValueError("weighted_average needs at least one payload")
     w = normalise(weights)
-    keys = payloads[0].keys()
     out: Payload = {}
-    for key in keys:
+    for key in payloads[0]:
         stacked = np.stack([np.asarray(p[key], dtype=np.float64) for p in payloads])
         out[key] = np.tensordot(w, stacked, axes=1).astype(payloads[0][key].dtype)
     return out
+
+
+def average_factors(factors: Sequence[Factors], weights: Sequence[float], rank: int | None = None) -> Factors:
+    """FedAvg of one module's factors: zero-pad every client to ``rank`` (default: the largest),
+    then A = sum_k w_k A_k and B = sum_k w_k B_k *separately* (weights normalised here).
+
+    The one pad-then-average of the platform: FedIT over mixed ranks, HetLoRA's norm-weighted
+    mean, FedTreeLoRA's experts. Note that mean(B) mean(A) != mean(B A) in general.
+    """
+    rank = rank if rank is not None else max(f.rank for f in factors)
+    padded = [pad_rank(f, rank) for f in factors]
+    w = normalise(weights)
+    A = np.tensordot(w, np.stack([f.A.astype(np.float64) for f in padded]), axes=1)  # (rank, d_in)
+    B = np.tensordot(w, np.stack([f.B.astype(np.float64) for f in padded]), axes=1)  # (d_out, rank)
+    return Factors(A.astype(np.float32), B.astype(np.float32))
 
 
 def pad_payload(payload: Mapping[str, np.ndarray], rank: int) -> Payload:
@@ -174,69 +200,22 @@ def padded_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequen
 
 
 # --------------------------------------------------------------------------------------------
-# SVD of a weighted sum of low-rank products, in factor space
+# products in factor space (never the dense d_out x d_in matrix)
 # --------------------------------------------------------------------------------------------
 
 
-class LowRankSVD(NamedTuple):
-    """Thin SVD G = U diag(S) Vt with U (d_out, R), S (R,), Vt (R, d_in)."""
-
-    U: np.ndarray
-    S: np.ndarray
-    Vt: np.ndarray
-
-
-def factor_svd(
-    Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: Sequence[float]
-) -> LowRankSVD:
-    """Exact thin SVD of G = sum_k w_k B_k A_k without forming G when the stacked rank is small.
-
-    Stack Bs = [w_k B_k] (d_out, R) and As = [A_k] (R, d_in), R = sum r_k; then G = Bs As.
-    With Bs = Q_b R_b and As^T = Q_a R_a, G = Q_b (R_b R_a^T) Q_a^T: the SVD of the small
-    core R_b R_a^T (R x R) rotated back gives the SVD of G in O(d R^2) (ALGORITHMS.md).
-    Weights may be negative (e.g. an "unbiased" update subtracting the previous push).
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    B_stack = np.concatenate([wk * np.asarray(B, np.float64) for wk, B in zip(w, Bs)], axis=1)
-    A_stack = np.concatenate([np.asarray(A, np.float64) for A in As], axis=0)
-    d_out, R = B_stack.shape
-    d_in = A_stack.shape[1]
-    if R >= min(d_out, d_in):  # stacking buys nothing: the dense SVD is no bigger
-        U, S, Vt = np.linalg.svd(B_stack @ A_stack, full_matrices=False)
-        return LowRankSVD(U, S, Vt)
-    Q_b, R_b = np.linalg.qr(B_stack)  # (d_out, R), (R, R)
-    Q_a, R_a = np.linalg.qr(A_stack.T)  # (d_in, R), (R, R)
-    U_core, S, Vt_core = np.linalg.svd(R_b @ R_a.T)  # (R, R) each
-    return LowRankSVD(Q_b @ U_core, S, Vt_core @ Q_a.T)
+def product_inner(B1: np.ndarray, A1: np.ndarray, B2: np.ndarray, A2: np.ndarray) -> float:
+    """<B1 A1, B2 A2>_F = sum((B1^T B2) * (A1 A2^T)): r1 x r2 Gram products only."""
+    gram_B = np.asarray(B1, np.float64).T @ np.asarray(B2, np.float64)  # (r1, r2)
+    gram_A = np.asarray(A1, np.float64) @ np.asarray(A2, np.float64).T  # (r1, r2)
+    return float(np.sum(gram_B * gram_A))
 
 
-def dense_svd(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: Sequence[float]) -> LowRankSVD:
-    """Reference: SVD of the dense d_out x d_in sum (what reference implementations do)."""
-    G = sum(wk * (np.asarray(B, np.float64) @ np.asarray(A, np.float64)) for wk, B, A in zip(weights, Bs, As))
-    U, S, Vt = np.linalg.svd(G, full_matrices=False)
-    return LowRankSVD(U, S, Vt)
+def product_norm(f: Factors) -> float:
+    """||B A||_F from :func:`product_inner` (no dense product)."""
+    return float(np.sqrt(max(product_inner(f.B, f.A, f.B, f.A), 0.0)))
 
 
-def split_spectrum(svd: LowRankSVD, rank: int, scale: float) -> Factors:
-    """Rank-``rank`` factors with scale * B A = U_r S_r V_r^T, the spectrum split evenly:
-    B = U_r diag(sqrt(S_r / s)), A = diag(sqrt(S_r / s)) V_r^T (FedHera push; FlexLoRA too)."""
-    rank = min(rank, len(svd.S))
-    root = np.sqrt(np.maximum(svd.S[:rank], 0.0) / scale)  # (rank,)
-    B = (svd.U[:, :rank] * root).astype(np.float32)  # (d_out, rank)
-    A = (root[:, None] * svd.Vt[:rank]).astype(np.float32)  # (rank, d_in)
-    return Factors(A, B)
-
-
-def scale_tail(factors: Mapping[str, Factors], r_main: Mapping[str, int], lam: float) -> dict[str, Factors]:
-    """FedHera's tail warm-up: rows r_main: of A and columns r_main: of B times sqrt(lam), so the
-    frozen tail's product B_tail A_tail is scaled by lam (unchanged when lam >= 0.999)."""
-    if lam >= 0.999:
-        return dict(factors)
-    root = np.float32(np.sqrt(max(lam, 0.0)))
-    out = {}
-    for module, f in factors.items():
-        A, B = np.array(f.A, copy=True), np.array(f.B, copy=True)
-        A[r_main[module]:] *= root  # (r_tot - r_main, d_in)
-        B[:, r_main[module]:] *= root  # (d_out, r_tot - r_main)
-        out[module] = Factors(A, B)
-    return out
+def scaled(factors: Mapping[str, Factors], scales: Mapping[str, float]) -> dict[str, Factors]:
+    """Fold each module's scale s into B, so that B A is the update dW itself (float64)."""
+    return {m: Factors(f.A, scales[m] * np.asarray(f.B, np.float64)) for m, f in factors.items()}

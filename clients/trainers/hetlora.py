@@ -1,10 +1,10 @@
-"""Client of the heterogeneous-rank methods whose clients train a plain LoRA at their own rank.
+"""HetLoRA's client: the default client at its own rank, plus the optional rank self-pruning.
 
-FlexLoRA and HetLoRA need nothing beyond the default client: the model is built at the client's
-own rank (its profile), the download (already cut to that rank by the server) overlays the local
-state, A, B and the head are trained and uploaded. HetLoRA's optional rank self-pruning
-(``strategy.self_prune``, Cho et al. 2024, Sec. 3) adds a tail-norm regulariser to the loss and,
-when the tail shrank since the previous round, drops it for good.
+The model is built at the rank the server decided (the message's ``lora-rank``), the download
+(already cut to that rank) overlays the local state, A, B and the head are trained and uploaded.
+The optional rank self-pruning (``strategy.self_prune``, Cho et al. 2024, Sec. 3) adds a
+tail-norm regulariser to the loss and, when the tail shrank since the previous round, drops it
+for good.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import math
 from typing import TYPE_CHECKING, ClassVar
 
 from clients.trainers.base import ClientJob, LocalTrainer
-from fedlora.lora import Payload, join_payload, pruned_rank, split_payload, truncate_rank
+from fedlora.lora import Payload, join_payload, split_payload, truncate_rank
+from fedlora.methods.hetlora import TAIL_NORM_KEY, UPLOAD_RANK_KEY, HetLoRAOptions, pruned_rank
 from fedlora.models import adapter_payload
 
 if TYPE_CHECKING:
@@ -45,10 +46,11 @@ def prune_payload(payload: Payload, rank: int) -> Payload:
     return join_payload({m: truncate_rank(f, rank) for m, f in factors.items()}, head)
 
 
-class HeteroRankTrainer(LocalTrainer):
-    """FlexLoRA's and HetLoRA's client: the default trainer at the client's own rank r_k."""
+class HetLoRATrainer(LocalTrainer):
+    """HetLoRA's client: the default trainer at the client's own rank r_k, optionally self-pruning."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("flexlora", "hetlora")
+    strategy_names: ClassVar[tuple[str, ...]] = ("hetlora",)
+    options: HetLoRAOptions
 
     def __init__(self, job: ClientJob) -> None:
         super().__init__(job)
@@ -57,17 +59,17 @@ class HeteroRankTrainer(LocalTrainer):
 
     @property
     def self_prune(self) -> bool:
-        return bool(self.options.get("self_prune", False)) and self.keep_rank < self.job.profile.rank
+        return self.options.self_prune and self.keep_rank < self.job.profile.rank
 
     @property
     def keep_rank(self) -> int:
         """floor(gamma r_k): the components a pruning step keeps."""
-        return pruned_rank(self.job.profile.rank, float(self.options.get("prune_decay", 0.75)))
+        return pruned_rank(self.job.profile.rank, self.options.prune_decay)
 
     def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = super().loss(model, batch)
-        if self.self_prune and self.options["prune_lambda"] > 0:
-            loss = loss + self.options["prune_lambda"] * lora_tail_norm(model, self.keep_rank).to(loss.device)
+        if self.self_prune and self.options.prune_lambda > 0:
+            loss = loss + self.options.prune_lambda * lora_tail_norm(model, self.keep_rank).to(loss.device)
         return loss
 
     def upload(self, model: PeftModel) -> Payload:
@@ -92,12 +94,12 @@ class HeteroRankTrainer(LocalTrainer):
         return prune_payload(payload, self.upload_rank) if self.upload_rank < self.job.profile.rank else payload
 
     def train_metrics(self) -> dict[str, float]:
-        """``lora-rank``: the rank of this round's upload (the server checks the upload against it)."""
-        if not self.options.get("self_prune", False):
+        """``upload-rank``: the rank of this round's upload (the server checks the upload against it)."""
+        if not self.options.self_prune:
             return {}
-        metrics = {"lora-rank": float(self.upload_rank)}
+        metrics = {UPLOAD_RANK_KEY: float(self.upload_rank)}
         if self.tail_norm is not None:
-            metrics["tail-norm"] = self.tail_norm
+            metrics[TAIL_NORM_KEY] = self.tail_norm
         return metrics
 
     def _remember(self, rank: int, tail: float) -> None:

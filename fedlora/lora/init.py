@@ -1,4 +1,4 @@
-"""Rank-nested, seeded LoRA factors shared by the server and every client.
+"""LoRA initialisations shared by the server and every client (one kaiming bound, here).
 
 peft draws a module's A from a kaiming-uniform law, U(-1/sqrt(d_in), 1/sqrt(d_in)), out of
 torch's global RNG: the same seed gives the same A on every machine *for the same rank*, but a
@@ -11,20 +11,31 @@ one for every r <= R, and no communication is needed to agree on it.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 
 import numpy as np
 
-from fedlora.lora import A_SUFFIX, Payload
+from fedlora.lora.factors import A_SUFFIX, Payload
+
+
+def kaiming_bound(d_in: int) -> float:
+    """1 / sqrt(d_in): the bound of peft's default A init (kaiming_uniform_ with a = sqrt(5))."""
+    return 1.0 / math.sqrt(d_in)
+
+
+def kaiming_rows(count: int, d_in: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` rows of peft's default A init, U(-bound, bound), from ``rng`` (count, d_in)."""
+    bound = kaiming_bound(d_in)
+    return rng.uniform(-bound, bound, size=(count, d_in)).astype(np.float32)
 
 
 def nested_A(module: str, rank: int, d_in: int, seed: int) -> np.ndarray:
     """A (rank, d_in) ~ U(-1/sqrt(d_in), 1/sqrt(d_in)); nested: ``nested_A(m, r)`` are the first
     r rows of ``nested_A(m, R)`` for r <= R. Identical on every client and on the server."""
     generator = np.random.default_rng([seed, zlib.crc32(module.encode())])
-    bound = 1.0 / np.sqrt(d_in)  # peft's kaiming_uniform_(a=sqrt(5)) bound
-    return generator.uniform(-bound, bound, size=(rank, d_in)).astype(np.float32)  # (rank, d_in)
+    return kaiming_rows(rank, d_in, generator)  # (rank, d_in)
 
 
 def nested_A_payload(module_shapes: Mapping[str, tuple[int, int]], rank: int, seed: int) -> Payload:

@@ -1,8 +1,7 @@
-"""Factor-space SVD of sum_k w_k B_k A_k for many modules of one shape at once.
+"""SVD of a weighted sum of low-rank products, in factor space (one implementation, the fast one).
 
-Same result as :func:`fedlora.lora.factor_svd` (and as the dense SVD), for a stack of modules,
-computed through R x R Gram matrices instead of QR. With Bs = [w_k B_k] (d_out, R) and
-As = [A_k] (R, d_in), so that G = Bs As:
+G = sum_k w_k B_k A_k is never formed when the stacked rank R = sum r_k is below min(d_out, d_in).
+With Bs = [w_k B_k] (d_out, R) and As = [A_k] (R, d_in), so that G = Bs As:
 
 1. Bs^T Bs = W L W^T (symmetric eigendecomposition). Q = Bs W L^-1/2 has orthonormal columns
    and G = Q C with C = L^1/2 W^T As (R, d_in).
@@ -16,17 +15,27 @@ an SVD of the core on 4096 x 320 stacks, see benchmarks/aggregation.py). Directi
 eigenvalue (rank-deficient stacks: zero B at the start, clients that share A) drop out exactly.
 Precision: the arithmetic runs in the inputs' dtype; since the singular values come out squared,
 float32 gives singular values above ~1e-3 of the largest to float32 accuracy and treats smaller
-ones as zero (float64: above ~1e-7).
+ones as zero (float64: above ~1e-7). When R >= min(d_out, d_in) stacking buys nothing and the
+dense SVD is taken instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import scipy.linalg
 
-from fedlora.lora import LowRankSVD
+from fedlora.lora.factors import Factors, pad_rank
+
+
+class LowRankSVD(NamedTuple):
+    """Thin SVD G = U diag(S) Vt with U (d_out, k), S (k,), Vt (k, d_in)."""
+
+    U: np.ndarray
+    S: np.ndarray
+    Vt: np.ndarray
 
 
 def stack_factors(
@@ -36,6 +45,21 @@ def stack_factors(
     B = np.concatenate([np.float32(w) * B if B.dtype == np.float32 else w * B for w, B in zip(weights, Bs)], axis=-1)
     A = np.concatenate(list(As), axis=-2)
     return B, A
+
+
+def factor_svd(
+    Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: Sequence[float], rank: int | None = None
+) -> LowRankSVD:
+    """Thin SVD of G = sum_k w_k B_k A_k for one module (k = ``rank`` leading components, default
+    all R). Weights may be negative (e.g. an "unbiased" update subtracting the previous push)."""
+    w = np.asarray(weights, dtype=np.float64)
+    B = np.concatenate([wk * np.asarray(Bk, np.float64) for wk, Bk in zip(w, Bs)], axis=1)  # (d_out, R)
+    A = np.concatenate([np.asarray(Ak, np.float64) for Ak in As], axis=0)  # (R, d_in)
+    if A.shape[0] >= min(B.shape[0], A.shape[1]):  # stacking buys nothing: the dense SVD is no bigger
+        U, S, Vt = np.linalg.svd(B @ A, full_matrices=False)
+        return LowRankSVD(U[:, :rank], S[:rank], Vt[:rank])
+    svd = batched_factor_svd(B[None], A[None], rank)
+    return LowRankSVD(svd.U[0], svd.S[0], svd.Vt[0])
 
 
 def batched_factor_svd(B: np.ndarray, A: np.ndarray, rank: int | None = None) -> LowRankSVD:
@@ -88,3 +112,37 @@ def _roots(lam: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     root = np.where(keep, np.sqrt(lam), 0.0).astype(lam.dtype)
     inv = np.where(keep, 1.0 / np.where(keep, root, 1.0), 0.0).astype(lam.dtype)
     return root, inv
+
+
+def dense_svd(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: Sequence[float]) -> LowRankSVD:
+    """Reference for tests: SVD of the dense d_out x d_in sum (what reference implementations do)."""
+    G = sum(wk * (np.asarray(B, np.float64) @ np.asarray(A, np.float64)) for wk, B, A in zip(weights, Bs, As))
+    U, S, Vt = np.linalg.svd(G, full_matrices=False)
+    return LowRankSVD(U, S, Vt)
+
+
+def trim(svd: LowRankSVD, rtol: float = 1e-8) -> LowRankSVD:
+    """Drop the numerically zero singular components (keeps a global rank from growing)."""
+    if len(svd.S) == 0 or svd.S[0] <= 0:
+        return LowRankSVD(svd.U[:, :0], svd.S[:0], svd.Vt[:0])
+    keep = int(np.sum(svd.S > rtol * svd.S[0]))
+    return LowRankSVD(svd.U[:, :keep], svd.S[:keep], svd.Vt[:keep])
+
+
+def split_spectrum(svd: LowRankSVD, rank: int, scale: float) -> Factors:
+    """Rank-``rank`` factors with scale * B A = U_r S_r V_r^T, the spectrum split evenly:
+    B = U_r diag(sqrt(S_r / s)), A = diag(sqrt(S_r / s)) V_r^T (FedHera's push)."""
+    rank = min(rank, len(svd.S))
+    root = np.sqrt(np.maximum(svd.S[:rank], 0.0) / scale)  # (rank,)
+    B = (svd.U[:, :rank] * root).astype(np.float32)  # (d_out, rank)
+    A = (root[:, None] * svd.Vt[:rank]).astype(np.float32)  # (rank, d_in)
+    return Factors(A, B)
+
+
+def leading_factors(svd: LowRankSVD, rank: int, scale: float) -> Factors:
+    """Rank-``rank`` factors with B = U_r S_r / s, A = V_r^T, so s B A = U_r S_r V_r^T, zero-padded
+    when G has fewer components (s B A unchanged): FlexLoRA's download."""
+    r = min(rank, len(svd.S))
+    B = (svd.U[:, :r] * (svd.S[:r] / scale)).astype(np.float32)  # (d_out, r)
+    A = svd.Vt[:r].astype(np.float32)  # (r, d_in)
+    return pad_rank(Factors(A, B), rank)

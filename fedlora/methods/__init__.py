@@ -1,0 +1,94 @@
+"""Method homes by name: the one place that maps ``strategy.name`` to a method's declaration.
+
+A method registers itself by existing: every module of this package (except ``base``) defines
+``METHOD = Method(...)``; adding a method means adding one module here, its strategy in
+``strategies/`` and its trainer in ``clients/trainers/``, with no list to edit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from fedlora.errors import ConfigError
+from fedlora.methods.base import Capabilities, Method, MethodOptions
+
+if TYPE_CHECKING:
+    from fedlora.config import ExperimentConfig
+
+__all__ = ["Capabilities", "Method", "MethodOptions", "method", "method_names", "options_of", "validate"]
+
+
+@cache
+def _discover() -> dict[str, Method]:
+    found: dict[str, Method] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name == "base":
+            continue
+        declared = getattr(importlib.import_module(f"{__name__}.{info.name}"), "METHOD", None)
+        if isinstance(declared, Method):
+            if declared.name in found:
+                raise RuntimeError(f"method name '{declared.name}' declared twice")
+            found[declared.name] = declared
+    return found
+
+
+def method_names() -> list[str]:
+    return sorted(_discover())
+
+
+def method(name: str) -> Method:
+    """The method declared under ``name`` (ConfigError listing the known names otherwise)."""
+    known = _discover()
+    if name not in known:
+        raise ConfigError(f"unknown strategy '{name}'; known: {', '.join(method_names())}")
+    return known[name]
+
+
+def options_of(experiment: ExperimentConfig) -> Any:
+    """The typed options of the experiment's method."""
+    return method(experiment.strategy.name).parse(experiment)
+
+
+def validate(config: ExperimentConfig) -> None:
+    """Check ``[strategy]`` against its method's options model, fill in the defaults, and apply
+    the method's and the platform's cross-section rules (ranks, privacy)."""
+    declared = method(config.strategy.name)
+    try:
+        options = declared.parse(config)
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ConfigError(f"unknown option 'strategy.{key}' for strategy '{declared.name}'") from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"invalid option 'strategy.{key}' for '{declared.name}': {message}, got {first.get('input')!r}") from None
+    for key, value in options.model_dump().items():
+        setattr(config.strategy, key, value)
+    _check_rank_policy(declared, config)
+    _check_privacy(declared, config)
+    if declared.check is not None:
+        declared.check(config, options)
+
+
+def _check_privacy(declared: Method, config: ExperimentConfig) -> None:
+    """``privacy.dp`` with a method whose client step Opacus cannot make private."""
+    if config.privacy.dp and not declared.capabilities.dp_compatible:
+        usable = ", ".join(n for n in method_names() if method(n).capabilities.dp_compatible)
+        raise ConfigError(f"privacy.dp = true is not supported by strategy '{declared.name}' (its client step is "
+                          f"not DP-SGD compatible); use one of {usable}, or set privacy.dp = false")
+
+
+def _check_rank_policy(declared: Method, config: ExperimentConfig) -> None:
+    """A same-rank method with ``clients.mixed_rank_policy = refuse`` and mixed configured ranks."""
+    ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
+    if declared.capabilities.mixed_ranks or config.clients.mixed_rank_policy != "refuse" or len(ranks) < 2:
+        return
+    raise ConfigError(
+        f"strategy '{declared.name}' needs one LoRA rank for every client but clients declare ranks "
+        f"{sorted(ranks)}; use flexlora, hetlora, flora or fedhera, or set clients.mixed_rank_policy=smallest"
+    )

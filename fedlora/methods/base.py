@@ -1,0 +1,61 @@
+"""What every method home declares: its options model, its capabilities, its config checks.
+
+A method home (``fedlora/methods/<name>.py``) is the one place a method's defaults live. It holds
+the method's :class:`MethodOptions` subclass (every ``[strategy]`` key with its default, allowed
+values and help text), the wire keys its strategy and trainer exchange, and its pure math (numpy
+functions over per-module factors). Its Flower strategy (``strategies/<name>.py``, the server
+protocol) and its client trainer (``clients/trainers/<name>.py``, the client step) import them;
+neither restates a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from fedlora.config import ExperimentConfig
+
+
+class MethodOptions(BaseModel):
+    """Options of a method (``[strategy]`` keys next to ``name``); unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method declares about itself (rendered into the README's capability matrix)."""
+
+    personalized: bool
+    uploads: str
+    downloads: str
+    mixed_ranks: bool = False  # clients may declare different ranks (False: one rank, clients.mixed_rank_policy)
+    partial_participation: bool = True
+    dp_compatible: bool = True  # its client step runs under Opacus DP-SGD
+    paper: str = ""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method home's declaration: ``METHOD = Method(...)`` at the bottom of its module.
+
+    ``check(experiment, options)`` raises :class:`fedlora.errors.ConfigError` for experiments the
+    method cannot run (cross-section rules its options model cannot see on its own).
+    """
+
+    name: str
+    options: type[MethodOptions]
+    capabilities: Capabilities
+    check: Callable[[ExperimentConfig, Any], None] | None = None
+
+    def parse(self, experiment: ExperimentConfig) -> Any:
+        """This method's typed options from ``experiment.strategy`` (defaults filled in)."""
+        return self.options(**experiment.strategy.options())
+
+
+class NoOptions(MethodOptions):
+    """A method without options of its own."""

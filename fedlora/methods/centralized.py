@@ -1,0 +1,26 @@
+"""Centralised reference: one trainer holding every client's training data (not a federated method).
+
+The upper reference a comparison puts next to the federated rows, with the same model, the same
+LoRA rank and the same total number of optimiser steps per round as the federation it is compared
+with. Wire key: the trainer is told how many clients a federated round samples (its step budget).
+"""
+
+from __future__ import annotations
+
+from fedlora.methods.base import Capabilities, Method, NoOptions
+
+CLIENTS_KEY = "centralized-clients"  # train config: clients a federated round samples (step budget)
+
+METHOD = Method(
+    name="centralized",
+    options=NoOptions,
+    capabilities=Capabilities(
+        personalized=False,
+        uploads="A, B, head (one trainer)",
+        downloads="A, B, head",
+        mixed_ranks=False,
+        partial_participation=False,
+        dp_compatible=False,  # one trainer on pooled data, its own fit: no per-client DP-SGD
+        paper="reference: centralised training on the pooled client data",
+    ),
+)

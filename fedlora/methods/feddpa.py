@@ -1,0 +1,51 @@
+"""FedDPA: dual-personalising adapters, a federated global LoRA g plus a private local LoRA l.
+
+Yang, Long, Shen, Jiang, Blumenstein, "Dual-Personalizing Adapter for Federated Foundation
+Models", NeurIPS 2024 (arXiv:2403.19211). The server averages g (FedAvg, A and B separately);
+l never leaves the client.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fedlora.methods.base import Capabilities, Method, MethodOptions
+
+
+class FedDPAOptions(MethodOptions):
+    global_rank: int = Field(
+        0,
+        ge=0,
+        description="Rank of the global LoRA g on every client (FedAvg needs one shape); "
+        "0 = model.lora_rank. [RECON for mixed ranks, the paper has one rank] The local LoRA l "
+        "uses each client's own rank.",
+    )
+    instance_weighting: bool = Field(
+        False,
+        description="FedDPA's test-time instance-wise weighting of the branches (official code, "
+        "get_weight): W0 + 2(1-w(x)) dW_g + 2 w(x) dW_l, w(x) = weight_max * mean cosine similarity "
+        "to reference_examples local training inputs; off = the plain sum [RECON: training uses the "
+        "plain sum].",
+    )
+    weight_max: float = Field(0.5, gt=0.0, le=1.0, description="Upper bound of w(x), in (0, 1].")
+    reference_examples: int = Field(
+        5, ge=1, description="Local training inputs the instance weight compares against."
+    )
+
+    def rank_of_g(self, lora_rank: int) -> int:
+        """Rank of the global LoRA g: ``global_rank``, or ``model.lora_rank`` when 0."""
+        return self.global_rank or lora_rank
+
+
+METHOD = Method(
+    name="feddpa",
+    options=FedDPAOptions,
+    capabilities=Capabilities(
+        personalized=True,
+        uploads="global LoRA g (A, B), head",
+        downloads="global LoRA g (A, B), head",
+        mixed_ranks=True,
+        dp_compatible=False,  # two active peft adapters in one model: not verified with Opacus
+        paper="Yang et al., NeurIPS 2024 (arXiv:2403.19211)",
+    ),
+)

@@ -1,0 +1,332 @@
+"""FedHera: resource-decoupled ranks, spectrum-preserving allocation, prefix gating.
+
+FedHera (2026). Taken from the official implementation (github.com/shock-xiaoke/FedHera:
+``main.py``, ``fed_utils/model_aggregation.py``, ``fed_utils/rank_allocator.py``,
+``fed_utils/adaptive_peft.py``); every choice that code does not make is a [RECON] option below
+(docs/algorithms.md). Pure math over ``dict[str, Factors]`` / ``dict[str, LowRankSVD]`` (one entry
+per adapted module); the protocol is ``strategies/fedhera.py``, the client step
+``clients/trainers/fedhera.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from fedlora.errors import ConfigError
+from fedlora.lora import Factors, LowRankSVD, factor_svd, product_inner, split_spectrum, trim
+from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.schema import ExperimentConfig
+
+BYTES_PER_PARAM = 4  # adapters cross the wire as float32 arrays
+BUDGET_KEYS = ("download", "time", "memory")
+ATW_MIN_NORM = 1e-6  # official: a norm at or below this gives s_i = 0
+NEVER_SCORED = (0.0, -1)  # official default (s, t_hat) of a client with no score yet
+NO_TAIL_SCALING = 0.999  # official: lambda at or above this leaves the tail as it is
+Allocation = Literal["greedy", "uniform", "random"]
+
+# wire keys (train / evaluate config of a message)
+R_TOT_KEY = "fedhera-r-tot"  # JSON {module: r_tot}
+R_MAIN_KEY = "fedhera-r-main"  # JSON {module: r_main}
+LAMBDA_KEY = "fedhera-lambda"  # the tail warm-up lambda_k (1.0 in evaluation messages)
+
+
+class FedHeraOptions(MethodOptions):
+    """FedHera's options. Defaults follow the official code (github.com/shock-xiaoke/FedHera,
+    ``main.py`` and ``fed_utils/``); a [RECON] option is a choice the code does not make."""
+
+    aggregation: Literal["original", "unbiased"] = Field(
+        "original",
+        description="'original' (official default, --fedhera_server_agg original): G = sum_i w_i "
+        "s_i B_i A_i over this round's uploads; 'unbiased' (the README's 'paper-style' example): "
+        "G = G_prev + sum_i w_i (dW_i - dW_i,init), dW_i,init = what was pushed to client i.",
+    )
+    unbiased_reference: Literal["push", "start"] = Field(
+        "push",
+        description="dW_i,init of 'unbiased': 'push' = the push as sent (official: read back from "
+        "the saved push file, tail not scaled by lambda); [RECON] 'start' = the push with its "
+        "tail scaled by lambda_i, the client's real starting point.",
+    )
+    allocation: Allocation = Field(
+        "greedy",
+        description="How budgets become ranks: 'greedy' water-filling on sigma^2 / cost (paper); "
+        "ablations 'uniform' (one column per module in turn) and 'random' (seeded).",
+    )
+    coupled: bool = Field(
+        False, description="Ablation: r_tot = r_main (download only what is trained, no frozen tail)."
+    )
+    atw: bool = Field(
+        False,
+        description="Adaptive tail warm-up: scale the frozen tail by lambda_k. Off by default as in "
+        "the official code (--use_atw is store_true) and as in the abstract, which names the "
+        "allocation and prefix gating but not ATW; the official README examples turn it on "
+        "(the fidelity benchmark runs both).",
+    )
+    atw_horizon: float = Field(2.0, gt=0.0, description="T_atw of the lambda schedule (official --atw_temperature 2.0).")
+    atw_decay: float = Field(
+        0.9, gt=0.0, le=1.0, description="Per-round decay of a client's remembered score (official: beta = 0.9)."
+    )
+    time_unit: float = Field(1.0, gt=0.0, description="t_unit: time units per trained parameter.")
+    memory_unit: float = Field(1.0, gt=0.0, description="m_unit: memory units per trained parameter.")
+    min_rank: int = Field(1, ge=1, description="[RECON] Smallest r_tot and r_main of any module.")
+    initial_rank: int = Field(
+        0,
+        ge=0,
+        description="Rank of every module of every client in round 1 (standard init, every column "
+        "trainable); 0 = model.lora_rank (official main.py: every client trains lora_r = 8 in "
+        "its first round, whatever its tier).",
+    )
+    initial_budget: Literal["ignore", "fit"] = Field(
+        "ignore",
+        description="Budgets in round 1: 'ignore' (official: budgets apply from the first push "
+        "on; round-1 downloads are not counted as violations); [RECON] 'fit': lower the round-1 "
+        "rank to the largest rank <= the initial rank that every client's budgets afford.",
+    )
+    fresh_components: bool = Field(
+        False,
+        description="[RECON] Columns past the numerical rank of G start as standard LoRA init "
+        "(A kaiming, B = 0) instead of the official near-zero columns (sigma ~ 0: A = B = 0, which "
+        "receive no gradient).",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# server: aggregation in factor space
+# --------------------------------------------------------------------------------------------
+
+
+def aggregate_original(updates: Sequence[Mapping[str, Factors]], weights: Sequence[float]) -> dict[str, LowRankSVD]:
+    """G^l = sum_i w_i s_i B_i A_i per module (``updates`` already scaled), as its thin SVD."""
+    modules = updates[0].keys()
+    return {
+        m: trim(factor_svd([u[m].B for u in updates], [u[m].A for u in updates], weights))
+        for m in modules
+    }
+
+
+def aggregate_unbiased(
+    previous: Mapping[str, LowRankSVD],
+    updates: Sequence[Mapping[str, Factors]],
+    starts: Sequence[Mapping[str, Factors]],
+    weights: Sequence[float],
+) -> dict[str, LowRankSVD]:
+    """G^l = G_prev^l + sum_i w_i (dW_i - dW_i,init), all scaled factors, as its thin SVD.
+
+    The subtraction travels as negative weights through :func:`factor_svd` (factor space).
+    """
+    out = {}
+    for m, G in previous.items():
+        Bs = [G.U * G.S] + [u[m].B for u in updates] + [s[m].B for s in starts]  # (d_out, r) each
+        As = [G.Vt] + [u[m].A for u in updates] + [s[m].A for s in starts]  # (r, d_in) each
+        w = [1.0, *weights, *(-np.asarray(weights))]
+        out[m] = trim(factor_svd(Bs, As, w))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# server: water-filling rank allocation
+# --------------------------------------------------------------------------------------------
+
+
+def next_sigma(spectrum: np.ndarray, rank: int) -> float:
+    """sigma_{r+1}: the singular value the next column would carry (0 past the spectrum)."""
+    return float(spectrum[rank]) if rank < len(spectrum) else 0.0
+
+
+def _pick(
+    candidates: list[str], gains: Mapping[str, float], ranks: Mapping[str, int], policy: Allocation, rng: np.random.Generator
+) -> str:
+    """The module that gets the next column: best gain (greedy), smallest rank (uniform), or any."""
+    if policy == "random":
+        return candidates[int(rng.integers(len(candidates)))]
+    if policy == "uniform":
+        return min(candidates, key=lambda m: ranks[m])  # ties: module order
+    return max(candidates, key=lambda m: (gains[m], -ranks[m]))  # ties: spread evenly
+
+
+def allocate_download(
+    spectra: Mapping[str, np.ndarray],
+    column_bytes: Mapping[str, int],
+    budget: float,
+    min_rank: int,
+    max_rank: Mapping[str, int],
+    policy: Allocation = "greedy",
+    rng: np.random.Generator | None = None,
+) -> dict[str, int]:
+    """r_tot per module: start at ``min_rank``, then repeatedly add a column to the module with
+    the largest sigma_{l, r_l+1}^2 / bytes_l among those still affordable, until none is.
+
+    ``column_bytes[l]`` = (d_out + d_in) * bytes_per_param; the total never exceeds ``budget``.
+    """
+    rng = rng or np.random.default_rng(0)
+    ranks = {m: min_rank for m in spectra}
+    left = budget - sum(min_rank * column_bytes[m] for m in spectra)
+    if left < 0:
+        raise ValueError(f"download budget {budget} cannot afford rank {min_rank} on every module")
+    while True:
+        candidates = [m for m in spectra if ranks[m] < max_rank[m] and column_bytes[m] <= left]
+        if not candidates:
+            return ranks
+        gains = {m: next_sigma(spectra[m], ranks[m]) ** 2 / column_bytes[m] for m in candidates}
+        chosen = _pick(candidates, gains, ranks, policy, rng)
+        ranks[chosen] += 1
+        left -= column_bytes[chosen]
+
+
+def _pressure(budget: float, left: float) -> float:
+    """T / T_left (1 for an undeclared, infinite budget)."""
+    return 1.0 if math.isinf(budget) else budget / max(left, 1e-300)
+
+
+def allocate_training(
+    spectra: Mapping[str, np.ndarray],
+    r_tot: Mapping[str, int],
+    column_time: Mapping[str, float],
+    column_memory: Mapping[str, float],
+    time_budget: float,
+    memory_budget: float,
+    min_rank: int,
+    policy: Allocation = "greedy",
+    rng: np.random.Generator | None = None,
+) -> dict[str, int]:
+    """r_main^l <= r_tot^l: the same water-filling under the time budget T and memory budget M.
+
+    A column of module l costs c_time_l and c_mem_l; it is ranked by sigma^2 / (a c_time_l +
+    b c_mem_l) with a = (T/T_left) / ((T/T_left) + (M/M_left)), b = 1 - a (the scarcer resource
+    weighs more), and added only while both totals stay within T and M.
+    """
+    rng = rng or np.random.default_rng(0)
+    ranks = {m: min(min_rank, r_tot[m]) for m in spectra}
+    time_left = time_budget - sum(ranks[m] * column_time[m] for m in spectra)
+    memory_left = memory_budget - sum(ranks[m] * column_memory[m] for m in spectra)
+    if time_left < 0 or memory_left < 0:
+        raise ValueError(f"training budgets (T={time_budget}, M={memory_budget}) cannot afford rank {min_rank}")
+    while True:
+        candidates = [
+            m for m in spectra
+            if ranks[m] < r_tot[m] and column_time[m] <= time_left and column_memory[m] <= memory_left
+        ]
+        if not candidates:
+            return ranks
+        pressure_t, pressure_m = _pressure(time_budget, time_left), _pressure(memory_budget, memory_left)
+        a = pressure_t / (pressure_t + pressure_m)
+        cost = {m: a * column_time[m] + (1.0 - a) * column_memory[m] for m in candidates}
+        gains = {m: next_sigma(spectra[m], ranks[m]) ** 2 / cost[m] for m in candidates}
+        chosen = _pick(candidates, gains, ranks, policy, rng)
+        ranks[chosen] += 1
+        time_left -= column_time[chosen]
+        memory_left -= column_memory[chosen]
+
+
+# --------------------------------------------------------------------------------------------
+# server: spectral push and adaptive tail warm-up; client: the tail scaling
+# --------------------------------------------------------------------------------------------
+
+
+def spectral_push(svd: LowRankSVD, rank: int, scale: float, fresh_A: np.ndarray | None = None) -> Factors:
+    """B = U_r diag(sqrt(S_r / s)), A = diag(sqrt(S_r / s)) V_r^T, so s B A = U_r S_r V_r^T.
+
+    Columns past the spectrum's length (G has lower rank than ``rank``) get ``fresh_A`` rows
+    (standard LoRA init) and zero B columns: s B A is unchanged, and they can still learn
+    (zero rows of both A and B receive no gradient). Without ``fresh_A`` they stay zero.
+    """
+    head = split_spectrum(svd, rank, scale)  # rank min(rank, len(S))
+    missing = rank - head.rank
+    if missing == 0:
+        return head
+    d_out, d_in = svd.U.shape[0], svd.Vt.shape[1]
+    tail_A = fresh_A[:missing].astype(np.float32) if fresh_A is not None else np.zeros((missing, d_in), np.float32)
+    A = np.concatenate([head.A, tail_A], axis=0)  # (rank, d_in)
+    B = np.concatenate([head.B, np.zeros((d_out, missing), np.float32)], axis=1)  # (d_out, rank)
+    return Factors(A, B)
+
+
+def alignment_score(update: Mapping[str, Factors], G: Mapping[str, LowRankSVD]) -> float:
+    """ATW score s_i: ONE cosine between the client's whole product and the whole new G.
+
+    Official ``fed_utils/model_aggregation.py`` (l.247-305): over all modules together,
+    s_i = sum_l <P_i^l, G^l>_F / (sqrt(sum_l ||P_i^l||_F^2) * sqrt(sum_l ||G^l||_F^2)) with
+    P_i^l = s_i B_i^l A_i^l the client's uploaded product (``update``, already scaled; its frozen
+    tail carries the lambda it trained with) and G the aggregate this round produced (client i's
+    own contribution included). s_i is in [-1, 1]; 0 when either norm is <= 1e-6 (as there).
+    """
+    inner, update_sq, global_sq = 0.0, 0.0, 0.0
+    for m, f in update.items():
+        g_B, g_A = G[m].U * G[m].S, G[m].Vt  # G = (U S) Vt
+        inner += product_inner(f.B, f.A, g_B, g_A)
+        update_sq += product_inner(f.B, f.A, f.B, f.A)
+        global_sq += float(np.sum(np.square(G[m].S, dtype=np.float64)))
+    update_norm, global_norm = math.sqrt(max(update_sq, 0.0)), math.sqrt(global_sq)
+    if update_norm <= ATW_MIN_NORM or global_norm <= ATW_MIN_NORM:
+        return 0.0
+    return inner / (update_norm * global_norm)
+
+
+def tail_lambda(score: float, score_round: int, push_round: int, horizon: float, decay: float) -> float:
+    """lambda = clip(1 - exp(-(1 + s decay^(e - t_hat)) (e + 1) / T_atw), 0, 1).
+
+    Official lines (``model_aggregation.py`` l.408-418), with their 0-based round indices:
+    ``e`` = ``push_round``, the round whose aggregation produced the push (it is trained on in
+    round e + 1); ``t_hat`` = ``score_round``, the round in which the client last trained and
+    was scored (-1 and s = 0 for a client never scored); T_atw = ``horizon``.
+    """
+    boost = 1.0 + score * decay ** (push_round - score_round)
+    return float(np.clip(1.0 - math.exp(-boost * (push_round + 1) / horizon), 0.0, 1.0))
+
+
+def push_round_of(server_round: int) -> int:
+    """The official 0-based round ``e`` whose push is trained on in fedlora's 1-based
+    ``server_round`` (round R trains on the aggregate of round R - 1, i.e. e = R - 2)."""
+    return server_round - 2
+
+
+def scored_round_of(server_round: int) -> int:
+    """The official 0-based stamp t_hat of a score computed when 1-based ``server_round`` trained."""
+    return server_round - 1
+
+
+def scale_tail(factors: Mapping[str, Factors], r_main: Mapping[str, int], lam: float) -> dict[str, Factors]:
+    """FedHera's tail warm-up: rows r_main: of A and columns r_main: of B times sqrt(lam), so the
+    frozen tail's product B_tail A_tail is scaled by lam (unchanged when lam >= 0.999)."""
+    if lam >= NO_TAIL_SCALING:
+        return dict(factors)
+    root = np.float32(np.sqrt(max(lam, 0.0)))
+    out = {}
+    for module, f in factors.items():
+        A, B = np.array(f.A, copy=True), np.array(f.B, copy=True)
+        A[r_main[module]:] *= root  # (r_tot - r_main, d_in)
+        B[:, r_main[module]:] *= root  # (d_out, r_tot - r_main)
+        out[module] = Factors(A, B)
+    return out
+
+
+def check(experiment: ExperimentConfig, options: FedHeraOptions) -> None:
+    if experiment.model.init == "pissa":
+        raise ConfigError(
+            "strategy 'fedhera' cannot use model.init = 'pissa' (it rewrites the base per rank "
+            "and FedHera changes ranks every round); set model.init = 'kaiming'"
+        )
+    if experiment.train.weight_decay != 0.0:
+        raise ConfigError(
+            f"strategy 'fedhera' trains with weight decay 0 (prefix gating), got "
+            f"train.weight_decay = {experiment.train.weight_decay}; set train.weight_decay = 0"
+        )
+
+
+METHOD = Method(
+    name="fedhera",
+    options=FedHeraOptions,
+    capabilities=Capabilities(
+        personalized=False,
+        uploads="A, B (r_tot, tail included), head",
+        downloads="top-r_tot spectrum of G per module, head; r_tot, r_main, lambda",
+        mixed_ranks=True,
+        dp_compatible=False,  # prefix gating edits p.grad; Opacus steps on per-example grads
+        paper="FedHera, 2026 (official code: github.com/shock-xiaoke/FedHera)",
+    ),
+    check=check,
+)

@@ -1,0 +1,22 @@
+"""FedIT (FedAvg-LoRA): every client trains A and B; the server averages each separately.
+
+Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning", ICASSP 2024
+(arXiv:2305.05644). The math is :func:`fedlora.lora.padded_average` (zero-pad mixed ranks to the
+largest, average A and B separately, each client takes its first r_k components).
+"""
+
+from __future__ import annotations
+
+from fedlora.methods.base import Capabilities, Method, NoOptions
+
+METHOD = Method(
+    name="fedit",
+    options=NoOptions,
+    capabilities=Capabilities(
+        personalized=False,
+        uploads="A, B, head",
+        downloads="A, B, head",
+        mixed_ranks=True,  # zero-padded to r_max, truncated to r_k
+        paper="Zhang et al., ICASSP 2024 (arXiv:2305.05644)",
+    ),
+)

@@ -1,0 +1,207 @@
+"""FedPissa: selective aggregation of B with a decorrelated subspace projection; A stays local.
+
+FedPissa (2026; abstract only, plus the authors' overview figure). The server update is "Eq. 4"
+of the figure [FIG]; the PiSSA init, the tail-rank default, the weighting of the deviations and
+the global-model definition are reconstructions [RECON] and therefore options (docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from fedlora.errors import ConfigError
+from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.profile import configured_rank
+from fedlora.schema import ExperimentConfig
+
+ClientId = int  # partition id
+
+
+class FedPissaOptions(MethodOptions):
+    """FedPissa's options (``[strategy]`` keys next to ``name = "fedpissa"``)."""
+
+    lam: float = Field(
+        1.0,
+        ge=0.0,
+        description="lambda of Eq. 4: strength of the projected client deviations added to "
+        "the average of B (0 = plain averaging of B).",
+    )
+    delta: int | None = Field(
+        None,
+        description="Tail rank: P_k projects onto the eigenvectors of the delta smallest "
+        "eigenvalues of C_k; 1 <= delta < r. Empty = r // 2 (ALGORITHMS.md default r/2).",
+    )
+    correction: Literal["bounded", "literal"] = Field(
+        "bounded",
+        description="[RECON] How the projected deviations enter Eq. 4: 'bounded' = lam * sum_k p_k "
+        "(B_k - B_avg) P_k (identical projectors give exactly B_avg; a convex mix per direction "
+        "for lam <= 1); 'literal' = lam * sum_k (B_k - B_avg) P_k as the figure draws it, which "
+        "extrapolates under sample weights (10 clients, one holding 43 % of the data: a "
+        "coefficient near -2.8 on the others' deviations).",
+    )
+    weights: Literal["samples", "uniform"] = Field(
+        "samples",
+        description="p_k in B_avg = sum_k p_k B_k (and in the head's average): 'samples' "
+        "(n_k / sum n, FedAvg) or 'uniform' (1 / K).",
+    )
+    init: Literal["pissa", "kaiming"] = Field(
+        "pissa",
+        description="[RECON] LoRA init: 'pissa' (A = S_r^1/2 V_r^T, B = U_r S_r^1/2 from the "
+        "exact top-r SVD of W0, frozen residual W0 - s B A, identical on every client and the "
+        "server) or 'kaiming' (standard LoRA, B = 0). Overrides model.init for fedpissa only.",
+    )
+    global_model: Literal["clients", "mean_A"] = Field(
+        "clients",
+        description="[RECON] what 'global accuracy' means (the paper has no global model): "
+        "'clients' = every client's personalised model W0 + s B_agg A_k on the global test "
+        "set, example-weighted; 'mean_A' = one model B_agg with the example-weighted mean of "
+        "the clients' last A, evaluated by the server.",
+    )
+
+
+
+# ------------------------------------------------------------------------------------ math
+def decorrelation_projectors(
+    A_by_client: Mapping[ClientId, Mapping[str, np.ndarray]], delta: int
+) -> dict[ClientId, dict[str, np.ndarray]]:
+    """P_k per client and module: projector onto the tail eigenspace of C_k = sum_{j != k} A_j A_j^T.
+
+    ``A_by_client[k][module]`` is A_k (r, d_in); every client has the same modules and rank r.
+    The r x r Gram matrices are stacked over clients and modules, C_k is the total minus client
+    k's own Gram, and one batched ``eigh`` gives every eigenbasis (ascending eigenvalues, so the
+    tail is the first ``delta`` columns). Nothing of size d x d is formed.
+    """
+    clients = list(A_by_client)
+    modules = list(A_by_client[clients[0]])
+    r = int(A_by_client[clients[0]][modules[0]].shape[0])
+    if not 1 <= delta < r:
+        raise ValueError(f"delta must be in [1, r) = [1, {r}), got {delta}")
+    grams = np.empty((len(clients), len(modules), r, r))  # (K, M, r, r)
+    for m, module in enumerate(modules):
+        A = np.stack([np.asarray(A_by_client[k][module], dtype=np.float64) for k in clients])  # (K, r, d_in)
+        grams[:, m] = A @ A.transpose(0, 2, 1)
+    C = grams.sum(axis=0, keepdims=True) - grams  # (K, M, r, r): the other clients' A only
+    _, U = np.linalg.eigh(C)  # batched; eigenvalues ascending
+    U_tail = U[..., :delta]  # (K, M, r, delta)
+    P = U_tail @ U_tail.swapaxes(-1, -2)  # (K, M, r, r)
+    return {k: {module: P[i, m] for m, module in enumerate(modules)} for i, k in enumerate(clients)}
+
+
+def aggregate_B(
+    B_by_client: Mapping[ClientId, Mapping[str, np.ndarray]],
+    P_by_client: Mapping[ClientId, Mapping[str, np.ndarray]],
+    weights: Mapping[ClientId, float],
+    lam: float,
+    correction: Literal["bounded", "literal"] = "bounded",
+) -> dict[str, np.ndarray]:
+    """Eq. 4: B_agg = B_avg + lam * sum_k c_k (B_k - B_avg) P_k, with B_avg = sum_k p_k B_k.
+
+    ``weights`` are the p_k (summing to one); c_k = p_k for ``correction = 'bounded'`` (the
+    default) and c_k = 1 for ``'literal'`` (the figure's unweighted sum).
+    Returns one B_agg (d_out, r) per module, float32 (the wire dtype).
+    """
+    clients = list(B_by_client)
+    p = np.array([weights[k] for k in clients], dtype=np.float64)  # (K,)
+    c = p if correction == "bounded" else np.ones_like(p)  # (K,)
+    result: dict[str, np.ndarray] = {}
+    for module in B_by_client[clients[0]]:
+        B = np.stack([np.asarray(B_by_client[k][module], dtype=np.float64) for k in clients])  # (K, d_out, r)
+        P = np.stack([P_by_client[k][module] for k in clients])  # (K, r, r)
+        B_avg = np.einsum("k,kor->or", p, B)  # (d_out, r)
+        correction_term = np.einsum("k,kor,krs->os", c, B - B_avg, P)  # (d_out, r)
+        result[module] = (B_avg + lam * correction_term).astype(np.float32)
+    return result
+
+
+def resolved_delta(delta: int | None, r: int) -> int:
+    """The tail rank used for rank ``r`` (``None`` -> r // 2)."""
+    return r // 2 if delta is None else delta
+
+
+def common_rank(experiment: ExperimentConfig) -> int:
+    """The one LoRA rank every client trains at, as the config declares it.
+
+    Mixed declared ranks follow the platform's ``clients.mixed_rank_policy``: 'smallest' runs
+    every client at the smallest rank (the server tells clients ``common-rank``), 'refuse' is a
+    ConfigError here, before anything starts.
+    """
+    n = experiment.data.num_clients
+    ranks = sorted({configured_rank(experiment.clients, experiment.model.lora_rank, k, n) for k in range(n)})
+    if len(ranks) > 1 and experiment.clients.mixed_rank_policy == "refuse":
+        raise ConfigError(
+            f"strategy 'fedpissa' needs one LoRA rank for every client (B_k must share r), got "
+            f"ranks {ranks} with clients.mixed_rank_policy='refuse'; give equal clients.ranks or "
+            f"set clients.mixed_rank_policy='smallest'"
+        )
+    return ranks[0]
+
+
+def check_delta(delta: int | None, r: int) -> None:
+    """ConfigError unless 1 <= delta < r (``None`` means r // 2, which needs r >= 2)."""
+    if r < 2:
+        raise ConfigError(f"strategy 'fedpissa' needs LoRA rank >= 2 (delta in [1, r)), got rank {r}")
+    value = resolved_delta(delta, r)
+    if not 1 <= value < r:
+        raise ConfigError(
+            f"strategy.delta must be in [1, rank), got {value} (rank = {r}); "
+            f"set 1 <= strategy.delta <= {r - 1} or omit it for r // 2 = {r // 2}"
+        )
+
+
+def projection_diagnostics(
+    A_by_client: Mapping[ClientId, Mapping[str, np.ndarray]],
+    B_by_client: Mapping[ClientId, Mapping[str, np.ndarray]],
+    P_by_client: Mapping[ClientId, Mapping[str, np.ndarray]],
+    weights: Mapping[ClientId, float],
+    B_agg: Mapping[str, np.ndarray],
+) -> dict[str, float]:
+    """How large the projected correction was and how much of the other clients' A it touches.
+
+    ``relative_correction`` = ||B_agg - B_avg||_F / ||B_avg||_F summed over modules;
+    ``interference`` = mean over k, j != k, modules of ||P_k A_j||_F / ||A_j||_F (small when the
+    tail directions are ones the other clients barely use).
+    """
+    clients = list(B_by_client)
+    num, den, ratios = 0.0, 0.0, []
+    for module, B_new in B_agg.items():
+        B_avg = sum(weights[k] * np.asarray(B_by_client[k][module], dtype=np.float64) for k in clients)
+        num += float(np.linalg.norm(B_new - B_avg) ** 2)
+        den += float(np.linalg.norm(B_avg) ** 2)
+        for k in clients:
+            for j in clients:
+                if j != k:
+                    A_j = np.asarray(A_by_client[j][module], dtype=np.float64)  # (r, d_in)
+                    ratios.append(
+                        float(np.linalg.norm(P_by_client[k][module] @ A_j) / max(np.linalg.norm(A_j), 1e-12))
+                    )
+    return {
+        "relative_correction": float(np.sqrt(num / max(den, 1e-24))),
+        "interference": float(np.mean(ratios)) if ratios else 0.0,
+    }
+
+
+def check(experiment: ExperimentConfig, options: FedPissaOptions) -> None:
+    check_delta(options.delta, common_rank(experiment))
+    if experiment.model.init not in ("kaiming", options.init):  # kaiming: the platform default
+        raise ConfigError(
+            f"model.init = '{experiment.model.init}' conflicts with strategy.init = "
+            f"'{options.init}' for fedpissa; set strategy.init instead of model.init"
+        )
+
+
+METHOD = Method(
+    name="fedpissa",
+    options=FedPissaOptions,
+    capabilities=Capabilities(
+        personalized=True,
+        uploads="A, B, head",
+        downloads="B, head",
+        mixed_ranks=False,
+        paper="FedPissa, 2026 (abstract and overview figure; docs/algorithms.md)",
+    ),
+    check=check,
+)

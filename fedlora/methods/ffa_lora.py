@@ -1,0 +1,78 @@
+"""FFA-LoRA: A frozen at a shared seeded init every party draws itself; only B is trained and sent.
+
+Sun, Li, Li, Ding, "Improving LoRA in Privacy-preserving Federated Learning", ICLR 2024
+(arXiv:2403.12313). A is :func:`fedlora.lora.nested_A` (rank-nested, so mixed ranks share their
+first components); the server averages s_k B_k zero-padded to the largest rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from pydantic import Field
+
+from fedlora.errors import ConfigError
+from fedlora.methods.base import Capabilities, Method, MethodOptions
+
+if TYPE_CHECKING:
+    from fedlora.config import ExperimentConfig
+
+
+class FFALoRAOptions(MethodOptions):
+    mixed_ranks: Literal["pad", "refuse"] = Field(
+        "pad",
+        description="Mixed client ranks: 'pad' [RECON, the paper has one rank] (rank-nested shared A, "
+        "scale-aware zero-padded average of B, truncate back) or 'refuse' (one rank for every client).",
+    )
+
+
+def aggregate_B(client_B: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], rank: int) -> dict[str, np.ndarray]:
+    """B (d_out, rank) per module with s_R B A_R = sum_k p_k s_k B_k A_R[:r_k].
+
+    With A shared and rank-nested (A_k = A_R[:r_k]) and s = alpha / r, this is the exact average
+    of the clients' updates dW_k = s_k B_k A_k: B = sum_k p_k (R / r_k) pad(B_k, R). With equal
+    ranks it is FFA-LoRA's plain B = sum_k p_k B_k. ``weights`` are normalised here.
+    """
+    p = np.asarray(weights, dtype=np.float64)
+    p = p / p.sum()
+    out: dict[str, np.ndarray] = {}
+    for module in client_B[0]:
+        d_out = client_B[0][module].shape[0]
+        total = np.zeros((d_out, rank))  # (d_out, R)
+        for p_k, B_by_module in zip(p, client_B):
+            B_k = np.asarray(B_by_module[module], dtype=np.float64)  # (d_out, r_k)
+            r_k = B_k.shape[1]
+            total[:, :r_k] += p_k * (rank / r_k) * B_k
+        out[module] = total.astype(np.float32)
+    return out
+
+
+def download_B(B: np.ndarray, rank: int) -> np.ndarray:
+    """Client view of the global B (d_out, R) at ``rank`` r_k: (r_k / R) B[:, :r_k], so that
+    s_k B_k A_k is the rank-r_k truncation of s_R B A_R (exact when r_k = R)."""
+    R = B.shape[1]
+    return ((rank / R) * B[:, :rank]).astype(np.float32)  # (d_out, r_k)
+
+
+def check(experiment: ExperimentConfig, options: FFALoRAOptions) -> None:
+    if experiment.model.init != "kaiming":
+        raise ConfigError(
+            f"ffa_lora draws its frozen A itself (kaiming-uniform, B = 0); model.init must be "
+            f"'kaiming', got {experiment.model.init!r}"
+        )
+
+
+METHOD = Method(
+    name="ffa_lora",
+    options=FFALoRAOptions,
+    capabilities=Capabilities(
+        personalized=False,
+        uploads="B, head",
+        downloads="B, head",
+        mixed_ranks=True,
+        paper="Sun et al., ICLR 2024 (arXiv:2403.12313)",
+    ),
+    check=check,
+)

@@ -1,0 +1,38 @@
+"""FLoRA: stacking-based heterogeneous-rank aggregation, merged into the base every round.
+
+Wang et al., "FLoRA: Federated Fine-Tuning Large Language Models with Heterogeneous Low-Rank
+Adaptations", NeurIPS 2024 (arXiv:2409.05976). The math is :mod:`fedlora.lora.stacking` (the
+stack A = [p_k s_k A_k], B = [B_k] is exactly sum p_k s_k B_k A_k; its wire format).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedlora.errors import ConfigError
+from fedlora.methods.base import Capabilities, Method, NoOptions
+
+if TYPE_CHECKING:
+    from fedlora.config import ExperimentConfig
+
+
+def check(experiment: ExperimentConfig, options: NoOptions) -> None:
+    if experiment.model.init == "pissa":
+        raise ConfigError(
+            "model.init 'pissa' cannot be used with strategy 'flora' (FLoRA merges into the base "
+            "that PiSSA rewrites); use model.init=kaiming or gaussian"
+        )
+
+
+METHOD = Method(
+    name="flora",
+    options=NoOptions,
+    capabilities=Capabilities(
+        personalized=False,
+        uploads="A_k, B_k (own rank), head",
+        downloads="unmerged stacks [p_k s_k A_k], [B_k] of past rounds, head",
+        mixed_ranks=True,
+        paper="Wang et al., NeurIPS 2024 (arXiv:2409.05976)",
+    ),
+    check=check,
+)

@@ -1,0 +1,78 @@
+"""HetLoRA: heterogeneous ranks by zero-padding, norm-weighted averaging and truncation, with
+optional rank self-pruning on the client.
+
+Cho et al., "Heterogeneous LoRA for Federated Fine-tuning of On-Device Foundation Models",
+EMNLP 2024 (arXiv:2401.06432). Wire key: a self-pruning client reports the rank of its upload
+(``upload-rank`` train metric); the server tells every client its current rank in the message
+(``lora-rank``, as for every method).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from pydantic import Field
+
+from fedlora.lora import Factors, average_factors, normalise, product_norm
+from fedlora.methods.base import Capabilities, Method, MethodOptions
+
+UPLOAD_RANK_KEY = "upload-rank"  # train metric: the rank of a self-pruning client's upload
+TAIL_NORM_KEY = "tail-norm"  # train metric: the tail norm a pruning client measured
+
+
+class HetLoRAOptions(MethodOptions):
+    weighting: Literal["norm", "examples"] = Field(
+        "norm",
+        description="Aggregation weights: 'norm' = w_k proportional to ||B_k A_k||_F per module "
+        "(HetLoRA's sparsity-weighted aggregation, Cho et al. 2024, Sec. 3); 'examples' = "
+        "n_k / sum n (plain zero-padding FedAvg, an ablation).",
+    )
+    self_prune: bool = Field(
+        False,
+        description="Local rank self-pruning (Cho et al. 2024, Sec. 3): each client adds "
+        "prune_lambda * sum_modules ||B_tail||_F ||A_tail||_F (the components beyond "
+        "floor(prune_decay * r_k)) to its loss and drops them, shrinking its rank for good, when "
+        "that tail norm is smaller than in its previous round [RECON: the comparison rule].",
+    )
+    prune_decay: float = Field(
+        0.75, gt=0.0, lt=1.0, description="gamma: a pruning client keeps floor(gamma * r_k) components (at least 1)."
+    )
+    prune_lambda: float = Field(
+        0.01, ge=0.0, description="lambda: weight of the tail-norm regulariser in the local loss."
+    )
+
+
+def pruned_rank(rank: int, decay: float) -> int:
+    """The rank HetLoRA's self-pruning keeps: floor(decay * rank), at least 1."""
+    return max(1, math.floor(decay * rank))
+
+
+def hetlora_aggregate(
+    clients: Sequence[Mapping[str, Factors]], rank: int, examples: Sequence[float], weighting: str = "norm"
+) -> dict[str, Factors]:
+    """Per module: zero-pad every client's factors to ``rank``, then average A and B separately.
+
+    ``weighting = norm``: w_k = ||B_k A_k||_F / sum_j ||B_j A_j||_F (HetLoRA's sparsity-weighted
+    aggregation; uniform when every norm is zero); ``examples``: w_k = n_k / sum n.
+    """
+    out: dict[str, Factors] = {}
+    for module in clients[0]:
+        factors = [c[module] for c in clients]
+        w = normalise([product_norm(f) for f in factors]) if weighting == "norm" else normalise(examples)
+        out[module] = average_factors(factors, w, rank)
+    return out
+
+
+METHOD = Method(
+    name="hetlora",
+    options=HetLoRAOptions,
+    capabilities=Capabilities(
+        personalized=False,
+        uploads="A_k, B_k (own rank), head",
+        downloads="global factors truncated to r_k, head",
+        mixed_ranks=True,
+        paper="Cho et al., EMNLP 2024 (arXiv:2401.06432)",
+    ),
+)

@@ -1,0 +1,21 @@
+"""Local training only: every client trains its own adapter and nothing crosses the wire.
+
+The lower bound every personalised federated method must beat (what a client gets without
+federation; the "Local" rows of FedSA-LoRA, ICLR 2025, and FedDPA, NeurIPS 2024).
+"""
+
+from __future__ import annotations
+
+from fedlora.methods.base import Capabilities, Method, NoOptions
+
+METHOD = Method(
+    name="local",
+    options=NoOptions,
+    capabilities=Capabilities(
+        personalized=True,
+        uploads="nothing",
+        downloads="nothing",
+        mixed_ranks=True,
+        paper="no-federation baseline (lower bound)",
+    ),
+)

