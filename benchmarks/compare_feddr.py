@@ -1,7 +1,7 @@
 """FedDR-LoRA vs fedit / ffa_lora / fedsa_lora under label noise: the README table.
 
 For every noise setting (symmetric / pair-flip at 20, 40, 60 %) this runs ``fedlora compare``
-(:func:`fedlora.compare.compare`, in process) on ``configs/feddr_lora.toml`` into
+(:func:`fedlora.app.compare.compare`, in process) on ``configs/feddr_lora.toml`` into
 ``OUT/<setting>/`` and prints one markdown table: accuracy on the *clean* test data per setting
 and strategy (mean over clients of each client's model on its clean local test split, and the
 global model - or, without one, the clients' models - on the clean global test set), plus
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from fedlora.compare import compare, summarize
+    from fedlora.app.compare import compare, summarize
 
     settings = [s for s in args.settings.split(",") if s]
     strategies = [s for s in args.strategies.split(",") if s]

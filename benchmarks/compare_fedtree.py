@@ -3,7 +3,7 @@
     flock /tmp/fedlora-cpu.lock python benchmarks/compare_fedtree.py --seeds 0,1,2
 
 Runs every job of :data:`JOBS` x seeds on ``configs/fedtreelora.toml`` (2 client groups with
-disjoint label sets, Dirichlet skew inside a group) with :func:`fedlora.compare.run_jobs`
+disjoint label sets, Dirichlet skew inside a group) with :func:`fedlora.app.compare.run_jobs`
 (in-process engine by default: the real ServerApp / ClientApp without Ray), so every run trains on
 identical partitions; complete runs are skipped when rerun. Writes ``OUT/summary.md`` /
 ``summary.csv`` (mean +- std over seeds) and ``OUT/cuts.md``: the cuts FedTreeLoRA chose per
@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.compare import Job, run_jobs, summarize
+from fedlora.app.compare import Job, run_jobs, summarize
 from fedlora.config import load_config
 
 # label -> (strategy, overrides)

@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.compare import Job, load_runs, run_jobs, summarize
-from fedlora.tune import choose, point_label
+from fedlora.app.compare import Job, load_runs, run_jobs, summarize
+from fedlora.app.tune import choose, point_label
 
 logger = logging.getLogger("fedlora")
 
@@ -166,10 +166,10 @@ def run_scenario(name: str, seeds: list[int], out: Path, workers: int, overrides
     run_jobs(config, jobs, out, engine="inprocess", overrides=overrides, workers=workers)
     labels = list(dict.fromkeys(job.name for job in jobs))
     table = summarize(out, labels=labels)
-    from fedlora.plotting import plot_comparison
-    from fedlora.runner import resolve
+    from fedlora.app.plotting import plot_comparison
+    from fedlora.app.runner import resolve
 
-    plot_comparison(out, resolve(config, overrides).data, labels=labels)
+    plot_comparison(out, load_runs(out, labels), resolve(config, overrides).data)
     facts = regime(table, scenario, chosen)
     facts |= {"scenario": name, "seeds": seeds, "tuning": tuning, "seconds": time.perf_counter() - started}
     (out / "fidelity.json").write_text(json.dumps(facts, indent=2))

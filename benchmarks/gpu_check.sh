@@ -8,7 +8,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT_DIR:-runs/gpu_check}
 $PY -c "import torch, sys; ok = torch.cuda.is_available(); print('cuda:', torch.cuda.get_device_name(0) if ok else 'none'); sys.exit(0 if ok else 3)" \
   || { echo "error: no CUDA device visible to torch" >&2; exit 3; }
-$PY -m fedlora.cli run configs/quickstart.toml --out "$OUT" \
+$PY -m fedlora.app.cli run configs/quickstart.toml --out "$OUT" \
   --set train.device=cuda --set data.num_clients=2 --set federation.fraction_train=1.0 \
   --set federation.fraction_evaluate=1.0 --set federation.num_gpus=0.5 --set train.max_steps=50 "$@"
 $PY - "$OUT" <<'PYEOF'

@@ -71,10 +71,10 @@ def plain_fedavg(config) -> dict[str, object]:
     """(a): a plain PyTorch loop over clients with FedAvg, timed per round."""
     import torch
 
+    from fedlora.app.server import GlobalEvaluator
     from fedlora.data import build_federated_data
     from fedlora.lora import weighted_average
     from fedlora.models import adapter_payload, build_model, load_payload, load_tokenizer, resolve_device
-    from fedlora.server import GlobalEvaluator
     from fedlora.training import make_loader, train
 
     torch.set_num_threads(max(1, int(config.federation.num_cpus)))
@@ -112,7 +112,7 @@ def plain_fedavg(config) -> dict[str, object]:
 
 def fedlora_run(config_path: Path, overrides: list[str], out: Path) -> dict[str, object]:
     """(b): ``fedlora run`` on Flower's simulation engine, in a fresh process."""
-    command = [sys.executable, "-m", "fedlora.cli", "run", str(config_path), "--out", str(out)]
+    command = [sys.executable, "-m", "fedlora.app.cli", "run", str(config_path), "--out", str(out)]
     for override in overrides:
         command += ["--set", override]
     started = time.perf_counter()

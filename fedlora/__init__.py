@@ -1,9 +1,13 @@
 """fedlora: federated LoRA fine-tuning on Flower.
 
 Public Python API (for notebooks): ``fedlora.run(config, overrides=None, out_dir=None)`` runs one
-experiment in Flower's simulation engine and returns its results dict; ``fedlora.load_config``
-reads and validates a TOML config; ``fedlora.compare(config, strategies, seeds, ...)`` runs a
-strategy comparison and returns its table (see :mod:`fedlora.compare`).
+experiment and returns its results dict; ``fedlora.load_config`` reads and validates a TOML
+config; ``fedlora.compare(config, strategies, seeds, ...)`` runs a strategy comparison and
+returns its table (see :mod:`fedlora.app.compare`).
+
+This module is the package's facade: it sits above everything (the application layer
+included) and imports lazily, so that importing a core module (``fedlora.lora``,
+``fedlora.config``, ...) never loads the application.
 """
 
 from __future__ import annotations
@@ -13,22 +17,26 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def run(config: Any, overrides: list[str] | None = None, out_dir: Any = None, verbose: bool = False) -> dict:
-    """Run one experiment (see :func:`fedlora.runner.run`)."""
-    from fedlora.runner import run as _run
+def run(config: Any, overrides: list[str] | None = None, out_dir: Any = None, verbose: bool = False,
+        engine: str = "ray") -> dict:
+    """Run one experiment (see :func:`fedlora.app.runner.run`)."""
+    from fedlora.app.runner import run as _run
 
-    return _run(config, overrides=overrides, out_dir=out_dir, verbose=verbose)
+    return _run(config, overrides=overrides, out_dir=out_dir, verbose=verbose, engine=engine)
 
 
-def load_config(path: Any, overrides: list[str] | None = None):
+def load_config(path: Any, overrides: list[str] | None = None) -> Any:
     """Read and validate a TOML experiment config (see :func:`fedlora.config.load_config`)."""
     from fedlora.config import load_config as _load
 
     return _load(path, overrides)
 
 
-# The function shadows the submodule name on purpose (``fedlora.compare(...)``); import the
-# module's other names with ``from fedlora.compare import summarize, run_jobs``.
-from fedlora.compare import compare
+def compare(*args: Any, **kwargs: Any) -> Any:
+    """Run strategies x seeds on the same partitions and summarise (see :func:`fedlora.app.compare.compare`)."""
+    from fedlora.app.compare import compare as _compare
+
+    return _compare(*args, **kwargs)
+
 
 __all__ = ["__version__", "compare", "load_config", "run"]

@@ -3,7 +3,8 @@
 Every node is a Flower ``Context`` (with its own ``node_config`` and persistent ``state``);
 ``send_and_receive`` calls the ClientApp directly, one message after the other, and turns a
 client exception into an error reply exactly as Flower does. Use it for fast strategy tests and
-for debugging a strategy step by step; use :func:`fedlora.run` for the simulation engine.
+for debugging a strategy step by step. This module is an engine only: running the ServerApp on it
+is :func:`fedlora.app.runner.run_inprocess`; the Ray engine is Flower's own simulation engine.
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ from __future__ import annotations
 import itertools
 import traceback
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
-
-from fedlora.config import ExperimentConfig
 
 RUN_ID = 1
 SERVER_NODE_ID = 0
@@ -82,14 +80,3 @@ class InProcessGrid(Grid):
 def node_configs(num_clients: int) -> list[dict[str, Any]]:
     """The node configs Flower's simulation engine gives its virtual SuperNodes."""
     return [{"partition-id": i, "num-partitions": num_clients} for i in range(num_clients)]
-
-
-def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[dict[str, Any]] | None = None,
-                  resume: bool = False):
-    """Run the real ServerApp logic against in-process ClientApps; returns the ResultsWriter
-    (``resume``: continue the checkpointed run in ``out_dir``)."""
-    from clients.app import app as client_app
-    from fedlora.server import run_server
-
-    grid = InProcessGrid(client_app, configs or node_configs(config.data.num_clients))
-    return run_server(grid, config, out_dir, resume=resume)

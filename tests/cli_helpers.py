@@ -15,6 +15,6 @@ def fedlora_run(out: Path, *overrides: str, args: tuple[str, ...] = (), config: 
     """``fedlora run CONFIG --out OUT --set K=V ... ARGS`` (returncode not checked)."""
     sets = [arg for override in overrides for arg in ("--set", override)]
     return subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "run", str(config), "--out", str(out), *sets, *args],
+        [sys.executable, "-m", "fedlora.app.cli", "run", str(config), "--out", str(out), *sets, *args],
         check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )

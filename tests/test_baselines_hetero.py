@@ -362,7 +362,7 @@ class RecordingGrid(InProcessGrid):
 
 def run_recorded(tmp_path: Path, overrides: list[str], configs: list[dict[str, Any]] | None = None):
     from clients.app import app as client_app
-    from fedlora.server import run_server
+    from fedlora.app.server import run_server
 
     config = load_config(SMOKE, ["output.save_adapters=false", *overrides])
     grid = RecordingGrid(client_app, configs or node_configs(config.data.num_clients))

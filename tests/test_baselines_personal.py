@@ -266,7 +266,7 @@ class RecordingGrid(InProcessGrid):
 
 def run_recorded(tmp_path: Path, name: str) -> tuple[Any, RecordingGrid]:
     from clients.app import app as client_app
-    from fedlora.server import run_server
+    from fedlora.app.server import run_server
 
     config = load_config(SMOKE, [f"strategy.name={name}", f"clients.ranks={RANKS}"])
     grid = RecordingGrid(client_app, node_configs(config.data.num_clients))
@@ -415,7 +415,7 @@ def test_feddpa_branch_hooks_scale_each_branch_per_example() -> None:
 @pytest.mark.slow
 def test_feddpa_instance_weighting_runs_and_reports_its_weights(tmp_path: Path) -> None:
     # Execute
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     config = load_config(SMOKE, ["strategy.name=feddpa", "strategy.instance_weighting=true", "strategy.weight_max=0.8",
                                  "output.save_adapters=false"])

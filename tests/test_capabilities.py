@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedlora.capabilities import readme_block, render_matrix
+from fedlora.app.capabilities import readme_block, render_matrix
 from strategies.registry import strategy_names
 
 README = Path(__file__).resolve().parents[1] / "README.md"

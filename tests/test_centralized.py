@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fedlora.app.runner import run_inprocess
 from fedlora.config import load_config
-from simulations.inprocess import run_inprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fedlora.compare import ComparisonTable, Job, is_complete, job_config, run_row, summarize
-from fedlora.compare import compare as compare_strategies
+from fedlora.app.compare import ComparisonTable, Job, is_complete, job_config, run_row, summarize
+from fedlora.app.compare import compare as compare_strategies
+from fedlora.app.plotting import COMPARISON_PLOTS
 from fedlora.config import ConfigError, load_config
-from fedlora.plotting import COMPARISON_PLOTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -161,7 +161,7 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
 def test_cli_bad_input_is_one_line_exit_2_and_runs_nothing(tmp_path: Path, args: list[str], message: str) -> None:
     # Execute
     proc = subprocess.run(
-        [sys.executable, "-m", "fedlora.cli", "compare", str(SMOKE), "--out", str(tmp_path / "cmp"), *args],
+        [sys.executable, "-m", "fedlora.app.cli", "compare", str(SMOKE), "--out", str(tmp_path / "cmp"), *args],
         check=False, capture_output=True, text=True, timeout=120,
     )
     # Assert
@@ -173,7 +173,7 @@ def test_cli_bad_input_is_one_line_exit_2_and_runs_nothing(tmp_path: Path, args:
 @pytest.mark.slow
 def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_path: Path) -> None:
     # Prepare: the acceptance command, on Flower's simulation engine
-    command = [sys.executable, "-m", "fedlora.cli", "compare", str(SMOKE), "--strategies", ",".join(STRATEGIES),
+    command = [sys.executable, "-m", "fedlora.app.cli", "compare", str(SMOKE), "--strategies", ",".join(STRATEGIES),
                "--seeds", "0,1", "--out", str(tmp_path)]
     # Execute
     first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900)

@@ -21,9 +21,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from fedlora.app.deploy.certs import write_certs, write_node_key
+from fedlora.app.deploy.local import HOST, DeployError, LocalDeployment, deploy_local
 from fedlora.config import ConfigError
-from fedlora.deploy.certs import write_certs, write_node_key
-from fedlora.deploy.local import HOST, DeployError, LocalDeployment, deploy_local
 
 REPO = Path(__file__).resolve().parents[1]
 FEDLORA = str(Path(sys.executable).parent / "fedlora")

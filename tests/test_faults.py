@@ -10,11 +10,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from clients.app import app as client_app
 from clients.faults import corrupt
+from fedlora.app.runner import run_inprocess
+from fedlora.app.server import GlobalEvaluator
 from fedlora.config import ConfigError, load_config
 from fedlora.data import build_federated_data
 from fedlora.lora import to_array_record, weighted_average
-from fedlora.server import GlobalEvaluator
-from simulations.inprocess import InProcessGrid, node_configs, run_inprocess
+from simulations.inprocess import InProcessGrid, node_configs
 from strategies.registry import create_strategy
 
 ROOT = Path(__file__).resolve().parents[1]

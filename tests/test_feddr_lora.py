@@ -372,7 +372,7 @@ def test_warm_up_round_is_plain_cross_entropy_without_split_metrics() -> None:
 def test_inprocess_noisy_smoke_ledger_is_B_r_only(
     tmp_path: Path, overrides: list[str], rank: int, head_bytes: int
 ) -> None:
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     # Prepare: 3 clients, 40 % symmetric noise, 2 rounds (round 1 = warm-up)
     config = load_config(ROOT / "configs/smoke.toml", NOISY_SMOKE + overrides)

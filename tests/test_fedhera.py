@@ -372,7 +372,7 @@ def test_bad_fedhera_config_is_a_one_line_error(override: str, message: str) -> 
 
 
 def run_smoke(tmp_path: Path, extra: list[str]) -> dict:
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     config = load_config(
         ROOT / "configs/smoke.toml",

@@ -315,8 +315,8 @@ def test_strategy_init_leaves_model_init_to_other_strategies() -> None:
 
 def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
     # Prepare: the server's GlobalEvaluator (label names are all it reads from the data here)
+    from fedlora.app.server import GlobalEvaluator
     from fedlora.models import build_model
-    from fedlora.server import GlobalEvaluator
 
     config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
     evaluator = GlobalEvaluator(config, SimpleNamespace(label_names=list(range(8))))  # type: ignore[arg-type]
@@ -342,7 +342,7 @@ def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
 def test_inprocess_bytes_and_personal_adapters(tmp_path: Path) -> None:
     # Prepare: tiny-bert, 2 layers x (query, value), d = 32, rank 4, 8 labels, 3 clients
     config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     # Execute
     writer = run_inprocess(config, tmp_path)
@@ -372,7 +372,7 @@ def test_inprocess_bytes_and_personal_adapters(tmp_path: Path) -> None:
 def test_mixed_declared_ranks_train_at_the_smallest(tmp_path: Path) -> None:
     # Prepare: smoke.toml's clients declare ranks 2, 4, 8 (clients.mixed_rank_policy = smallest)
     config = load_config(ROOT / "configs/smoke.toml", ["strategy.name=fedpissa", "clients.ranks=[2, 4, 8]"])
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     # Execute
     run_inprocess(config, tmp_path)

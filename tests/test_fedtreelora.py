@@ -390,7 +390,7 @@ def test_grouped_partition_rejects_more_groups_than_clients() -> None:
 # ---------------------------------------------------------------- end to end
 def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None:
     # Prepare
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     config = load_config(ROOT / "configs/smoke.toml", SMOKE)
     # Execute

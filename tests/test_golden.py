@@ -67,7 +67,7 @@ def adapter_fingerprint(folder: Path) -> dict[str, list[float]]:
 
 
 def run_fingerprint(strategy: str, out: Path) -> dict:
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     config = load_config(ROOT / "configs/smoke.toml", [f"strategy.name={strategy}", *EXTRA.get(strategy, [])])
     run_inprocess(config, out)

@@ -99,7 +99,7 @@ def test_private_steps_change_the_adapter_and_compose_over_rounds():
 
 @pytest.mark.parametrize("strategy", ["fedit", "fedsa_lora"])  # global; personalised (client-kept A/B)
 def test_dp_run_reports_epsilon_within_target(tmp_path, strategy):
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import run_inprocess
 
     # Prepare
     target = 3.0

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from fedlora.compare import compare
+from fedlora.app.compare import compare
+from fedlora.app.runner import run_inprocess
+from fedlora.app.tune import tune
 from fedlora.config import load_config
 from fedlora.data import build_federated_data
-from fedlora.tune import tune
-from simulations.inprocess import run_inprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"

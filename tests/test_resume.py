@@ -28,7 +28,7 @@ ROUNDS = 3
 
 
 def _cmd(out: Path, strategy: str, *extra: str, engine: str = "inprocess") -> list[str]:
-    return [sys.executable, "-m", "fedlora.cli", "run", str(SMOKE), "--engine", engine, "--out", str(out),
+    return [sys.executable, "-m", "fedlora.app.cli", "run", str(SMOKE), "--engine", engine, "--out", str(out),
             "--set", f"train.rounds={ROUNDS}", "--set", f"strategy.name={strategy}", *extra]
 
 
@@ -170,7 +170,7 @@ def _all_strategies() -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", _all_strategies())
 def test_every_strategy_resumes_with_new_node_ids(tmp_path, strategy):
-    from fedlora.server import run_server
+    from fedlora.app.server import run_server
 
     # Prepare: the reference run, and a run that stops when round 3's training is sent
     config = load_config(SMOKE, [f"strategy.name={strategy}", "train.rounds=3", "train.max_steps=2",
@@ -202,7 +202,7 @@ def test_every_strategy_resumes_with_new_node_ids(tmp_path, strategy):
 def test_dp_run_resumes_with_the_same_epsilon_and_adapters(tmp_path):
     import json
 
-    from fedlora.server import run_server
+    from fedlora.app.server import run_server
 
     # Prepare: a DP run (accountant history in the client state) and its interrupted twin
     config = load_config(SMOKE, ["strategy.name=fedsa_lora", "train.rounds=3", "train.max_steps=2",

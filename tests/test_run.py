@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import fedlora_run
 
+from fedlora.app.runner import run_inprocess
 from fedlora.config import load_config
-from simulations.inprocess import run_inprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUND_KEYS = {"round", "global_accuracy", "personalized_accuracy", "train_loss", "bytes_up", "bytes_down", "clients", "failures", "seconds"}

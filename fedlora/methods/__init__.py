@@ -18,7 +18,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 if TYPE_CHECKING:
-    from fedlora.config import ExperimentConfig
+    from fedlora.schema import ExperimentConfig
 
 __all__ = ["Capabilities", "Method", "MethodOptions", "method", "method_names", "options_of", "validate"]
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from fedlora.config import ExperimentConfig
+    from fedlora.schema import ExperimentConfig
 
 
 class MethodOptions(BaseModel):

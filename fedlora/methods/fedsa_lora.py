@@ -17,7 +17,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 if TYPE_CHECKING:
-    from fedlora.config import ExperimentConfig
+    from fedlora.schema import ExperimentConfig
 
 
 class FedSALoRAOptions(MethodOptions):

@@ -13,7 +13,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods.base import Capabilities, Method, NoOptions
 
 if TYPE_CHECKING:
-    from fedlora.config import ExperimentConfig
+    from fedlora.schema import ExperimentConfig
 
 
 def check(experiment: ExperimentConfig, options: NoOptions) -> None:

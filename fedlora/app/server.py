@@ -1,6 +1,6 @@
 """fedlora's Flower ServerApp: runs the configured strategy and writes the results contract.
 
-The same app runs in simulation (:func:`fedlora.runner.run` builds it with the config in a
+The same app runs in simulation (:func:`fedlora.app.runner.run` builds it with the config in a
 closure, since ``run_simulation`` hands the ServerApp an empty run config) and in deployment
 (``flwr run`` passes the config as the run-config entry ``experiment``, JSON, or ``config``, a
 TOML path readable on the server).
@@ -181,8 +181,8 @@ def strategy_info(strategy: Any) -> dict[str, Any]:
 
 def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out_dir: Path) -> None:
     """Save the global adapter (peft format), the profiles, and the accuracy plot."""
+    from fedlora.app.plotting import plot_accuracy
     from fedlora.models import save_adapter
-    from fedlora.plotting import plot_accuracy
 
     payload = strategy.global_payload()
     if payload is not None and writer.config.output.save_adapters:

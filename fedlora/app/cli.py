@@ -24,17 +24,17 @@ USER_ERROR = 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from fedlora.app.deploy.local import DeployError
+    from fedlora.app.runner import RunError
     from fedlora.config import ConfigError
     from fedlora.data import DataError
-    from fedlora.deploy.local import DeployError
     from fedlora.models import ModelError
-    from fedlora.runner import RunError
 
     return (ConfigError, DataError, ModelError, RunError, DeployError)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fedlora.runner import run
+    from fedlora.app.runner import run
 
     results = run(args.config, overrides=args.set, out_dir=args.out, verbose=args.verbose, resume=args.resume,
                   engine=args.engine)
@@ -63,7 +63,7 @@ def _parse_list(text: str, option: str, kind: type = str) -> list:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from fedlora.compare import compare
+    from fedlora.app.compare import compare
 
     table = compare(
         args.config,
@@ -81,7 +81,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from fedlora.tune import parse_grid, tune
+    from fedlora.app.tune import parse_grid, tune
 
     table = tune(
         args.config,
@@ -108,7 +108,7 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
 
 
 def _cmd_capabilities(args: argparse.Namespace) -> int:
-    from fedlora.capabilities import render_matrix, write_readme
+    from fedlora.app.capabilities import render_matrix, write_readme
 
     if args.write:
         changed = write_readme(args.readme)
@@ -119,7 +119,7 @@ def _cmd_capabilities(args: argparse.Namespace) -> int:
 
 
 def _cmd_deploy_certs(args: argparse.Namespace) -> int:
-    from fedlora.deploy.certs import write_certs
+    from fedlora.app.deploy.certs import write_certs
 
     paths = write_certs(args.dir, hosts=args.hosts, num_nodes=args.nodes, days=args.days)
     print(f"CA: {paths.ca_cert} (keep {paths.ca_key} offline)")
@@ -130,7 +130,7 @@ def _cmd_deploy_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
-    from fedlora.deploy.local import deploy_local
+    from fedlora.app.deploy.local import deploy_local
 
     results = deploy_local(
         args.config, num_nodes=args.nodes, out_dir=args.out, overrides=args.set, insecure=args.insecure,

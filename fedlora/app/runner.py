@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.config import ExperimentConfig, apply_overrides, build_config, load_config
+from fedlora.results import ResultsWriter
 
 logger = logging.getLogger("fedlora")
 
@@ -106,12 +107,12 @@ def run(
 
     from flwr.simulation import run_simulation
 
+    from fedlora.app.server import make_server_app
     from fedlora.results import load_results
-    from fedlora.server import make_server_app
 
     module, attr = CLIENT_APP.split(":")
     client_app = getattr(importlib.import_module(module), attr)
-    _quiet_flower(verbose)
+    quiet_flower(verbose)
     try:
         run_simulation(
             server_app=make_server_app(config, str(out), resume=bool(resume)),
@@ -131,11 +132,22 @@ def run(
     return results
 
 
+def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[dict[str, Any]] | None = None,
+                  resume: bool = False) -> ResultsWriter:
+    """Run the real ServerApp logic against in-process ClientApps (simulations/inprocess.py, no
+    Ray); returns the ResultsWriter (``resume``: continue the checkpointed run in ``out_dir``)."""
+    from clients.app import app as client_app
+    from fedlora.app.server import run_server
+    from simulations.inprocess import InProcessGrid, node_configs
+
+    grid = InProcessGrid(client_app, configs or node_configs(config.data.num_clients))
+    return run_server(grid, config, out_dir, resume=resume)
+
+
 def _run_inprocess(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -> dict[str, Any]:
     from fedlora.results import load_results
-    from simulations.inprocess import run_inprocess
 
-    _quiet_flower(verbose)
+    quiet_flower(verbose)
     writer = run_inprocess(config, out, resume=resume)
     if not any(r.clients for r in writer.rounds):
         raise RunError("every client update failed in every round; rerun with --verbose to see the client errors")
@@ -149,7 +161,7 @@ def root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def _quiet_flower(verbose: bool) -> None:
+def quiet_flower(verbose: bool) -> None:
     """Flower logs every message at INFO; keep our progress lines readable unless verbose."""
     if not verbose:
         logging.getLogger("flwr").setLevel(logging.WARNING)

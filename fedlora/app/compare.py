@@ -308,7 +308,7 @@ def summarize(out_dir: str | Path, labels: Sequence[str] | None = None, write: b
 
 # --------------------------------------------------------------------------- running
 def resolve_base(config: ExperimentConfig | str | Path | dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    from fedlora.runner import resolve
+    from fedlora.app.runner import resolve
 
     return resolve(config, list(overrides))
 
@@ -349,15 +349,14 @@ def is_complete(run_dir: Path, config: ExperimentConfig) -> bool:
 def run_one(config: ExperimentConfig, run_dir: Path, engine: Engine, verbose: bool = False) -> None:
     """Run one experiment into ``run_dir`` on the chosen engine."""
     if engine == "ray":
-        from fedlora.runner import run
+        from fedlora.app.runner import run
 
         run(config, out_dir=run_dir, verbose=verbose)
         return
-    from fedlora.runner import RunError, _quiet_flower, check_inputs
-    from simulations.inprocess import run_inprocess
+    from fedlora.app.runner import RunError, check_inputs, quiet_flower, run_inprocess
 
     check_inputs(config)
-    _quiet_flower(verbose)
+    quiet_flower(verbose)
     writer = run_inprocess(config, run_dir)
     if not any(r.clients for r in writer.rounds):
         raise RunError(f"{run_dir}: every client update failed in every round")
@@ -422,7 +421,7 @@ def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig]], total: in
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from fedlora.runner import RunError
+    from fedlora.app.runner import RunError
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {}
@@ -489,8 +488,8 @@ def compare(
         Comparison folder (default ``<output.dir>/compare``); gets ``summary.csv``,
         ``summary.md`` and the PNG plots.
     engine : {"ray", "inprocess"}, default "ray"
-        ``ray``: Flower's simulation engine (:func:`fedlora.runner.run`); ``inprocess``: the same
-        ServerApp / ClientApp code without Ray (:func:`simulations.inprocess.run_inprocess`).
+        ``ray``: Flower's simulation engine (:func:`fedlora.app.runner.run`); ``inprocess``: the same
+        ServerApp / ClientApp code without Ray (:func:`fedlora.app.runner.run_inprocess`).
     workers : int, default 1
         Runs at a time, each in its own process (in-process engine only; they share a GPU).
 
@@ -507,7 +506,7 @@ def compare(
     run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers)
     table = summarize(out, labels=list(dict.fromkeys(strategies)))
     if plots:
-        from fedlora.plotting import plot_comparison
+        from fedlora.app.plotting import plot_comparison
 
-        plot_comparison(out, base.data, labels=table.strategies)
+        plot_comparison(out, load_runs(out, table.strategies), base.data)
     return table

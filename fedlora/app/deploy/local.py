@@ -2,7 +2,7 @@
 
 What it does, in order (Flower 1.39; ``benchmarks/DEPLOY_NOTES.md`` has the measured details):
 
-1. certificates (``fedlora.deploy.certs``) in ``DIR/certs`` unless ``insecure``;
+1. certificates (``fedlora.app.deploy.certs``) in ``DIR/certs`` unless ``insecure``;
 2. ``flower-superlink`` with TLS and SuperNode authentication, the Fleet API (gRPC) on an
    explicit 127.0.0.1 port, the Control API on another, runtime dependency install disabled;
 3. ``flwr supernode register`` for every SuperNode public key (Control API);
@@ -36,8 +36,8 @@ from typing import Any, Self
 
 import psutil
 
+from fedlora.app.deploy.certs import CertPaths, public_key_path, write_certs
 from fedlora.config import ConfigError, ExperimentConfig
-from fedlora.deploy.certs import CertPaths, public_key_path, write_certs
 
 logger = logging.getLogger("fedlora")
 
@@ -264,9 +264,7 @@ def node_configs(config: ExperimentConfig, num_nodes: int) -> list[dict[str, Any
 
 def app_dir() -> Path:
     """The repository root: its pyproject.toml declares the Flower app (server + client)."""
-    import fedlora
-
-    root = Path(fedlora.__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]  # fedlora/app/deploy/local.py -> the repository
     pyproject = root / "pyproject.toml"
     if not pyproject.is_file() or "[tool.flwr.app.components]" not in pyproject.read_text(encoding="utf-8"):
         raise ConfigError(
@@ -564,8 +562,8 @@ def deploy_local(
     ``on_ready(deployment)`` is called after the run finished, while every process is still up
     (the tests use it for probes against the live SuperLink).
     """
+    from fedlora.app.runner import check_inputs, resolve
     from fedlora.results import load_results
-    from fedlora.runner import check_inputs, resolve
 
     config = resolve(config, overrides)
     nodes = config.data.num_clients if num_nodes is None else num_nodes

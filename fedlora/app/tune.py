@@ -3,7 +3,7 @@
     fedlora tune configs/smoke.toml --strategies fedit,flexlora --grid train.lr=1e-4,3e-4,1e-3
 
 Every strategy runs every grid point (cartesian product of the ``--grid`` keys) for every seed,
-through the comparison harness (:func:`fedlora.compare.run_jobs`). A setting's score is its
+through the comparison harness (:func:`fedlora.app.compare.run_jobs`). A setting's score is its
 best *validation* accuracy over the rounds (each client's validation split, example-weighted),
 averaged over seeds: the test splits are never used to choose. The chosen setting per strategy
 and the whole grid go to ``OUT/tuning.json``; the table of the chosen runs (test scores, costs) to
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedlora.compare import ComparisonTable, Job, load_runs, run_jobs, summarize
+from fedlora.app.compare import ComparisonTable, Job, load_runs, run_jobs, summarize
 
 
 def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
@@ -86,7 +86,7 @@ def tune(
     engine: str = "ray",
 ) -> ComparisonTable:
     """Run the same grid for every strategy; summarise each strategy's validation-chosen setting."""
-    from fedlora.compare import default_out_dir, resolve_base
+    from fedlora.app.compare import default_out_dir, resolve_base
 
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base).with_name("tune")

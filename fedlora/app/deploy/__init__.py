@@ -4,7 +4,7 @@
 entry points; README "Cross-silo deployment" shows the commands a real operator and each silo run.
 """
 
-from fedlora.deploy.certs import CertPaths, write_certs, write_node_key
-from fedlora.deploy.local import DeployError, LocalDeployment, deploy_local
+from fedlora.app.deploy.certs import CertPaths, write_certs, write_node_key
+from fedlora.app.deploy.local import DeployError, LocalDeployment, deploy_local
 
 __all__ = ["CertPaths", "DeployError", "LocalDeployment", "deploy_local", "write_certs", "write_node_key"]
