@@ -40,6 +40,7 @@ from fedlora.lora import (
     normalise,
     payload_bytes,
     to_array_record,
+    weighted_average,
 )
 from fedlora.methods import Capabilities, Method
 from fedlora.profile import ClientProfile
@@ -216,6 +217,16 @@ class LoRAStrategy(Strategy):
     @property
     def head_initial(self) -> Payload:
         return head_only(self.initial_adapter(self.experiment.model.lora_rank))
+
+    def initial_head(self) -> Payload:
+        """The head a method starts from: the seeded initial head when it is global, else nothing."""
+        return dict(self.head_initial) if self.sends_head else {}
+
+    def averaged_head(self, uploads: list[ClientUpload], weights: Any, previous: Payload) -> Payload:
+        """FedAvg of the uploads' head arrays when the head is global (``previous`` otherwise)."""
+        if not self.sends_head:
+            return previous
+        return weighted_average([head_only(u.payload) for u in uploads], weights)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
         """p_k = n_k / sum n over this round's uploads."""

@@ -17,7 +17,6 @@ from fedlora.lora import (
     LowRankSVD,
     Payload,
     factor_svd,
-    head_only,
     join_payload,
     kaiming_rows,
     lora_scale,
@@ -25,7 +24,6 @@ from fedlora.lora import (
     scaled,
     split_payload,
     trim,
-    weighted_average,
 )
 from fedlora.methods import fedhera
 from fedlora.methods.fedhera import (
@@ -276,8 +274,7 @@ class FedHera(LoRAStrategy):
             self.G = aggregate_unbiased(self.G or self._initial_G(), updates, starts, weights)
         else:
             self.G = aggregate_original(updates, weights)
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], weights)
+        self.head = self.averaged_head(uploads, weights, self.head)
         for u, update in zip(uploads, updates):
             self.scores[u.partition_id] = (alignment_score(update, self.G), scored_round_of(server_round))
         self._global = None

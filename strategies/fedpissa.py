@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from flwr.supercore import log
 
-from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, normalise, split_payload, weighted_average
+from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, normalise, split_payload
 from fedlora.methods import fedpissa
 from fedlora.methods.fedpissa import (
     ClientId,
@@ -110,8 +110,7 @@ class FedPissa(LoRAStrategy):
         B_agg = aggregate_B(B_by_client, P_by_client, p, self.options.lam, self.options.correction)
         self.diagnostics = projection_diagnostics(A_by_client, B_by_client, P_by_client, p, B_agg)
         self.B_agg = B_agg
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], [p[u.partition_id] for u in uploads])
+        self.head = self.averaged_head(uploads, [p[u.partition_id] for u in uploads], self.head)
         log(INFO, "aggregate: fedpissa round %d, %d clients, delta %d, lam %.3g, |B_agg - B_avg| / |B_avg| = %.3g",
             server_round, len(uploads), self.delta, self.options.lam, self.diagnostics["relative_correction"])
 

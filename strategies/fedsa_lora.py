@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload, split_payload, weighted_average
+from fedlora.lora import A_SUFFIX, Payload, nested_A_payload, split_payload
 from fedlora.methods import fedsa_lora
 from fedlora.methods.fedsa_lora import aggregate_A
 from fedlora.protocol import Phase
@@ -47,7 +47,7 @@ class FedSALoRA(LoRAStrategy):
             )
         initial = nested_A_payload(self.module_shapes, ranks[-1], self.experiment.train.seed)
         self.A = {key[: -len(A_SUFFIX)]: value for key, value in initial.items()}  # (R, d_in) each
-        self.head: Payload = dict(self.head_initial) if self.sends_head else {}
+        self.head: Payload = self.initial_head()
 
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         rank = self.rank_of(partition)
@@ -60,8 +60,7 @@ class FedSALoRA(LoRAStrategy):
         weights = self.weights(uploads)
         client_A = [{m: f.A for m, f in split_payload(u.payload)[0].items()} for u in uploads]
         self.A = aggregate_A(client_A, weights, self.A)
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], weights)
+        self.head = self.averaged_head(uploads, weights, self.head)
 
     def global_payload(self) -> None:
         """None: B never leaves the clients, so there is no global model to evaluate."""

@@ -16,10 +16,8 @@ from fedlora.lora import (
     Payload,
     average_factors,
     fit_rank,
-    head_only,
     join_payload,
     split_payload,
-    weighted_average,
 )
 from fedlora.methods import fedtreelora
 from fedlora.methods.fedtreelora import (
@@ -151,8 +149,7 @@ class FedTreeLoRA(LoRAStrategy):
                 self.cluster_experts.setdefault(module, {}).update(new_cluster[module])
                 self.external_experts.setdefault(module, {}).update(new_external[module])
         self.fallback = {m: average_factors([f[m] for f in factors], w) for m in self.module_shapes}
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], w)
+        self.head = self.averaged_head(uploads, w, self.head)
 
     def build_tree(self, partitions: list[int], factors: list[dict[str, Factors]]) -> None:
         """Distances, the global tree and the per-block cuts and memberships (once)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.lora import B_SUFFIX, Payload, head_only, nested_A_payload, split_payload, weighted_average
+from fedlora.lora import B_SUFFIX, Payload, nested_A_payload, split_payload
 from fedlora.methods import ffa_lora
 from fedlora.methods.ffa_lora import aggregate_B, download_B
 from fedlora.protocol import Phase
@@ -50,7 +50,7 @@ class FFALoRA(LoRAStrategy):
             )
         self.rank_max = ranks[-1]
         self.B = {m: np.zeros((d_out, self.rank_max), np.float32) for m, (d_out, _) in self.module_shapes.items()}
-        self.head: Payload = dict(self.head_initial) if self.sends_head else {}
+        self.head: Payload = self.initial_head()
         self.shared_A = nested_A_payload(self.module_shapes, self.rank_max, self.experiment.train.seed)
 
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
@@ -64,8 +64,7 @@ class FFALoRA(LoRAStrategy):
         weights = self.weights(uploads)
         client_B = [{m: f.B for m, f in split_payload(u.payload)[0].items()} for u in uploads]
         self.B = aggregate_B(client_B, weights, self.rank_max)
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], weights)
+        self.head = self.averaged_head(uploads, weights, self.head)
 
     def global_payload(self) -> Payload:
         B = {m + B_SUFFIX: value for m, value in self.B.items()}

@@ -12,13 +12,11 @@ from fedlora.lora import (
     LowRankSVD,
     Payload,
     concat_stacks,
-    head_only,
     join_payload,
     leading_factors,
     lora_scale,
     split_payload,
     stack,
-    weighted_average,
 )
 from fedlora.methods import flexlora
 from fedlora.methods.flexlora import flexlora_aggregate
@@ -62,7 +60,7 @@ class FlexLoRA(LoRAStrategy):
     def setup(self) -> None:
         self.spectrum: dict[str, LowRankSVD] = {}  # module -> leading r_max SVD of the last G
         self.aggregate_stack: dict[str, Factors] = {}  # module -> G as unit-scale stacked factors
-        self.head: Payload = dict(self.head_initial) if self.sends_head else {}
+        self.head: Payload = self.initial_head()
 
     def scale(self, rank: int) -> float:
         return lora_scale(self.experiment.model.lora_alpha, rank)
@@ -82,8 +80,7 @@ class FlexLoRA(LoRAStrategy):
         max_rank = max(p.rank for p in self.roster.profiles.values())
         self.spectrum = flexlora_aggregate(clients, self.weights(uploads), scales, dtype, rank=max_rank)
         self.aggregate_stack = concat_stacks([stack(clients, self.weights(uploads), scales)])
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], self.weights(uploads))
+        self.head = self.averaged_head(uploads, self.weights(uploads), self.head)
 
     def global_payload(self) -> Payload:
         if not self.spectrum:

@@ -11,13 +11,11 @@ from fedlora.lora import (
     Factors,
     Payload,
     concat_stacks,
-    head_only,
     join_payload,
     lora_scale,
     split_payload,
     stack,
     stack_payload,
-    weighted_average,
 )
 from fedlora.methods import flora
 from fedlora.protocol import Phase
@@ -60,7 +58,7 @@ class FLoRA(LoRAStrategy):
         self.stacks: dict[int, dict[str, Factors]] = {}  # round -> module -> unit-scale stack
         self.merged: dict[int, set[int]] = {p: set() for p in self.roster.partitions}  # confirmed rounds
         self.sent: dict[int, set[int]] = {p: set() for p in self.roster.partitions}  # last download
-        self.head: Payload = dict(self.head_initial) if self.sends_head else {}
+        self.head: Payload = self.initial_head()
 
     def scale(self, rank: int) -> float:
         return lora_scale(self.experiment.model.lora_alpha, rank)
@@ -80,8 +78,7 @@ class FLoRA(LoRAStrategy):
         clients = [split_payload(u.payload)[0] for u in uploads]
         scales = [self.scale(self.rank_of(u.partition_id)) for u in uploads]
         self.stacks[server_round] = stack(clients, self.weights(uploads), scales)
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], self.weights(uploads))
+        self.head = self.averaged_head(uploads, self.weights(uploads), self.head)
 
     def global_payload(self) -> Payload:
         if not self.stacks:

@@ -9,11 +9,9 @@ from typing import Any
 from fedlora.lora import (
     Factors,
     Payload,
-    head_only,
     join_payload,
     split_payload,
     truncate_rank,
-    weighted_average,
 )
 from fedlora.methods import hetlora
 from fedlora.methods.hetlora import UPLOAD_RANK_KEY, hetlora_aggregate, pruned_rank
@@ -69,7 +67,7 @@ class HetLoRA(LoRAStrategy):
         self.upload_rank: dict[int, int] = {}  # the rank each client reported with this round's upload
         factors, _ = split_payload(self.initial_adapter(self.max_rank))
         self.global_factors: dict[str, Factors] = factors  # module -> rank r_max factors
-        self.head: Payload = dict(self.head_initial) if self.sends_head else {}
+        self.head: Payload = self.initial_head()
         self.aggregated = False
 
     def rank_of(self, partition: int) -> int:
@@ -89,8 +87,7 @@ class HetLoRA(LoRAStrategy):
         self.global_factors = hetlora_aggregate(clients, self.max_rank, examples, self.options.weighting)
         for upload, factors in zip(uploads, clients):
             self.ranks[upload.partition_id] = next(iter(factors.values())).rank  # pruned clients stay pruned
-        if self.sends_head:
-            self.head = weighted_average([head_only(u.payload) for u in uploads], self.weights(uploads))
+        self.head = self.averaged_head(uploads, self.weights(uploads), self.head)
         self.aggregated = True
 
     def observe_reply(self, partition: int, metrics: Mapping[str, float]) -> None:
