@@ -73,6 +73,7 @@ def make_loader(
     """A DataLoader of dynamically padded batches with ``labels`` (and ``index``) tensors."""
     import torch
     from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
 
     encoded = (
         _cached_tokenized(cache_key, dataset, tokenizer, max_length)
@@ -80,13 +81,14 @@ def make_loader(
         else tokenize(dataset, tokenizer, max_length)
     )
     encoded = encoded.add_column("index", list(range(len(encoded))))
+    # transformers' collator pads per batch and renames ``label`` to ``labels``; ``index`` (the row
+    # in ``dataset``) rides along for methods that track samples (FedDR-LoRA's split)
+    collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+    keep = [c for c in ("input_ids", "attention_mask", "token_type_ids", "label", "index") if c in encoded.column_names]
+    encoded = encoded.select_columns(keep)
 
     def collate(rows: list[dict[str, Any]]) -> Batch:
-        features = [{k: r[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in r} for r in rows]
-        batch = tokenizer.pad(features, return_tensors="pt")
-        batch["labels"] = torch.tensor([r["label"] for r in rows])
-        batch["index"] = torch.tensor([r["index"] for r in rows])
-        return dict(batch)
+        return dict(collator(rows))
 
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(encoded, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator)

@@ -21,13 +21,10 @@ declares them; per-strategy options go into a job's ``overrides``.
 
 from __future__ import annotations
 
-import csv
 import html
-import io
 import json
 import logging
 import math
-import statistics
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -123,33 +120,30 @@ def run_row(results: dict[str, Any]) -> dict[str, float]:
     return row
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return math.nan, math.nan
-    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else 0.0)
-
-
 # --------------------------------------------------------------------------- table
 class ComparisonTable:
-    """Mean +- std over seeds per label; also holds every run's row (``runs``).
+    """Mean +- std over seeds per label (pandas); also holds every run's row (``runs``).
 
     ``rows``: one dict per label with ``strategy``, ``seeds`` (count) and ``<column>_mean`` /
-    ``<column>_std`` for every column of :data:`COLUMNS`. Displays itself in notebooks (HTML /
-    markdown) with the legend saying which average is which.
+    ``<column>_std`` for every column of :data:`COLUMNS` (sample std; 0 for a single seed).
+    Displays itself in notebooks (HTML / markdown) with the legend saying which average is which.
     """
 
     def __init__(self, runs: list[dict[str, Any]], out_dir: str | Path | None = None, scale: str = "") -> None:
+        import pandas as pd
+
         self.runs = runs  # strategy, seed, path, + COLUMN_KEYS
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.scale = scale  # one line describing the experiment scale (clients, rounds, model...)
-        self.rows: list[dict[str, Any]] = []
-        for label in dict.fromkeys(r["strategy"] for r in runs):
-            mine = [r for r in runs if r["strategy"] == label]
-            row: dict[str, Any] = {"strategy": label, "seeds": len(mine)}
-            for key in COLUMN_KEYS:
-                row[f"{key}_mean"], row[f"{key}_std"] = _mean_std([r[key] for r in mine])
-            self.rows.append(row)
+        frame = pd.DataFrame(runs, columns=["strategy", *COLUMN_KEYS]).astype({k: float for k in COLUMN_KEYS})
+        grouped = frame.groupby("strategy", sort=False)[list(COLUMN_KEYS)]
+        mean, std, count = grouped.mean(), grouped.std(ddof=1), grouped.count()
+        std = std.mask(std.isna() & (count == 1), 0.0)  # one seed: no spread
+        summary = pd.concat([mean.add_suffix("_mean"), std.add_suffix("_std")], axis=1)
+        summary.insert(0, "seeds", frame.groupby("strategy", sort=False).size())
+        ordered = ["seeds", *(f"{k}_{s}" for k in COLUMN_KEYS for s in ("mean", "std"))]
+        self.frame = summary[ordered].reset_index()
+        self.rows: list[dict[str, Any]] = self.frame.to_dict("records")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -175,11 +169,14 @@ class ComparisonTable:
             text += f" ± {std * column.scale:.{column.digits}f}"
         return text
 
-    def _header(self) -> list[str]:
-        return ["strategy", "seeds", *(c.header for c in COLUMNS)]
+    def display(self):  # -> pandas.DataFrame
+        """The table as shown: one string cell per column, headers as in the legend."""
+        import pandas as pd
 
-    def _body(self) -> list[list[str]]:
-        return [[row["strategy"], str(row["seeds"]), *(self._cell(row, c) for c in COLUMNS)] for row in self.rows]
+        return pd.DataFrame(
+            [[row["strategy"], str(row["seeds"]), *(self._cell(row, c) for c in COLUMNS)] for row in self.rows],
+            columns=["strategy", "seeds", *(c.header for c in COLUMNS)],
+        )
 
     def legend(self) -> list[str]:
         lines = [("Values are mean ± std over seeds (sample std; seeds change train.seed only, the partitions "
@@ -188,12 +185,8 @@ class ComparisonTable:
         return lines
 
     def to_markdown(self) -> str:
-        out = []
-        if self.scale:
-            out += [f"Scale: {self.scale}", ""]
-        out.append("| " + " | ".join(self._header()) + " |")
-        out.append("|" + "---|" * len(self._header()))
-        out += ["| " + " | ".join(cells) + " |" for cells in self._body()]
+        out = [f"Scale: {self.scale}", ""] if self.scale else []
+        out.append(self.display().to_markdown(index=False, tablefmt="pipe", disable_numparse=True))
         out += ["", *(f"- {line}" for line in self.legend())]
         return "\n".join(out) + "\n"
 
@@ -201,34 +194,23 @@ class ComparisonTable:
         return self.to_markdown()
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._header())
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>" for cells in self._body()
-        )
-        legend = "".join(f"<li>{html.escape(line)}</li>" for line in self.legend())
         scale = f"<p>Scale: {html.escape(self.scale)}</p>" if self.scale else ""
-        return f"{scale}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><ul>{legend}</ul>"
+        legend = "".join(f"<li>{html.escape(line)}</li>" for line in self.legend())
+        return f"{scale}{self.display().to_html(index=False)}<ul>{legend}</ul>"
 
     def __repr__(self) -> str:
         return self.to_markdown()
 
     def to_csv(self, path: str | Path | None = None) -> str:
         """Mean / std columns per label as CSV (returned, and written to ``path`` if given)."""
-        fields = ["strategy", "seeds", *(f"{k}_{s}" for k in COLUMN_KEYS for s in ("mean", "std"))]
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
-        writer.writeheader()
-        for row in self.rows:
-            writer.writerow({k: ("" if isinstance(row[k], float) and math.isnan(row[k]) else row[k]) for k in fields})
+        text = self.frame.to_csv(index=False, lineterminator="\n", na_rep="")
         if path is not None:
-            Path(path).write_text(buffer.getvalue())
-        return buffer.getvalue()
+            Path(path).write_text(text)
+        return text
 
-    def to_pandas(self):
-        """The summary rows as a pandas DataFrame (pandas comes with ``datasets``)."""
-        import pandas as pd
-
-        return pd.DataFrame(self.rows)
+    def to_pandas(self):  # -> pandas.DataFrame
+        """The summary rows as a pandas DataFrame."""
+        return self.frame.copy()
 
     def write(self, out_dir: str | Path | None = None) -> tuple[Path, Path]:
         """Write ``summary.csv`` and ``summary.md`` into ``out_dir`` (default: where it was read)."""

@@ -157,24 +157,18 @@ def plot_personalized_distribution(runs: Runs, path: str | Path | None = None):
     return _finish(fig, path)
 
 
-def plot_label_distribution(counts: Any, label_names: list[str], path: str | Path | None = None):
-    """Heat map of training examples per client (rows) and class (columns)."""
-    import numpy as np
+def plot_label_distribution(federated: Any, path: str | Path | None = None):
+    """Heat map of training examples per client and class (flwr-datasets' plot_label_distributions
+    over the federation's partitions, :meth:`fedlora.data.FederatedData.partitions`)."""
+    from flwr_datasets.visualization import plot_label_distributions
 
-    plt = _pyplot()
-    counts = np.asarray(counts)
-    clients, classes = counts.shape
-    fig, ax = plt.subplots(figsize=(min(16.0, 2 + 0.55 * classes), min(12.0, 1.5 + 0.4 * clients)))
-    image = ax.imshow(counts, aspect="auto", cmap="viridis")
-    if clients * classes <= 400:
-        threshold = counts.max() / 2 if counts.size else 0
-        for (row, col), value in np.ndenumerate(counts):
-            ax.text(col, row, str(int(value)), ha="center", va="center", fontsize=7,
-                    color="black" if value > threshold else "white")
-    ax.set_xticks(range(classes), [name[:14] for name in label_names], rotation=60, ha="right", fontsize=8)
-    ax.set_yticks(range(clients), [f"client {i}" for i in range(clients)], fontsize=8)
-    ax.set_title("training examples per client and class (partition)", fontsize=10)
-    fig.colorbar(image, ax=ax, label="examples")
+    _pyplot()
+    fig, _, _ = plot_label_distributions(
+        federated.partitions(), label_name="clean_label", plot_type="heatmap", size_unit="absolute",
+        partition_id_axis="y", title="training examples per client and class (partition)",
+        figsize=(max(6.0, 1.0 * len(federated.label_names)), max(3.5, 2.5 + 0.35 * len(federated.clients))),
+        plot_kwargs={"annot": len(federated.clients) * len(federated.label_names) <= 400},
+    )
     return _finish(fig, path)
 
 
@@ -206,7 +200,5 @@ def plot_comparison(out_dir: str | Path, runs: Runs, data_config: Any = None) ->
         "accuracy_vs_round.png": plot_accuracy_vs_round(runs, out / "accuracy_vs_round.png"),
         "accuracy_vs_bytes.png": plot_accuracy_vs_bytes(runs, out / "accuracy_vs_bytes.png"),
         "personalized_distribution.png": plot_personalized_distribution(runs, out / "personalized_distribution.png"),
-        "label_distribution.png": plot_label_distribution(
-            federated.label_counts(), federated.label_names, out / "label_distribution.png"
-        ),
+        "label_distribution.png": plot_label_distribution(federated, out / "label_distribution.png"),
     }

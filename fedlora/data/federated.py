@@ -59,11 +59,37 @@ class FederatedData:
             )
         return self.clients[partition_id]
 
+    def partitions(self) -> ClientPartitions:
+        """The clients' training splits as a flwr-datasets Partitioner (for its statistics and plots)."""
+        return ClientPartitions(self)
+
     def label_counts(self) -> np.ndarray:
-        """(num_clients, num_classes) counts of clean training labels, e.g. for a heat map."""
-        num_classes = len(self.label_names)
-        rows = [np.bincount(c.train["clean_label"][:], minlength=num_classes) for c in self.clients]
-        return np.stack(rows)
+        """(num_clients, num_classes) counts of clean training labels (flwr-datasets' compute_counts)."""
+        from flwr_datasets.metrics import compute_counts
+
+        return compute_counts(self.partitions(), "clean_label").to_numpy()
+
+
+class ClientPartitions(Partitioner):
+    """A fedlora federation's client training splits seen as a flwr-datasets Partitioner.
+
+    fedlora's partitions come from flwr-datasets partitioners (or, for ``grouped``, from one per
+    group), so this adapter only hands the finished splits back to flwr-datasets' tools
+    (``flwr_datasets.metrics.compute_counts``, ``flwr_datasets.visualization.plot_label_distributions``).
+    Its ``dataset`` is the clients' training splits concatenated, in client order.
+    """
+
+    def __init__(self, federated: FederatedData) -> None:
+        super().__init__()
+        self._clients = federated.clients
+        self.dataset = datasets.concatenate_datasets([c.train for c in federated.clients])
+
+    @property
+    def num_partitions(self) -> int:
+        return len(self._clients)
+
+    def load_partition(self, partition_id: int) -> datasets.Dataset:
+        return self._clients[partition_id].train
 
 
 def build_federated_data(cfg: DataConfig) -> FederatedData:
