@@ -148,15 +148,18 @@ def normalise(weights: Sequence[float]) -> np.ndarray:
 
 
 def weighted_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> Payload:
-    """Key-wise weighted mean of payloads with identical keys and shapes (FedAvg)."""
+    """Key-wise weighted mean of payloads with identical keys and shapes: plain FedAvg, through
+    Flower's own ``strategy_utils.aggregate_arrayrecords``."""
+    from flwr.app import MetricRecord, RecordDict
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
     if not payloads:
         raise ValueError("weighted_average needs at least one payload")
     w = normalise(weights)
-    out: Payload = {}
-    for key in payloads[0]:
-        stacked = np.stack([np.asarray(p[key], dtype=np.float64) for p in payloads])
-        out[key] = np.tensordot(w, stacked, axes=1).astype(payloads[0][key].dtype)
-    return out
+    records = [RecordDict({"arrays": to_array_record(p), "metrics": MetricRecord({"weight": float(wk)})})
+               for p, wk in zip(payloads, w)]
+    averaged = from_array_record(aggregate_arrayrecords(records, "weight"))
+    return {key: averaged[key].astype(np.asarray(payloads[0][key]).dtype) for key in payloads[0]}
 
 
 def average_factors(factors: Sequence[Factors], weights: Sequence[float], rank: int | None = None) -> Factors:
