@@ -17,6 +17,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedlora.app.progress import RoundProgress
 from fedlora.config import ExperimentConfig, config_from_json, load_config
 from fedlora.data import FederatedData, build_federated_data
 from fedlora.lora import A_SUFFIX, Payload
@@ -138,10 +139,14 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         writer.add(record)
         checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy,
                                partitions=strategy.roster.partitions)
-        logger.info(progress_line(record, config.train.rounds))
+        progress.round_done(server_round, progress_line(record, config.train.rounds))
         return MetricRecord({"global-accuracy": record.global_accuracy})
 
-    run_rounds(strategy, grid, first, config.train.rounds, evaluate_fn)
+    progress = RoundProgress(config.train.rounds, first)
+    try:
+        run_rounds(strategy, grid, first, config.train.rounds, evaluate_fn)
+    finally:
+        progress.close()
     finish(writer, strategy, evaluator, out_dir)
     return writer
 

@@ -1,0 +1,45 @@
+"""Round progress a person can follow: a live bar with ETA on a terminal, plain lines elsewhere.
+
+On a terminal (stderr is a TTY) a rich progress bar shows the rounds done, the elapsed time and
+the estimated time left, with the last round's line under it; in CI, logs and notebooks
+(no TTY) every round prints one plain line, as ``fedlora run`` always did.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+logger = logging.getLogger("fedlora")
+
+
+class RoundProgress:
+    """Report finished rounds ``first``..``total`` (see the module docstring)."""
+
+    def __init__(self, total: int, first: int = 1, live: bool | None = None) -> None:
+        self.total = total
+        self.live = sys.stderr.isatty() if live is None else live
+        self._bar: Any = None
+        if self.live:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("eta"), TimeRemainingColumn(), console=Console(stderr=True), transient=False,
+            )
+            self._task = self._bar.add_task("rounds", total=total, completed=first - 1)
+            self._bar.start()
+
+    def round_done(self, server_round: int, line: str) -> None:
+        if self._bar is None:
+            logger.info(line)
+            return
+        self._bar.console.print(line, highlight=False)
+        self._bar.update(self._task, completed=server_round)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
