@@ -10,7 +10,7 @@ With ``privacy.target_epsilon`` the noise multiplier is chosen once for the most
 can take in the run (``train.rounds`` rounds of its per-round steps, as if sampled every round),
 so the reported epsilon stays <= the target whatever the sampling.
 
-Notes (DESIGN.md): the model is moved to its device and put in ``train()`` mode before it is
+Notes (docs/design.md, Opacus): the model is moved to its device and put in ``train()`` mode before it is
 wrapped; the adapter is read from the unwrapped peft model afterwards; DoRA is not supported by
 Opacus; gradient hooks that edit ``p.grad`` after backward (FedHera's prefix gating) would be
 ignored by the DP optimiser, which steps on per-example gradients, so such methods declare
@@ -86,7 +86,7 @@ def private_train(
 
     warnings.filterwarnings("ignore", message="Secure RNG turned off")  # seeded on purpose: reproducible runs
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # frozen embeddings: expected
-    model.to(device).train()  # before wrapping (DESIGN.md, Opacus notes)
+    model.to(device).train()  # before wrapping (docs/design.md, Opacus notes)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     poisson = DPDataLoader.from_data_loader(loader, generator=torch.Generator().manual_seed(seed))

@@ -1,4 +1,4 @@
-"""The results contract (DESIGN.md): ``DIR/results.json``, rewritten atomically after every round.
+"""The results contract (docs/design.md): ``DIR/results.json``, rewritten atomically after every round.
 
 ``rounds`` holds one object per round with at least ``round``, ``global_accuracy``,
 ``personalized_accuracy``, ``train_loss``, ``bytes_up``, ``bytes_down``, ``clients``,

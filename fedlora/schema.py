@@ -50,7 +50,7 @@ class ModelConfig(_Section):
     head: Literal["global", "local"] = Field(
         "global",
         description="The classification head is trained by every client; 'global' averages it "
-        "with FedAvg every round (ALGORITHMS.md, heads), 'local' keeps it on the client.",
+        "with FedAvg every round (docs/algorithms.md, heads), 'local' keeps it on the client.",
     )
 
     @field_validator("lora_rank")
@@ -166,7 +166,7 @@ class FederationConfig(_Section):
 
 
 class BudgetTier(_Section):
-    """One resource tier of clients (FedHera's budgets, ALGORITHMS.md): a share of the clients
+    """One resource tier of clients (FedHera's budgets, docs/algorithms.md): a share of the clients
     and the budgets each of them declares. A budget left out is not declared by the tier."""
 
     share: float = Field(ge=0.0, le=1.0, description="Proportion of the clients in this tier.")

@@ -72,7 +72,7 @@ class FedHera(LoRAStrategy):
     """FedHera: each client downloads as much of the global spectrum as its bandwidth allows
     (r_tot per module) and trains only what its compute allows (r_main <= r_tot).
 
-    Paper: FedHera (2026), ALGORITHMS.md "FedHera" ([CODE], from the official implementation).
+    Paper: FedHera (2026); official code github.com/shock-xiaoke/FedHera (docs/algorithms.md, FedHera).
 
     Parameters
     ----------

@@ -1,7 +1,7 @@
 """The client half of a strategy: build the local model, merge what came down with what stayed
 local, train, and say what goes up.
 
-The rule every method follows (ALGORITHMS.md, "client receives / keeps"): the client's model is
+The rule every method follows (docs/algorithms.md, "client receives / keeps"): the client's model is
 its *local state* (the adapter it kept after its last round, if any) overlaid with the
 *download* (what the server sent this round). So FedSA-LoRA's client keeps B and takes A,
 FedPissa's keeps A and takes B, ``local`` takes nothing. A method subclass changes the parts that

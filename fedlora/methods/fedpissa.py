@@ -33,7 +33,7 @@ class FedPissaOptions(MethodOptions):
     delta: int | None = Field(
         None,
         description="Tail rank: P_k projects onto the eigenvectors of the delta smallest "
-        "eigenvalues of C_k; 1 <= delta < r. Empty = r // 2 (ALGORITHMS.md default r/2).",
+        "eigenvalues of C_k; 1 <= delta < r. Empty = r // 2 [RECON].",
     )
     correction: Literal["bounded", "literal"] = Field(
         "bounded",
