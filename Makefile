@@ -41,8 +41,14 @@ test: install
 test-fast: install
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# mypy: strict on the core (fedlora/ without the application layer), checked on the rest
+CORE := fedlora/errors.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
+	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/models.py \
+	fedlora/training.py fedlora/privacy.py fedlora/data
 lint: install
-	$(VENV)/bin/ruff check fedlora strategies clients simulations tests
+	$(VENV)/bin/ruff check fedlora strategies clients simulations tests benchmarks
+	$(VENV)/bin/mypy --strict $(CORE)
+	$(VENV)/bin/mypy fedlora/app strategies clients simulations
 
 clean:
 	rm -rf runs .pytest_cache

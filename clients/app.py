@@ -54,12 +54,12 @@ def _job(msg: Message, context: Context):
     from fedlora.profile import resolve_profile
     from fedlora.schema import config_from_json
 
-    message_config = dict(msg.content["config"])
+    message_config = dict(msg.content.config_records["config"])
     config = config_from_json(str(message_config[protocol.EXPERIMENT]))
     _limit_threads(config.federation.num_cpus)
     profile = resolve_profile(config, context.node_config)
     if protocol.RANK in message_config:  # the server's one rank decision for this client and round
-        profile.rank = int(message_config[protocol.RANK])
+        profile.rank = int(protocol.number(message_config[protocol.RANK]))
     federated = build_federated_data(config.data)
     if profile.data_path:  # the silo's own data (node config data-path), same labels as the server
         from fedlora.data.silo import load_silo_data
@@ -131,7 +131,7 @@ def train(msg: Message, context: Context) -> Message:
     faults = job.config.faults
     maybe_fail(faults, job.server_round, job.profile.partition_id)  # simulated crash ([faults])
     trainer = _trainer(job)
-    model = trainer.prepare(from_array_record(msg.content["arrays"]))
+    model = trainer.prepare(from_array_record(msg.content.array_records["arrays"]))
     startup = _startup_metrics(setup_seconds)
     received = trainer.received_metrics(model) if job.message_config.get(protocol.EVAL_RECEIVED) else {}
     stats = trainer.fit(model)
@@ -163,7 +163,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
     job, setup_seconds = _job(msg, context)
     trainer = _trainer(job)
-    model = trainer.prepare(from_array_record(msg.content["arrays"]))
+    model = trainer.prepare(from_array_record(msg.content.array_records["arrays"]))
     startup = _startup_metrics(setup_seconds)
     metrics = trainer.evaluate(model, with_global=bool(job.message_config.get(protocol.EVAL_GLOBAL, False)))
     metrics[protocol.PARTITION_ID] = float(job.profile.partition_id)

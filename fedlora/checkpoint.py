@@ -1,9 +1,10 @@
 """Checkpoint / resume: the server's state after every round, the clients' kept state.
 
-Server side, ``DIR/checkpoint/server.pkl`` is rewritten atomically (write, then rename) at the
-end of every round with the round number, the strategy's state
-(:meth:`strategies.base.LoRAStrategy.state_dict`: global factors, per-client state keyed by
-partition id, the client sampler ``strategy.rng``, the round books) and the results so far.
+Server side, at the end of every round: ``DIR/checkpoint/server-<round>.safetensors`` (every array
+of the state) and ``DIR/checkpoint/server.json`` (the round number, the comparable config, the
+partitions that took part, and the structure of the strategy's state, the results so far and the
+privacy ledger; :mod:`fedlora.state`), each written atomically (write, then rename), the JSON last.
+Nothing is pickled: a corrupt or foreign checkpoint gives one ConfigError line, never code.
 
 Client side, a client's ``context.state`` (its kept adapter and whatever its trainer stores
 there) is written after every training round to ``<checkpoint-dir>/<partition id>/round_<r>.bin``
@@ -15,18 +16,22 @@ the newest file of a round <= ``k``: a file from the interrupted round ``k + 1``
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedlora.errors import ConfigError
 from fedlora.schema import ExperimentConfig
+from fedlora.state import StateError, decode, encode
 
-SERVER_FILE = "server.pkl"
+if TYPE_CHECKING:
+    from flwr.app import RecordDict
+
+SERVER_FILE = "server.json"  # the structure; its arrays are in the safetensors file it names
 CLIENTS_DIR = "clients"
-FORMAT = 1
+FORMAT = 2  # 1 was a pickle (no longer read: a checkpoint must never run code)
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -54,30 +59,59 @@ def _comparable(config: ExperimentConfig) -> dict[str, Any]:
 
 
 def save_server(out_dir: str | Path, server_round: int, config: ExperimentConfig, state: dict[str, Any],
-                rounds: list, privacy: dict[str, float] | None = None, partitions: list[int] | None = None) -> Path:
-    """Write the server checkpoint of the completed round ``server_round`` (atomically)."""
-    path = checkpoint_dir(out_dir) / SERVER_FILE
-    blob = {"format": FORMAT, "round": server_round, "config": _comparable(config), "strategy": state,
-            "rounds": rounds, "privacy": privacy, "partitions": list(partitions or [])}
-    _atomic_write(path, pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
+                rounds: list[Any], privacy: dict[str, Any] | None = None, partitions: list[int] | None = None) -> Path:
+    """Write the server checkpoint of the completed round ``server_round``: the arrays first (a new
+    file per round), then the JSON that names them (atomically), then the older arrays go."""
+    from safetensors.numpy import save_file
+
+    folder = checkpoint_dir(out_dir)
+    structure, arrays = encode({"strategy": state, "rounds": rounds, "privacy": privacy})
+    arrays_name = f"server-{server_round}.safetensors"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(arrays, str(folder / (arrays_name + ".tmp")))
+    os.replace(folder / (arrays_name + ".tmp"), folder / arrays_name)
+    blob = {"format": FORMAT, "round": server_round, "config": _comparable(config), "arrays": arrays_name,
+            "partitions": list(partitions or []), "state": structure}
+    path = folder / SERVER_FILE
+    _atomic_write(path, json.dumps(blob).encode())
+    for old in folder.glob("server-*.safetensors"):
+        if old.name != arrays_name:
+            old.unlink(missing_ok=True)
     return path
 
 
 def load_server(out_dir: str | Path, config: ExperimentConfig | None = None) -> dict[str, Any]:
-    """The last server checkpoint in ``out_dir`` (ConfigError if none or if ``config`` differs)."""
-    path = checkpoint_dir(out_dir) / SERVER_FILE
+    """The last server checkpoint in ``out_dir``: ``round``, ``partitions``, ``strategy`` (state),
+    ``rounds``, ``privacy``. ConfigError (one line) if there is none, if it is corrupt or not a
+    fedlora checkpoint, or if ``config`` differs from the checkpointed run's."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    folder = checkpoint_dir(out_dir)
+    path = folder / SERVER_FILE
     if not path.is_file():
         raise ConfigError(f"--resume {out_dir}: no checkpoint {path}; resume needs the output folder of a "
                           f"run that completed at least one round")
-    blob = pickle.loads(path.read_bytes())
+    try:
+        blob = json.loads(path.read_text())
+        if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+            raise StateError(f"format {blob.get('format') if isinstance(blob, dict) else None!r}, expected {FORMAT}")
+        arrays_path = folder / str(blob["arrays"])
+        if arrays_path.parent != folder:
+            raise StateError("the arrays file is outside the checkpoint folder")
+        saved = decode(blob["state"], load_file(str(arrays_path)))
+        round_done, partitions = int(blob["round"]), [int(p) for p in blob["partitions"]]
+    except (OSError, ValueError, KeyError, TypeError, StateError, SafetensorError) as error:
+        raise ConfigError(f"--resume {out_dir}: the checkpoint is corrupt or not a fedlora checkpoint "
+                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
     if config is not None and blob["config"] != _comparable(config):
-        saved, now = blob["config"], _comparable(config)
+        stored, now = blob["config"], _comparable(config)
         keys = sorted(f"{s}.{k}" for s in now for k in (now[s] if isinstance(now[s], dict) else {})
-                      if isinstance(saved.get(s), dict) and saved[s].get(k) != now[s].get(k))
+                      if isinstance(stored.get(s), dict) and stored[s].get(k) != now[s].get(k))
         raise ConfigError(f"--resume {out_dir}: the config differs from the checkpointed run in "
                           f"{', '.join(keys) or 'its sections'}; resume with the same config (train.rounds "
                           f"may grow, except under a DP target_epsilon planned for it)")
-    return blob
+    return {"round": round_done, "partitions": partitions, **saved}
 
 
 # ---------------------------------------------------------------------------------- clients
@@ -90,7 +124,7 @@ def _client_files(folder: Path) -> dict[int, Path]:
     return {int(m.group(1)): p for p in folder.iterdir() if (m := _ROUND_FILE.match(p.name))}
 
 
-def save_client_state(root: str | Path, partition_id: int, server_round: int, state) -> Path:
+def save_client_state(root: str | Path, partition_id: int, server_round: int, state: RecordDict) -> Path:
     """Write a client's ``context.state`` after training in ``server_round``; keep only what a
     resume can still need (this round's file and the newest older one)."""
     from flwr.common.serde import recorddict_to_proto
@@ -104,7 +138,7 @@ def save_client_state(root: str | Path, partition_id: int, server_round: int, st
     return path
 
 
-def restore_client_state(root: str | Path, partition_id: int, upto_round: int, state) -> int:
+def restore_client_state(root: str | Path, partition_id: int, upto_round: int, state: RecordDict) -> int:
     """Fill an empty ``state`` (RecordDict) from the newest file of a round <= ``upto_round``;
     returns that round (0: nothing to restore)."""
     from flwr.common.serde import recorddict_from_proto

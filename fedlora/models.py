@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."
-TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+TINY_BERT: dict[str, Any] = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
 
 class ModelError(ValueError):
@@ -71,14 +71,14 @@ def check_model_available(path: str) -> None:
 
 
 @lru_cache(maxsize=4)
-def load_tokenizer(path: str):
+def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 @lru_cache(maxsize=4)
-def _base_model(path: str, num_labels: int, seed: int):
+def _base_model(path: str, num_labels: int, seed: int) -> Any:
     """The frozen backbone with a seeded classification head, cached per process."""
     import torch
     from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
@@ -86,7 +86,9 @@ def _base_model(path: str, num_labels: int, seed: int):
     torch.manual_seed(seed)  # the head's init is identical on every client and the server
     if path == "tiny-bert":
         vocab = load_tokenizer(path).vocab_size
-        return BertForSequenceClassification(BertConfig(vocab_size=vocab, num_labels=num_labels, **TINY_BERT))
+        config = BertConfig(vocab_size=vocab, **TINY_BERT)
+        config.num_labels = num_labels
+        return BertForSequenceClassification(config)
     try:
         return AutoModelForSequenceClassification.from_pretrained(
             resolve_model_path(path), num_labels=num_labels
@@ -115,14 +117,15 @@ def build_model(
     default_rank = rank if isinstance(rank, int) else max(rank.values())
     pattern = {} if isinstance(rank, int) else {f"{m}$": r for m, r in rank.items()}
     init = init or cfg.init
+    initial: Any = {"kaiming": True, "gaussian": "gaussian", "pissa": "pissa"}[init]
     lora_config = LoraConfig(
         r=default_rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes any float
         lora_dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
         modules_to_save=["classifier"],
         rank_pattern=pattern,
-        init_lora_weights={"kaiming": True, "gaussian": "gaussian", "pissa": "pissa"}[init],
+        init_lora_weights=initial,
     )
     torch.manual_seed(seed)
     return get_peft_model(base, lora_config)
@@ -184,7 +187,7 @@ def module_shapes(model: PeftModel) -> dict[str, tuple[int, int]]:
     from peft.tuners.lora import LoraLayer
 
     return {
-        name.removeprefix(PEFT_PREFIX): (layer.out_features, layer.in_features)
+        name.removeprefix(PEFT_PREFIX): (int(layer.out_features or 0), int(layer.in_features or 0))
         for name, layer in model.named_modules()
         if isinstance(layer, LoraLayer)
     }

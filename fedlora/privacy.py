@@ -10,6 +10,12 @@ With ``privacy.target_epsilon`` the noise multiplier is chosen once for the most
 can take in the run (``train.rounds`` rounds of its per-round steps, as if sampled every round),
 so the reported epsilon stays <= the target whatever the sampling.
 
+Noise the server cannot replay: by default the Gaussian noise and the Poisson sampling draw from
+torch generators seeded with fresh operating-system entropy (``secrets``) in every call; the seed
+never leaves this function. ``privacy.reproducible_noise`` (research runs only) seeds them from
+the caller's ``seed`` instead, which the server can derive. Opacus' ``secure_mode`` (a CSPRNG,
+torchcsprng) has no build for this torch, so the generator itself is torch's default one.
+
 Notes (docs/design.md, Opacus): the model is moved to its device and put in ``train()`` mode before it is
 wrapped; the adapter is read from the unwrapped peft model afterwards; DoRA is not supported by
 Opacus; gradient hooks that edit ``p.grad`` after backward (FedHera's prefix gating) would be
@@ -19,6 +25,7 @@ ignored by the DP optimiser, which steps on per-example gradients, so such metho
 
 from __future__ import annotations
 
+import secrets
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,32 +71,35 @@ def noise_for_target(privacy: PrivacyConfig, sample_rate: float, total_steps: in
 
 
 def private_train(
-    model,
-    loader,
+    model: Any,
+    loader: Any,
     *,
     privacy: PrivacyConfig,
     epochs: int,
     lr: float,
-    device,
+    device: Any,
     rounds: int,
     history: History,
-    seed: int,
+    seed: int | None = None,
     max_steps: int = 0,
     weight_decay: float = 0.0,
-    loss_fn: Callable[[Any, dict], Any] = cross_entropy_loss,
+    loss_fn: Callable[[Any, dict[str, Any]], Any] = cross_entropy_loss,
 ) -> PrivateTrainStats:
     """DP-SGD (AdamW steps on the privatised gradient) over the trainable parameters of ``model``;
-    ``history`` is the client's accountant history before this call (returned extended)."""
+    ``history`` is the client's accountant history before this call (returned extended).
+
+    ``seed``: None (the default, and what ``privacy.reproducible_noise = false`` passes) draws the
+    noise and sampling seeds from the operating system's entropy; an int makes them reproducible
+    (and known to whoever knows the int)."""
     import torch
     from opacus import PrivacyEngine
     from opacus.data_loader import DPDataLoader
 
-    warnings.filterwarnings("ignore", message="Secure RNG turned off")  # seeded on purpose: reproducible runs
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")  # frozen embeddings: expected
+    sampling_seed, noise_seed = (secrets.randbits(63), secrets.randbits(63)) if seed is None else (seed, seed + 1)
     model.to(device).train()  # before wrapping (docs/design.md, Opacus notes)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    poisson = DPDataLoader.from_data_loader(loader, generator=torch.Generator().manual_seed(seed))
+    poisson = DPDataLoader.from_data_loader(loader, generator=torch.Generator().manual_seed(sampling_seed))
     sample_rate = 1.0 / len(poisson)
     per_round = epochs * len(poisson)
     if max_steps:
@@ -97,14 +107,20 @@ def private_train(
     sigma = noise_for_target(privacy, sample_rate, rounds * per_round)
     engine = PrivacyEngine(accountant="rdp")
     engine.accountant.history = [tuple(h) for h in history]
-    private_model, optimizer, poisson = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=poisson, noise_multiplier=sigma,
-        max_grad_norm=privacy.max_grad_norm, poisson_sampling=False,  # already Poisson, seeded
-        noise_generator=torch.Generator(device=device).manual_seed(seed + 1),
-    )
-    try:
-        stats = optimise(private_model, poisson, optimizer, epochs, max_steps, loss_fn)
-    finally:
-        private_model._close()  # remove Opacus' hooks and per-example grads: the peft model is plain again
+    with warnings.catch_warnings():
+        # Opacus warns that its secure mode (a CSPRNG) is off: documented above; the generator's
+        # seed is OS entropy unless privacy.reproducible_noise asks otherwise
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        # the frozen backbone's embeddings receive no gradient; Opacus notices it on every step
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        private_model, optimizer, poisson = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=poisson, noise_multiplier=sigma,
+            max_grad_norm=privacy.max_grad_norm, poisson_sampling=False,  # already Poisson, seeded above
+            noise_generator=torch.Generator(device=device).manual_seed(noise_seed),
+        )
+        try:
+            stats = optimise(private_model, poisson, optimizer, epochs, max_steps, loss_fn)
+        finally:
+            private_model._close()  # remove Opacus' hooks and per-example grads: the peft model is plain again
     new_history: History = [tuple(h) for h in engine.accountant.history]
     return PrivateTrainStats(stats, epsilon_of(new_history, privacy.delta), sigma, sample_rate, new_history)

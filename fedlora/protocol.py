@@ -30,3 +30,10 @@ TRAIN_SECONDS = "train-seconds"
 TRAIN_EXAMPLES = "train-examples"
 RECEIVED_ACCURACY = "received-accuracy"
 RECEIVED_EXAMPLES = "received-examples"
+
+
+def number(value: object) -> float:
+    """A config or metric value that must be a number (Flower's records hold several value types)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)

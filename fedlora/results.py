@@ -18,11 +18,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from fedlora import state
 from fedlora.schema import ExperimentConfig
 
 PACKAGES = ("fedlora", "flwr", "torch", "peft", "transformers", "datasets", "flwr-datasets", "opacus")
 
 
+@state.register
 @dataclass
 class RoundRecord:
     """Everything measured in one federated round."""
@@ -130,7 +132,8 @@ class ResultsWriter:
         }
         if self.privacy is not None:
             data["privacy"] = self.privacy
-        return _clean(data)
+        cleaned: dict[str, Any] = _clean(data)
+        return cleaned
 
     def write(self) -> None:
         """Atomic rewrite (write to a temporary file, then rename)."""
@@ -144,4 +147,5 @@ def load_results(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = path / "results.json"
-    return json.loads(path.read_text())
+    results: dict[str, Any] = json.loads(path.read_text())
+    return results

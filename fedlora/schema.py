@@ -246,6 +246,10 @@ class ClientsConfig(_Section):
         return tiers
 
 
+CorruptKind = Literal["nan", "inf", "shape", "rank", "keys", "norm"]
+CORRUPT_KINDS: tuple[CorruptKind, ...] = ("nan", "inf", "shape", "rank", "keys", "norm")
+
+
 class FaultsConfig(_Section):
     """Failure injection (simulation) and the server's defences against bad updates."""
 
@@ -257,8 +261,8 @@ class FaultsConfig(_Section):
         0.0, description="Probability that a sampled client sends a malformed update instead of "
         "its real one, in [0, 1) (exercises the server's validation)."
     )
-    corrupt_kinds: list[Literal["nan", "inf", "shape", "rank", "keys", "norm"]] = Field(
-        default_factory=lambda: ["nan", "inf", "shape", "rank", "keys", "norm"],
+    corrupt_kinds: list[CorruptKind] = Field(
+        default_factory=lambda: list(CORRUPT_KINDS),
         description="Malformations a corrupting client picks from: NaN, Inf, a wrong shape, a "
         "wrong rank, unexpected keys, or a huge norm (x1e6).",
     )
@@ -296,6 +300,14 @@ class PrivacyConfig(_Section):
         "noise multiplier is chosen for the most steps a client can take (sampled every round)."
     )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Per-example gradient clipping bound C.")
+    reproducible_noise: bool = Field(
+        False,
+        description="Research runs only: seed each client's DP noise and Poisson sampling from "
+        "train.seed, the round and the partition, so a run can be repeated exactly. This gives NO "
+        "privacy against the server, which knows all three and can regenerate and subtract the noise. "
+        "Default (false): every client seeds both from its operating system's entropy, fresh every "
+        "round, and the seeds are never sent, logged or stored.",
+    )
     delta: float = Field(1e-5, gt=0.0, lt=1.0, description="Delta of the (epsilon, delta) guarantee.")
 
     @model_validator(mode="after")

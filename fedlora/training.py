@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import datasets
     import torch
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
 
 Batch = dict[str, "torch.Tensor"]
+Model = Any  # a (peft-wrapped) transformers model, or a module with the same forward (FedDPA's wrapper)
 LossFn = Callable[[Any, Batch], "torch.Tensor"]
 
 
@@ -39,7 +42,7 @@ class EvalStats:
     examples: int
 
 
-def tokenize(dataset: datasets.Dataset, tokenizer, max_length: int) -> datasets.Dataset:
+def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> datasets.Dataset:
     """Token ids without padding (padding happens per batch); keeps ``label``."""
     import datasets as hf_datasets
 
@@ -55,7 +58,8 @@ def tokenize(dataset: datasets.Dataset, tokenizer, max_length: int) -> datasets.
 _TOKENIZED: dict[str, datasets.Dataset] = {}  # per-process cache: clients reuse their splits
 
 
-def _cached_tokenized(key: str, dataset: datasets.Dataset, tokenizer, max_length: int):
+def _cached_tokenized(key: str, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
+                      max_length: int) -> datasets.Dataset:
     if key not in _TOKENIZED:
         _TOKENIZED[key] = tokenize(dataset, tokenizer, max_length)
     return _TOKENIZED[key]
@@ -63,13 +67,13 @@ def _cached_tokenized(key: str, dataset: datasets.Dataset, tokenizer, max_length
 
 def make_loader(
     dataset: datasets.Dataset,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     batch_size: int,
     max_length: int,
     shuffle: bool,
     seed: int = 0,
     cache_key: str | None = None,
-):
+) -> DataLoader[Any]:
     """A DataLoader of dynamically padded batches with ``labels`` (and ``index``) tensors."""
     import torch
     from torch.utils.data import DataLoader
@@ -94,23 +98,23 @@ def make_loader(
     return DataLoader(encoded, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator)
 
 
-def model_inputs(batch: Batch, device) -> dict[str, Any]:
+def model_inputs(batch: Batch, device: torch.device) -> dict[str, Any]:
     """The tensors the model's forward takes, moved to ``device``."""
     return {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
 
-def autocast(device):
+def autocast(device: torch.device | None) -> Any:
     """bf16 autocast on CUDA, a no-op context elsewhere."""
     import contextlib
 
     import torch
 
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def cross_entropy_loss(model, batch: Batch) -> torch.Tensor:
+def cross_entropy_loss(model: Model, batch: Batch) -> torch.Tensor:
     """Default objective: mean cross-entropy of the model's logits."""
     import torch.nn.functional as F
 
@@ -120,16 +124,16 @@ def cross_entropy_loss(model, batch: Batch) -> torch.Tensor:
 
 
 def train(
-    model,
-    loader,
+    model: Model,
+    loader: DataLoader[Any],
     epochs: int,
     lr: float,
-    device,
+    device: torch.device,
     max_steps: int = 0,
     weight_decay: float = 0.0,
     loss_fn: LossFn = cross_entropy_loss,
     after_backward: Callable[[Any], None] | None = None,
-    parameters: list | None = None,
+    parameters: list[torch.nn.Parameter] | None = None,
 ) -> TrainStats:
     """AdamW over the trainable parameters (or ``parameters``) for ``epochs`` / ``max_steps``."""
     import torch
@@ -141,14 +145,14 @@ def train(
 
 
 def optimise(
-    model,
-    loader,
-    optimizer,
+    model: Model,
+    loader: Any,  # a DataLoader, or Opacus' Poisson-sampling loader
+    optimizer: Any,  # torch.optim.Optimizer, or Opacus' DPOptimizer
     epochs: int,
     max_steps: int,
     loss_fn: LossFn,
     after_backward: Callable[[Any], None] | None = None,
-    autocast_device=None,
+    autocast_device: torch.device | None = None,
 ) -> TrainStats:
     """The step loop shared by :func:`train` and DP training (:mod:`fedlora.privacy`): ``epochs``
     passes over ``loader``, at most ``max_steps`` steps (0: no cap). Empty batches (Poisson
@@ -163,7 +167,7 @@ def optimise(
             with autocast(autocast_device) if autocast_device is not None else contextlib.nullcontext():
                 loss = loss_fn(model, batch)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
             if after_backward is not None:
                 after_backward(model)
             optimizer.step()
@@ -178,7 +182,7 @@ def optimise(
     return TrainStats(mean_loss, steps, examples, time.perf_counter() - start)
 
 
-def predict_logits(model, loader, device) -> tuple[torch.Tensor, torch.Tensor]:
+def predict_logits(model: Model, loader: DataLoader[Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, labels) over a loader, in eval mode and without gradients."""
     import torch
 
@@ -191,11 +195,11 @@ def predict_logits(model, loader, device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(logits), torch.cat(labels)
 
 
-def evaluate(model, loader, device) -> EvalStats:
+def evaluate(model: Model, loader: DataLoader[Any], device: torch.device) -> EvalStats:
     """Accuracy and mean cross-entropy over a loader."""
     import torch.nn.functional as F
 
-    if len(loader.dataset) == 0:
+    if len(loader.dataset) == 0:  # type: ignore[arg-type]  # a map-style dataset has a length
         return EvalStats(math.nan, math.nan, 0)
     logits, labels = predict_logits(model, loader, device)
     accuracy = float((logits.argmax(-1) == labels).float().mean())

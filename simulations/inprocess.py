@@ -17,6 +17,7 @@ from typing import Any
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
+from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 RUN_ID = 1
@@ -40,13 +41,13 @@ class InProcessGrid(Grid):
         TaskIdentity.node_id = SERVER_NODE_ID
         TaskIdentity.task_id = 0
 
-    def set_run(self, run_id: int) -> None:  # pragma: no cover - not used by fedlora
+    def set_run(self, run: Run) -> None:  # pragma: no cover - not used by fedlora
         """Nothing to set: there is one implicit run."""
 
     @property
-    def run(self) -> None:  # pragma: no cover - not used by fedlora
-        """There is no Flower Run object in process; fedlora never reads it."""
-        return None
+    def run(self) -> Run:  # pragma: no cover - not used by fedlora
+        """There is no Flower Run in process; fedlora never reads it."""
+        raise NotImplementedError("the in-process engine has no Flower Run object")
 
     def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None) -> Message:
         return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)

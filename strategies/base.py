@@ -44,7 +44,7 @@ from fedlora.lora import (
 )
 from fedlora.methods import Capabilities, Method
 from fedlora.profile import ClientProfile
-from fedlora.protocol import Phase
+from fedlora.protocol import Phase, number
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig
 from strategies.ledger import PrivacyLedger
@@ -111,7 +111,7 @@ class LoRAStrategy(Strategy):
         self.module_shapes = module_shapes
         self.roster = ClientRoster()
         self.paths = RunPaths()
-        self.ledger = PrivacyLedger(experiment.privacy)
+        self.ledger = PrivacyLedger()
         self.records: dict[int, RoundRecord] = {}
         self.started: dict[int, float] = {}
         self.rng = np.random.default_rng(experiment.train.seed)  # the client sampler
@@ -331,7 +331,7 @@ class LoRAStrategy(Strategy):
             if msg.has_error():
                 log(WARNING, "aggregate_evaluate: node %d failed: %s", msg.metadata.src_node_id, msg.error.reason)
                 continue
-            metrics = dict(msg.content["metrics"])
+            metrics = {k: number(v) for k, v in msg.content.metric_records["metrics"].items()}
             rows.append(metrics)
             record.per_client[str(int(metrics[protocol.PARTITION_ID]))] = {k: float(v) for k, v in metrics.items()}
         if not rows:
@@ -364,7 +364,7 @@ class LoRAStrategy(Strategy):
         return record
 
     def privacy_report(self) -> dict[str, Any] | None:
-        return self.ledger.report()
+        return self.ledger.report(self.experiment.privacy)
 
     # ---------------------------------------------------------------- internals
     def _message(self, partition: int, server_round: int, payload: Payload, phase: Phase) -> Message:
@@ -396,8 +396,8 @@ class LoRAStrategy(Strategy):
                 log(WARNING, "aggregate_train: node %d failed: %s", msg.metadata.src_node_id, msg.error.reason)
                 continue
             partition = self.roster.partition_of(msg.metadata.src_node_id)
-            payload = from_array_record(msg.content["arrays"])
-            metrics = {k: float(v) for k, v in dict(msg.content["metrics"]).items()}
+            payload = from_array_record(msg.content.array_records["arrays"])
+            metrics = {k: number(v) for k, v in msg.content.metric_records["metrics"].items()}
             self.observe_reply(partition, metrics)
             problem = check_upload(payload, self.expected_upload(partition, server_round))
             if problem:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from flwr.supercore import log
 
+from fedlora import state
 from fedlora.lora import (
     A_SUFFIX,
     B_SUFFIX,
@@ -49,6 +50,7 @@ from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
+@state.register
 @dataclass
 class Budgets:
     download: float  # bytes per round
@@ -56,6 +58,7 @@ class Budgets:
     memory: float  # memory units
 
 
+@state.register
 @dataclass
 class Push:
     """What one client received for one round."""

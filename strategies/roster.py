@@ -72,7 +72,7 @@ class ClientRoster:
                 self.refused[f"node {node_id}"] = f"query failed: {reply.error.reason}"
                 log(WARNING, "query: node %d failed: %s", node_id, reply.error.reason)
                 continue
-            profile = ClientProfile.model_validate_json(str(reply.content["profile"]["json"]))
+            profile = ClientProfile.model_validate_json(str(reply.content.config_records["profile"]["json"]))
             problem = check_profile(profile)
             if problem:
                 self.refused[f"partition {profile.partition_id}"] = f"{profile.partition_id}: {problem}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from fedlora import protocol
 from fedlora.data import ClientData, FederatedData
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     import torch
     from flwr.app import RecordDict
     from peft import PeftModel
+
+    from fedlora.privacy import History
 
 LOCAL_STATE_KEY = "fedlora.local"
 PRIVACY_STATE_KEY = "fedlora.privacy"  # the client's DP accountant history (all its rounds)
@@ -130,13 +132,13 @@ class LocalTrainer:
         if any(getattr(type(self), name) is not getattr(LocalTrainer, name) for name in customised):
             raise ValueError(f"privacy.dp: {type(self).__name__} customises its training step; DP-SGD not supported")
         cfg, privacy = self.config.train, self.config.privacy
-        stored = self.job.state.get(PRIVACY_STATE_KEY)
-        history = list(zip(stored["noise"], stored["rate"], stored["steps"])) if stored else []
+        history = self._privacy_history()
+        # reproducible_noise is for research runs only: the server knows this seed (docs: README, privacy)
+        seed = cfg.seed + 1000 * self.job.server_round + self.job.profile.partition_id if privacy.reproducible_noise else None
         result = private_train(
             model, self.loader(self.job.data.train, "train", shuffle=True), privacy=privacy,
             epochs=cfg.local_epochs, lr=cfg.lr, device=self.device, rounds=cfg.rounds, history=history,
-            seed=cfg.seed + 1000 * self.job.server_round + self.job.profile.partition_id,
-            max_steps=cfg.max_steps, weight_decay=cfg.weight_decay, loss_fn=self.loss,
+            seed=seed, max_steps=cfg.max_steps, weight_decay=cfg.weight_decay, loss_fn=self.loss,
         )
         self.job.state[PRIVACY_STATE_KEY] = ConfigRecord({
             "noise": [float(h[0]) for h in result.history], "rate": [float(h[1]) for h in result.history],
@@ -145,6 +147,14 @@ class LocalTrainer:
         self.privacy = {"dp-epsilon": result.epsilon, "dp-noise-multiplier": result.noise_multiplier,
                         "dp-sample-rate": result.sample_rate}
         return result.stats
+
+    def _privacy_history(self) -> History:
+        """The client's accountant history over its earlier rounds (from its state)."""
+        stored = self.job.state.config_records.get(PRIVACY_STATE_KEY)
+        if stored is None:
+            return []
+        noise, rate, steps = (cast("list[float]", stored[key]) for key in ("noise", "rate", "steps"))
+        return [(float(n), float(r), int(s)) for n, r, s in zip(noise, rate, steps)]
 
     def privacy_metrics(self) -> dict[str, float]:
         """``dp-epsilon`` (this client's epsilon over all its rounds) etc. after a private fit."""
@@ -201,7 +211,7 @@ class LocalTrainer:
     def local_state(self) -> Payload:
         if LOCAL_STATE_KEY not in self.job.state:
             return {}
-        return from_array_record(self.job.state[LOCAL_STATE_KEY])
+        return from_array_record(self.job.state.array_records[LOCAL_STATE_KEY])
 
     def save_state(self, payload: Payload) -> None:
         self.job.state[LOCAL_STATE_KEY] = to_array_record(payload)

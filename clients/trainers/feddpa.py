@@ -10,7 +10,7 @@ subfolder; reload with ``PeftModel.from_pretrained(base, dir)``, then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from clients.trainers.base import LocalTrainer
 from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload
@@ -123,13 +123,13 @@ class FedDPATrainer(LocalTrainer):
         cfg = self.config.model
         local_config = LoraConfig(
             r=self.job.profile.rank,
-            lora_alpha=cfg.lora_alpha,
+            lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes any float
             lora_dropout=cfg.lora_dropout,
             target_modules=cfg.target_modules,
             init_lora_weights=True,  # B_l = 0: l starts as a no-op
         )
         model.add_adapter(LOCAL_BRANCH, local_config)
-        model.base_model.set_adapter(["default", LOCAL_BRANCH])  # forward sums both; both trainable
+        cast(Any, model.base_model).set_adapter(["default", LOCAL_BRANCH])  # forward sums both; both trainable
         state = self.local_state()
         global_part = {k: v for k, v in state.items() if not k.startswith(LOCAL_PREFIX)}
         local_part = {k.removeprefix(LOCAL_PREFIX): v for k, v in state.items() if k.startswith(LOCAL_PREFIX)}

@@ -126,7 +126,7 @@ class FedDRLoRATrainer(LocalTrainer):
         import torch
 
         model = super().prepare(download)
-        stored = from_array_record(self.job.state[NOISE_STATE_KEY]) if NOISE_STATE_KEY in self.job.state else {}
+        stored = from_array_record(self.job.state.array_records[NOISE_STATE_KEY]) if NOISE_STATE_KEY in self.job.state else {}
         generator = torch.Generator().manual_seed(self.config.train.seed + 7919 * (self.job.profile.partition_id + 1))
         for name, param in model.named_parameters():
             if ".lora_B." in name:

@@ -12,7 +12,7 @@ and never travels. Blocks whose cut is c = 1 get no external expert and keep lam
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -43,7 +43,7 @@ def add_external_expert(model: PeftModel, external: Payload, lora_alpha: float, 
 
     modules = sorted({k.rsplit("::", 1)[0] for k in external})
     rank = int(external[modules[0] + A_SUFFIX].shape[0])
-    config = LoraConfig(r=rank, lora_alpha=lora_alpha, lora_dropout=dropout, target_modules=modules)
+    config = LoraConfig(r=rank, lora_alpha=lora_alpha, lora_dropout=dropout, target_modules=modules)  # type: ignore[arg-type]
     model.add_adapter(EXTERNAL_ADAPTER, config)
     state = {}
     for key, array in external.items():
@@ -78,7 +78,7 @@ def attach_mixer(model: PeftModel, theta: torch.nn.Parameter, mixed_modules: lis
             module.scaling["default"] = scale["default"] * lam
             module.scaling[EXTERNAL_ADAPTER] = scale[EXTERNAL_ADAPTER] * (1 - lam)
 
-        layer.register_forward_pre_hook(mix)
+        cast(Any, layer).register_forward_pre_hook(mix)
 
 
 class FedTreeLoRATrainer(LocalTrainer):

@@ -8,7 +8,7 @@ fresh ClientApp process (deployment) rebuilds the same base: W0 + merged. A stac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class FLoRATrainer(LocalTrainer):
 
         with torch.no_grad():
             for module, delta in merged.items():
-                layer = model.get_submodule(PEFT_PREFIX + module).base_layer
+                layer: Any = model.get_submodule(PEFT_PREFIX + module).base_layer
                 layer.weight += torch.from_numpy(delta).to(layer.weight.dtype)
 
     def _fresh_lora(self, model: PeftModel) -> None:
@@ -68,7 +68,7 @@ class FLoRATrainer(LocalTrainer):
                 if not isinstance(layer, LoraLayer):
                     continue
                 for name in layer.lora_A:
-                    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
+                    A, B = cast("torch.Tensor", layer.lora_A[name].weight), cast("torch.Tensor", layer.lora_B[name].weight)
                     if self.config.model.init == "gaussian":
                         A.copy_(torch.randn(A.shape, generator=generator) / A.shape[0])
                     else:  # peft's default (kaiming): uniform with a = sqrt(5)

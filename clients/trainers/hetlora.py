@@ -16,6 +16,7 @@ from clients.trainers.base import ClientJob, LocalTrainer
 from fedlora.lora import Payload, join_payload, split_payload, truncate_rank
 from fedlora.methods.hetlora import TAIL_NORM_KEY, UPLOAD_RANK_KEY, HetLoRAOptions, pruned_rank
 from fedlora.models import adapter_payload
+from fedlora.protocol import number
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +83,8 @@ class HetLoRATrainer(LocalTrainer):
         with torch.no_grad():
             tail = float(lora_tail_norm(model, self.keep_rank))
         previous = self.job.state.get(PRUNE_STATE_KEY)
-        shrank = previous is not None and int(previous["rank"]) == self.upload_rank and tail < float(previous["tail"])
+        shrank = (previous is not None and int(number(previous["rank"])) == self.upload_rank
+                  and tail < number(previous["tail"]))
         if shrank:
             self.upload_rank = self.keep_rank
         self.tail_norm = tail

@@ -37,7 +37,7 @@ class GlobalEvaluator:
         self.num_labels = len(federated.label_names)
         self.device = resolve_device(config.train.device)
         self._initial: dict[int, Payload] = {}
-        self._loader = None
+        self._loader: Any = None
         self.init: str | None = None  # a strategy's override of model.init (LoRAStrategy.model_init)
 
     def build(self, rank: int | dict[str, int]):

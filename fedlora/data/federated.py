@@ -67,10 +67,10 @@ class FederatedData:
         """(num_clients, num_classes) counts of clean training labels (flwr-datasets' compute_counts)."""
         from flwr_datasets.metrics import compute_counts
 
-        return compute_counts(self.partitions(), "clean_label").to_numpy()
+        return np.asarray(compute_counts(self.partitions(), "clean_label").to_numpy())
 
 
-class ClientPartitions(Partitioner):
+class ClientPartitions(Partitioner):  # type: ignore[misc]  # flwr-datasets ships no type information
     """A fedlora federation's client training splits seen as a flwr-datasets Partitioner.
 
     fedlora's partitions come from flwr-datasets partitioners (or, for ``grouped``, from one per

@@ -55,7 +55,7 @@ def _load_cached(path: str, _mtime: int, cfg_json: str, label_names: tuple[str, 
 def encode_to_server_labels(raw: list[object], feature: object, label_names: list[str], where: str) -> list[int]:
     """Map a silo's labels (class names, integer ids or a ClassLabel column) to the server's ids."""
     if isinstance(feature, datasets.ClassLabel):
-        raw = [feature.names[value] for value in raw]  # type: ignore[index]
+        raw = [feature.names[value] for value in raw]
     index = {name: i for i, name in enumerate(label_names)}
     encoded: list[int] = []
     unknown: set[str] = set()

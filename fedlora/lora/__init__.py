@@ -10,6 +10,7 @@ from fedlora.lora.factors import (
     HEAD_PREFIX,
     Factors,
     Payload,
+    Weights,
     average_factors,
     fit_rank,
     from_array_record,
@@ -17,7 +18,6 @@ from fedlora.lora.factors import (
     join_payload,
     lora_scale,
     normalise,
-    pad_payload,
     pad_rank,
     padded_average,
     payload_bytes,
@@ -45,10 +45,10 @@ from fedlora.lora.svd import (
 )
 
 __all__ = [
-    "A_SUFFIX", "B_SUFFIX", "HEAD_PREFIX", "STACK_PREFIX", "Factors", "LowRankSVD", "Payload",
+    "A_SUFFIX", "B_SUFFIX", "HEAD_PREFIX", "STACK_PREFIX", "Factors", "LowRankSVD", "Payload", "Weights",
     "average_factors", "batched_factor_svd", "concat_stacks", "dense_svd", "factor_svd", "fit_rank",
     "from_array_record", "head_only", "join_payload", "kaiming_bound", "kaiming_rows", "leading_factors",
-    "lora_scale", "nested_A", "nested_A_payload", "normalise", "pad_payload", "pad_rank", "padded_average",
+    "lora_scale", "nested_A", "nested_A_payload", "normalise", "pad_rank", "padded_average",
     "payload_bytes", "product_inner", "product_norm", "read_stacks", "scaled", "split_payload",
     "split_spectrum", "stack", "stack_factors", "stack_payload", "to_array_record", "trim",
     "truncate_payload", "truncate_rank", "weighted_average", "without_head",

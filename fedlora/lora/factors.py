@@ -14,16 +14,20 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from fedlora import state
+
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord
 
 Payload = dict[str, np.ndarray]
+Weights = Sequence[float] | np.ndarray  # per-client aggregation weights (normalised where used)
 
 A_SUFFIX = "::A"
 B_SUFFIX = "::B"
 HEAD_PREFIX = "head::"
 
 
+@state.register
 class Factors(NamedTuple):
     """One module's LoRA factors: ``A`` (r, d_in) and ``B`` (d_out, r)."""
 
@@ -36,7 +40,7 @@ class Factors(NamedTuple):
 
     def delta(self, scale: float) -> np.ndarray:
         """The dense update s * B @ A (d_out, d_in): for tests and small layers only."""
-        return scale * (self.B @ self.A)
+        return np.asarray(scale * (self.B @ self.A))
 
 
 def lora_scale(alpha: float, rank: int) -> float:
@@ -140,14 +144,14 @@ def fit_rank(f: Factors, rank: int) -> Factors:
     return truncate_rank(pad_rank(f, max(rank, f.rank)), rank)
 
 
-def normalise(weights: Sequence[float]) -> np.ndarray:
+def normalise(weights: Weights) -> np.ndarray:
     """Weights summing to one (uniform if they sum to zero)."""
     w = np.asarray(weights, dtype=np.float64)
     total = w.sum()
     return np.full(len(w), 1.0 / len(w)) if total <= 0 else w / total
 
 
-def weighted_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> Payload:
+def weighted_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Weights) -> Payload:
     """Key-wise weighted mean of payloads with identical keys and shapes: plain FedAvg, through
     Flower's own ``strategy_utils.aggregate_arrayrecords``."""
     from flwr.app import MetricRecord, RecordDict
@@ -162,7 +166,7 @@ def weighted_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequ
     return {key: averaged[key].astype(np.asarray(payloads[0][key]).dtype) for key in payloads[0]}
 
 
-def average_factors(factors: Sequence[Factors], weights: Sequence[float], rank: int | None = None) -> Factors:
+def average_factors(factors: Sequence[Factors], weights: Weights, rank: int | None = None) -> Factors:
     """FedAvg of one module's factors: zero-pad every client to ``rank`` (default: the largest),
     then A = sum_k w_k A_k and B = sum_k w_k B_k *separately* (weights normalised here).
 
@@ -177,13 +181,6 @@ def average_factors(factors: Sequence[Factors], weights: Sequence[float], rank: 
     return Factors(A.astype(np.float32), B.astype(np.float32))
 
 
-def pad_payload(payload: Mapping[str, np.ndarray], rank: int) -> Payload:
-    """Zero-pad every module of a payload to ``rank`` (head arrays unchanged)."""
-    factors, extras = split_payload(payload)
-    padded = {m: pad_rank(f, rank) for m, f in factors.items()}
-    return join_payload(padded, extras, send_A=_has(payload, A_SUFFIX), send_B=_has(payload, B_SUFFIX))
-
-
 def truncate_payload(payload: Mapping[str, np.ndarray], rank: int) -> Payload:
     """Keep the first ``rank`` components of every module (head arrays unchanged)."""
     factors, extras = split_payload(payload)
@@ -195,11 +192,15 @@ def _has(payload: Mapping[str, np.ndarray], suffix: str) -> bool:
     return any(key.endswith(suffix) for key in payload)
 
 
-def padded_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], rank: int) -> Payload:
-    """Weighted average after zero-padding every payload to ``rank``: how a same-rank method
-    (FedIT, FFA-LoRA, FedSA-LoRA) runs over mixed client ranks, as in FLoRA's heterogeneous-rank
-    comparison. Each client then takes the first r_k components (:func:`truncate_payload`)."""
-    return weighted_average([pad_payload(p, rank) for p in payloads], weights)
+def padded_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Weights, rank: int) -> Payload:
+    """FedIT's aggregate over mixed ranks: every module's factors zero-padded to ``rank`` and
+    averaged with :func:`average_factors`, the head arrays with :func:`weighted_average` (the
+    zero-padding extension FLoRA uses to compare FedIT under heterogeneous ranks). Each client
+    then takes the first r_k components (:func:`truncate_payload`)."""
+    split = [split_payload(p) for p in payloads]
+    factors = {m: average_factors([f[m] for f, _ in split], weights, rank) for m in split[0][0]}
+    heads = [head for _, head in split]
+    return join_payload(factors, weighted_average(heads, weights) if heads[0] else {})
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,13 +11,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from fedlora.lora.factors import Factors, Payload, join_payload, split_payload
+from fedlora.lora.factors import Factors, Payload, Weights, join_payload, split_payload
 from fedlora.lora.svd import factor_svd
 
 STACK_PREFIX = "stack::"
 
 
-def stack(clients: Sequence[Mapping[str, Factors]], weights: Sequence[float], scales: Sequence[float]) -> dict[str, Factors]:
+def stack(clients: Sequence[Mapping[str, Factors]], weights: Weights, scales: Sequence[float]) -> dict[str, Factors]:
     """Per module A = [p_1 s_1 A_1; ...; p_K s_K A_K], B = [B_1 ... B_K], so that
     B A = sum_k p_k s_k B_k A_k exactly (the scales folded into A: the stack has unit scale)."""
     out: dict[str, Factors] = {}

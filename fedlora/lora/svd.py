@@ -27,9 +27,11 @@ from typing import NamedTuple
 import numpy as np
 import scipy.linalg
 
+from fedlora import state
 from fedlora.lora.factors import Factors, pad_rank
 
 
+@state.register
 class LowRankSVD(NamedTuple):
     """Thin SVD G = U diag(S) Vt with U (d_out, k), S (k,), Vt (k, d_in)."""
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from fedlora.lora import A_SUFFIX, Payload, weighted_average
+from fedlora.lora import A_SUFFIX, Payload, Weights, weighted_average
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 SPLIT_COUNT_KEYS = ("flagged", "true-positives", "noisy", "samples")
@@ -74,7 +74,7 @@ class FedDRLoRAOptions(MethodOptions):
     )
 
 
-def aggregate_robust_B(uploads: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> Payload:
+def aggregate_robust_B(uploads: Sequence[Mapping[str, np.ndarray]], weights: Weights) -> Payload:
     """B = sum_k p_k B_k^r per module (and the head averaged the same way); A must not be there."""
     for upload in uploads:
         leaked = [key for key in upload if key.endswith(A_SUFFIX)]
@@ -119,7 +119,7 @@ def gmm_clean_mask(losses: np.ndarray, threshold: float = 0.5, seed: int = 0) ->
     )
     gmm.fit(normalised)
     clean_component = int(np.argmin(gmm.means_.reshape(-1)))
-    return gmm.predict_proba(normalised)[:, clean_component] > threshold
+    return np.asarray(gmm.predict_proba(normalised)[:, clean_component] > threshold)
 
 
 def split_counts(suspect: np.ndarray, is_noisy: np.ndarray) -> dict[str, float]:

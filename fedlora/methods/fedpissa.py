@@ -176,7 +176,7 @@ def projection_diagnostics(
                 if j != k:
                     A_j = np.asarray(A_by_client[j][module], dtype=np.float64)  # (r, d_in)
                     ratios.append(
-                        float(np.linalg.norm(P_by_client[k][module] @ A_j) / max(np.linalg.norm(A_j), 1e-12))
+                        float(np.linalg.norm(P_by_client[k][module] @ A_j)) / max(float(np.linalg.norm(A_j)), 1e-12)
                     )
     return {
         "relative_correction": float(np.sqrt(num / max(den, 1e-24))),

@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import Field
 
 from fedlora.errors import ConfigError
+from fedlora.lora import Weights
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class FedSALoRAOptions(MethodOptions):
     )
 
 
-def rowwise_average(As: Sequence[np.ndarray], weights: Sequence[float], previous: np.ndarray) -> np.ndarray:
+def rowwise_average(As: Sequence[np.ndarray], weights: Weights, previous: np.ndarray) -> np.ndarray:
     """Row j of the result = sum_{k: r_k > j} p_k A_k[j] / sum_{k: r_k > j} p_k.
 
     ``As`` are the clients' A (r_k, d_in), ``previous`` the current global A (R, d_in): a row
@@ -48,7 +49,7 @@ def rowwise_average(As: Sequence[np.ndarray], weights: Sequence[float], previous
     return out.astype(np.float32)
 
 
-def aggregate_A(client_A: Sequence[dict[str, np.ndarray]], weights: Sequence[float], previous: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def aggregate_A(client_A: Sequence[dict[str, np.ndarray]], weights: Weights, previous: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """:func:`rowwise_average` for every module."""
     return {m: rowwise_average([A[m] for A in client_A], weights, previous[m]) for m in previous}
 

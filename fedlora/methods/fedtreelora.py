@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import Field
 
 from fedlora.errors import ConfigError
-from fedlora.lora import Factors, average_factors
+from fedlora.lora import Factors, Weights, average_factors
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 from fedlora.models import layer_index
 from fedlora.schema import ExperimentConfig
@@ -101,7 +101,7 @@ def layer_distances(
 
 def global_distance(per_layer: Mapping[int, np.ndarray]) -> np.ndarray:
     """D_ij = (1/L) sum_l D^(l)_ij."""
-    return np.mean(np.stack(list(per_layer.values())), axis=0)
+    return np.asarray(np.mean(np.stack(list(per_layer.values())), axis=0))
 
 
 def build_tree(D: np.ndarray) -> np.ndarray | None:
@@ -112,7 +112,7 @@ def build_tree(D: np.ndarray) -> np.ndarray | None:
 
     if len(D) < 2:
         return None
-    return linkage(squareform(D, checks=False), method="average")
+    return np.asarray(linkage(squareform(D, checks=False), method="average"))
 
 
 def cut_tree(tree: np.ndarray | None, c: int, n: int) -> np.ndarray:
@@ -122,7 +122,7 @@ def cut_tree(tree: np.ndarray | None, c: int, n: int) -> np.ndarray:
 
     if tree is None or c <= 1:
         return np.zeros(n, dtype=np.int64)
-    return fcluster(tree, c, criterion="maxclust").astype(np.int64) - 1
+    return np.asarray(fcluster(tree, c, criterion="maxclust"), dtype=np.int64) - 1
 
 
 def cut_score(D: np.ndarray, labels: np.ndarray, tau: float) -> float:
@@ -174,7 +174,7 @@ def independent_cuts(per_layer: Sequence[np.ndarray], tau: float) -> tuple[list[
 
 def tree_aggregate(
     factors: Sequence[Mapping[str, Factors]],
-    weights: Sequence[float],
+    weights: Weights,
     clusters: Mapping[str, np.ndarray],
 ) -> tuple[dict[str, dict[int, Factors]], dict[str, dict[int, Factors]]]:
     """Cluster and external experts of every module.
@@ -193,10 +193,10 @@ def tree_aggregate(
         cluster_experts[module], external_experts[module] = {}, {}
         for cluster in np.unique(labels):
             inside = labels == cluster
-            members = [factors[i][module] for i in np.flatnonzero(inside)]
+            members = [factors[int(i)][module] for i in np.flatnonzero(inside)]
             cluster_experts[module][int(cluster)] = average_factors(members, w[inside])
             if (~inside).any():
-                others = [factors[i][module] for i in np.flatnonzero(~inside)]
+                others = [factors[int(i)][module] for i in np.flatnonzero(~inside)]
                 external_experts[module][int(cluster)] = average_factors(others, w[~inside])
     return cluster_experts, external_experts
 

@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import Field
 
 from fedlora.errors import ConfigError
+from fedlora.lora import Weights
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class FFALoRAOptions(MethodOptions):
     )
 
 
-def aggregate_B(client_B: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], rank: int) -> dict[str, np.ndarray]:
+def aggregate_B(client_B: Sequence[Mapping[str, np.ndarray]], weights: Weights, rank: int) -> dict[str, np.ndarray]:
     """B (d_out, rank) per module with s_R B A_R = sum_k p_k s_k B_k A_R[:r_k].
 
     With A shared and rank-nested (A_k = A_R[:r_k]) and s = alpha / r, this is the exact average
@@ -53,7 +54,7 @@ def download_B(B: np.ndarray, rank: int) -> np.ndarray:
     """Client view of the global B (d_out, R) at ``rank`` r_k: (r_k / R) B[:, :r_k], so that
     s_k B_k A_k is the rank-r_k truncation of s_R B A_R (exact when r_k = R)."""
     R = B.shape[1]
-    return ((rank / R) * B[:, :rank]).astype(np.float32)  # (d_out, r_k)
+    return np.asarray((rank / R) * B[:, :rank], dtype=np.float32)  # (d_out, r_k)
 
 
 def check(experiment: ExperimentConfig, options: FFALoRAOptions) -> None:

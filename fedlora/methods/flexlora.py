@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from fedlora.lora import Factors, LowRankSVD, batched_factor_svd, factor_svd
+from fedlora.lora import Factors, LowRankSVD, Weights, batched_factor_svd, factor_svd
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 
@@ -28,7 +28,7 @@ class FlexLoRAOptions(MethodOptions):
 
 def flexlora_aggregate(
     clients: Sequence[Mapping[str, Factors]],
-    weights: Sequence[float],
+    weights: Weights,
     scales: Sequence[float],
     dtype: type[np.floating] = np.float64,
     rank: int | None = None,

@@ -372,10 +372,16 @@ class LocalDeployment:
         self.timings["superlink_start_seconds"] = round(time.monotonic() - started, 2)
         return self.superlink
 
+    def require_certs(self) -> CertPaths:
+        """The certificates written when the SuperLink started (TLS mode)."""
+        if self.certs is None:
+            raise DeployError("no certificates: the SuperLink was not started with TLS")
+        return self.certs
+
     def _write_cli_config(self) -> None:
         home = self.homes / "cli"
         home.mkdir(parents=True, exist_ok=True)
-        security = "insecure = true" if self.insecure else f'root-certificates = "{self.certs.ca_cert}"'
+        security = "insecure = true" if self.insecure else f'root-certificates = "{self.require_certs().ca_cert}"'
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
             f'address = "{HOST}:{self.ports.control}"\n{security}\n',
@@ -587,8 +593,9 @@ def deploy_local(
                     HOST, deployment.ports.control, HOST, deployment.ports.fleet)
         keys: list[Path | None] = [None] * nodes
         if not insecure:
-            keys = list(deployment.certs.node_keys)
-            deployment.register(keys)
+            node_keys = list(deployment.require_certs().node_keys)
+            deployment.register(node_keys)
+            keys = list(node_keys)
         deployment.start_supernodes(node_configs(config, nodes), keys)
         logger.info("%d SuperNodes accepted; submitting the run", nodes)
         run_id = deployment.submit(app, write_run_config(config, out / "run_config.toml"))
