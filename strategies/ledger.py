@@ -14,6 +14,9 @@ from fedlora.results import RoundRecord
 from fedlora.schema import PrivacyConfig
 
 EPSILON_KEY = "dp-epsilon"  # train metric: the client's epsilon over all its rounds so far
+NOISE_SEED_SECRET = "fresh operating-system entropy on each client, every round; never sent or stored"
+NOISE_SEED_REPRODUCIBLE = ("train.seed, round and partition (privacy.reproducible_noise): NO privacy against the "
+                           "server, which can regenerate the noise")
 
 
 @state.register
@@ -43,4 +46,5 @@ class PrivacyLedger:
         return {"epsilon": max(self.epsilon.values(), default=0.0), "delta": privacy.delta,
                 "per_client": {str(k): v for k, v in sorted(self.epsilon.items())},
                 "noise_multiplier": privacy.noise_multiplier, "target_epsilon": privacy.target_epsilon,
-                "max_grad_norm": privacy.max_grad_norm}
+                "max_grad_norm": privacy.max_grad_norm, "reproducible_noise": privacy.reproducible_noise,
+                "noise_seed": NOISE_SEED_REPRODUCIBLE if privacy.reproducible_noise else NOISE_SEED_SECRET}

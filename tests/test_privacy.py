@@ -141,3 +141,128 @@ def test_noiseless_private_step_follows_the_clipped_gradient():
     assert {k for k in before if k.endswith("::B")} <= moved
     assert any(k.startswith("head::") for k in moved)
     assert result.noise_multiplier == 0.0 and result.stats.steps == 1
+
+
+# ------------------------------------------------------------------------------ noise the server cannot replay
+def _private_adapter(seed: int | None) -> dict[str, np.ndarray]:
+    """The adapter after 3 private steps from the same seeded model and data (only ``seed`` varies)."""
+    import torch
+
+    from fedlora.models import adapter_payload
+
+    cfg, model, loader = _tiny_setup(["privacy.dp=true", "privacy.noise_multiplier=1.0"])
+    private_train(model, loader, privacy=cfg.privacy, epochs=1, lr=1e-2, device=torch.device("cpu"), rounds=1,
+                  history=[], seed=seed, max_steps=3)
+    return adapter_payload(model)
+
+
+def test_default_noise_differs_between_identical_runs_and_the_opt_in_repeats_it() -> None:
+    # Execute: two default (OS-entropy) calls, two calls with the same research seed
+    fresh = [_private_adapter(None) for _ in range(2)]
+    replayed = [_private_adapter(11) for _ in range(2)]
+    # Assert
+    assert any(not np.array_equal(fresh[0][k], fresh[1][k]) for k in fresh[0])
+    assert all(np.array_equal(replayed[0][k], replayed[1][k]) for k in replayed[0])
+
+
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_the_client_derives_no_seed_from_the_config_unless_asked(monkeypatch, reproducible: bool) -> None:
+    from flwr.app import RecordDict
+
+    import fedlora.privacy
+    from clients.trainers import trainer_class
+    from clients.trainers.base import ClientJob
+    from fedlora.data import build_federated_data
+    from fedlora.profile import resolve_profile
+
+    # Prepare: capture the seed the trainer hands to private_train
+    seen: list[object] = []
+
+    def capture(*args, seed=None, **kwargs):
+        seen.append(seed)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(fedlora.privacy, "private_train", capture)
+    cfg = load_config(SMOKE, ["privacy.dp=true", "privacy.noise_multiplier=1", f"privacy.reproducible_noise={str(reproducible).lower()}"])
+    federated = build_federated_data(cfg.data)
+    job = ClientJob(cfg, resolve_profile(cfg, {"partition-id": 1}), federated.client(1), federated, RecordDict(),
+                    {"server-round": 3})
+    trainer = trainer_class("fedit")(job)
+    # Execute
+    with pytest.raises(RuntimeError, match="captured"):
+        trainer.fit(trainer.prepare({}))
+    # Assert: None (OS entropy inside private_train) by default; the research seed only on request
+    assert seen == [cfg.train.seed + 1000 * 3 + 1 if reproducible else None]
+
+
+def test_per_example_gradients_are_clipped_to_max_grad_norm(monkeypatch) -> None:
+    import torch
+
+    import fedlora.privacy
+    from fedlora.models import load_tokenizer
+    from fedlora.training import TrainStats, make_loader
+
+    # Prepare: a small bound, no noise; probe the DP optimiser on single-example batches
+    cfg, model, _ = _tiny_setup(["privacy.dp=true", "privacy.noise_multiplier=0", "privacy.max_grad_norm=0.05"])
+    singles = make_loader(_client_train(cfg), load_tokenizer(cfg.model.path), 1, 32, shuffle=False)
+    observed: list[tuple[float, float]] = []
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+
+    def probe(private_model, loader, optimizer, epochs, max_steps, loss_fn, *args, **kwargs):
+        assert len(optimizer.params) == trainable  # every trainable parameter is privatised
+        for index, batch in enumerate(singles):
+            if index == 4:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(private_model, batch).backward()
+            raw = torch.stack([g.reshape(len(g), -1).norm(dim=-1) for g in optimizer.grad_samples], 1).norm(dim=1)
+            optimizer.clip_and_accumulate()
+            clipped = torch.sqrt(sum((p.summed_grad.double() ** 2).sum() for p in optimizer.params))
+            observed.append((float(raw[0]), float(clipped)))
+            for p in optimizer.params:
+                p.summed_grad = None
+        return TrainStats(0.0, 0, 0, 0.0)
+
+    monkeypatch.setattr(fedlora.privacy, "optimise", probe)
+    # Execute
+    private_train(model, _plain_loader(cfg), privacy=cfg.privacy, epochs=1, lr=1e-2, device=torch.device("cpu"),
+                  rounds=1, history=[], max_steps=1)
+    # Assert: every raw per-example norm was above the bound, and each clipped one is the bound
+    assert len(observed) == 4
+    for raw, clipped in observed:
+        assert raw > 0.05
+        assert clipped == pytest.approx(0.05, rel=1e-3)
+
+
+def _client_train(cfg):
+    from fedlora.data import build_federated_data
+
+    return build_federated_data(cfg.data).client(0).train
+
+
+def _plain_loader(cfg):
+    from fedlora.models import load_tokenizer
+    from fedlora.training import make_loader
+
+    return make_loader(_client_train(cfg), load_tokenizer(cfg.model.path), 16, 32, shuffle=True, seed=0)
+
+
+def test_the_noise_seed_appears_in_no_result_log_or_checkpoint(monkeypatch, tmp_path, caplog) -> None:
+    import logging
+    import secrets
+
+    from fedlora.app.runner import run_inprocess
+
+    # Prepare: make the OS-entropy seeds recognisable
+    marker = 987654321987654321
+    monkeypatch.setattr(secrets, "randbits", lambda bits: marker)
+    cfg = load_config(SMOKE, ["privacy.dp=true", "privacy.noise_multiplier=1", "train.rounds=1", "train.max_steps=2"])
+    # Execute
+    with caplog.at_level(logging.DEBUG):
+        run_inprocess(cfg, tmp_path)
+    # Assert: nowhere in what the run wrote or logged; results.json says how the noise was seeded
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["privacy"]["reproducible_noise"] is False and "never sent or stored" in results["privacy"]["noise_seed"]
+    written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()]
+    assert all(str(marker).encode() not in blob for blob in written)
+    assert str(marker) not in caplog.text

@@ -223,3 +223,45 @@ def test_dp_run_resumes_with_the_same_epsilon_and_adapters(tmp_path):
     for name, tensors in _adapters(reference).items():
         for key, value in tensors.items():
             np.testing.assert_allclose(_adapters(resumed)[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
+
+
+# ------------------------------------------------------------------------------ no pickle
+def _checkpointed(tmp_path: Path) -> Path:
+    """A real checkpoint (one in-process round of the smoke config)."""
+    from fedlora.app.runner import run_inprocess
+
+    run_inprocess(load_config(SMOKE, ["train.rounds=1", "train.max_steps=1"]), tmp_path)
+    return tmp_path / "checkpoint" / "server.json"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda text: text[: len(text) // 2], "corrupt or not a fedlora checkpoint"),  # truncated JSON
+        (lambda text: text.replace('"format": 2', '"format": 1'), "format 1, expected 2"),  # a pickle-era file
+        (lambda text: text.replace('"__object__": "fedlora.results:RoundRecord"', '"__object__": "os:system"'),
+         "unknown type 'os:system'"),
+        (lambda text: text.replace('"arrays": "server-1.safetensors"', '"arrays": "../../x.safetensors"'),
+         "outside the checkpoint folder"),
+    ],
+)
+def test_a_corrupt_or_foreign_checkpoint_is_one_line_and_never_runs_code(tmp_path, damage, message):
+    # Prepare: damage a real checkpoint
+    path = _checkpointed(tmp_path)
+    path.write_text(damage(path.read_text()))
+    # Execute / Assert: the library refuses with a ConfigError; the CLI with one line and exit 2
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_server(tmp_path, load_config(SMOKE, ["train.rounds=1", "train.max_steps=1"]))
+    proc = subprocess.run(_cmd(tmp_path, "fedit", "--resume", str(tmp_path), "--set", "train.max_steps=1"),
+                          check=False, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0 and "checkpoint" in proc.stderr
+
+
+def test_checkpoint_files_hold_json_and_safetensors_only(tmp_path):
+    # Execute
+    path = _checkpointed(tmp_path)
+    # Assert: no pickle anywhere in the server checkpoint
+    names = sorted(p.name for p in path.parent.iterdir() if p.is_file())
+    assert names == ["server-1.safetensors", "server.json"]
+    assert not any(b"\x80\x04" in p.read_bytes()[:2] for p in path.parent.iterdir() if p.is_file())
