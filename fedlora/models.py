@@ -97,6 +97,17 @@ def _base_model(path: str, num_labels: int, seed: int) -> Any:
         raise ModelError(f"cannot load model '{path}': {str(error).splitlines()[0]}") from None
 
 
+def check_target_modules(cfg: ModelConfig, num_labels: int) -> None:
+    """ModelError naming ``model.target_modules`` entries that match no module of the backbone
+    (peft's rule: a module matches a target when its name is the target or ends in ``.<target>``)."""
+    names = [name for name, _ in _base_model(cfg.path, num_labels, 0).named_modules()]
+    unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
+        raise ModelError(f"model.target_modules: {unknown} match no module of '{cfg.path}'; its module names end in "
+                         f"{', '.join(leaves[:12])}{', ...' if len(leaves) > 12 else ''}")
+
+
 def build_model(
     cfg: ModelConfig,
     num_labels: int,

@@ -36,7 +36,7 @@ class ModelConfig(_Section):
         "HF model folder, or a hub id (needs network).",
     )
     lora_rank: int = Field(8, description="Default LoRA rank r (per-client ranks: [clients]).")
-    lora_alpha: float = Field(16.0, description="LoRA alpha; the scale is s = alpha / r.")
+    lora_alpha: float = Field(16.0, gt=0.0, allow_inf_nan=False, description="LoRA alpha (> 0); the scale is s = alpha / r.")
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["query", "value"],
@@ -103,7 +103,7 @@ class DataConfig(_Section):
         "none", description="Noise injected into client *training* labels only."
     )
     noise_rate: float = Field(0.0, description="Fraction of training labels flipped, in [0, 1).")
-    seed: int = Field(0, description="Seed of subsampling, partitioning, splits and noise.")
+    seed: int = Field(0, ge=0, description="Seed of subsampling, partitioning, splits and noise (>= 0).")
     shuffle_test_labels: bool = Field(
         False, description="Audit only: permute the labels of every test split (local and global) "
         "so test scores are noise; model selection, which reads validation only, must not change."
@@ -133,7 +133,7 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' picks CUDA when present (bf16 autocast there), else CPU."
     )
-    seed: int = Field(0, description="Seed of LoRA init, batch order and client sampling.")
+    seed: int = Field(0, ge=0, description="Seed of LoRA init, batch order and client sampling (>= 0).")
 
 
 class StrategyConfig(_Section):

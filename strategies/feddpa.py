@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fedlora.errors import ConfigError
 from fedlora.lora import Payload, weighted_average, without_head
 from fedlora.methods import feddpa
 from fedlora.protocol import Phase
@@ -55,7 +56,7 @@ class FedDPA(LoRAStrategy):
         self.rank_g = self.options.rank_of_g(self.experiment.model.lora_rank)
         max_rank = min(min(shape) for shape in self.module_shapes.values())
         if self.rank_g > max_rank:
-            raise RuntimeError(f"strategy.global_rank must be in [1, {max_rank}] for this model, got {self.rank_g}")
+            raise ConfigError(f"strategy.global_rank must be in [1, {max_rank}] for this model, got {self.rank_g}")
         initial = self.initial_adapter(self.rank_g)
         self.global_adapter: Payload = initial if self.sends_head else without_head(initial)
 

@@ -7,6 +7,7 @@ from fedlora.methods import fedsa_lora
 from fedlora.methods.fedsa_lora import aggregate_A
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
+from strategies.roster import MixedRanksError
 
 
 class FedSALoRA(LoRAStrategy):
@@ -41,7 +42,7 @@ class FedSALoRA(LoRAStrategy):
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})
         if len(ranks) > 1 and self.options.mixed_ranks == "refuse":
-            raise RuntimeError(
+            raise MixedRanksError(
                 f"fedsa_lora with strategy.mixed_ranks='refuse' needs one rank for every client, "
                 f"got ranks {ranks}; set strategy.mixed_ranks='nested'"
             )

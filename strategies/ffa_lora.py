@@ -9,6 +9,7 @@ from fedlora.methods import ffa_lora
 from fedlora.methods.ffa_lora import aggregate_B, download_B
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
+from strategies.roster import MixedRanksError
 
 
 class FFALoRA(LoRAStrategy):
@@ -44,7 +45,7 @@ class FFALoRA(LoRAStrategy):
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})
         if len(ranks) > 1 and self.options.mixed_ranks == "refuse":
-            raise RuntimeError(
+            raise MixedRanksError(
                 f"ffa_lora with strategy.mixed_ranks='refuse' needs one rank for every client, got "
                 f"ranks {ranks}; set strategy.mixed_ranks='pad'"
             )

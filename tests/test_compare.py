@@ -185,7 +185,7 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
     assert first.returncode == 0, first.stderr[-3000:]
     assert second.returncode == 0, second.stderr[-3000:]
     assert len(mtimes) == 4 and results_mtimes(tmp_path) == mtimes
-    assert second.stderr.count("complete, skipped") == 4
+    assert second.stdout.count("complete, skipped") == 4
     for name in ("summary.csv", "summary.md", *COMPARISON_PLOTS):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "pers. acc (unweighted)" in first.stdout

@@ -15,8 +15,8 @@ def test_live_progress_shows_the_bar_and_every_round_line(capsys: pytest.Capture
     progress.round_done(2, "round   2/3  global 0.500")
     progress.round_done(3, "round   3/3  global 0.600")
     progress.close()
-    # Assert: the round lines and the finished bar (3 of 3) went to stderr
-    err = capsys.readouterr().err
+    # Assert: the round lines and the finished bar (3 of 3) went to stdout
+    err = capsys.readouterr().out
     assert "round   2/3  global 0.500" in err and "round   3/3  global 0.600" in err
     assert "3/3" in err and "eta" in err
 

@@ -66,11 +66,15 @@ def readme_block(readme: str) -> str | None:
 
 def write_readme(path: str | Path = "README.md") -> bool:
     """Replace the README's matrix; returns True when it changed."""
+    from fedlora.errors import ConfigError
+
     path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--readme {path}: no such file")
     readme = path.read_text()
     current = readme_block(readme)
     if current is None:
-        raise ValueError(f"{path} has no {START} ... {END} block")
+        raise ConfigError(f"--readme {path} has no {START} ... {END} block to regenerate")
     fresh = render_matrix()
     if current == fresh:
         return False

@@ -221,9 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # progress bars of datasets' loaders would break the one-line error contract on stderr
+    # stderr carries one thing: the one-line error of a failed command. Progress, logs (fedlora's,
+    # Flower's) and library warnings go to stdout; datasets' progress bars are off.
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.captureWarnings(True)
+    _flower_logs_to_stdout()
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
@@ -233,6 +236,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fedlora: interrupted; results written so far are kept", file=sys.stderr)
         return 130
+
+
+def _flower_logs_to_stdout() -> None:
+    """Flower's logger has its own console handler on stderr: point it at stdout."""
+    import flwr.common.logger  # noqa: F401 - creates Flower's handler, so that it can be redirected
+
+    for handler in logging.getLogger("flwr").handlers:
+        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stderr:
+            handler.setStream(sys.stdout)
 
 
 if __name__ == "__main__":

@@ -289,6 +289,12 @@ def summarize(out_dir: str | Path, labels: Sequence[str] | None = None, write: b
 
 
 # --------------------------------------------------------------------------- running
+def check_output_folder(out: Path) -> None:
+    from fedlora.app.runner import check_output_folder as check
+
+    check(out)
+
+
 def resolve_base(config: ExperimentConfig | str | Path | dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
     from fedlora.app.runner import resolve
 
@@ -335,11 +341,22 @@ def run_one(config: ExperimentConfig, run_dir: Path, engine: Engine, verbose: bo
 
         run(config, out_dir=run_dir, verbose=verbose)
         return
-    from fedlora.app.runner import RunError, check_inputs, quiet_flower, run_inprocess
+    from fedlora.app.runner import (
+        RunError,
+        check_inputs,
+        protocol_errors,
+        quiet_flower,
+        run_folder,
+        run_inprocess,
+    )
 
     check_inputs(config)
     quiet_flower(verbose)
-    writer = run_inprocess(config, run_dir)
+    with run_folder(run_dir):
+        try:
+            writer = run_inprocess(config, run_dir)
+        except protocol_errors() as error:
+            raise RunError(f"{run_dir}: {error}") from None
     if not any(r.clients for r in writer.rounds):
         raise RunError(f"{run_dir}: every client update failed in every round")
 
@@ -484,6 +501,7 @@ def compare(
         raise ConfigError("compare needs at least one strategy, e.g. --strategies fedit,flexlora")
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base)
+    check_output_folder(out)
     jobs = [Job(strategy, int(seed)) for strategy in strategies for seed in seeds]
     run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers)
     table = summarize(out, labels=list(dict.fromkeys(strategies)))

@@ -1,6 +1,6 @@
 """Round progress a person can follow: a live bar with ETA on a terminal, plain lines elsewhere.
 
-On a terminal (stderr is a TTY) a rich progress bar shows the rounds done, the elapsed time and
+On a terminal (stdout is a TTY) a rich progress bar shows the rounds done, the elapsed time and
 the estimated time left, with the last round's line under it; in CI, logs and notebooks
 (no TTY) every round prints one plain line, as ``fedlora run`` always did.
 """
@@ -19,7 +19,7 @@ class RoundProgress:
 
     def __init__(self, total: int, first: int = 1, live: bool | None = None) -> None:
         self.total = total
-        self.live = sys.stderr.isatty() if live is None else live
+        self.live = sys.stdout.isatty() if live is None else live
         self._bar: Any = None
         if self.live:
             from rich.console import Console
@@ -34,7 +34,7 @@ class RoundProgress:
 
             self._bar = Progress(
                 TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("eta"), TimeRemainingColumn(), console=Console(stderr=True), transient=False,
+                TextColumn("eta"), TimeRemainingColumn(), console=Console(), transient=False,
             )
             self._task = self._bar.add_task("rounds", total=total, completed=first - 1)
             self._bar.start()

@@ -8,14 +8,17 @@ under /tmp when the run directory's path is too long for Ray's socket names).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import ExperimentConfig, apply_overrides, build_config, load_config
+from fedlora.config import ConfigError, ExperimentConfig, apply_overrides, build_config, load_config
 from fedlora.results import ResultsWriter
 
 logger = logging.getLogger("fedlora")
@@ -71,12 +74,42 @@ def resolve(config: ExperimentConfig | str | Path | dict, overrides: list[str] |
 
 
 def check_inputs(config: ExperimentConfig) -> None:
-    """Fail fast, before Ray starts, on a missing model or unreadable data."""
+    """Fail fast, before Ray starts and before anything is written: a missing model, unreadable
+    data, target modules the backbone does not have."""
     from fedlora.data import build_federated_data
-    from fedlora.models import check_model_available
+    from fedlora.models import check_model_available, check_target_modules
 
     check_model_available(config.model.path)
-    build_federated_data(config.data)
+    federated = build_federated_data(config.data)
+    check_target_modules(config.model, len(federated.label_names))
+
+
+def check_output_folder(out: Path) -> None:
+    """ConfigError when the output folder is an existing file."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder (new or existing) for the run's results")
+
+
+@contextlib.contextmanager
+def run_folder(out: Path) -> Iterator[None]:
+    """Create ``out`` for a run; if the run fails before writing any results, remove what this
+    run created (an existing folder, and any results already written, are kept)."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if created and not (out / "results.json").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def protocol_errors() -> tuple[type[BaseException], ...]:
+    """What a strategy raises for a run that cannot go on (printed as one line by the CLI)."""
+    from strategies.base import RoundFailedError
+    from strategies.roster import MixedRanksError, NoClientError
+
+    return (RoundFailedError, NoClientError, MixedRanksError)
 
 
 def run(
@@ -94,17 +127,22 @@ def run(
     engine) or ``inprocess`` (the same apps in this process, simulations/inprocess.py)."""
     config = resolve(config, overrides)
     out = Path(resume or out_dir or config.output.dir)
+    check_output_folder(out)
     config.output.dir = str(out)
     if resume:
         from fedlora.checkpoint import load_server
 
         load_server(out, config)  # a missing checkpoint or another config: one line, before any start
-    out.mkdir(parents=True, exist_ok=True)
-    prepare_environment(out)
     check_inputs(config)
-    if engine == "inprocess":
-        return _run_inprocess(config, out, bool(resume), verbose)
+    with run_folder(out):
+        prepare_environment(out)
+        if engine == "inprocess":
+            return _run_inprocess(config, out, bool(resume), verbose)
+        return _run_ray(config, out, bool(resume), verbose)
 
+
+def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -> dict[str, Any]:
+    """Flower's simulation engine (Ray) on ``config``; its results dict."""
     from flwr.simulation import run_simulation
 
     from fedlora.app.server import make_server_app
@@ -122,7 +160,7 @@ def run(
             verbose_logging=verbose,
         )
     except RuntimeError as error:  # Flower wraps the ServerApp's exception: report its cause
-        raise RunError(f"{root_cause(error)} (results so far: {out / 'results.json'})") from None
+        raise RunError(f"{root_cause(error)}{results_so_far(out)}") from None
     results_path = out / "results.json"
     if not results_path.is_file():
         raise RunError(f"the simulation ended without writing {results_path}; rerun with --verbose")
@@ -148,10 +186,19 @@ def _run_inprocess(config: ExperimentConfig, out: Path, resume: bool, verbose: b
     from fedlora.results import load_results
 
     quiet_flower(verbose)
-    writer = run_inprocess(config, out, resume=resume)
+    try:
+        writer = run_inprocess(config, out, resume=resume)
+    except protocol_errors() as error:
+        raise RunError(f"{error}{results_so_far(out)}") from None
     if not any(r.clients for r in writer.rounds):
         raise RunError("every client update failed in every round; rerun with --verbose to see the client errors")
     return load_results(out / "results.json")
+
+
+def results_so_far(out: Path) -> str:
+    """' (results so far: OUT/results.json)' when some rounds were written, else ''."""
+    path = out / "results.json"
+    return f" (results so far: {path})" if path.is_file() else ""
 
 
 def root_cause(error: BaseException) -> str:

@@ -34,6 +34,8 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
         if not sep or "." not in key or not values:
             raise ConfigError(f"--grid expects section.key=v1,v2,..., got {spec!r}")
         grid[key.strip()] = [_literal(v) for v in values.split(",") if v.strip()]
+        if not grid[key.strip()]:
+            raise ConfigError(f"--grid {key.strip()} has no values, got {spec!r}; give e.g. --grid {key.strip()}=1e-4,1e-3")
     if not grid:
         raise ConfigError("tune needs at least one --grid key, e.g. --grid train.lr=1e-4,1e-3")
     return grid
@@ -86,10 +88,11 @@ def tune(
     engine: str = "ray",
 ) -> ComparisonTable:
     """Run the same grid for every strategy; summarise each strategy's validation-chosen setting."""
-    from fedlora.app.compare import default_out_dir, resolve_base
+    from fedlora.app.compare import check_output_folder, default_out_dir, resolve_base
 
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base).with_name("tune")
+    check_output_folder(out)
     points = grid_points(grid)
     jobs = [
         Job(strategy, int(seed), overrides=point, label=point_label(strategy, point))

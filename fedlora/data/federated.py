@@ -111,7 +111,7 @@ def _build_cached(config_json: str) -> FederatedData:
     pool_rows, global_test_rows = _hold_out_global_test(labels, cfg)
     client_rows = [pool_rows[rows] for rows in _partition(labels[pool_rows], cfg)]
     clients = [
-        _client_data(partition_id, source, rows, labels, cfg)
+        client_data(partition_id, source, rows, labels, cfg)
         for partition_id, rows in enumerate(client_rows)
     ]
     logger.info(
@@ -235,7 +235,7 @@ def _grouped_partition(pool_labels: np.ndarray, cfg: DataConfig) -> list[np.ndar
     return partitions
 
 
-def _client_data(
+def client_data(
     partition_id: int,
     source: datasets.Dataset,
     rows: np.ndarray,

@@ -21,8 +21,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from fedlora.data.federated import ClientData, _client_data
-from fedlora.data.sources import DataError, _features, _read_local
+from fedlora.data.federated import ClientData, client_data
+from fedlora.data.sources import DataError, label_features, read_local
 from fedlora.schema import DataConfig
 
 
@@ -38,7 +38,7 @@ def load_silo_data(path: str | Path, cfg: DataConfig, label_names: list[str], pa
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str, _mtime: int, cfg_json: str, label_names: tuple[str, ...], partition_id: int) -> ClientData:
     cfg = DataConfig.model_validate_json(cfg_json)
-    raw = _read_local(Path(path))
+    raw = read_local(Path(path))
     where = f"data-path {path}"
     for key, column in (("text_column", cfg.text_column), ("label_column", cfg.label_column)):
         if column not in raw.column_names:
@@ -47,9 +47,9 @@ def _load_cached(path: str, _mtime: int, cfg_json: str, label_names: tuple[str, 
     texts = ["" if text is None else str(text) for text in raw[cfg.text_column][:]]
     if len(texts) < 3:
         raise DataError(f"{where}: {len(texts)} examples; a silo needs at least 3 (train / val / test)")
-    source = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=_features(list(label_names)))
+    source = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=label_features(list(label_names)))
     rows = np.arange(len(source))
-    return _client_data(partition_id, source, rows, np.asarray(labels, dtype=np.int64), cfg)
+    return client_data(partition_id, source, rows, np.asarray(labels, dtype=np.int64), cfg)
 
 
 def encode_to_server_labels(raw: list[object], feature: object, label_names: list[str], where: str) -> list[int]:

@@ -58,7 +58,7 @@ def load_source(cfg: DataConfig) -> datasets.Dataset:
     elif cfg.source == "rotten_tomatoes":
         dataset = _load_rotten_tomatoes()
     elif _is_local(cfg.source):
-        dataset = _to_text_label(_read_local(Path(cfg.source)), cfg, cfg.source)
+        dataset = _to_text_label(read_local(Path(cfg.source)), cfg, cfg.source)
     else:
         dataset = _to_text_label(_read_hub(cfg.source), cfg, cfg.source)
     if 0 < cfg.max_examples < len(dataset):
@@ -90,7 +90,7 @@ def split_indices(labels: np.ndarray, n_held: int, seed: int) -> tuple[np.ndarra
     return np.asarray(kept, dtype=np.int64), np.asarray(held, dtype=np.int64)
 
 
-def _features(names: list[str]) -> datasets.Features:
+def label_features(names: list[str]) -> datasets.Features:
     return datasets.Features(
         {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=names)}
     )
@@ -133,12 +133,12 @@ def _load_wordnet(task: str) -> datasets.Dataset:
     if task == "pos":
         labels = [pos for _, _, pos in records]
         return datasets.Dataset.from_dict(
-            {"text": texts, "label": labels}, features=_features(list(POS_NAMES))
+            {"text": texts, "label": labels}, features=label_features(list(POS_NAMES))
         )
     lex = np.array([lex for _, lex, _ in records])
     if task == "topics45":
         return datasets.Dataset.from_dict(
-            {"text": texts, "label": lex.tolist()}, features=_features(list(LEXICOGRAPHER_FILES))
+            {"text": texts, "label": lex.tolist()}, features=label_features(list(LEXICOGRAPHER_FILES))
         )
     if task == "noun8":
         counts = np.bincount(lex, minlength=len(LEXICOGRAPHER_FILES))
@@ -148,7 +148,7 @@ def _load_wordnet(task: str) -> datasets.Dataset:
         keep = [i for i, value in enumerate(lex) if value in new_label]
         return datasets.Dataset.from_dict(
             {"text": [texts[i] for i in keep], "label": [new_label[lex[i]] for i in keep]},
-            features=_features([LEXICOGRAPHER_FILES[i] for i in top8]),
+            features=label_features([LEXICOGRAPHER_FILES[i] for i in top8]),
         )
     raise DataError(
         f"data.task must be one of {', '.join(WORDNET_TASKS)} for source 'wordnet', got {task!r}"
@@ -175,7 +175,7 @@ def _load_rotten_tomatoes() -> datasets.Dataset:
     labels = (frame["category"] == "fresh").astype(int).tolist()
     return datasets.Dataset.from_dict(
         {"text": frame["text"].astype(str).tolist(), "label": labels},
-        features=_features(["rotten", "fresh"]),
+        features=label_features(["rotten", "fresh"]),
     )
 
 
@@ -187,11 +187,13 @@ def _is_local(source: str) -> bool:
     return looks_like_path or Path(source).exists()
 
 
-def _read_local(path: Path) -> datasets.Dataset:
+def read_local(path: Path) -> datasets.Dataset:
     """Read a .csv / .jsonl / .json file or a save_to_disk folder (its 'train' split if a dict)."""
     path = path.expanduser()
     if not path.exists():
         raise DataError(f"data file not found: {path}")
+    if path.is_file() and path.stat().st_size == 0:
+        raise DataError(f"data.source {path} is empty (no header, no rows)")
     try:
         if path.is_dir():
             loaded = datasets.load_from_disk(str(path))
@@ -256,7 +258,7 @@ def _to_text_label(dataset: datasets.Dataset, cfg: DataConfig, where: str) -> da
         names, labels = _encode_labels(raw, cfg.label_column, where)
     if not labels:
         raise DataError(f"{where}: no labelled examples")
-    return datasets.Dataset.from_dict({"text": texts, "label": labels}, features=_features(names))
+    return datasets.Dataset.from_dict({"text": texts, "label": labels}, features=label_features(names))
 
 
 def _encode_labels(raw: list[object], column: str, where: str) -> tuple[list[str], list[int]]:

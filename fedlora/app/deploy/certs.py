@@ -170,6 +170,8 @@ def write_certs(
     """Write a CA, a SuperLink certificate for ``hosts`` and ``num_nodes`` SuperNode key pairs."""
     if num_nodes < 0:
         raise ConfigError(f"--nodes must be >= 0, got {num_nodes}")
+    if days < 1:
+        raise ConfigError(f"--days must be >= 1 (a certificate valid for {days} days is already expired), got {days}")
     paths = CertPaths.at(out_dir, num_nodes)
     if paths.ca_cert.exists():
         raise ConfigError(f"{paths.ca_cert} already exists; choose an empty folder (certificates are never overwritten)")
