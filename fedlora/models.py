@@ -90,8 +90,13 @@ def _base_model(path: str, num_labels: int, seed: int) -> Any:
         config.num_labels = num_labels
         return BertForSequenceClassification(config)
     try:
+        resolved = resolve_model_path(path)
+        fresh_head = head_labels(resolved) not in (None, num_labels)
+        if fresh_head:
+            logger.info("model %s: its classification head has %d labels, the data %d: the head is new "
+                        "(seeded), the rest of the checkpoint is loaded", path, head_labels(resolved), num_labels)
         return AutoModelForSequenceClassification.from_pretrained(
-            resolve_model_path(path), num_labels=num_labels
+            resolved, num_labels=num_labels, ignore_mismatched_sizes=fresh_head
         )
     except OSError as error:
         raise ModelError(f"cannot load model '{path}': {str(error).splitlines()[0]}") from None
@@ -106,6 +111,16 @@ def check_target_modules(cfg: ModelConfig, num_labels: int) -> None:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
         raise ModelError(f"model.target_modules: {unknown} match no module of '{cfg.path}'; its module names end in "
                          f"{', '.join(leaves[:12])}{', ...' if len(leaves) > 12 else ''}")
+
+
+def head_labels(path: str) -> int | None:
+    """The label count of a sequence-classification checkpoint's head (None: no such head)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if not any(a.endswith("ForSequenceClassification") for a in (getattr(config, "architectures", None) or [])):
+        return None
+    return int(config.num_labels)
 
 
 def build_model(

@@ -8,7 +8,10 @@ reply is the client's profile.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from flwr.app import Message
 
 Phase = Literal["train", "evaluate"]  # which message a hook is building
 
@@ -30,6 +33,14 @@ TRAIN_SECONDS = "train-seconds"
 TRAIN_EXAMPLES = "train-examples"
 RECEIVED_ACCURACY = "received-accuracy"
 RECEIVED_EXAMPLES = "received-examples"
+
+
+def wire_size(message: Message) -> int:
+    """Bytes of ``message`` as Flower serialises it (its protobuf: content, config, metrics and
+    metadata; what gRPC carries apart from its own framing)."""
+    from flwr.common.serde import message_to_proto
+
+    return int(message_to_proto(message).ByteSize())
 
 
 def number(value: object) -> float:

@@ -39,9 +39,12 @@ class RoundRecord:
     received_accuracy: float = math.nan  # sampled clients' received models on their local test, before training
     received_accuracy_unweighted: float = math.nan  # same, plain mean over clients
     train_loss: float = math.nan
-    bytes_up: int = 0  # training uploads this round
-    bytes_down: int = 0  # training downloads this round
+    bytes_up: int = 0  # training uploads this round: the valid uploads' arrays (payload bytes)
+    bytes_down: int = 0  # training downloads this round: the arrays sent (payload bytes)
     bytes_eval_down: int = 0  # arrays sent with evaluation messages (not training traffic)
+    wire_bytes_up: int = 0  # every training reply as serialised (rejected and failed ones too)
+    wire_bytes_down: int = 0  # every training message as serialised (arrays, config, metadata)
+    wire_bytes_eval: int = 0  # evaluation messages and their replies as serialised
     clients: int = 0  # successful training replies
     failures: int = 0  # training replies not aggregated: errors (crash, timeout) + rejected
     rejected: int = 0  # of which malformed or outlier updates refused by validation
@@ -104,6 +107,7 @@ class ResultsWriter:
             return {}
         last = asdict(evaluated[-1])
         last["bytes_total"] = sum(r.bytes_up + r.bytes_down for r in self.rounds)
+        last["wire_bytes_total"] = sum(r.wire_bytes_up + r.wire_bytes_down for r in self.rounds)
         last["bytes_up_total"] = sum(r.bytes_up for r in self.rounds)
         last["bytes_down_total"] = sum(r.bytes_down for r in self.rounds)
         last["failures_total"] = sum(r.failures for r in self.rounds)

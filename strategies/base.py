@@ -44,7 +44,7 @@ from fedlora.lora import (
 )
 from fedlora.methods import Capabilities, Method
 from fedlora.profile import ClientProfile
-from fedlora.protocol import Phase, number
+from fedlora.protocol import Phase, number, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig
 from strategies.ledger import PrivacyLedger
@@ -274,6 +274,7 @@ class LoRAStrategy(Strategy):
             payload = self.download(partition, server_round, "train")
             record.bytes_down += payload_bytes(payload)
             messages.append(self._message(partition, server_round, payload, "train"))
+            record.wire_bytes_down += wire_size(messages[-1])
         log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(partitions), len(self.roster.profiles))
         return messages
 
@@ -281,6 +282,7 @@ class LoRAStrategy(Strategy):
         """Check replies, count bytes and failures, aggregate the valid uploads."""
         record = self.record(server_round)
         replies = list(replies)
+        record.wire_bytes_up += sum(wire_size(reply) for reply in replies)
         self.ledger.note(replies, record)
         uploads = self._valid_uploads(replies, server_round, record)
         record.clients = len(uploads)
@@ -321,12 +323,15 @@ class LoRAStrategy(Strategy):
             payload = self.download(partition, server_round + 1, "evaluate")
             record.bytes_eval_down += payload_bytes(payload)
             messages.append(self._message(partition, server_round, payload, "evaluate"))
+            record.wire_bytes_eval += wire_size(messages[-1])
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted and unweighted means, worst client and 10th percentile."""
         record = self.record(server_round)
         rows = []
+        replies = list(replies)
+        record.wire_bytes_eval += sum(wire_size(reply) for reply in replies)
         for msg in replies:
             if msg.has_error():
                 log(WARNING, "aggregate_evaluate: node %d failed: %s", msg.metadata.src_node_id, msg.error.reason)

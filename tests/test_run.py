@@ -94,3 +94,58 @@ def test_cli_unreadable_data_file(tmp_path: Path) -> None:
     proc = fedlora_run(tmp_path / "o", f"data.source={bad}", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_a_classifier_checkpoint_with_another_head_size_loads_with_a_fresh_head(tmp_path: Path, caplog) -> None:
+    import logging
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from fedlora.config import ModelConfig
+    from fedlora.models import TINY_BERT, build_model, load_tokenizer
+
+    # Prepare: a fine-tuned 2-label classifier checkpoint (tiny BERT, MiniLM's tokenizer)
+    config = BertConfig(vocab_size=load_tokenizer("tiny-bert").vocab_size, **TINY_BERT)
+    config.num_labels = 2
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    load_tokenizer("tiny-bert").save_pretrained(tmp_path)
+    # Execute: an 8-topic task on it
+    with caplog.at_level(logging.INFO, logger="fedlora.models"):
+        model = build_model(ModelConfig(path=str(tmp_path), lora_rank=2), num_labels=8, rank=2)
+    # Assert: loaded, with an 8-way head, and one line says so
+    assert model.base_model.model.classifier.modules_to_save["default"].out_features == 8
+    assert sum("the head is new" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_wire_bytes_are_the_serialised_messages_of_the_run(tmp_path: Path) -> None:
+    from flwr.common.serde import message_to_proto
+
+    from clients.app import app as client_app
+    from fedlora.app.server import run_server
+    from simulations.inprocess import InProcessGrid, node_configs
+
+    # Prepare: an engine that serialises every message it carries, as a gRPC transport would
+    sent: dict[tuple[int, str], int] = {}
+
+    class SerialisingGrid(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            replies = list(super().send_and_receive(messages, timeout=timeout))
+            if messages and messages[0].metadata.message_type != "query":
+                server_round = int(messages[0].content.config_records["config"]["server-round"])
+                for message in messages + replies:
+                    kind = "eval" if message.metadata.message_type == "evaluate" else (
+                        "down" if any(message is m for m in messages) else "up")
+                    key = (server_round, kind)
+                    sent[key] = sent.get(key, 0) + len(message_to_proto(message).SerializeToString())
+            return replies
+
+    config = load_config(ROOT / "configs/smoke.toml", ["faults.corrupt_rate=0.5", "faults.seed=3"])
+    # Execute: a run where some uploads are malformed and rejected (their bytes still crossed the wire)
+    writer = run_server(SerialisingGrid(client_app, node_configs(3)), config, tmp_path)
+    # Assert: the ledger's wire figures are the serialised messages, within 1 %
+    assert sum(r.rejected for r in writer.rounds) > 0
+    for record in writer.rounds:
+        for kind, value in (("down", record.wire_bytes_down), ("up", record.wire_bytes_up), ("eval", record.wire_bytes_eval)):
+            assert value == pytest.approx(sent[(record.round, kind)], rel=0.01), (record.round, kind)
+        assert record.wire_bytes_down > record.bytes_down  # arrays plus config, keys and metadata

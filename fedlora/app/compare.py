@@ -92,7 +92,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("bytes_up_per_round", "MB up/round", "training uploads per round, all clients (exact array bytes)",
            scale=1e-6, digits=3),
     Column("bytes_down_per_round", "MB down/round", "training downloads per round, all clients", scale=1e-6, digits=3),
-    Column("bytes_total", "MB total", "uploads + downloads over all rounds", scale=1e-6, digits=3),
+    Column("bytes_total", "MB total", "uploads + downloads over all rounds (array bytes)", scale=1e-6, digits=3),
+    Column("wire_bytes_total", "wire MB total", "every training message and reply as Flower serialises it "
+           "(config, metadata and rejected uploads included), all rounds", scale=1e-6, digits=3),
     Column("client_train_seconds", "client train s", "local training seconds summed over clients and rounds "
            "(CPU or GPU wall time of the clients' training loops)", digits=2),
     Column("aggregation_seconds", "server agg s", "server aggregation seconds summed over rounds", digits=3),
@@ -114,6 +116,8 @@ def run_row(results: dict[str, Any]) -> dict[str, float]:
     row["bytes_up_per_round"] = sum(int(r.get("bytes_up") or 0) for r in rounds) / count
     row["bytes_down_per_round"] = sum(int(r.get("bytes_down") or 0) for r in rounds) / count
     row["bytes_total"] = float(sum(int(r.get("bytes_up") or 0) + int(r.get("bytes_down") or 0) for r in rounds))
+    row["wire_bytes_total"] = float(sum(int(r.get("wire_bytes_up") or 0) + int(r.get("wire_bytes_down") or 0)
+                                        for r in rounds))
     row["client_train_seconds"] = sum(_number(r.get("client_train_seconds")) for r in rounds) if rounds else math.nan
     row["aggregation_seconds"] = sum(_number(r.get("aggregation_seconds")) for r in rounds) if rounds else math.nan
     row["wall_seconds"] = _number(results.get("wall_seconds"))
