@@ -66,15 +66,38 @@ def test_too_few_valid_updates_stop_the_run_after_max_failed_rounds(tmp_path: Pa
     assert not (tmp_path / "results.json").exists() or (tmp_path / "results.json").stat().st_size > 0
 
 
-def test_drop_rate_30_percent_completes_close_to_no_failures(tmp_path: Path) -> None:
-    # Prepare: the same seeds with and without simulated crashes
-    overrides = ["clients.ranks=[4, 4, 4]", "train.rounds=4", "federation.min_clients=1"]
+def nature_or_machine_csv(path: Path, rows: int = 600) -> Path:
+    """A learnable two-topic task (majority class 0.5): six nature words or six machine words."""
+    import csv
+    import random
+
+    rng = random.Random(0)
+    words = {"nature": ["river", "mountain", "forest", "ocean", "valley", "desert", "island", "meadow"],
+             "machine": ["engine", "circuit", "battery", "software", "laptop", "router", "sensor", "robot"]}
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        for i in range(rows):
+            label = "nature" if i % 2 == 0 else "machine"
+            writer.writerow([" ".join(rng.choices(words[label], k=6)), label])
+    return path
+
+
+def test_drop_rate_30_percent_still_learns_the_task(tmp_path: Path) -> None:
+    # Prepare: MiniLM on a task it learns within a few rounds, the same seeds with and without crashes
+    data = nature_or_machine_csv(tmp_path / "topics.csv")
+    overrides = [f"data.source={data}", "model.path=minilm", "train.max_length=16", "clients.ranks=[4, 4, 4]",
+                 "train.rounds=4", "federation.min_clients=1", "train.lr=3e-3"]
     clean = run_inprocess(load_config(ROOT / "configs/smoke.toml", overrides), tmp_path / "clean")
     flaky = run_inprocess(load_config(ROOT / "configs/smoke.toml", [*overrides, "faults.drop_rate=0.3"]), tmp_path / "flaky")
-    # Assert: failures were counted and the run still finished within 2 accuracy points
-    assert sum(r.failures for r in flaky.rounds) > 0
-    assert len(flaky.rounds) == 4
-    assert abs(flaky.final()["global_accuracy"] - clean.final()["global_accuracy"]) <= 0.02
+    # Assert: failures were counted and fewer updates were aggregated, yet the federation learned the
+    # task as well as without failures (majority class: 0.5); the training loss fell in both
+    assert sum(r.failures for r in flaky.rounds) > 0 and len(flaky.rounds) == 4
+    assert sum(r.clients for r in flaky.rounds) < sum(r.clients for r in clean.rounds)
+    assert clean.final()["global_accuracy"] >= 0.9 and flaky.final()["global_accuracy"] >= 0.9
+    assert abs(flaky.final()["global_accuracy"] - clean.final()["global_accuracy"]) <= 0.05
+    for writer in (clean, flaky):
+        assert writer.rounds[-1].train_loss < 0.5 * writer.rounds[0].train_loss
 
 
 @pytest.mark.parametrize("override", ["faults.drop_rate=1.0", "faults.drop_rate=-0.1", "faults.corrupt_rate=2", "faults.corrupt_kinds=['bogus']"])

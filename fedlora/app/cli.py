@@ -242,6 +242,7 @@ def _flower_logs_to_stdout() -> None:
     """Flower's logger has its own console handler on stderr: point it at stdout."""
     import flwr.common.logger  # noqa: F401 - creates Flower's handler, so that it can be redirected
 
+    logging.getLogger("flwr").propagate = False  # its own handler prints it: not a second time via the root
     for handler in logging.getLogger("flwr").handlers:
         if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stderr:
             handler.setStream(sys.stdout)
