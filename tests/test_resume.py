@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from test_golden import assert_close
 
 from fedlora.checkpoint import (
     checkpoint_dir,
@@ -21,7 +22,6 @@ from fedlora.checkpoint import (
     save_server,
 )
 from fedlora.config import ConfigError, load_config
-from test_golden import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
