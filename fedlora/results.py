@@ -45,8 +45,9 @@ class RoundRecord:
     wire_bytes_up: int = 0  # every training reply as serialised (rejected and failed ones too)
     wire_bytes_down: int = 0  # every training message as serialised (arrays, config, metadata)
     wire_bytes_eval: int = 0  # evaluation messages and their replies as serialised
+    sampled: int = 0  # clients sent a training message
     clients: int = 0  # successful training replies
-    failures: int = 0  # training replies not aggregated: errors (crash, timeout) + rejected
+    failures: int = 0  # sampled clients not aggregated: error replies, no reply (timeout), rejected updates
     rejected: int = 0  # of which malformed or outlier updates refused by validation
     rejections: list[str] = field(default_factory=list)  # "client <k>: <reason>" per rejection
     refused: list[int] = field(default_factory=list)  # partition ids refused (bad profile/update)

@@ -275,6 +275,7 @@ class LoRAStrategy(Strategy):
             record.bytes_down += payload_bytes(payload)
             messages.append(self._message(partition, server_round, payload, "train"))
             record.wire_bytes_down += wire_size(messages[-1])
+        record.sampled = len(messages)
         log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(partitions), len(self.roster.profiles))
         return messages
 
@@ -283,6 +284,11 @@ class LoRAStrategy(Strategy):
         record = self.record(server_round)
         replies = list(replies)
         record.wire_bytes_up += sum(wire_size(reply) for reply in replies)
+        missing = max(record.sampled - len(replies), 0)  # no reply before federation.round_timeout
+        if missing:
+            record.failures += missing
+            log(WARNING, "aggregate_train: %d of %d sampled clients did not reply within federation.round_timeout",
+                missing, record.sampled)
         self.ledger.note(replies, record)
         uploads = self._valid_uploads(replies, server_round, record)
         record.clients = len(uploads)

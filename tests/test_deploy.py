@@ -223,3 +223,117 @@ def test_ctrl_c_stops_every_process(no_leftovers: Path) -> None:
     assert "interrupted" in stderr
     assert len(started) >= 3  # SuperLink + 2 SuperNodes (and their SuperExecs)
     assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+# Every registered strategy over one real federation (TLS + SuperNode auth): the capability
+# matrix's "deployment" column is this test's list (fedlora.app.capabilities.DEPLOYMENT_TESTED).
+EVERY_STRATEGY_BASE = ["data.num_clients=2", "clients.ranks=[2, 4]", "train.rounds=2", "train.max_steps=2",
+                       "federation.fraction_evaluate=0", "federation.min_clients=1"]
+PER_STRATEGY = {"fedtreelora": ["strategy.warmup_rounds=1"]}
+
+
+@pytest.mark.slow
+def test_every_strategy_runs_two_rounds_over_tls_grpc(no_leftovers: Path) -> None:
+    from fedlora.app.capabilities import DEPLOYMENT_TESTED
+    from fedlora.app.deploy.local import deploy_runs
+    from fedlora.app.runner import resolve
+    from strategies.registry import strategy_names
+
+    # Prepare: one experiment per registered strategy, all on the same two silos
+    configs = {name: resolve(REPO / "configs/smoke.toml", [*EVERY_STRATEGY_BASE, f"strategy.name={name}",
+                                                          *PER_STRATEGY.get(name, [])])
+               for name in strategy_names()}
+    # Execute: one SuperLink, two authenticated SuperNodes, all runs submitted at once
+    results = deploy_runs(configs, num_nodes=2, out_dir=no_leftovers / "fed", timeout=1500, side_by_side=True)
+    # Assert: every strategy completed both rounds over gRPC with TLS, no failure, a results contract
+    assert set(results) == set(strategy_names()) == set(DEPLOYMENT_TESTED)
+    for name, result in results.items():
+        assert result["deployment"]["tls"] and result["deployment"]["supernode_auth"], name
+        assert result["deployment"]["flower_run"]["status"] == "finished:completed", name
+        assert [r["round"] for r in result["rounds"]] == [1, 2], name
+        assert all(r["failures"] == 0 and r["clients"] >= 1 for r in result["rounds"]), name
+        assert result["final"]["wire_bytes_total"] >= result["final"]["bytes_total"], name
+        assert sum(r["bytes_up"] for r in result["rounds"]) > 0 or name == "local", name
+
+
+# ---------------------------------------------------------------- faults in a real deployment
+SOAK = ["data.num_clients=4", "clients.ranks=[4, 4, 4, 4]", "train.rounds=10", "train.max_steps=1",
+        "federation.evaluate_every=5", "federation.fraction_evaluate=0", "federation.min_clients=2",
+        "federation.round_timeout=45", "strategy.name=fedit"]
+
+
+def _rounds_written(out: Path) -> list[int]:
+    import json
+
+    try:
+        return [r["round"] for r in json.loads((out / "results.json").read_text())["rounds"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _federation(folder: Path, config, nodes: int):
+    """A started TLS + auth federation (SuperLink, registered keys, SuperNodes); the deployment and keys."""
+    from fedlora.app.deploy.local import node_configs
+
+    deployment = LocalDeployment(folder, nodes)
+    deployment.start_superlink()
+    keys = list(deployment.require_certs().node_keys)
+    deployment.register(keys)
+    deployment.start_supernodes(node_configs(config, nodes), keys)
+    return deployment, keys
+
+
+@pytest.mark.slow
+def test_soak_a_killed_supernode_and_a_killed_superlink(no_leftovers: Path) -> None:
+    import json
+
+    from fedlora.app.deploy.local import app_dir, node_configs, write_run_config
+    from fedlora.app.runner import resolve
+
+    # Prepare: 4 silos, 10 rounds; the run's results live in `out`, outside any federation's folder
+    out = no_leftovers / "results"
+    config = resolve(REPO / "configs/smoke.toml", SOAK)
+    config.output.dir = str(out)
+    first, keys = _federation(no_leftovers / "fed1", config, 4)
+    try:
+        run_id = first.submit(app_dir(), write_run_config(config, no_leftovers / "run.toml"))
+        # Execute 1: once round 2 is written, kill -9 SuperNode 3 (and its ClientApps), then restart it
+        _wait(lambda: len(_rounds_written(out)) >= 2, 600, "round 2")
+        victim = first.supernodes[3]
+        victim.signal_group(signal.SIGKILL)
+        killed_during = len(_rounds_written(out)) + 1
+        first.spawn_supernode("supernode-3-restarted", node_configs(config, 4)[3], keys[3], tls=True)
+        # Execute 2: once round 5 is written, kill -9 the SuperLink (and the ServerApp it runs)
+        _wait(lambda: len(_rounds_written(out)) >= 5, 900, "round 5")
+        assert first.superlink is not None
+        first.superlink.signal_group(signal.SIGKILL)
+        before = json.loads((out / "results.json").read_text())["rounds"]
+    finally:
+        first.stop()
+    checkpointed = json.loads((out / "checkpoint" / "server.json").read_text())["round"]
+    # Execute 3: a new federation resumes the run from its checkpoint
+    second, _ = _federation(no_leftovers / "fed2", config, 4)
+    try:
+        resumed_id = second.submit(app_dir(), write_run_config(config, no_leftovers / "resume.toml", resume=True))
+        run = second.wait_run(resumed_id, timeout=1200)
+    finally:
+        second.stop()
+    # Assert: the run completed every round once; the round the SuperNode died in counted the
+    # missing client; the rounds before the SuperLink died are kept as they were
+    results = json.loads((out / "results.json").read_text())
+    rounds = results["rounds"]
+    assert run["status"] == "finished:completed" and run_id != resumed_id
+    assert [r["round"] for r in rounds] == list(range(1, 11))
+    assert 5 <= checkpointed < 10
+    assert any(r["failures"] >= 1 for r in rounds[killed_during - 1 : killed_during + 1])  # the round it died in
+    assert any(r["clients"] == 4 for r in rounds[killed_during:checkpointed])  # the restarted silo came back
+    kept = [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in before[:checkpointed]]
+    assert kept == [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rounds[:checkpointed]]
+    assert all(r["clients"] >= 2 for r in rounds)

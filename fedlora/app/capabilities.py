@@ -9,6 +9,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+def _every_method() -> tuple[str, ...]:
+    from fedlora.methods import method_names
+
+    return tuple(method_names())
+
+
+# Strategies run over a real gRPC federation (TLS + SuperNode auth) by the test suite:
+# tests/test_deploy.py::test_every_strategy_runs_two_rounds_over_tls_grpc runs every registered
+# strategy and asserts it equals this list, so a new strategy is deployment-tested when added.
+DEPLOYMENT_TESTED: tuple[str, ...] = _every_method()
+
 START = "<!-- capabilities:start -->"
 END = "<!-- capabilities:end -->"
 COLUMNS = (
@@ -41,7 +52,7 @@ def capability_rows() -> list[list[str]]:
             _tick(caps.mixed_ranks),
             _tick(caps.partial_participation),
             _tick(caps.dp_compatible),
-            _tick(False),  # deployment over gRPC is not exercised per strategy yet
+            _tick(name in DEPLOYMENT_TESTED),
             caps.paper,
         ])
     return rows

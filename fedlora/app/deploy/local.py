@@ -503,13 +503,14 @@ class LocalDeployment:
         """Wait until the run is finished; fail fast if a SuperNode or the SuperLink dies.
 
         One ``flwr log RUN --stream`` process follows the ServerApp log into
-        ``DIR/logs/serverapp.log`` and ends when the run ends (cheap: a CLI call costs about a
+        ``DIR/logs/serverapp-<run id>.log`` and ends when the run ends (cheap: a CLI call costs about a
         second of CPU); ``flwr ls`` then reads the status. If the stream ends early, ``flwr ls``
         is polled every ``poll`` seconds.
         """
         started = time.monotonic()
         deadline = started + timeout
-        stream = self._spawn("serverapp", [str(BIN / "flwr"), "log", str(run_id), CONNECTION, "--stream"], home="cli")
+        stream = self._spawn(f"serverapp-{run_id}", [str(BIN / "flwr"), "log", str(run_id), CONNECTION, "--stream"],
+                             home="cli")
         run: dict[str, Any] = {"status": "unknown"}
         try:
             while True:
@@ -536,6 +537,27 @@ class LocalDeployment:
         self.timings["run_seconds"] = round(time.monotonic() - started, 2)
         return run
 
+    def wait_runs(self, run_ids: Sequence[int], timeout: float, poll: float = 3.0) -> dict[int, dict[str, Any]]:
+        """Wait until every run of ``run_ids`` (running side by side) is finished; their ``flwr ls``
+        rows. Fails fast if a SuperNode or the SuperLink dies, stops the runs after ``timeout``."""
+        started = time.monotonic()
+        deadline = started + timeout
+        while True:
+            rows = {int(r.get("run-id", 0)): r for r in self.flwr("ls", CONNECTION).get("runs", [])}
+            if all(str(rows.get(run_id, {}).get("status", "")).startswith("finished") for run_id in run_ids):
+                self.timings["run_seconds"] = round(time.monotonic() - started, 2)
+                return {run_id: rows[run_id] for run_id in run_ids}
+            for daemon in [self.superlink, *self.supernodes]:
+                if daemon is not None and not daemon.alive():
+                    raise DeployError(f"{daemon.name} exited during the runs: {daemon.reason()} (log: {daemon.log_path})")
+            if time.monotonic() > deadline:
+                for run_id in run_ids:
+                    with contextlib.suppress(DeployError):
+                        self.flwr("stop", str(run_id), CONNECTION)
+                raise DeployError(f"runs {list(run_ids)} did not all finish within {timeout:.0f}s; stopped them "
+                                  f"(logs: {self.logs})")
+            time.sleep(poll)
+
     # ------------------------------------------------------------------ evidence
     def fleet_is_grpc_over_tls(self) -> bool:
         """The SuperLink log names the gRPC Fleet API, serves https and has no insecure warning."""
@@ -547,10 +569,11 @@ class LocalDeployment:
         )
 
 
-def write_run_config(config: ExperimentConfig, path: Path) -> Path:
-    """A ``--run-config`` file whose single key ``experiment`` holds the resolved config (JSON)."""
+def write_run_config(config: ExperimentConfig, path: Path, resume: bool = False) -> Path:
+    """A ``--run-config`` file: ``experiment`` holds the resolved config (JSON); ``resume = true``
+    continues the checkpoint in its output folder."""
     # JSON string escapes (\" \\ \n \uXXXX) are valid TOML basic-string escapes.
-    path.write_text(f"experiment = {json.dumps(config.to_json())}\n", encoding="utf-8")
+    path.write_text(f"experiment = {json.dumps(config.to_json())}\nresume = {str(resume).lower()}\n", encoding="utf-8")
     return path
 
 
@@ -568,25 +591,52 @@ def deploy_local(
     ``on_ready(deployment)`` is called after the run finished, while every process is still up
     (the tests use it for probes against the live SuperLink).
     """
-    from fedlora.app.runner import check_inputs, resolve
+    from fedlora.app.runner import resolve
+
+    resolved = resolve(config, overrides)
+    return deploy_runs({"": resolved}, num_nodes, out_dir, insecure, timeout, on_ready)[""]
+
+
+def deploy_runs(
+    configs: dict[str, ExperimentConfig],
+    num_nodes: int | None = None,
+    out_dir: str | Path | None = None,
+    insecure: bool = False,
+    timeout: float = 3600.0,
+    on_ready: Callable[[LocalDeployment], None] | None = None,
+    side_by_side: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Run several experiments on ONE local federation (a SuperLink and ``num_nodes`` SuperNodes
+    started once), one after the other or, with ``side_by_side``, all submitted at once (Flower
+    runs them concurrently: their message latencies overlap); label -> its results dict. Run
+    ``label`` writes into ``OUT/<label>`` (``OUT`` itself for the label ''). The silos' node
+    configs come from the first experiment, so the experiments must share their data and
+    clients sections."""
+    from fedlora.app.runner import check_inputs
     from fedlora.results import load_results
 
-    config = resolve(config, overrides)
-    nodes = config.data.num_clients if num_nodes is None else num_nodes
-    if nodes != config.data.num_clients:
-        raise ConfigError(
-            f"--nodes {nodes} differs from data.num_clients={config.data.num_clients}; every SuperNode "
-            f"holds one partition: use --nodes {config.data.num_clients} or --set data.num_clients={nodes}"
-            + (f" --set clients.ranks=[...] ({nodes} ranks)" if config.clients.ranks else "")
-        )
-    out = Path(out_dir or config.output.dir).resolve()
+    first = next(iter(configs.values()))
+    nodes = first.data.num_clients if num_nodes is None else num_nodes
+    for label, config in configs.items():
+        if nodes != config.data.num_clients:
+            raise ConfigError(
+                f"--nodes {nodes} differs from data.num_clients={config.data.num_clients}; every SuperNode "
+                f"holds one partition: use --nodes {config.data.num_clients} or --set data.num_clients={nodes}"
+                + (f" --set clients.ranks=[...] ({nodes} ranks)" if config.clients.ranks else "")
+            )
+        if config.data != first.data or config.clients != first.clients:
+            raise ConfigError(f"run '{label}' has other [data] / [clients] than the first: one federation serves both")
+    out = Path(out_dir or first.output.dir).resolve()
     if (out / "flwr").exists() or (out / "certs").exists():
         raise ConfigError(f"{out} holds an earlier deployment (certs/, flwr/); choose a new --out folder")
-    config.output.dir = str(out)
+    for label, config in configs.items():
+        config.output.dir = str(out / label if label else out)
     app = app_dir()
-    check_inputs(config)  # one-line errors for a missing model or unreadable data, before any process
+    for config in configs.values():
+        check_inputs(config)  # one-line errors for a missing model or unreadable data, before any process
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    evidence: dict[str, dict[str, Any]] = {}
     with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure) as deployment:
         deployment.start_superlink()
         logger.info("SuperLink up: Control API https://%s:%d (loopback only), Fleet API %s:%d",
@@ -596,30 +646,47 @@ def deploy_local(
             node_keys = list(deployment.require_certs().node_keys)
             deployment.register(node_keys)
             keys = list(node_keys)
-        deployment.start_supernodes(node_configs(config, nodes), keys)
-        logger.info("%d SuperNodes accepted; submitting the run", nodes)
-        run_id = deployment.submit(app, write_run_config(config, out / "run_config.toml"))
-        run = deployment.wait_run(run_id, timeout)
-        server_log = deployment.logs / "serverapp.log"
-        if run.get("status") != "finished:completed":
-            details = " ".join(str(run.get("status-details", "")).split())
-            raise DeployError(f"run {run_id} ended {run.get('status')}: {details} (log: {server_log})")
+        deployment.start_supernodes(node_configs(first, nodes), keys)
+        logger.info("%d SuperNodes accepted; submitting %d run(s)", nodes, len(configs))
+        submitted: dict[str, int] = {}
+        finished: dict[str, dict[str, Any]] = {}
+        for label, config in configs.items():
+            run_config = write_run_config(config, out / f"run_config{'-' + label if label else ''}.toml")
+            submitted[label] = deployment.submit(app, run_config)
+            if not side_by_side:
+                finished[label] = deployment.wait_run(submitted[label], timeout)
+        if side_by_side:
+            rows = deployment.wait_runs(list(submitted.values()), timeout)
+            finished = {label: rows[run_id] for label, run_id in submitted.items()}
+        for label, config in configs.items():
+            run_id, run = submitted[label], finished[label]
+            server_log = deployment.logs / f"serverapp-{run_id}.log"
+            if run.get("status") != "finished:completed":
+                details = " ".join(str(run.get("status-details", "")).split())
+                raise DeployError(f"run {run_id} ({label or config.strategy.name}) ended {run.get('status')}: "
+                                  f"{details} (log: {server_log})")
+            evidence[label] = {
+                "run_id": run_id,
+                "nodes": nodes,
+                "tls": not insecure,
+                "supernode_auth": not insecure,
+                "fleet_grpc_tls_logged": deployment.fleet_is_grpc_over_tls(),
+                "ports": {"control": deployment.ports.control, "fleet": deployment.ports.fleet},
+                "flower_run": {k: run.get(k) for k in ("status", "elapsed", "network-traffic", "compute-time")},
+            }
         if on_ready is not None:
             on_ready(deployment)
-        evidence = {
-            "run_id": run_id,
-            "nodes": nodes,
-            "tls": not insecure,
-            "supernode_auth": not insecure,
-            "fleet_grpc_tls_logged": deployment.fleet_is_grpc_over_tls(),
-            "ports": {"control": deployment.ports.control, "fleet": deployment.ports.fleet},
-            "flower_run": {k: run.get(k) for k in ("status", "elapsed", "network-traffic", "compute-time")},
-        }
     timings = {**deployment.timings, "total_seconds": round(time.monotonic() - started, 2)}
-    results_path = out / "results.json"
-    if not results_path.is_file():
-        raise DeployError(f"run {run_id} finished without writing {results_path} (log: {server_log})")
-    (out / "deployment.json").write_text(json.dumps({**evidence, "timings": timings}, indent=2), encoding="utf-8")
-    results = load_results(results_path)
-    results["deployment"] = {**evidence, "timings": timings}
-    return results
+    results_by_label = {}
+    for label, config in configs.items():
+        folder = Path(config.output.dir)
+        results_path = folder / "results.json"
+        if not results_path.is_file():
+            raise DeployError(f"run {evidence[label]['run_id']} finished without writing {results_path} "
+                              f"(logs: {deployment.logs})")
+        (folder / "deployment.json").write_text(json.dumps({**evidence[label], "timings": timings}, indent=2),
+                                                encoding="utf-8")
+        results = load_results(results_path)
+        results["deployment"] = {**evidence[label], "timings": timings}
+        results_by_label[label] = results
+    return results_by_label
