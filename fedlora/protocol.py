@@ -25,6 +25,9 @@ EVAL_RECEIVED = "eval-received"  # train: evaluate the received model before loc
 EVAL_GLOBAL = "eval-global"  # evaluate: also evaluate on the global test set (no global model)
 SAVE_ADAPTER_DIR = "save-adapter-dir"  # evaluate, last round: save the client's adapter there
 
+# reply records (client -> server)
+WORKER = "worker"  # train reply ConfigRecord: where the message ran (host, Ray node)
+
 # reply metrics (client -> server)
 NUM_EXAMPLES = "num-examples"
 PARTITION_ID = "partition-id"

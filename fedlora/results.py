@@ -55,7 +55,8 @@ class RoundRecord:
     client_train_seconds: float = 0.0  # summed local training time of the clients
     train_examples: int = 0  # examples processed by local training (with repetition)
     aggregation_seconds: float = 0.0  # server-side aggregation time
-    per_client: dict[str, dict[str, float]] = field(default_factory=dict)  # partition id -> metrics
+    per_client: dict[str, dict[str, float]] = field(default_factory=dict)  # partition id -> evaluation metrics
+    per_client_train: dict[str, dict[str, Any]] = field(default_factory=dict)  # partition id -> its training reply
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific (e.g. FedTreeLoRA cuts)
 
 

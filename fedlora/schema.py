@@ -163,6 +163,12 @@ class FederationConfig(_Section):
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs per simulated client (Ray resources).")
     num_gpus: float = Field(0.0, ge=0.0, description="GPU fraction per simulated client.")
     round_timeout: float = Field(3600.0, gt=0.0, description="Seconds to wait for replies.")
+    ray_address: str = Field(
+        "",
+        description="Flower's simulation engine joins this running Ray cluster (HOST:PORT of its head, as "
+        "`ray start --head` prints it) instead of starting a local Ray; '' = a local Ray on this "
+        "machine. Client resources (num_cpus, num_gpus) are requested on every node of the cluster.",
+    )
 
 
 class BudgetTier(_Section):

@@ -415,6 +415,11 @@ class LoRAStrategy(Strategy):
                 _reject(record, partition, problem)
                 continue
             uploads.append(ClientUpload(partition, payload, int(metrics[protocol.NUM_EXAMPLES]), metrics))
+            worker = msg.content.config_records.get(protocol.WORKER)
+            record.per_client_train[str(partition)] = {
+                "train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
+                "examples": metrics.get(protocol.TRAIN_EXAMPLES), **({k: str(v) for k, v in worker.items()} if worker else {}),
+            }
         uploads.sort(key=lambda u: u.partition_id)
         outliers = norm_outliers([u.payload for u in uploads], self.experiment.faults)
         for index, reason in outliers.items():

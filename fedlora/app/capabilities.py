@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+
 def _every_method() -> tuple[str, ...]:
     from fedlora.methods import method_names
 

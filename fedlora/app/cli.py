@@ -1,6 +1,7 @@
 """The ``fedlora`` command line.
 
     fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose] [--resume DIR] [--engine ray|inprocess]
+                   [--ray-address HOST:PORT]
     fedlora compare CONFIG --strategies a,b,... [--seeds 0,1,2] [--out DIR] [--set k=v ...]
                    [--engine ray|inprocess] [--workers N]
     fedlora tune CONFIG --strategies a,b --grid train.lr=1e-4,1e-3 [--seeds 0,1] [--out DIR]
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     run.add_argument("--resume", default=None, metavar="DIR",
                      help="continue the interrupted run in DIR after its last complete round (same config)")
+    run.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                     help="join this running Ray cluster (ray start --head ...) instead of a local Ray")
     run.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
                      help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
     run.set_defaults(func=_cmd_run)
@@ -173,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seeds", default="0", help="comma-separated train.seed values (default 0)")
     cmp.add_argument("--out", default=None, help="comparison folder (default: <output.dir>/compare)")
     cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    cmp.add_argument("--ray-address", default=None, metavar="HOST:PORT", help="as for run")
     cmp.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
                      help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
     cmp.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
@@ -189,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--out", default=None, help="tuning folder (default: <output.dir>/tune)")
     tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     tune.add_argument("--engine", choices=("ray", "inprocess"), default="ray", help="as for compare")
+    tune.add_argument("--ray-address", default=None, metavar="HOST:PORT", help="as for run")
     tune.set_defaults(func=_cmd_tune)
 
     deploy = sub.add_parser("deploy", help="cross-silo deployment: certificates, local SuperLink + SuperNodes")
@@ -227,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     logging.captureWarnings(True)
     _flower_logs_to_stdout()
+    if getattr(args, "ray_address", None):  # --ray-address is federation.ray_address for every run
+        args.set = [*args.set, f'federation.ray_address="{args.ray_address}"']
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -49,17 +49,15 @@ def ray_temp_dir(out_dir: Path) -> str:
 
 
 def backend_config(config: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
+    """Flower's Ray backend: per-client resources, and either a local Ray (its temp folder in the
+    run folder) or the running cluster at ``federation.ray_address`` (which owns its resources)."""
     fed = config.federation
-    return {
-        "client_resources": {"num_cpus": fed.num_cpus, "num_gpus": fed.num_gpus},
-        "init_args": {
-            "_temp_dir": ray_temp_dir(out_dir),
-            "num_cpus": os.cpu_count() or 1,
-            "include_dashboard": False,
-            "log_to_driver": True,
-            "logging_level": logging.WARNING,
-        },
-    }
+    init_args: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
+    if fed.ray_address:
+        init_args["address"] = fed.ray_address
+    else:
+        init_args |= {"_temp_dir": ray_temp_dir(out_dir), "num_cpus": os.cpu_count() or 1, "include_dashboard": False}
+    return {"client_resources": {"num_cpus": fed.num_cpus, "num_gpus": fed.num_gpus}, "init_args": init_args}
 
 
 def resolve(config: ExperimentConfig | str | Path | dict, overrides: list[str] | None = None) -> ExperimentConfig:
