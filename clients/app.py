@@ -101,17 +101,17 @@ def _save_state(job, context: Context) -> None:
             log(WARNING, "client %d: cannot checkpoint its state in %s: %s", job.profile.partition_id, root, error)
 
 
-def _worker() -> dict[str, str]:
+def _worker() -> ConfigRecord:
     """Where this message ran: the host, and the Ray node when the simulation engine runs it on Ray."""
     import socket
     import sys
 
-    where = {"host": socket.gethostname()}
+    where = ConfigRecord({"host": socket.gethostname()})
     if "ray" in sys.modules:  # inside a Ray actor (never imported otherwise)
         import ray
 
         if ray.is_initialized():
-            where["ray-node"] = ray.get_runtime_context().get_node_id()
+            where["ray-node"] = str(ray.get_runtime_context().get_node_id())
     return where
 
 
@@ -166,7 +166,7 @@ def train(msg: Message, context: Context) -> Message:
     }
     log(DEBUG, "client %d round %d: loss %.4f in %.1fs", job.profile.partition_id, job.server_round, stats.loss, stats.seconds)
     content = RecordDict({"arrays": to_array_record(upload), "metrics": MetricRecord(metrics),
-                          protocol.WORKER: ConfigRecord(_worker())})
+                          protocol.WORKER: _worker()})
     return Message(content=content, reply_to=msg)
 
 

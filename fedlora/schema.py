@@ -328,6 +328,25 @@ class OutputConfig(_Section):
 
     dir: str = Field("runs/latest", description="Output folder (results.json, plots, adapters).")
     save_adapters: bool = Field(True, description="Save the final adapters in peft format.")
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files: per round the accuracies (global, personalised, "
+        "received, validation), train loss, bytes, seconds and clients; per client its accuracy.",
+    )
+    tensorboard_dir: str = Field(
+        "",
+        description="Where the event files go ('' = <dir>/tensorboard). `fedlora compare` points every "
+        "run at <out>/tensorboard/<label>/seed<k> so that `tensorboard --logdir <out>/tensorboard` "
+        "overlays the strategies (and their mean over seeds) in each chart.",
+    )
+    mlflow_uri: str = Field(
+        "",
+        description="MLflow tracking URI ('' = off), e.g. 'sqlite:///mlflow.db' or a tracking server's "
+        "http(s) address. Logs the resolved config and its hash as params, every round's metrics, "
+        "results.json, the plots and the adapters as artifacts. Needs the `tracking` extra.",
+    )
+    mlflow_experiment: str = Field("fedlora", description="MLflow experiment name (created if missing).")
+    mlflow_run_name: str = Field("", description="MLflow run name ('' = '<strategy> seed<seed>').")
 
 
 class ExperimentConfig(_Section):

@@ -67,8 +67,9 @@ def _encode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
         return {"__array__": name}
     if isinstance(value, np.random.Generator):
         return {"__rng__": _encode(value.bit_generator.state, arrays)}
-    if hasattr(type(value), "_fields") and isinstance(value, tuple):  # a NamedTuple
-        return _encode_object(value, {f: getattr(value, f) for f in type(value)._fields}, arrays)
+    fields: tuple[str, ...] | None = getattr(type(value), "_fields", None)
+    if fields is not None and isinstance(value, tuple):  # a NamedTuple
+        return _encode_object(value, {f: getattr(value, f) for f in fields}, arrays)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _encode_object(value, {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, arrays)
     if isinstance(value, list):

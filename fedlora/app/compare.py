@@ -315,6 +315,10 @@ def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentCon
     raw["strategy"] = {k: v for k, v in raw["strategy"].items() if k in declared} | {"name": job.strategy}
     raw = apply_overrides(raw, [*job.overrides, f"train.seed={job.seed}"])
     raw["output"]["dir"] = str(run_dir)
+    # TensorBoard: OUT/tensorboard/<label>/seed<k>, so `tensorboard --logdir OUT/tensorboard`
+    # overlays the strategies in each chart (tracking.write_mean_curves adds <label>/mean)
+    raw["output"]["tensorboard_dir"] = str(run_dir.parent.parent / "tensorboard" / job.name / run_dir.name)
+    raw["output"]["mlflow_run_name"] = raw["output"].get("mlflow_run_name") or f"{job.name} seed{job.seed}"
     return build_config(raw)
 
 
@@ -509,6 +513,10 @@ def compare(
     jobs = [Job(strategy, int(seed)) for strategy in strategies for seed in seeds]
     run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers)
     table = summarize(out, labels=list(dict.fromkeys(strategies)))
+    if base.output.tensorboard:
+        from fedlora.app.tracking import write_mean_curves
+
+        write_mean_curves(out / "tensorboard", load_runs(out, table.strategies))
     if plots:
         from fedlora.app.plotting import plot_comparison
 

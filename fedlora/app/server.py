@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedlora.app.progress import RoundProgress
+from fedlora.app.tracking import Tracker
 from fedlora.config import ExperimentConfig, config_from_json, load_config
 from fedlora.data import FederatedData, build_federated_data
 from fedlora.lora import A_SUFFIX, Payload
@@ -139,15 +140,21 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         writer.add(record)
         checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy,
                                partitions=strategy.roster.partitions)
+        tracker.round(record)
         progress.round_done(server_round, progress_line(record, config.train.rounds))
         return MetricRecord({"global-accuracy": record.global_accuracy})
 
+    tracker = Tracker(config, out_dir, first)
     progress = RoundProgress(config.train.rounds, first)
+    ok = False
     try:
         run_rounds(strategy, grid, first, config.train.rounds, evaluate_fn)
+        progress.close()
+        finish(writer, strategy, evaluator, out_dir)
+        ok = True
     finally:
         progress.close()
-    finish(writer, strategy, evaluator, out_dir)
+        tracker.finish(ok)
     return writer
 
 
@@ -214,10 +221,19 @@ def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None 
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
-    """Deployment: the config arrives as JSON (``experiment``) or a TOML path (``config``)."""
+    """Deployment and ``flwr run .``: the config arrives as JSON (``experiment``, what ``fedlora
+    deploy`` sends) or as a TOML path (``config``) with optional overrides (``set``:
+    ``section.key=value`` items separated by ``;``). A relative ``config`` path is looked up in the
+    working directory, then in the app's own folder (the installed FAB or the repository), so
+    ``flwr run . --run-config 'config="configs/smoke.toml"'`` works from anywhere."""
     if run_config.get("experiment"):
         return config_from_json(str(run_config["experiment"]))
-    return load_config(str(run_config.get("config", "configs/quickstart.toml")))
+    path = Path(str(run_config.get("config") or "configs/quickstart.toml"))
+    app_root = Path(__file__).resolve().parents[2]
+    if not path.is_absolute() and not path.is_file() and (app_root / path).is_file():
+        path = app_root / path
+    overrides = [item.strip() for item in str(run_config.get("set", "")).split(";") if item.strip()]
+    return load_config(path, overrides)
 
 
 app = make_server_app()
