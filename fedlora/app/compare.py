@@ -452,8 +452,10 @@ def _worker_run(config_json: str, run_dir: str) -> float:
     """One job in a worker process: the in-process engine, its log in ``run_dir/run.log``."""
     import logging as logging_module
 
+    from fedlora.app import progress
     from fedlora.config import config_from_json
 
+    progress.LIVE = False  # workers share the terminal: plain lines, into run.log
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     handler = logging_module.FileHandler(folder / "run.log", mode="w")
@@ -462,7 +464,11 @@ def _worker_run(config_json: str, run_dir: str) -> float:
     root.addHandler(handler)
     root.setLevel(logging_module.INFO)
     started = time.perf_counter()
-    run_one(config_from_json(config_json), folder, "inprocess")
+    try:
+        run_one(config_from_json(config_json), folder, "inprocess")
+    finally:  # a worker runs several jobs: each log only in its own run.log
+        root.removeHandler(handler)
+        handler.close()
     return time.perf_counter() - started
 
 

@@ -13,13 +13,19 @@ from typing import Any
 
 logger = logging.getLogger("fedlora")
 
+#: ``None``: a live bar when stdout is a terminal; ``False``: always plain lines (set in the worker
+#: processes of ``fedlora compare --workers``, which share the terminal and log to run.log).
+LIVE: bool | None = None
+
 
 class RoundProgress:
     """Report finished rounds ``first``..``total`` (see the module docstring)."""
 
     def __init__(self, total: int, first: int = 1, live: bool | None = None) -> None:
         self.total = total
-        self.live = sys.stdout.isatty() if live is None else live
+        if live is None:
+            live = sys.stdout.isatty() if LIVE is None else LIVE
+        self.live = live
         self._bar: Any = None
         if self.live:
             from rich.console import Console
