@@ -266,6 +266,7 @@ class LoRAStrategy(Strategy):
     ) -> Iterable[Message]:
         """Query profiles once, sample clients, build one message per client."""
         self.connect(grid)
+        self.roster.refresh(grid, self._experiment_json, self.experiment.federation.round_timeout)
         record = self.record(server_round)
         record.refused = sorted(self.roster.refused_partitions)
         partitions = self.sample_train(server_round)

@@ -35,6 +35,7 @@ class ClientRoster:
         self.node_of: dict[int, int] = {}  # partition id -> node id (this run)
         self.refused: dict[str, str] = {}  # "partition <k>" or "node <n>" -> reason
         self.refused_partitions: list[int] = []
+        self.seen_nodes: set[int] = set()  # every node id asked for its profile
 
     def __bool__(self) -> bool:
         return bool(self.profiles)
@@ -61,12 +62,7 @@ class ClientRoster:
         while len(node_ids := list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
             log(INFO, "query: waiting for clients, %d of %d connected", len(node_ids), expected)
             time.sleep(1.0)
-        queries = [
-            Message(content=RecordDict({"config": ConfigRecord({"experiment": experiment_json})}),
-                    dst_node_id=node_id, message_type=MessageType.QUERY)
-            for node_id in node_ids
-        ]
-        for reply in grid.send_and_receive(queries, timeout=timeout):
+        for reply in self._ask(grid, node_ids, experiment_json, timeout):
             node_id = reply.metadata.src_node_id
             if reply.has_error():
                 self.refused[f"node {node_id}"] = f"query failed: {reply.error.reason}"
@@ -83,6 +79,41 @@ class ClientRoster:
             self.node_of[profile.partition_id] = node_id
         if not self.profiles:
             raise NoClientError("no client accepted: " + "; ".join(self.refused.values()))
+
+    def refresh(self, grid: Grid, experiment_json: str, timeout: float) -> list[int]:
+        """Ask nodes that connected since the last query who they are; an accepted partition
+        that comes back on a new node (a restarted SuperNode) is addressed there from now on, with
+        the profile accepted at the start. A partition never seen before is refused (strategies
+        set up their per-client state for the clients of the first query). Returns the partitions
+        re-bound. Costs one ``get_node_ids`` call when nobody new connected."""
+        new = [n for n in grid.get_node_ids() if n not in self.seen_nodes]
+        rebound = []
+        for reply in self._ask(grid, new, experiment_json, timeout) if new else []:
+            node_id = reply.metadata.src_node_id
+            if reply.has_error():
+                log(WARNING, "query: new node %d failed: %s", node_id, reply.error.reason)
+                continue
+            profile = ClientProfile.model_validate_json(str(reply.content.config_records["profile"]["json"]))
+            partition = profile.partition_id
+            if partition in self.profiles:
+                log(INFO, "query: client %d is back, as node %d (was %d)", partition, node_id, self.node_of[partition])
+                self.node_of[partition] = node_id
+                rebound.append(partition)
+            elif f"partition {partition}" not in self.refused:
+                self.refused[f"partition {partition}"] = f"{partition}: joined after the first round"
+                self.refused_partitions.append(partition)
+                log(WARNING, "query: refusing client %d: it joined after the first round", partition)
+        return rebound
+
+    def _ask(self, grid: Grid, node_ids: list[int], experiment_json: str, timeout: float) -> list[Message]:
+        """One QUERY message per node (carrying the experiment); the replies."""
+        self.seen_nodes.update(node_ids)
+        queries = [
+            Message(content=RecordDict({"config": ConfigRecord({"experiment": experiment_json})}),
+                    dst_node_id=node_id, message_type=MessageType.QUERY)
+            for node_id in node_ids
+        ]
+        return list(grid.send_and_receive(queries, timeout=timeout))
 
     def settle_common_rank(self, refuse: bool, method_name: str) -> int:
         """One rank for a same-rank method: the smallest declared rank (never above a client's

@@ -104,3 +104,40 @@ def test_drop_rate_30_percent_still_learns_the_task(tmp_path: Path) -> None:
 def test_bad_fault_values_are_config_errors(override: str) -> None:
     with pytest.raises(ConfigError, match="faults"):
         load_config(ROOT / "configs/smoke.toml", [override])
+
+
+class _RestartingGrid(InProcessGrid):
+    """Partition 2's node dies after round 1's training and comes back as a new node with an empty
+    state (a restarted SuperNode); a dead node never replies."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.restarted = False
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Context, MessageType
+
+        messages = list(messages)
+        replies = list(super().send_and_receive([m for m in messages if m.metadata.dst_node_id in self.contexts]))
+        if not self.restarted and any(m.metadata.message_type == MessageType.TRAIN for m in messages):
+            old = self.contexts.pop(1002)
+            self.contexts[9002] = Context(run_id=old.run_id, node_id=9002, node_config=dict(old.node_config),
+                                          state=RecordDict(), run_config={})
+            self.restarted = True
+        return replies
+
+
+def test_a_restarted_client_on_a_new_node_is_addressed_there(tmp_path: Path) -> None:
+    from fedlora.app.server import run_server
+
+    # Prepare: 3 clients, 2 rounds; client 2's node restarts after round 1's training
+    config = load_config(ROOT / "configs/smoke.toml", ["train.max_steps=2", "federation.fraction_evaluate=0"])
+    grid = _RestartingGrid(client_app, node_configs(config.data.num_clients))
+
+    # Execute
+    writer = run_server(grid, config, tmp_path)
+
+    # Assert: round 2 reached all 3 clients (client 2 at its new node), no failure
+    assert grid.restarted
+    assert [(r.clients, r.failures) for r in writer.rounds] == [(3, 0), (3, 0)]
+    assert {int(p) for p in writer.rounds[1].per_client_train} == {0, 1, 2}
