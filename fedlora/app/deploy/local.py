@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import psutil
+from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
 from fedlora.app.deploy.certs import CertPaths, public_key_path, write_certs
 from fedlora.config import ConfigError, ExperimentConfig
@@ -46,6 +47,8 @@ CONNECTION = "fedlora-local"
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr live next to python
 SUPERLINK_READY = "Uvicorn running on"
 SUPERNODE_READY = "SuperNode ID:"
+# How long the SuperLink keeps a silent SuperNode online: patience x heartbeat interval (Flower's defaults)
+HEARTBEAT_SECONDS = float(HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL)
 FLEET_LOG_LINE = "Fleet API (gRPC-rere)"
 INSECURE_WARNINGS = ("Option --insecure was set", "SuperNode authentication is disabled")
 # Lines of a refused SuperNode's log that say why (Flower 1.39 wording).
@@ -167,6 +170,18 @@ class Daemon:
     def signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, sig)
+
+    def kill_tree(self) -> None:
+        """SIGKILL this process, its group and every descendant, wherever their session (a
+        machine that dies: the SuperLink's SuperExec and the ServerApps it started go with it)."""
+        descendants = self.descendants()
+        self.signal_group(signal.SIGKILL)
+        for proc in descendants:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(descendants, timeout=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
 
     def close_log(self) -> None:
         with contextlib.suppress(OSError):
@@ -444,6 +459,27 @@ class LocalDeployment:
     def spawn_supernode(self, name: str, node_config: dict[str, Any], key: Path | None, tls: bool) -> Daemon:
         daemon = self._spawn(name, self.supernode_cmd(node_config, key, tls, self._take_port()))
         return daemon
+
+    def restart_supernode(self, index: int, node_config: dict[str, Any], key: Path | None,
+                          patience: float = HEARTBEAT_SECONDS + 30.0) -> Daemon:
+        """Start SuperNode ``index`` again after it died, as a silo's supervisor would (systemd
+        ``Restart=on-failure``, a Kubernetes pod): Flower keeps a killed SuperNode online until its
+        heartbeat lapses (2 x 30 s by default) and refuses to activate the same key meanwhile (the
+        SuperNode exits), so this retries until the SuperLink accepts it or ``patience`` s pass.
+        With SuperNode authentication the node keeps its node id (it is the key's)."""
+        deadline = time.monotonic() + patience
+        attempt = 0
+        while True:
+            attempt += 1
+            daemon = self.spawn_supernode(f"supernode-{index}-restart-{attempt}", node_config, key, not self.insecure)
+            if daemon.wait_for(SUPERNODE_READY, self.start_timeout) and daemon.alive():
+                self.supernodes[index] = daemon
+                return daemon
+            stop_daemons([daemon])
+            if time.monotonic() > deadline:
+                raise DeployError(f"SuperNode {index} was not accepted again within {patience:.0f}s: "
+                                  f"{daemon.reason()} (log: {daemon.log_path})")
+            time.sleep(5.0)
 
     def start_supernodes(self, configs: Sequence[dict[str, Any]], keys: Sequence[Path | None]) -> list[Daemon]:
         """Start the SuperNodes in parallel and wait until each has been accepted (``SuperNode ID``)."""
