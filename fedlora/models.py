@@ -259,7 +259,8 @@ def _causal_base(path: str, device: str) -> SharedBase:
         config.update(TINY_LLAMA)
         with torch.random.fork_rng(devices=[]):  # a fixed random "checkpoint", whatever train.seed is
             torch.manual_seed(TINY_LLAMA_SEED)
-            model = LlamaForCausalLM(config).to(dtype)
+            built: Any = LlamaForCausalLM(config)
+            model = built.to(dtype)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype)
@@ -284,6 +285,14 @@ def _release(shared: SharedBase) -> None:
             for module, weight in shared.pristine.items():
                 shared.model.get_submodule(module).weight.copy_(weight)
         shared.edited = False
+
+
+def bare_causal_model(path: str, device: str = "cpu") -> Any:
+    """The process's base causal LM ``path`` without any adapter (the active one is unloaded and
+    edited weights restored), e.g. to save a built-in model as an ordinary Hugging Face folder."""
+    shared = _causal_base(path, str(resolve_device(device)))
+    _release(shared)
+    return shared.model
 
 
 def protect_base_weights(model: PeftModel, modules: Iterable[str]) -> None:
