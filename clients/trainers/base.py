@@ -16,6 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from fedlora import protocol
+from fedlora.causal_lm import (
+    GenerationEval,
+    causal_lm_loss,
+    evaluate_generation,
+    make_causal_loader,
+    response_loss,
+)
 from fedlora.data import ClientData, FederatedData
 from fedlora.lora import Payload, from_array_record, to_array_record, without_head
 from fedlora.methods import options_of
@@ -76,9 +83,15 @@ class LocalTrainer:
         """The rank of this client's adapter (one for all modules, or per module)."""
         return self.job.profile.rank
 
+    @property
+    def causal(self) -> bool:
+        """Whether this run fine-tunes a causal LM on instructions (``model.kind = 'causal_lm'``)."""
+        return self.config.model.kind == "causal_lm"
+
     def build(self) -> PeftModel:
         return build_model(
-            self.config.model, len(self.job.federated.label_names), self.model_rank(), seed=self.config.train.seed
+            self.config.model, len(self.job.federated.label_names), self.model_rank(), seed=self.config.train.seed,
+            device=self.config.train.device,
         )
 
     def prepare(self, download: Payload) -> PeftModel:
@@ -93,7 +106,8 @@ class LocalTrainer:
 
     # ------------------------------------------------------------------ training
     def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return cross_entropy_loss(model, batch)
+        """Cross-entropy of the classifier, or a causal LM's per-sample response loss."""
+        return causal_lm_loss(model, batch) if self.causal else cross_entropy_loss(model, batch)
 
     def after_backward(self, model: PeftModel) -> None:
         """Hook between backward and the optimiser step (e.g. gradient gating)."""
@@ -177,7 +191,10 @@ class LocalTrainer:
     def loader(self, dataset, split: str, shuffle: bool = False):
         cfg = self.config.train
         key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{self.job.profile.partition_id}|{self.job.profile.data_path}|{split}"
-        return make_loader(
+        make = make_loader
+        if self.causal:
+            make, key = make_causal_loader, f"{key}|{cfg.max_length}"
+        return make(
             dataset,
             self.tokenizer,
             cfg.batch_size if shuffle else cfg.eval_batch_size,
@@ -189,14 +206,20 @@ class LocalTrainer:
 
     def received_metrics(self, model: PeftModel) -> dict[str, float]:
         """``received-accuracy`` / ``-examples``: the model as received (before local training) on
-        the local test split (FedHera's official metric)."""
+        the local test split (FedHera's official metric). Not measured for a causal LM (it would
+        add a generation pass to every training message)."""
+        if self.causal:
+            return {}
         test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
         if not math.isfinite(test.accuracy):
             return {}
         return {protocol.RECEIVED_ACCURACY: test.accuracy, protocol.RECEIVED_EXAMPLES: float(test.examples)}
 
     def evaluate(self, model: PeftModel, with_global: bool) -> dict[str, float]:
-        """Accuracy on the local test split and validation split (and the global test set)."""
+        """Accuracy on the local test split and validation split (and the global test set); for
+        a causal LM :meth:`evaluate_generation`."""
+        if self.causal:
+            return self.evaluate_generation(model, with_global)
         test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
         metrics = {"accuracy": test.accuracy, "loss": test.loss, "num-examples": float(test.examples)}
         if len(self.job.data.val):
@@ -205,6 +228,26 @@ class LocalTrainer:
         if with_global:
             glob = evaluate(model, self.loader(self.job.federated.global_test, "global"), self.device)
             metrics["global-accuracy"] = glob.accuracy
+        return {k: (v if math.isfinite(v) else 0.0) for k, v in metrics.items()}
+
+    def evaluate_generation(self, model: PeftModel, with_global: bool) -> dict[str, float]:
+        """A causal LM on its local test split: ``rouge-l`` (greedy generations), ``loss`` /
+        ``perplexity`` per response token (``tokens``); ``val-loss`` on the validation split; the
+        same with a ``global-`` prefix on the global test set when asked."""
+        def scores(dataset: Any, split: str) -> GenerationEval:
+            cfg = self.config.train
+            return evaluate_generation(model, dataset, self.loader(dataset, split), self.tokenizer, self.device,
+                                       cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size)
+
+        test = scores(self.job.data.test, "test")
+        metrics = {"rouge-l": test.rouge_l, "loss": test.loss, "perplexity": test.perplexity, "tokens": float(test.tokens),
+                   "num-examples": float(test.examples), "rouge-examples": float(test.rouge_examples)}
+        if len(self.job.data.val):
+            val_loss, val_tokens = response_loss(model, self.loader(self.job.data.val, "val"), self.device)
+            metrics |= {"val-loss": val_loss, "val-tokens": float(val_tokens), "val-examples": float(len(self.job.data.val))}
+        if with_global:
+            glob = scores(self.job.federated.global_test, "global")
+            metrics |= {"global-rouge-l": glob.rouge_l, "global-loss": glob.loss, "global-tokens": float(glob.tokens)}
         return {k: (v if math.isfinite(v) else 0.0) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ state

@@ -31,4 +31,5 @@ class FedPissaTrainer(LocalTrainer):
             self.model_rank(),
             seed=self.config.train.seed,
             init=init,
+            device=self.config.train.device,
         )

@@ -14,7 +14,7 @@ import numpy as np
 
 from clients.trainers.base import LocalTrainer
 from fedlora.lora import Payload, head_only, kaiming_bound, read_stacks
-from fedlora.models import PEFT_PREFIX, adapter_payload, load_payload
+from fedlora.models import PEFT_PREFIX, adapter_payload, load_payload, protect_base_weights
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -49,9 +49,11 @@ class FLoRATrainer(LocalTrainer):
         return model
 
     def _merge_into_base(self, model: PeftModel, merged: dict[str, np.ndarray]) -> None:
-        """W0 <- W0 + merged (the backbone is a per-model copy, so the cache stays untouched)."""
+        """W0 <- W0 + merged (a classifier's backbone is a per-model copy; a causal LM's shared base
+        gets its original weights back before the next model is built)."""
         import torch
 
+        protect_base_weights(model, merged)
         with torch.no_grad():
             for module, delta in merged.items():
                 layer: Any = model.get_submodule(PEFT_PREFIX + module).base_layer

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 USER_ERROR = 2
 
@@ -34,6 +35,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, ModelError, RunError, DeployError)
 
 
+def _final_scores(results: dict[str, Any]) -> str:
+    """The final scores line: accuracy, or for a causal LM ROUGE-L (against round 0, zero-shot)."""
+    final = results["final"]
+    if results["config"]["model"].get("kind") == "causal_lm":
+        zero_shot = results["rounds"][0].get("global_rouge_l") if results["rounds"] else None
+        return (f"final global ROUGE-L {_fmt(final.get('global_rouge_l'))} (zero-shot {_fmt(zero_shot)}), "
+                f"personalised {_fmt(final.get('personalized_rouge_l'))}, perplexity {_fmt(final.get('global_perplexity'))}")
+    return (f"final global accuracy {_fmt(final.get('global_accuracy'))}, personalised "
+            f"{_fmt(final.get('personalized_accuracy'))}")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedlora.app.runner import run
 
@@ -41,11 +53,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                   engine=args.engine)
     final = results["final"]
     out = results["config"]["output"]["dir"]
-    print(
-        f"final global accuracy {_fmt(final.get('global_accuracy'))}, personalised "
-        f"{_fmt(final.get('personalized_accuracy'))}, {final.get('bytes_total', 0) / 1e6:.2f} MB "
-        f"in {results['wall_seconds']:.0f}s"
-    )
+    print(f"{_final_scores(results)}, {final.get('bytes_total', 0) / 1e6:.2f} MB in {results['wall_seconds']:.0f}s")
     print(f"results: {out}/results.json   plot: {out}/accuracy_vs_round.png")
     return 0
 
@@ -141,8 +149,7 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     out = results["config"]["output"]["dir"]
     transport = "gRPC over TLS, SuperNode auth" if deployment["tls"] else "gRPC, INSECURE (no TLS, no auth)"
     print(
-        f"final global accuracy {_fmt(final.get('global_accuracy'))}, personalised "
-        f"{_fmt(final.get('personalized_accuracy'))}, {final.get('bytes_total', 0) / 1e6:.2f} MB "
+        f"{_final_scores(results)}, {final.get('bytes_total', 0) / 1e6:.2f} MB "
         f"in {deployment['timings']['total_seconds']:.0f}s ({deployment['nodes']} SuperNodes, {transport})"
     )
     print(f"results: {out}/results.json   logs: {out}/logs/   all processes stopped")

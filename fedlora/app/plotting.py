@@ -16,19 +16,22 @@ def _pyplot():
 
 
 def plot_accuracy(results: dict[str, Any], path: str | Path):
-    """Global and personalised accuracy per round of one run; returns the figure."""
+    """Global and personalised accuracy per round of one run (a causal LM: ROUGE-L, round 0 being
+    the zero-shot model); returns the figure."""
     plt = _pyplot()
     rounds = results["rounds"]
+    causal = results.get("config", {}).get("model", {}).get("kind") == "causal_lm"
+    metric, prefix = ("ROUGE-L", "rouge_l") if causal else ("accuracy", "accuracy")
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("global_accuracy", "global (held-out test)"), ("personalized_accuracy", "personalised (local test)")):
-        evaluated = [(r["round"], r[key]) for r in rounds if r[key] is not None]  # skip rounds not evaluated
+    for key, label in ((f"global_{prefix}", "global (held-out test)"), (f"personalized_{prefix}", "personalised (local test)")):
+        evaluated = [(r["round"], r[key]) for r in rounds if r.get(key) is not None]  # skip rounds not evaluated
         if evaluated:
             ax.plot(*zip(*evaluated), marker="o", label=label)
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel(metric)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.set_title(f"{results['strategy']}: accuracy vs round")
+    ax.set_title(f"{results['strategy']}: {metric} vs round")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

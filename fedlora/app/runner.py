@@ -79,7 +79,7 @@ def check_inputs(config: ExperimentConfig) -> None:
 
     check_model_available(config.model.path)
     federated = build_federated_data(config.data)
-    check_target_modules(config.model, len(federated.label_names))
+    check_target_modules(config.model, len(federated.label_names), config.train.device)
 
 
 def check_output_folder(out: Path) -> None:

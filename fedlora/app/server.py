@@ -8,8 +8,10 @@ TOML path readable on the server).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,12 @@ from fedlora.lora import A_SUFFIX, Payload
 from fedlora.results import ResultsWriter, RoundRecord
 
 logger = logging.getLogger("fedlora")
+GENERATIONS_FILE = "generations.jsonl"  # causal LMs: sample generations of the global model per evaluation round
 
 
 class GlobalEvaluator:
-    """Server-side models: the seeded initial adapter, module shapes, global-test accuracy."""
+    """Server-side models: the seeded initial adapter, module shapes, global-test accuracy (a
+    causal LM: global-test ROUGE-L, loss and perplexity, and a few sample generations)."""
 
     def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
         from fedlora.models import resolve_device
@@ -44,7 +48,8 @@ class GlobalEvaluator:
     def build(self, rank: int | dict[str, int]):
         from fedlora.models import build_model
 
-        return build_model(self.config.model, self.num_labels, rank, seed=self.config.train.seed, init=self.init)
+        return build_model(self.config.model, self.num_labels, rank, seed=self.config.train.seed, init=self.init,
+                           device=self.config.train.device)
 
     def initial_adapter(self, rank: int) -> Payload:
         """The common starting adapter at ``rank`` (identical on every call and every client)."""
@@ -80,11 +85,45 @@ class GlobalEvaluator:
             )
         return evaluate(self.model_for(payload), self._loader, self.device).accuracy
 
+    def generation(self, payload: Payload) -> Any:
+        """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
+        from fedlora.causal_lm import evaluate_generation, make_causal_loader
+        from fedlora.models import load_tokenizer
 
-def progress_line(record: RoundRecord, rounds: int) -> str:
+        cfg = self.config.train
+        tokenizer = load_tokenizer(self.config.model.path)
+        if self._loader is None:
+            self._loader = make_causal_loader(self.federated.global_test, tokenizer, cfg.eval_batch_size,
+                                              cfg.max_length, shuffle=False)
+        return evaluate_generation(self.model_for(payload), self.federated.global_test, self._loader, tokenizer,
+                                   self.device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
+                                   samples=self.config.output.sample_generations)
+
+    def evaluate_into(self, payload: Payload, record: RoundRecord, out_dir: Path) -> None:
+        """Global-test scores of ``payload`` into ``record``: accuracy, or for a causal LM ROUGE-L,
+        loss and perplexity (and its sample generations appended to ``out_dir/generations.jsonl``)."""
+        if self.config.model.kind != "causal_lm":
+            record.global_accuracy = self.accuracy(payload)
+            return
+        scores = self.generation(payload)
+        record.global_rouge_l, record.global_loss, record.global_perplexity = scores.rouge_l, scores.loss, scores.perplexity
+        if scores.samples:
+            with (out_dir / GENERATIONS_FILE).open("a", encoding="utf-8") as handle:
+                for sample in scores.samples:
+                    handle.write(json.dumps({"round": record.round, **sample}) + "\n")
+
+
+def progress_line(record: RoundRecord, rounds: int, causal: bool = False) -> str:
     def pct(x: float) -> str:
         return "  -  " if math.isnan(x) else f"{x:.3f}"
 
+    if causal:
+        return (
+            f"round {record.round:>3}/{rounds}  global ROUGE-L {pct(record.global_rouge_l)}  "
+            f"ppl {pct(record.global_perplexity)}  personalised ROUGE-L {pct(record.personalized_rouge_l)}  "
+            f"loss {pct(record.train_loss)}  up {record.bytes_up / 1e6:.2f} MB  down {record.bytes_down / 1e6:.2f} MB  "
+            f"clients {record.clients} failures {record.failures}  {record.seconds:.1f}s"
+        )
     return (
         f"round {record.round:>3}/{rounds}  global {pct(record.global_accuracy)}  "
         f"personalised {pct(record.personalized_accuracy)}  received {pct(record.received_accuracy)}  loss {pct(record.train_loss)}  "
@@ -135,16 +174,25 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         record = strategy.finish_round(server_round)
         payload = strategy.global_payload()
         if payload is not None and strategy.evaluates(server_round):
-            record.global_accuracy = evaluator.accuracy(payload)
+            evaluator.evaluate_into(payload, record, out_dir)
         writer.privacy = strategy.privacy_report()
         writer.add(record)
         checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy,
                                partitions=strategy.roster.partitions)
         tracker.round(record)
-        progress.round_done(server_round, progress_line(record, config.train.rounds))
+        progress.round_done(server_round, progress_line(record, config.train.rounds, causal))
         return MetricRecord({"global-accuracy": record.global_accuracy})
 
     tracker = Tracker(config, out_dir, first)
+    causal = config.model.kind == "causal_lm"
+    if causal and first == 1:  # the zero-shot reference: the initial adapter (B = 0) is the base model
+        zero_shot = RoundRecord(round=0)
+        started = time.perf_counter()
+        evaluator.evaluate_into(evaluator.initial_adapter(config.model.lora_rank), zero_shot, out_dir)
+        zero_shot.seconds = time.perf_counter() - started
+        writer.add(zero_shot)
+        tracker.round(zero_shot)
+        logger.info(progress_line(zero_shot, config.train.rounds, causal))
     progress = RoundProgress(config.train.rounds, first)
     ok = False
     try:

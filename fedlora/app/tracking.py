@@ -42,6 +42,15 @@ ROUND_METRICS: dict[str, str] = {
     "received_accuracy": "accuracy/received",
     "validation_accuracy": "accuracy/validation",
     "train_loss": "loss/train",
+    # causal LMs (model.kind = causal_lm); NaN, so absent, for classification
+    "global_rouge_l": "rouge_l/global",
+    "personalized_rouge_l": "rouge_l/personalised",
+    "personalized_rouge_l_unweighted": "rouge_l/personalised_unweighted",
+    "global_loss": "loss/global",
+    "global_perplexity": "perplexity/global",
+    "personalized_loss": "loss/personalised",
+    "personalized_perplexity": "perplexity/personalised",
+    "validation_loss": "loss/validation",
     "bytes_up": "bytes/up",
     "bytes_down": "bytes/down",
     "wire_bytes_up": "bytes/wire_up",
@@ -57,15 +66,17 @@ MLFLOW_RUN_FILE = "mlflow_run.json"
 
 def round_metrics(record: RoundRecord) -> Iterator[tuple[str, float]]:
     """``(name, value)`` for every measured metric of ``record``: the round's metrics, then each
-    client's evaluation accuracy as ``client/<partition>/accuracy``. NaN values are left out."""
+    client's evaluation accuracy (``client/<partition>/accuracy``; causal LMs: ``rouge_l``). NaN
+    values are left out."""
     for field, name in ROUND_METRICS.items():
         value = float(getattr(record, field))
         if math.isfinite(value):
             yield name, value
     for partition, metrics in sorted(record.per_client.items(), key=lambda kv: int(kv[0])):
-        accuracy = float(metrics.get("accuracy", math.nan))
-        if math.isfinite(accuracy):
-            yield f"client/{partition}/accuracy", accuracy
+        for key in ("accuracy", "rouge-l"):
+            value = float(metrics.get(key, math.nan))
+            if math.isfinite(value):
+                yield f"client/{partition}/{key.replace('-', '_')}", value
 
 
 def flat_params(config: ExperimentConfig) -> dict[str, str]:

@@ -24,9 +24,10 @@ from flwr_datasets.partitioner import (
     PathologicalPartitioner,
 )
 
+from fedlora.data.instructions import load_instructions
 from fedlora.data.noise import apply_label_noise
 from fedlora.data.sources import DataError, load_source, split_indices
-from fedlora.schema import DataConfig
+from fedlora.schema import DataConfig, is_instruction_data
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def build_federated_data(cfg: DataConfig) -> FederatedData:
 def _build_cached(config_json: str) -> FederatedData:
     started = time.perf_counter()
     cfg = DataConfig.model_validate_json(config_json)
-    source = load_source(cfg)
+    source = load_instructions(cfg) if is_instruction_data(cfg) else load_source(cfg)
     label_names = list(source.features["label"].names)
     labels = np.asarray(source["label"][:], dtype=np.int64)
     pool_rows, global_test_rows = _hold_out_global_test(labels, cfg)
@@ -267,19 +268,21 @@ def client_data(
 def _noisy_train(
     train: datasets.Dataset, cfg: DataConfig, seed: int
 ) -> tuple[datasets.Dataset, float]:
-    """Replace ``label`` by its noisy version; keep ``clean_label`` and ``is_noisy``."""
+    """Replace ``label`` by its noisy version; keep ``clean_label`` and ``is_noisy`` (and every other
+    column: ``text``, or an instruction's ``prompt`` and ``response``)."""
     label_feature = train.features["label"]
     clean = np.asarray(train["label"][:], dtype=np.int64)
     noisy, flipped = apply_label_noise(
         clean, cfg.label_noise, cfg.noise_rate, label_feature.num_classes, seed
     )
+    others = [name for name in train.column_names if name != "label"]
     features = datasets.Features(
         {
-            "text": datasets.Value("string"),
+            **{name: train.features[name] for name in others},
             "label": label_feature,
             "clean_label": label_feature,
             "is_noisy": datasets.Value("bool"),
         }
     )
-    columns = {"text": train["text"][:], "label": noisy, "clean_label": clean, "is_noisy": flipped}
+    columns = {**{name: train[name][:] for name in others}, "label": noisy, "clean_label": clean, "is_noisy": flipped}
     return datasets.Dataset.from_dict(columns, features=features), float(flipped.mean())

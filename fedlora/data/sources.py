@@ -61,6 +61,11 @@ def load_source(cfg: DataConfig) -> datasets.Dataset:
         dataset = _to_text_label(read_local(Path(cfg.source)), cfg, cfg.source)
     else:
         dataset = _to_text_label(_read_hub(cfg.source), cfg, cfg.source)
+    return subsample(dataset, cfg)
+
+
+def subsample(dataset: datasets.Dataset, cfg: DataConfig) -> datasets.Dataset:
+    """The stratified subsample of ``cfg.max_examples`` rows (seeded by ``cfg.seed``; 0 = all)."""
     if 0 < cfg.max_examples < len(dataset):
         n_dropped = len(dataset) - cfg.max_examples
         keep, _ = split_indices(np.asarray(dataset["label"][:]), n_dropped, cfg.seed)

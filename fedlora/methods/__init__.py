@@ -71,6 +71,7 @@ def validate(config: ExperimentConfig) -> None:
         setattr(config.strategy, key, value)
     _check_rank_policy(declared, config)
     _check_privacy(declared, config)
+    _check_causal_lm(declared, config)
     if declared.check is not None:
         declared.check(config, options)
 
@@ -81,6 +82,13 @@ def _check_privacy(declared: Method, config: ExperimentConfig) -> None:
         usable = ", ".join(n for n in method_names() if method(n).capabilities.dp_compatible)
         raise ConfigError(f"privacy.dp = true is not supported by strategy '{declared.name}' (its client step is "
                           f"not DP-SGD compatible); use one of {usable}, or set privacy.dp = false")
+
+
+def _check_causal_lm(declared: Method, config: ExperimentConfig) -> None:
+    """``model.kind = 'causal_lm'`` with a method that has no meaning for generation."""
+    if config.model.kind == "causal_lm" and declared.capabilities.causal_lm:
+        raise ConfigError(f"strategy '{declared.name}' does not run with model.kind = 'causal_lm': "
+                          f"{declared.capabilities.causal_lm}; use another strategy or model.kind = 'classification'")
 
 
 def _check_rank_policy(declared: Method, config: ExperimentConfig) -> None:

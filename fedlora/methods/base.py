@@ -37,6 +37,7 @@ class Capabilities:
     partial_participation: bool = True
     dp_compatible: bool = True  # its client step runs under Opacus DP-SGD
     paper: str = ""
+    causal_lm: str = ""  # why the method refuses model.kind = 'causal_lm' ('' = it runs on causal LMs)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,15 @@ l never leaves the client.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
+from fedlora.errors import ConfigError
 from fedlora.methods.base import Capabilities, Method, MethodOptions
+
+if TYPE_CHECKING:
+    from fedlora.schema import ExperimentConfig
 
 
 class FedDPAOptions(MethodOptions):
@@ -37,9 +43,18 @@ class FedDPAOptions(MethodOptions):
         return self.global_rank or lora_rank
 
 
+def check(experiment: ExperimentConfig, options: FedDPAOptions) -> None:
+    """The instance-wise weighting wraps the classifier's forward; a causal LM generates through
+    ``generate``, which the wrapper does not provide."""
+    if options.instance_weighting and experiment.model.kind == "causal_lm":
+        raise ConfigError("strategy.instance_weighting = true is for classification (it wraps the classifier's "
+                          "forward, not generate); set strategy.instance_weighting = false with model.kind = 'causal_lm'")
+
+
 METHOD = Method(
     name="feddpa",
     options=FedDPAOptions,
+    check=check,
     capabilities=Capabilities(
         personalized=True,
         uploads="global LoRA g (A, B), head",

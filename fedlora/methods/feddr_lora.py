@@ -154,5 +154,7 @@ METHOD = Method(
         mixed_ranks=False,
         dp_compatible=False,
         paper="FedDR-LoRA, 2026 (abstract; github.com/FangXiuwen/FedDR-LoRA announced, empty)",
+        causal_lm="its clean / noisy split and negative learning act on noisy class labels, which "
+        "instruction tuning does not have",
     ),
 )
