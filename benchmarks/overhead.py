@@ -8,7 +8,9 @@ Two arms run the same local training, each in a fresh process per run:
     server averages the uploads with :func:`fedlora.lora.weighted_average` (FedAvg = FedIT).
     (This script with ``--plain-once FILE``.)
 (b) **fedlora**: ``fedlora run`` on Flower's simulation engine (Ray backend; ``--engine inprocess``
-    for the same apps without Ray), strategy ``fedit``, the same config.
+    for the same apps without Ray), strategy ``fedit``, the same config. Ray normally starts its
+    workers 15 nice levels below itself; the benchmark sets ``RAY_worker_niceness=0`` (unless the
+    environment sets it) so that on a loaded machine both arms train at the same priority.
 
 Same model, data, partitions, seeds, local steps, threads (each simulated client gets every core
 via ``federation.num_cpus``, so clients train one at a time in both). Evaluation is excluded from
@@ -134,8 +136,11 @@ def fedlora_run(config_path: Path, overrides: list[str], out: Path, engine: str)
     command = [sys.executable, "-m", "fedlora.app.cli", "run", str(config_path), "--out", str(out), "--engine", engine]
     for override in overrides:
         command += ["--set", override]
+    # Ray starts its workers 15 nice levels below the raylet (its worker_niceness): on a busy machine
+    # the clients would then train at a lower priority than the plain arm. Same priority for both.
+    env = os.environ | {"RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
     started = time.perf_counter()
-    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"fedlora run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
