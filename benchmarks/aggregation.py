@@ -18,7 +18,8 @@ per arm, and the JSON record (``benchmarks/results/aggregation.json`` by default
 machine. The last line is ``factor_seconds=<median> dense_seconds=<median> speedup=<ratio of the
 medians> spread=<max/min of the per-pair speedups>``.
 
-    python benchmarks/aggregation.py                # 7B shape (~4 minutes on 2 idle cores)
+    python benchmarks/aggregation.py                # 7B shape: 6 runs per arm; the dense SVD of one module
+                                                    # took 27 s on 2 idle cores (docs/results/baselines.md)
     python benchmarks/aggregation.py --quick        # 8 modules of 512 x 512, 5 clients of rank 8 (seconds)
 """
 
