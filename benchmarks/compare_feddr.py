@@ -1,4 +1,8 @@
-"""FedDR-LoRA vs fedit / ffa_lora / fedsa_lora under label noise: the README table.
+"""FedDR-LoRA vs fedit / ffa_lora / fedsa_lora under label noise (the vintage table of its results page).
+
+Superseded by ``benchmarks/fidelity.py --scenario feddr_lora`` (the method in the scenario it was
+written for, against its paper's baselines and the centralised reference). Kept because the
+vintage tables of docs/results/feddr_lora.md were measured with it and name this command.
 
 For every noise setting (symmetric / pair-flip at 20, 40, 60 %) this runs ``fedlora compare``
 (:func:`fedlora.app.compare.compare`, in process) on ``configs/feddr_lora.toml`` into

@@ -1,14 +1,16 @@
 """What does fedlora (Flower + Ray + serialisation) cost on top of a plain PyTorch FedAvg loop?
 
-Runs the same local training twice, under the shared CPU lock
-(``flock /tmp/fedlora-cpu.lock python benchmarks/overhead.py``):
+Two arms run the same local training, each in a fresh process per run:
 
 (a) **plain**: one process, a Python loop over clients. Each round every client loads the global
     adapter into a model, trains with :func:`fedlora.training.train` on a
     :func:`fedlora.training.make_loader` loader (tokenised once, as fedlora's clients do), and the
     server averages the uploads with :func:`fedlora.lora.weighted_average` (FedAvg = FedIT).
-(b) **fedlora**: ``fedlora run`` on Flower's simulation engine (Ray backend), strategy ``fedit``,
-    the same config, in a subprocess.
+    (This script with ``--plain-once FILE``.)
+(b) **fedlora**: ``fedlora run`` on Flower's simulation engine (Ray backend; ``--engine inprocess``
+    for the same apps without Ray), strategy ``fedit``, the same config. Ray normally starts its
+    workers 15 nice levels below itself; the benchmark sets ``RAY_worker_niceness=0`` (unless the
+    environment sets it) so that on a loaded machine both arms train at the same priority.
 
 Same model, data, partitions, seeds, local steps, threads (each simulated client gets every core
 via ``federation.num_cpus``, so clients train one at a time in both). Evaluation is excluded from
@@ -17,14 +19,23 @@ test evaluation runs only after the last round (``evaluate_every = rounds``), ou
 rounds (a round's ``seconds`` in results.json stop before the server's global evaluation).
 Tokeniser threads are off on both sides (``TOKENIZERS_PARALLELISM=false``, as fedlora sets it).
 
-Timed: the federated rounds. One-off costs (Ray start, actor start-up with its imports, the
-query round, data building) are reported separately. Steady state = rounds 2..R (round 1 also
-loads the backbone and tokenises every client's split, on both sides). The machine is shared, so a
-steady-state side is its *median* round time x (R - 1): one round slowed by a neighbour's job does
-not decide the ratio (the raw round times are printed too). The last line is
-``plain_seconds=<x> fedlora_seconds=<y> ratio=<y/x>`` for the steady-state rounds. Each side's
-rounds are also split into the clients' training loops (``train-seconds``) and the rest, so the
-overhead is visible even when the training loops themselves are slowed by other load.
+Timed: the federated rounds. Steady state = rounds 2..R (round 1 also loads the backbone and
+tokenises every client's split, on both sides); a run's ``steady_seconds`` is its median round
+time x (R - 1), so one round slowed by a neighbour does not decide it. Each run also reports the
+clients' training loops (``steady_train_seconds``, from ``train-seconds``) and the rest of the
+round (``steady_rest_seconds``: messaging, model rebuilds, aggregation), so the overhead shows
+even when the training loops themselves are slowed by other load; ``one_off_seconds`` is the
+process wall time outside the rounds (imports, Ray start, query round, data, final evaluation).
+
+The arms run through :mod:`harness` (benchmarks/harness.py): one warm-up run of each, then plain
+fedlora plain fedlora ... ``--repeat`` times (default 5); min / median / max per arm, and a JSON
+record (``benchmarks/results/overhead.json`` by default) with every run and the machine. The last
+line is ``plain_seconds=<median> fedlora_seconds=<median> ratio=<ratio of the medians>
+spread=<max/min of the per-pair ratios>`` on the steady-state rounds.
+
+    python benchmarks/overhead.py --repeat 5     # MiniLM, 4 clients, 5 rounds: 6 runs per arm; one fedlora run
+                                                 # took 61 s on 2 idle cores (docs/results/overhead.md)
+    python benchmarks/overhead.py --quick        # tiny BERT, in-process engine, 1 run each: a smoke test (~30 s)
 """
 
 from __future__ import annotations
@@ -37,9 +48,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]  # the repository, then benchmarks/ (for harness)
+
+import harness
+
+# the scale options, forwarded to every plain run
+SCALE = ("config", "model", "rank", "clients", "rounds", "steps", "batch_size", "max_length", "max_examples",
+         "global_test")
+QUICK = {"model": "tiny-bert", "clients": 2, "rounds": 2, "steps": 2, "batch_size": 8, "max_length": 16,
+         "max_examples": 200, "global_test": 50}
 
 
 def benchmark_overrides(args: argparse.Namespace) -> list[str]:
@@ -110,13 +132,16 @@ def plain_fedavg(config) -> dict[str, object]:
     return {"round_seconds": round_seconds, "train_seconds": train_seconds, "global_accuracy": accuracy}
 
 
-def fedlora_run(config_path: Path, overrides: list[str], out: Path) -> dict[str, object]:
-    """(b): ``fedlora run`` on Flower's simulation engine, in a fresh process."""
-    command = [sys.executable, "-m", "fedlora.app.cli", "run", str(config_path), "--out", str(out)]
+def fedlora_run(config_path: Path, overrides: list[str], out: Path, engine: str) -> dict[str, object]:
+    """(b): ``fedlora run`` on Flower's simulation engine (or the in-process one), in a fresh process."""
+    command = [sys.executable, "-m", "fedlora.app.cli", "run", str(config_path), "--out", str(out), "--engine", engine]
     for override in overrides:
         command += ["--set", override]
+    # Ray starts its workers 15 nice levels below the raylet (its worker_niceness): on a busy machine
+    # the clients would then train at a lower priority than the plain arm. Same priority for both.
+    env = os.environ | {"RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
     started = time.perf_counter()
-    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"fedlora run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -129,7 +154,57 @@ def fedlora_run(config_path: Path, overrides: list[str], out: Path) -> dict[str,
     }
 
 
-def main() -> None:
+def plain_run(args: argparse.Namespace, out: Path) -> dict[str, object]:
+    """(a) in a fresh process (this script with ``--plain-once``), like (b): no state carried over."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--plain-once", str(out)]
+    for name in SCALE:
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    started = time.perf_counter()
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"plain run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text()) | {"wall": wall}
+
+
+def steady(values: Sequence[float]) -> float:
+    """Median of rounds 2..R times (R - 1): the steady-state total, robust to one slow round."""
+    later = list(values[1:]) or list(values)
+    return statistics.median(later) * max(1, len(values) - 1)
+
+
+def figures(side: dict[str, object]) -> dict[str, float]:
+    """One run's figures from its per-round times (see the module docstring for each name)."""
+    rounds = [float(s) for s in side["round_seconds"]]  # type: ignore[attr-defined]
+    trained = [float(s) for s in side["train_seconds"]]  # type: ignore[attr-defined]
+    rest = [r - t for r, t in zip(rounds, trained, strict=True)]
+    wall = float(side["wall"])  # type: ignore[arg-type]
+    return {
+        "steady_seconds": steady(rounds),
+        "steady_train_seconds": steady(trained),
+        "steady_rest_seconds": steady(rest),
+        "first_round_seconds": rounds[0],
+        "rounds_seconds": sum(rounds),
+        "one_off_seconds": wall - sum(rounds),
+        "wall_seconds": wall,
+        "global_accuracy": float(side["global_accuracy"]),  # type: ignore[arg-type]
+    }
+
+
+def arms(args: argparse.Namespace, overrides: list[str], tmp: Path) -> dict[str, harness.Arm]:
+    """The two arms, each a fresh process per run, writing under ``tmp`` (removed afterwards)."""
+    runs = iter(range(1_000_000))
+
+    def plain() -> dict[str, float]:
+        return figures(plain_run(args, tmp / f"plain-{next(runs)}.json"))
+
+    def fedlora() -> dict[str, float]:
+        return figures(fedlora_run(Path(args.config), overrides, tmp / f"fedlora-{next(runs)}", args.engine))
+
+    return {"plain": plain, "fedlora": fedlora}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs/smoke.toml"), help="base config (data source)")
     parser.add_argument("--model", default="minilm")
@@ -141,38 +216,55 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--max-examples", type=int, default=2000)
     parser.add_argument("--global-test", type=int, default=200)
-    args = parser.parse_args()
+    parser.add_argument("--engine", choices=("ray", "inprocess"), default=None,
+                        help="fedlora's engine (default ray; --quick: inprocess)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: tiny BERT, 2 clients x 2 rounds x 2 steps, in-process engine, "
+                        "no warm-up, 1 run per arm (checks the plumbing, measures nothing)")
+    parser.add_argument("--plain-once", type=Path, default=None, metavar="FILE",
+                        help="internal: run the plain loop once and write its round times to FILE")
+    harness.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    args.engine = args.engine or ("inprocess" if args.quick else "ray")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from fedlora.config import load_config
 
     overrides = benchmark_overrides(args)
     config = load_config(args.config, overrides)
+    if args.plain_once is not None:
+        args.plain_once.write_text(json.dumps(plain_fedavg(config)))
+        return 0
+    harness.settle(args, "overhead", quick=args.quick, repeat=1 if args.quick else harness.DEFAULT_REPEAT,
+                   warmup=0 if args.quick else harness.DEFAULT_WARMUP)
+    env = harness.environment(args.note)
     print(f"scale: model {args.model} rank {args.rank}, {args.clients} clients, {args.rounds} rounds x "
           f"{args.steps} steps of {args.batch_size} x {args.max_length} tokens, "
-          f"{config.federation.num_cpus:g} CPU threads per client", flush=True)
+          f"{config.federation.num_cpus:g} CPU threads per client; fedlora engine {args.engine}; "
+          f"{args.warmup} warm-up + {args.repeat} interleaved runs per arm", flush=True)
 
-    plain = plain_fedavg(config)
     with tempfile.TemporaryDirectory(prefix="fedlora-overhead-") as tmp:
-        fed = fedlora_run(Path(args.config), overrides, Path(tmp))
-
-    plain_rounds, fed_rounds = plain["round_seconds"], fed["round_seconds"]
-    for name, side in (("plain  ", plain), ("fedlora", fed)):
-        rest = [r - t for r, t in zip(side["round_seconds"], side["train_seconds"], strict=True)]
-        print(f"{name} round seconds: " + " ".join(f"{s:.2f}" for s in side["round_seconds"])
-              + "   of which clients' training loops: " + " ".join(f"{s:.2f}" for s in side["train_seconds"])
-              + "   rest: " + " ".join(f"{s:.2f}" for s in rest))
-    one_off = fed["wall"] - sum(fed_rounds)
-    print(f"fedlora one-off (process + Ray start, actor start-up, query round, data, final evaluation and "
-          f"writing): {one_off:.1f}s of {fed['wall']:.1f}s wall")
-    print(f"all rounds (sum): plain {sum(plain_rounds):.2f}s, fedlora {sum(fed_rounds):.2f}s, "
-          f"ratio {sum(fed_rounds) / sum(plain_rounds):.3f}")
-    print(f"final global accuracy: plain {plain['global_accuracy']:.4f}, fedlora {fed['global_accuracy']:.4f}")
-    steady = max(1, len(plain_rounds) - 1)
-    steady_plain = statistics.median(plain_rounds[1:] or plain_rounds) * steady
-    steady_fed = statistics.median(fed_rounds[1:] or fed_rounds) * steady
-    print(f"plain_seconds={steady_plain:.3f} fedlora_seconds={steady_fed:.3f} ratio={steady_fed / steady_plain:.3f}")
+        measured = harness.run_interleaved(arms(args, overrides, Path(tmp)), repeat=args.repeat, warmup=args.warmup)
+    comparison = harness.compare(measured, "fedlora", "plain", "steady_seconds")
+    all_rounds = harness.compare(measured, "fedlora", "plain", "rounds_seconds")
+    print(harness.report(measured, comparison))
+    print(f"all rounds (sum): ratio of medians {all_rounds.ratio:.3f}, spread {all_rounds.spread:.3f}; the "
+          "accuracies differ because the sides draw different LoRA inits and batch orders (a sanity check only)")
+    last = (f"plain_seconds={comparison.denominator_median:.3f} fedlora_seconds={comparison.numerator_median:.3f} "
+            f"ratio={comparison.ratio:.3f} spread={comparison.spread:.3f}")
+    extra = {"all_rounds": all_rounds, "goal": "ratio <= 1.15 on the median steady-state rounds"}
+    path = harness.write_record(args.out, harness.record("overhead", args, measured, comparison, last, extra, env))
+    print(f"record: {path}")
+    print(last)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

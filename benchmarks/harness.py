@@ -1,0 +1,325 @@
+"""One harness for every benchmark in ``benchmarks/``: repeated, interleaved arms, robust summaries.
+
+One run of each side is not a measurement on a shared machine: a neighbour's job, a frequency
+change or a cold page cache moves a single figure by 20-40 %. So a benchmark here is a set of
+*arms* (callables that run one side once and return named figures, e.g. ``{"seconds": 3.1}``),
+and the harness
+
+1. runs every arm ``warmup`` times (default 1; discarded: first calls pay one-off costs such as
+   LAPACK set-up, page-cache fills or lazy imports),
+2. then runs the arms **interleaved**, A B A B ... ``repeat`` times (default 5), so slow drift of
+   the machine hits every arm alike, and pair ``i`` (the i-th run of each arm) was taken at
+   nearly the same time,
+3. reports min / median / max of every figure per arm, the ratio of the two arms' medians, and
+   the *spread*: max / min of the per-pair ratios (1.0 = every pair agreed; 1.3 = the machine
+   moved the ratio by 30 % between pairs, so the median is the figure to quote),
+4. writes a JSON record (:func:`write_record`) beside the printed line: the environment
+   (:func:`environment`: CPU model and count, GPU, versions, git commit, command line, load
+   average, time), the arguments, every raw measurement (warm-up included) and the summary, so a
+   README figure can cite its file.
+
+A benchmark script uses :func:`add_arguments` (``--repeat``, ``--warmup``, ``--out``, ``--note``),
+:func:`run_interleaved`, :func:`compare`, :func:`report` and :func:`write_record`; its last printed
+line stays ``key=value ...`` with the medians and ``spread=``. Only the standard library and numpy
+are needed (torch is imported only to name a GPU, if it is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"  # committed records the docs cite
+QUICK_RESULTS = ROOT / "runs" / "benchmarks"  # smoke-test records (runs/ is git-ignored)
+DEFAULT_REPEAT = 5
+DEFAULT_WARMUP = 1
+VERSIONED = ("numpy", "scipy", "torch", "flwr", "transformers", "peft", "ray")
+
+Figures = dict[str, float]
+Arm = Callable[[], Mapping[str, float]]
+Log = Callable[[str], None]
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+@dataclass
+class Measurements:
+    """Every figure every arm returned: ``samples[arm][i]`` is the arm's i-th timed run (pair i),
+    ``warmup[arm]`` its discarded warm-up runs, ``order`` the run sequence as (arm, index), the
+    warm-up runs indexed -warmup .. -1 and the timed ones 0 .. repeat - 1."""
+
+    arms: list[str]
+    samples: dict[str, list[Figures]] = field(default_factory=dict)
+    warmup: dict[str, list[Figures]] = field(default_factory=dict)
+    order: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _call(arm: Arm, name: str) -> Figures:
+    """One run of an arm, its figures checked to be real numbers."""
+    figures = {key: float(value) for key, value in arm().items()}
+    if not figures:
+        raise ValueError(f"arm {name!r} returned no figures")
+    return figures
+
+
+def run_interleaved(arms: Mapping[str, Arm], repeat: int = DEFAULT_REPEAT, warmup: int = DEFAULT_WARMUP,
+                    log: Log | None = _print) -> Measurements:
+    """Run ``warmup`` rounds of every arm (discarded), then ``repeat`` rounds A B A B ...
+
+    Arms run in the mapping's order within each round. ``log`` (default: print) gets one line per
+    run, so a long benchmark shows progress; ``None`` silences it.
+    """
+    if repeat < 1 or warmup < 0:
+        raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
+    if not arms:
+        raise ValueError("no arms to run")
+    measured = Measurements(arms=list(arms))
+    for name in arms:
+        measured.samples[name], measured.warmup[name] = [], []
+    total = (warmup + repeat) * len(arms)
+    for round_index in range(-warmup, repeat):
+        for name, arm in arms.items():
+            figures = _call(arm, name)
+            kept = measured.warmup[name] if round_index < 0 else measured.samples[name]
+            kept.append(figures)
+            measured.order.append((name, round_index))
+            if log is not None:
+                label = f"warm-up {warmup + round_index + 1}/{warmup}" if round_index < 0 else f"run {round_index + 1}/{repeat}"
+                shown = " ".join(f"{key}={value:.4g}" for key, value in figures.items())
+                log(f"[{len(measured.order)}/{total}] {name} {label}: {shown}")
+    return measured
+
+
+@dataclass(frozen=True)
+class Stats:
+    """min / median / max of one figure over an arm's timed runs."""
+
+    min: float
+    median: float
+    max: float
+    n: int
+
+
+def describe(samples: Sequence[Mapping[str, float]]) -> dict[str, Stats]:
+    """Per figure, min / median / max over the samples (every sample must name the same figures)."""
+    if not samples:
+        raise ValueError("no samples to describe")
+    keys = list(samples[0])
+    for sample in samples[1:]:
+        if set(sample) != set(keys):
+            raise ValueError(f"samples name different figures: {sorted(keys)} vs {sorted(sample)}")
+    out = {}
+    for key in keys:
+        values = [float(sample[key]) for sample in samples]
+        out[key] = Stats(min(values), statistics.median(values), max(values), len(values))
+    return out
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``numerator`` / ``denominator`` on one figure: the ratio of the medians, the ratio of each
+    pair (same index, run side by side) and their spread, max / min of the pair ratios."""
+
+    figure: str
+    numerator: str
+    denominator: str
+    numerator_median: float
+    denominator_median: float
+    ratio: float
+    pair_ratios: list[float]
+    spread: float
+
+
+def compare(measured: Measurements, numerator: str, denominator: str, figure: str) -> Comparison:
+    """Ratio of medians of ``figure`` (numerator arm over denominator arm) and the pairs' spread."""
+    top = [sample[figure] for sample in measured.samples[numerator]]
+    bottom = [sample[figure] for sample in measured.samples[denominator]]
+    pairs = [t / b if b else float("nan") for t, b in zip(top, bottom, strict=True)]
+    top_median, bottom_median = statistics.median(top), statistics.median(bottom)
+    ratio = top_median / bottom_median if bottom_median else float("nan")
+    low = min(pairs)
+    spread = max(pairs) / low if low > 0 else float("nan")
+    return Comparison(figure, numerator, denominator, top_median, bottom_median, ratio, pairs, spread)
+
+
+def report(measured: Measurements, comparison: Comparison | None = None, digits: int = 3) -> str:
+    """A plain-text table: per arm and figure, min / median / max; then the ratio and spread."""
+    rows = [(arm, key, stats) for arm in measured.arms for key, stats in describe(measured.samples[arm]).items()]
+    arm_width = max(len(arm) for arm, _, _ in rows)
+    key_width = max(len(key) for _, key, _ in rows)
+    n = len(measured.samples[measured.arms[0]])
+    lines = [f"{'arm':<{arm_width}}  {'figure':<{key_width}}  {'min':>10} {'median':>10} {'max':>10}   (n={n} each)"]
+    for arm, key, stats in rows:
+        lines.append(f"{arm:<{arm_width}}  {key:<{key_width}}  {stats.min:>10.{digits}f} "
+                     f"{stats.median:>10.{digits}f} {stats.max:>10.{digits}f}")
+    if comparison is not None:
+        c = comparison
+        lines.append(f"{c.numerator} / {c.denominator} on {c.figure}: ratio of medians {c.ratio:.{digits}f}; "
+                     f"per pair " + " ".join(f"{r:.{digits}f}" for r in c.pair_ratios)
+                     + f"; spread (max/min of the pairs) {c.spread:.{digits}f}")
+    return "\n".join(lines)
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what :mod:`platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_name() -> str | None:
+    """The first CUDA device's name, if torch is installed and sees one (None otherwise)."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    except (ImportError, OSError, RuntimeError, AssertionError):  # a broken CUDA set-up must not stop a CPU run
+        return None
+
+
+def _versions() -> dict[str, str | None]:
+    """Installed versions (from package metadata, nothing imported) of what the figures depend on."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def environment(note: str = "") -> dict[str, Any]:
+    """What the figures were measured on and with: CPU, GPU, versions, commit, command, load, time.
+
+    ``load_average`` (1, 5, 15 min) tells a busy machine from an idle one; ``note`` is the
+    user's own words (e.g. "another benchmark on both cores").
+    """
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    try:
+        affinity: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": affinity,
+        "gpu": _gpu_name(),
+        "platform": platform.platform(),
+        "versions": _versions(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "note": note,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark shares: ``--repeat``, ``--warmup``, ``--out``, ``--note``.
+
+    ``--repeat`` / ``--warmup`` default to None so a script's ``--quick`` can pick smaller values
+    unless the user gave them (:func:`settle`).
+    """
+    group = parser.add_argument_group("harness")
+    group.add_argument("--repeat", type=int, default=None,
+                       help=f"timed runs of each arm, interleaved A B A B ... (default {DEFAULT_REPEAT})")
+    group.add_argument("--warmup", type=int, default=None,
+                       help=f"discarded runs of each arm before timing (default {DEFAULT_WARMUP})")
+    group.add_argument("--out", type=Path, default=None,
+                       help="JSON record path (default benchmarks/results/<name>.json; "
+                       "with --quick runs/benchmarks/<name>-quick.json)")
+    group.add_argument("--note", default="", help="free text stored in the record (e.g. 'machine busy')")
+
+
+def settle(args: argparse.Namespace, name: str, quick: bool = False, repeat: int = DEFAULT_REPEAT,
+           warmup: int = DEFAULT_WARMUP) -> None:
+    """Fill in ``args.repeat`` / ``args.warmup`` / ``args.out`` where the user left them unset."""
+    args.repeat = repeat if args.repeat is None else args.repeat
+    args.warmup = warmup if args.warmup is None else args.warmup
+    if args.repeat < 1 or args.warmup < 0:
+        raise SystemExit(f"error: need --repeat >= 1 and --warmup >= 0, got {args.repeat} and {args.warmup}")
+    if args.out is None:
+        args.out = QUICK_RESULTS / f"{name}-quick.json" if quick else RESULTS / f"{name}.json"
+
+
+def _jsonable(value: Any) -> Any:
+    """Paths as strings (relative to the repository when inside it), dataclasses as dicts,
+    containers walked."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(asdict(value))
+    if isinstance(value, Path):
+        return str(value.relative_to(ROOT)) if value.is_absolute() and value.is_relative_to(ROOT) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def record(name: str, args: argparse.Namespace | Mapping[str, Any], measured: Measurements,
+           comparison: Comparison | None, last_line: str, extra: Mapping[str, Any] | None = None,
+           env: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON-ready record of one benchmark run: environment, arguments, raw runs and summary.
+
+    Pass ``env`` as taken before the runs (:func:`environment`), so its load average is the one
+    at the start; ``load_average_end`` is read here, at the end.
+    """
+    arguments = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    data: dict[str, Any] = _jsonable({
+        "benchmark": name,
+        "last_line": last_line,
+        "environment": dict(env) if env is not None else environment(str(arguments.get("note", ""))),
+        "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "arguments": arguments,
+        "repeat": len(measured.samples[measured.arms[0]]),
+        "warmup": len(measured.warmup[measured.arms[0]]),
+        "order": [list(step) for step in measured.order],
+        "samples": measured.samples,
+        "warmup_samples": measured.warmup,
+        "summary": {arm: {key: asdict(stats) for key, stats in describe(measured.samples[arm]).items()}
+                    for arm in measured.arms},
+        "comparison": asdict(comparison) if comparison is not None else None,
+        "extra": dict(extra or {}),
+    })
+    return data
+
+
+def write_record(path: Path, data: Mapping[str, Any]) -> Path:
+    """Write ``data`` as indented JSON to ``path`` (folders created; written whole, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,182 @@
+"""benchmarks/harness.py: interleaving, min / median / max, ratio of medians, spread, the JSON record.
+
+Fake arms return known numbers (nothing is trained); one test runs the ported aggregation
+benchmark at a tiny shape (numpy only, a second or two) and checks its last line against its own
+record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str) -> ModuleType:
+    """A benchmarks/ script as a module (by path: site-packages may hold an unrelated `benchmarks`)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    module_name = "harness" if name == "harness" else f"fedlora_benchmark_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = load("harness")
+
+
+def scripted(name: str, values: list[float], calls: list[str]) -> harness.Arm:
+    """An arm that returns the next of ``values`` as ``seconds`` (and twice it as ``double``)."""
+    queue = iter(values)
+
+    def arm() -> dict[str, float]:
+        calls.append(name)
+        value = next(queue)
+        return {"seconds": value, "double": 2 * value}
+
+    return arm
+
+
+# warm-up values first (100 / 200: must be discarded), then the five timed runs
+BASE = [100.0, 2.0, 4.0, 1.0, 3.0, 5.0]  # timed median 3
+CAND = [200.0, 3.0, 4.0, 2.0, 6.0, 5.0]  # timed median 4; pairs 1.5 1.0 2.0 2.0 1.0
+
+
+def measured_pair(log: list[str] | None = None) -> tuple[harness.Measurements, list[str]]:
+    calls: list[str] = []
+    arms = {"base": scripted("base", BASE, calls), "cand": scripted("cand", CAND, calls)}
+    measured = harness.run_interleaved(arms, repeat=5, warmup=1, log=None if log is None else log.append)
+    return measured, calls
+
+
+def test_arms_run_interleaved_after_warmup() -> None:
+    lines: list[str] = []
+    measured, calls = measured_pair(lines)
+    assert calls == ["base", "cand"] * 6
+    assert measured.order == [("base", -1), ("cand", -1)] + [(arm, i) for i in range(5) for arm in ("base", "cand")]
+    assert [s["seconds"] for s in measured.warmup["base"]] == [100.0]
+    assert [s["seconds"] for s in measured.samples["base"]] == BASE[1:]
+    assert [s["seconds"] for s in measured.samples["cand"]] == CAND[1:]
+    assert len(lines) == 12 and lines[0].startswith("[1/12] base warm-up 1/1") and "cand run 5/5" in lines[-1]
+
+
+def test_describe_gives_min_median_max_per_figure() -> None:
+    measured, _ = measured_pair()
+    stats = harness.describe(measured.samples["base"])
+    assert stats["seconds"] == harness.Stats(min=1.0, median=3.0, max=5.0, n=5)
+    assert stats["double"] == harness.Stats(min=2.0, median=6.0, max=10.0, n=5)
+    even = harness.describe([{"x": 4.0}, {"x": 1.0}, {"x": 2.0}, {"x": 10.0}])
+    assert even["x"] == harness.Stats(1.0, 3.0, 10.0, 4)  # even count: mean of the middle two
+
+
+def test_ratio_of_medians_and_spread_of_pairs() -> None:
+    measured, _ = measured_pair()
+    c = harness.compare(measured, "cand", "base", "seconds")
+    assert c.numerator_median == 4.0 and c.denominator_median == 3.0
+    assert c.ratio == pytest.approx(4.0 / 3.0)  # ratio of medians, not the median ratio (1.5)
+    assert c.pair_ratios == pytest.approx([1.5, 1.0, 2.0, 2.0, 1.0])
+    assert c.spread == pytest.approx(2.0)
+    flat = harness.compare(measured, "base", "base", "double")
+    assert flat.ratio == 1.0 and flat.spread == 1.0
+
+
+def test_report_lists_every_arm_and_the_comparison() -> None:
+    measured, _ = measured_pair()
+    text = harness.report(measured, harness.compare(measured, "cand", "base", "seconds"))
+    assert "base  seconds       1.000      3.000      5.000" in text
+    assert "cand  seconds       2.000      4.000      6.000" in text
+    assert "ratio of medians 1.333" in text and "per pair 1.500 1.000 2.000 2.000 1.000" in text
+    assert text.endswith("spread (max/min of the pairs) 2.000")
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="repeat"):
+        harness.run_interleaved({"a": lambda: {"s": 1.0}}, repeat=0)
+    with pytest.raises(ValueError, match="no figures"):
+        harness.run_interleaved({"a": dict}, repeat=1, warmup=0, log=None)
+    with pytest.raises(ValueError, match="different figures"):
+        harness.describe([{"a": 1.0}, {"b": 1.0}])
+
+
+def test_arguments_and_default_paths() -> None:
+    parser = argparse.ArgumentParser()
+    harness.add_arguments(parser)
+    args = parser.parse_args([])
+    harness.settle(args, "demo")
+    assert (args.repeat, args.warmup) == (5, 1)
+    assert args.out == harness.ROOT / "benchmarks" / "results" / "demo.json"
+    quick = parser.parse_args(["--repeat", "3"])
+    harness.settle(quick, "demo", quick=True, repeat=1, warmup=0)
+    assert (quick.repeat, quick.warmup) == (3, 0)  # the user's --repeat wins over the quick default
+    assert quick.out == harness.ROOT / "runs" / "benchmarks" / "demo-quick.json"
+    with pytest.raises(SystemExit):
+        harness.settle(parser.parse_args(["--repeat", "0"]), "demo")
+
+
+def test_record_holds_environment_raw_runs_and_summary(tmp_path: Path) -> None:
+    measured, _ = measured_pair()
+    comparison = harness.compare(measured, "cand", "base", "seconds")
+    args = argparse.Namespace(repeat=5, warmup=1, out=harness.ROOT / "runs" / "x.json", note="busy")
+    env = harness.environment(args.note)
+    data = harness.record("demo", args, measured, comparison, "a=1 spread=2.000", {"k": 7}, env)
+    path = harness.write_record(tmp_path / "deep" / "demo.json", data)
+    back = json.loads(path.read_text())
+    assert back["benchmark"] == "demo" and back["last_line"] == "a=1 spread=2.000"
+    assert back["repeat"] == 5 and back["warmup"] == 1 and back["extra"] == {"k": 7}
+    assert back["arguments"]["out"] == "runs/x.json"  # paths inside the repository are stored relative
+    assert back["samples"]["cand"] == [{"seconds": v, "double": 2 * v} for v in CAND[1:]]
+    assert back["warmup_samples"]["base"] == [{"seconds": 100.0, "double": 200.0}]
+    assert back["order"][:3] == [["base", -1], ["cand", -1], ["base", 0]]
+    assert back["summary"]["cand"]["seconds"] == {"min": 2.0, "median": 4.0, "max": 6.0, "n": 5}
+    assert back["comparison"]["spread"] == pytest.approx(2.0)
+    assert back["comparison"]["ratio"] == pytest.approx(4 / 3)
+    e = back["environment"]
+    assert e["cpu_count"] == os.cpu_count() and e["note"] == "busy" and e["cpu_model"]
+    assert e["versions"]["python"] and "numpy" in e["versions"] and "flwr" in e["versions"]
+    assert "gpu" in e and "git_commit" in e and e["timestamp"] and len(e["load_average"]) == 3
+    assert "pytest" in e["command"] or "python" in e["command"]
+
+
+def test_overhead_figures_from_round_times() -> None:
+    overhead = load("overhead")
+    side = {"round_seconds": [10.0, 4.0, 6.0, 5.0], "train_seconds": [9.0, 3.0, 5.5, 4.0],
+            "wall": 40.0, "global_accuracy": 0.5}
+    figures = overhead.figures(side)
+    assert figures["steady_seconds"] == 15.0  # median(4, 6, 5) x 3
+    assert figures["steady_train_seconds"] == 12.0  # median(3, 5.5, 4) x 3
+    assert figures["steady_rest_seconds"] == pytest.approx(3.0)  # median(1, 0.5, 1) x 3
+    assert figures["first_round_seconds"] == 10.0 and figures["rounds_seconds"] == 25.0
+    assert figures["one_off_seconds"] == 15.0 and figures["global_accuracy"] == 0.5
+
+
+def test_aggregation_last_line_matches_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    aggregation = load("aggregation")
+    out = tmp_path / "aggregation.json"
+    shape = ["--modules", "4", "--dim", "256", "--rank", "4", "--clients", "4", "--dense-modules", "1"]
+    assert aggregation.main([*shape, "--repeat", "3", "--warmup", "1", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    values = dict(item.split("=") for item in last.split())
+    assert set(values) == {"factor_seconds", "dense_seconds", "speedup", "spread"}
+    back = json.loads(out.read_text())
+    assert back["last_line"] == last and back["repeat"] == 3 and back["warmup"] == 1
+    factor = [s["seconds"] for s in back["samples"]["factor"]]
+    dense = [s["seconds"] for s in back["samples"]["dense"]]
+    assert float(values["factor_seconds"]) == pytest.approx(statistics.median(factor), abs=5e-4)
+    assert back["comparison"]["ratio"] == pytest.approx(statistics.median(dense) / statistics.median(factor))
+    pairs = [d / f for d, f in zip(dense, factor, strict=True)]
+    assert float(values["spread"]) == pytest.approx(max(pairs) / min(pairs), abs=5e-3)
+    assert back["extra"]["pushed_update_rel_diff"] < 1e-3  # both paths push the same rank-4 update
