@@ -11,7 +11,7 @@ and strategy (mean over clients of each client's model on its clean local test s
 global model - or, without one, the clients' models - on the clean global test set), plus
 FedDR-LoRA's clean / suspect split quality against the injected noise.
 
-    flock /tmp/fedlora-cpu.lock python benchmarks/compare_feddr.py --seeds 0
+    python benchmarks/compare_feddr.py --seeds 0
     python benchmarks/compare_feddr.py --settings symmetric:0.4 --seeds 0,1,2
 
 Finished runs are not run again (``fedlora compare`` resumes), so seeds and settings can be

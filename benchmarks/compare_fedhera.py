@@ -4,7 +4,7 @@ Superseded by ``benchmarks/fidelity.py --scenario fedhera`` (the method in the s
 written for, against its paper's baselines and the centralised reference). Kept because the
 vintage tables of docs/results/fedhera.md were measured with it and name this command.
 
-    flock /tmp/fedlora-cpu.lock python benchmarks/compare_fedhera.py --seeds 0,1,2
+    python benchmarks/compare_fedhera.py --seeds 0,1,2
 
 Runs every job of :data:`JOBS` x seeds on ``configs/fedhera.toml`` (6 MiniLM clients in three
 budget tiers, Dirichlet label skew) with :func:`fedlora.app.compare.run_jobs` (in-process engine by

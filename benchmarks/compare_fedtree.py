@@ -4,7 +4,7 @@ Superseded by ``benchmarks/fidelity.py --scenario fedtreelora`` (the method in t
 written for, against its paper's baselines and the centralised reference). Kept because the
 vintage tables of docs/results/fedtreelora.md were measured with it and name this command.
 
-    flock /tmp/fedlora-cpu.lock python benchmarks/compare_fedtree.py --seeds 0,1,2
+    python benchmarks/compare_fedtree.py --seeds 0,1,2
 
 Runs every job of :data:`JOBS` x seeds on ``configs/fedtreelora.toml`` (2 client groups with
 disjoint label sets, Dirichlet skew inside a group) with :func:`fedlora.app.compare.run_jobs`

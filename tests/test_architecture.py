@@ -106,3 +106,23 @@ def test_core_modules_import_nothing_above_the_core(module: str) -> None:
                 reachable.add(target)
                 todo.append(target)
     assert all(layer(m) == 0 for m in reachable), sorted(m for m in reachable if layer(m) > 0)
+
+
+def test_no_file_refers_to_a_document_outside_the_repository() -> None:
+    """The repository stands alone: no tracked text names a briefing folder next to it, a
+    session's scratch folders or a home directory."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    import re
+
+    outside = re.compile(r"\.\./shared|~/shared|(?:^|[\s\"'`(=])(?:/work|/home|/tmp/deploy)/")
+    found = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".toml", ".json", ".ipynb", ".txt", ".cfg", ".sh", ""} or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if name != "tests/test_architecture.py":
+            found += [f"{name}: {m.group(0).strip()}" for m in outside.finditer(text)]
+    assert found == []
