@@ -39,14 +39,33 @@ def _adapters(out: Path) -> dict[str, dict[str, np.ndarray]]:
     return {str(p.relative_to(out)): load_file(p) for p in sorted((out / "adapters").rglob("*.safetensors"))}
 
 
+# Serialised message sizes differ by a few bytes between an uninterrupted and a resumed run:
+# replies carry the client's timings as metrics (a worker's start-up time only in its first
+# reply), and the first resumed round tells each client which checkpointed round to restore.
+_BYTES_PER_MESSAGE = 32
+_WIRE = ("wire_bytes_up", "wire_bytes_down", "wire_bytes_eval")
+_WHERE = ("host", "ray-node")  # where a client ran (per_client_train): a new Ray start, new node ids
+
+
 def _rounds(results: dict) -> list[dict]:
-    """Every round record, whole, without what measures time (which differs between two runs)."""
+    """Every round record, whole, without what measures time (which differs between two runs):
+    timings, where clients ran, and the message sizes that include timings (checked by :func:`_assert_wire_close`)."""
     def untimed(value):
         if isinstance(value, dict):
-            return {k: untimed(v) for k, v in value.items() if not k.endswith("seconds")}
+            return {k: untimed(v) for k, v in value.items()
+                    if not k.endswith("seconds") and k not in _WIRE and k not in _WHERE}
         return value
 
     return [untimed(record) for record in results["rounds"]]
+
+
+def _assert_wire_close(actual: dict, expected: dict) -> None:
+    """Message sizes equal up to the timings and restore instructions they carry."""
+    for a, e in zip(actual["rounds"], expected["rounds"], strict=True):
+        replies = max(1, int(e.get("clients") or 0) + int(e.get("failures") or 0), len(e.get("per_client") or {}))
+        for key in _WIRE:
+            assert abs(int(a.get(key) or 0) - int(e.get(key) or 0)) <= _BYTES_PER_MESSAGE * 2 * replies, (
+                f"round {e['round']} {key}: {a.get(key)} vs {e.get(key)}")
 
 
 def test_client_state_restores_newest_round_not_after_resume_round(tmp_path):
@@ -104,7 +123,7 @@ def test_resume_without_checkpoint_or_with_other_config_is_one_line(tmp_path):
 def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy, engine):
     # Prepare: an uninterrupted reference run
     env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference, resumed = tmp_path / "a" / "run", tmp_path / "b" / "run"  # paths of one length: they travel in messages
     subprocess.run(_cmd(reference, strategy, engine=engine), check=True, capture_output=True, cwd=ROOT, env=env)
 
     # Execute: the same run, SIGKILLed once round 1's checkpoint exists, then resumed
@@ -127,6 +146,7 @@ def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy, 
     res_results = json.loads((resumed / "results.json").read_text())
     assert [r["round"] for r in res_results["rounds"]] == list(range(1, ROUNDS + 1))
     assert_close(_rounds(res_results), _rounds(ref_results), "rounds")
+    _assert_wire_close(res_results, ref_results)
     ref_adapters, res_adapters = _adapters(reference), _adapters(resumed)
     assert ref_adapters and ref_adapters.keys() == res_adapters.keys()
     for name, tensors in ref_adapters.items():
@@ -180,7 +200,7 @@ def test_every_strategy_resumes_with_new_node_ids(tmp_path, strategy):
     # Prepare: the reference run, and a run that stops when round 3's training is sent
     config = load_config(SMOKE, [f"strategy.name={strategy}", "train.rounds=3", "train.max_steps=2",
                                  *STRATEGY_OVERRIDES.get(strategy, [])])
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference, resumed = tmp_path / "a" / "run", tmp_path / "b" / "run"  # paths of one length: they travel in messages
     run_server(_grid(config, 1000), config, reference)
     with pytest.raises(_Interrupted):
         run_server(_grid(config, 2000, crash_round=3), config, resumed)
@@ -194,6 +214,7 @@ def test_every_strategy_resumes_with_new_node_ids(tmp_path, strategy):
     ref_results = json.loads((reference / "results.json").read_text())
     res_results = json.loads((resumed / "results.json").read_text())
     assert_close(_rounds(res_results), _rounds(ref_results), "rounds")
+    _assert_wire_close(res_results, ref_results)
     assert [r["per_client"].keys() for r in res_results["rounds"]] == [r["per_client"].keys() for r in ref_results["rounds"]]
     ref_adapters, res_adapters = _adapters(reference), _adapters(resumed)
     assert ref_adapters.keys() == res_adapters.keys()
@@ -212,7 +233,7 @@ def test_dp_run_resumes_with_the_same_epsilon_and_adapters(tmp_path):
     # is seeded from the config (research mode) so that the two runs can be compared at all
     config = load_config(SMOKE, ["strategy.name=fedsa_lora", "train.rounds=3", "train.max_steps=2",
                                  "privacy.dp=true", "privacy.target_epsilon=5", "privacy.reproducible_noise=true"])
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference, resumed = tmp_path / "a" / "run", tmp_path / "b" / "run"  # paths of one length: they travel in messages
     run_server(_grid(config, 1000), config, reference)
     with pytest.raises(_Interrupted):
         run_server(_grid(config, 2000, crash_round=3), config, resumed)

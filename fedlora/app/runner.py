@@ -129,7 +129,9 @@ def run(
     config.output.dir = str(out)
     if resume:
         from fedlora.checkpoint import load_server
+        from strategies.registry import strategy_class
 
+        strategy_class(config.strategy.name)  # imports the strategies: their state types decode
         load_server(out, config)  # a missing checkpoint or another config: one line, before any start
     check_inputs(config)
     with run_folder(out):
