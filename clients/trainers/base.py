@@ -176,7 +176,8 @@ class LocalTrainer:
     # ------------------------------------------------------------------ evaluation
     def loader(self, dataset, split: str, shuffle: bool = False):
         cfg = self.config.train
-        key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{self.job.profile.partition_id}|{self.job.profile.data_path}|{split}"
+        owner = "" if split == "global" else f"{self.job.profile.partition_id}|{self.job.profile.data_path}"  # one global test
+        key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{owner}|{split}"
         return make_loader(
             dataset,
             self.tokenizer,
