@@ -241,7 +241,7 @@ def test_local_head_never_travels(cls: type) -> None:
 
 
 def test_feddpa_refuses_a_global_rank_larger_than_the_layers() -> None:
-    with pytest.raises(RuntimeError, match="strategy.global_rank"):
+    with pytest.raises(ConfigError, match="strategy.global_rank"):
         small_strategy(FedDPA, [2], ["strategy.global_rank=6"])
 
 

@@ -41,10 +41,13 @@ def _adapters(out: Path) -> dict[str, dict[str, np.ndarray]]:
 
 
 def _rounds(results: dict) -> list[dict]:
-    """Every round record, whole, without what measures time (which differs between two runs)."""
+    """Every round record, whole, without what measures time (which differs between two runs), the
+    wire sizes (every message names the run's folder, and the two runs have different ones) and the
+    Ray node a reply ran on (a new Ray cluster per run)."""
     def untimed(value):
         if isinstance(value, dict):
-            return {k: untimed(v) for k, v in value.items() if not k.endswith("seconds")}
+            return {k: untimed(v) for k, v in value.items()
+                    if not k.endswith("seconds") and not k.startswith("wire_bytes") and k != "ray-node"}
         return value
 
     return [untimed(record) for record in results["rounds"]]

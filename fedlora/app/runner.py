@@ -128,6 +128,7 @@ def run(
     check_output_folder(out)
     config.output.dir = str(out)
     if resume:
+        import strategies.registry  # noqa: F401 - registers the state types a strategy checkpoints
         from fedlora.checkpoint import load_server
 
         load_server(out, config)  # a missing checkpoint or another config: one line, before any start
