@@ -95,6 +95,27 @@ def _state_on_disk(out: Path) -> dict[str, float]:
     }
 
 
+def _trace_engine_polling() -> dict[str, float]:
+    """Diagnostic (``--trace-engine``): count the calls and thread CPU time of Flower's
+    ``InMemoryLinkState.get_message_ins``, which its simulation engine calls once per node every
+    0.1 s to find the messages to run (fedlora never calls it). A wrapper, same behaviour."""
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+
+    polling = {"calls": 0.0, "cpu": 0.0}
+    original = InMemoryLinkState.get_message_ins
+
+    def get_message_ins(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            polling["calls"] += 1
+            polling["cpu"] += time.thread_time() - started
+
+    InMemoryLinkState.get_message_ins = get_message_ins  # type: ignore[method-assign]
+    return polling
+
+
 def worker(args: argparse.Namespace) -> None:
     """One run in this process; writes ``<out>/scale_worker.json`` (the parent measures memory)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -108,7 +129,10 @@ def worker(args: argparse.Namespace) -> None:
     facts: dict[str, Any] = {}
     started = time.perf_counter()
     if args.engine == "ray":
+        polling = _trace_engine_polling() if args.trace_engine else None
         run(config, out_dir=out, engine="ray")
+        if polling is not None:
+            facts |= {"engine_poll_calls": float(polling["calls"]), "engine_poll_cpu_s": polling["cpu"]}
     else:
         from flwr.common.serde import recorddict_to_proto
 
@@ -175,6 +199,8 @@ def measure(args: argparse.Namespace, engine: str, strategy: str, size: int, ind
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--engine", engine, "--strategy", strategy,
                "--size", str(size), "--rounds", str(args.rounds), "--per-client", str(args.per_client),
                "--global-test", str(args.global_test), "--config", args.config, "--out-dir", str(out)]
+    if args.trace_engine:
+        command.append("--trace-engine")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     log = out.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -224,7 +250,7 @@ def summarise(runs: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, An
                 for key in ("server_peak_rss_mb", "all_peak_rss_mb", "all_peak_pss_mb", "seconds_per_round",
                             "round1_s", "wall_s", "clients_with_state", "state_bytes_per_client",
                             "state_bytes_on_disk", "clients_with_state_in_memory", "state_bytes_in_memory",
-                            "server_checkpoint_bytes"):
+                            "server_checkpoint_bytes", "engine_poll_cpu_s", "engine_poll_calls", "run_seconds"):
                     row[key] = _median(group, key)
                 base = base or row
                 row["rss_ratio"] = row["server_peak_rss_mb"] / base["server_peak_rss_mb"]
@@ -295,6 +321,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON record (default benchmarks/results/scale.json)")
     parser.add_argument("--runs", default=str(ROOT / "runs" / "scale"), help="where the runs' folders go")
     parser.add_argument("--note", default="", help="free text stored in the record (e.g. 'machine busy')")
+    parser.add_argument("--trace-engine", action="store_true",
+                        help="diagnostic: CPU time of the Ray engine's per-node polling (Flower's link state)")
     # one run (the parent starts these)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="inprocess", help=argparse.SUPPRESS)
@@ -328,8 +356,9 @@ def main() -> None:
                     print(f"  {engine:9} {strategy:10} N={size:<5} server {run['server_peak_rss_mb']:7.0f} MB  "
                           f"all {run['all_peak_rss_mb']:7.0f} MB  {run['seconds_per_round']:6.2f} s/round  "
                           f"round 1 {run['round1_s']:6.1f} s  wall {run['wall_s']:6.1f} s  "
-                          f"state {run['state_bytes_per_client'] / 1e3:.1f} KB x {run['clients_with_state']:.0f}",
-                          flush=True)
+                          f"state {run['state_bytes_per_client'] / 1e3:.1f} KB x {run['clients_with_state']:.0f}"
+                          + (f"  engine polling {run['engine_poll_cpu_s']:.1f} s CPU in {run['engine_poll_calls']:.0f} calls"
+                             if "engine_poll_cpu_s" in run else ""), flush=True)
     rows = summarise(runs, sizes)
     print(table(rows))
     record = {"benchmark": "scale", "environment": environment(args.note), "sizes": sizes, "engines": engines,
