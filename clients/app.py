@@ -46,10 +46,8 @@ def _startup_metrics(setup_seconds: float) -> dict[str, float]:
     return metrics
 
 
-def _job(msg: Message, context: Context):
-    """Resolve config, profile and data for this message (heavy imports happen here)."""
-    started = time.perf_counter()
-    from clients.trainers.base import ClientJob
+def _setup(msg: Message, context: Context):
+    """Config, profile and the federation's data index for this message (heavy imports happen here)."""
     from fedlora.data import build_federated_data
     from fedlora.profile import resolve_profile
     from fedlora.schema import config_from_json
@@ -60,15 +58,27 @@ def _job(msg: Message, context: Context):
     profile = resolve_profile(config, context.node_config)
     if protocol.RANK in message_config:  # the server's one rank decision for this client and round
         profile.rank = int(protocol.number(message_config[protocol.RANK]))
-    federated = build_federated_data(config.data)
+    return config, profile, build_federated_data(config.data), message_config
+
+
+def _client_data(profile, config, federated):
+    """This client's data: its simulated partition (built on first use) or the silo's own file."""
     if profile.data_path:  # the silo's own data (node config data-path), same labels as the server
         from fedlora.data.silo import load_silo_data
 
-        data = load_silo_data(profile.data_path, config.data, federated.label_names, profile.partition_id)
-    else:
-        data = federated.client(profile.partition_id)
+        return load_silo_data(profile.data_path, config.data, federated.label_names, profile.partition_id)
+    return federated.client(profile.partition_id)
+
+
+def _job(msg: Message, context: Context, phase: str):
+    """Resolve config, profile, data and kept state for this message."""
+    started = time.perf_counter()
+    from clients.trainers.base import ClientJob
+
+    config, profile, federated, message_config = _setup(msg, context)
+    data = _client_data(profile, config, federated)
     profile.num_train_examples = len(data.train)
-    _restore_state(message_config, context, profile.partition_id)
+    _restore_state(message_config, context, profile.partition_id, phase)
     job = ClientJob(config, profile, data, federated, context.state, message_config)
     return job, time.perf_counter() - started
 
@@ -79,26 +89,50 @@ def _checkpoint_root(message_config: dict, context: Context) -> str:
     return str(context.node_config.get(protocol.CHECKPOINT_DIR, "") or message_config.get(protocol.CHECKPOINT_DIR, ""))
 
 
-def _restore_state(message_config: dict, context: Context, partition_id: int) -> None:
-    """On a resumed run, refill an empty ``context.state`` from the client's checkpoint."""
+def _state_on_disk(message_config: dict, context: Context) -> bool:
+    """Simulation: between messages the client's state lives in its checkpoint file, not in
+    ``context.state`` (which the engine holds in memory for every simulated client)."""
+    return bool(message_config.get(protocol.STATE_ON_DISK)) and bool(_checkpoint_root(message_config, context))
+
+
+def _restore_state(message_config: dict, context: Context, partition_id: int, phase: str) -> None:
+    """Refill an empty ``context.state`` from the client's checkpoint: on a resumed run (the
+    newest state of a round <= the resumed round) and, with the state on disk, before every
+    message (the newest state of an earlier round for training, of this round or earlier for
+    evaluation)."""
     root = _checkpoint_root(message_config, context)
+    if not root or len(context.state):
+        return
     upto = int(message_config.get(protocol.RESUME_ROUND, 0))
-    if root and upto and len(context.state) == 0:
+    if _state_on_disk(message_config, context):
+        server_round = int(message_config.get(protocol.SERVER_ROUND, 0))
+        upto = max(upto, server_round - 1 if phase == "train" else server_round)
+    if upto:
         from fedlora.checkpoint import restore_client_state
 
         restored = restore_client_state(root, partition_id, upto, context.state)
         log(DEBUG, "client %d: restored state of round %d", partition_id, restored)
 
 
-def _save_state(job, context: Context) -> None:
+def _save_state(job, context: Context) -> bool:
+    """Checkpoint the client's state after training; True when it is on disk."""
     root = _checkpoint_root(job.message_config, context)
     if root:
         from fedlora.checkpoint import save_client_state
 
         try:
             save_client_state(root, job.profile.partition_id, job.server_round, context.state)
+            return True
         except OSError as error:  # a checkpoint that cannot be written must not fail the round
             log(WARNING, "client %d: cannot checkpoint its state in %s: %s", job.profile.partition_id, root, error)
+    return False
+
+
+def _release_state(job, context: Context) -> None:
+    """With the state on disk, leave ``context.state`` empty between messages."""
+    if _state_on_disk(job.message_config, context):
+        for key in list(context.state):
+            del context.state[key]
 
 
 def _worker() -> ConfigRecord:
@@ -129,9 +163,14 @@ def _trainer(job):
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Reply with this client's profile (rank, budgets, number of training examples)."""
-    job, _ = _job(msg, context)
-    content = RecordDict({"profile": ConfigRecord({"json": job.profile.model_dump_json()})})
+    """Reply with this client's profile (rank, budgets, number of training examples); a simulated
+    client counts its training examples from the partition index, without building its data."""
+    config, profile, federated, _ = _setup(msg, context)
+    if profile.data_path:
+        profile.num_train_examples = len(_client_data(profile, config, federated).train)
+    else:
+        profile.num_train_examples = federated.num_train_examples(profile.partition_id)
+    content = RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})})
     return Message(content=content, reply_to=msg)
 
 
@@ -141,7 +180,7 @@ def train(msg: Message, context: Context) -> Message:
     from clients.faults import maybe_corrupt, maybe_fail
     from fedlora.lora import from_array_record, to_array_record
 
-    job, setup_seconds = _job(msg, context)
+    job, setup_seconds = _job(msg, context, "train")
     faults = job.config.faults
     maybe_fail(faults, job.server_round, job.profile.partition_id)  # simulated crash ([faults])
     trainer = _trainer(job)
@@ -151,7 +190,8 @@ def train(msg: Message, context: Context) -> Message:
     stats = trainer.fit(model)
     upload, _ = maybe_corrupt(faults, job.server_round, job.profile.partition_id, trainer.upload(model))
     trainer.save_state(trainer.keep(model))
-    _save_state(job, context)
+    if _save_state(job, context):
+        _release_state(job, context)
     metrics = {
         protocol.NUM_EXAMPLES: len(job.data.train),
         protocol.PARTITION_ID: job.profile.partition_id,
@@ -176,11 +216,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     from fedlora.lora import from_array_record
     from fedlora.models import save_adapter
 
-    job, setup_seconds = _job(msg, context)
+    job, setup_seconds = _job(msg, context, "evaluate")
     trainer = _trainer(job)
     model = trainer.prepare(from_array_record(msg.content.array_records["arrays"]))
     startup = _startup_metrics(setup_seconds)
     metrics = trainer.evaluate(model, with_global=bool(job.message_config.get(protocol.EVAL_GLOBAL, False)))
+    _release_state(job, context)  # evaluation only reads the state: its file is unchanged
     metrics[protocol.PARTITION_ID] = float(job.profile.partition_id)
     metrics |= startup  # per round and client in results.json (rounds[].per_client)
     save_dir = str(job.message_config.get(protocol.SAVE_ADAPTER_DIR, ""))

@@ -11,7 +11,10 @@ there) is written after every training round to ``<checkpoint-dir>/<partition id
 (Flower's RecordDict protobuf). In simulation ``<checkpoint-dir>`` is ``DIR/checkpoint/clients``,
 told by the server; in a deployment a silo sets its own folder with the node config
 ``checkpoint-dir``. On resume from round ``k`` a client with an empty ``context.state`` restores
-the newest file of a round <= ``k``: a file from the interrupted round ``k + 1`` is ignored.
+the newest file of a round <= ``k``: a file from the interrupted round ``k + 1`` is ignored (in
+simulation the server also deletes such files, :func:`drop_client_states_after`). In simulation
+the file is the only copy between messages: the client restores it before every message and
+empties ``context.state`` after (the engine would otherwise hold every idle client's state).
 """
 
 from __future__ import annotations
@@ -153,3 +156,16 @@ def restore_client_state(root: str | Path, partition_id: int, upto_round: int, s
     for key, record in recorddict_from_proto(proto).items():
         state[key] = record
     return newest
+
+
+def drop_client_states_after(root: str | Path, server_round: int) -> int:
+    """Delete every client state file of a round after ``server_round`` under ``root`` (written
+    during an interrupted round that a resumed run runs again); returns how many."""
+    dropped = 0
+    folder = Path(root)
+    for client in folder.iterdir() if folder.is_dir() else []:
+        for r, path in _client_files(client).items():
+            if r > server_round:
+                path.unlink(missing_ok=True)
+                dropped += 1
+    return dropped

@@ -21,6 +21,7 @@ EXPERIMENT = "experiment"  # the resolved experiment config, JSON
 RANK = "lora-rank"  # the LoRA rank this client trains / evaluates at this round (the one rank decision)
 CHECKPOINT_DIR = "checkpoint-dir"  # where the client keeps its state (simulation: under the run folder)
 RESUME_ROUND = "resume-round"  # a resumed run: restore the client state of this round
+STATE_ON_DISK = "state-on-disk"  # simulation: the client's state lives in its checkpoint file between messages
 EVAL_RECEIVED = "eval-received"  # train: evaluate the received model before local training
 EVAL_GLOBAL = "eval-global"  # evaluate: also evaluate on the global test set (no global model)
 SAVE_ADAPTER_DIR = "save-adapter-dir"  # evaluate, last round: save the client's adapter there

@@ -8,6 +8,7 @@ On CUDA the forward pass runs under bf16 autocast; on CPU in float32.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable
@@ -43,7 +44,13 @@ class EvalStats:
 
 
 def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> datasets.Dataset:
-    """Token ids without padding (padding happens per batch); keeps ``label``."""
+    """Token ids without padding (padding happens per batch); keeps ``label``.
+
+    The result gets a fresh fingerprint: datasets would otherwise fingerprint the transform by
+    pickling it, tokenizer included (~0.3 s a call, more than tokenising a client's split), and
+    an in-memory dataset's fingerprint only names it (no cache file is ever read back)."""
+    import uuid
+
     import datasets as hf_datasets
 
     hf_datasets.disable_progress_bars()  # one bar per client split floods the simulation log
@@ -51,18 +58,26 @@ def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_
         lambda rows: tokenizer(rows["text"], truncation=True, max_length=max_length),
         batched=True,
         remove_columns=[c for c in dataset.column_names if c not in ("label", "is_noisy")],
+        new_fingerprint=uuid.uuid4().hex,
     )
     return encoded
 
 
-_TOKENIZED: dict[str, datasets.Dataset] = {}  # per-process cache: clients reuse their splits
+TOKENIZED_CACHE_SIZE = 256  # tokenised splits kept per process (most recently used)
+_TOKENIZED: collections.OrderedDict[str, datasets.Dataset] = collections.OrderedDict()
 
 
 def _cached_tokenized(key: str, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
                       max_length: int) -> datasets.Dataset:
-    if key not in _TOKENIZED:
-        _TOKENIZED[key] = tokenize(dataset, tokenizer, max_length)
-    return _TOKENIZED[key]
+    """Per-process cache: a client sampled again reuses its tokenised splits; bounded, so a
+    process serving many clients of a large federation does not keep every client's splits."""
+    if key in _TOKENIZED:
+        _TOKENIZED.move_to_end(key)
+        return _TOKENIZED[key]
+    _TOKENIZED[key] = encoded = tokenize(dataset, tokenizer, max_length)
+    while len(_TOKENIZED) > TOKENIZED_CACHE_SIZE:
+        _TOKENIZED.popitem(last=False)
+    return encoded
 
 
 def make_loader(

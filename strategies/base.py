@@ -74,6 +74,7 @@ class RunPaths:
 
     adapter_dir: str = ""  # personalised adapters are saved there by the clients
     checkpoint_dir: str = ""  # clients keep their state there (simulation: one file system)
+    state_on_disk: bool = False  # simulation: clients keep their state only there between messages
     resumed_from: int = 0  # > 0: a resumed run, clients restore their state of this round
 
 
@@ -411,6 +412,8 @@ class LoRAStrategy(Strategy):
         })
         if self.paths.checkpoint_dir:
             config[protocol.CHECKPOINT_DIR] = self.paths.checkpoint_dir
+            if self.paths.state_on_disk:
+                config[protocol.STATE_ON_DISK] = True
         if self.paths.resumed_from:
             config[protocol.RESUME_ROUND] = self.paths.resumed_from
         if phase == "train" and self.evaluates(server_round):

@@ -85,6 +85,8 @@ class FedPissa(LoRAStrategy):
         self.B_agg: dict[str, np.ndarray] = {module: f.B for module, f in factors.items()}  # (d_out, r)
         self.head: Payload = head_only(initial) if self.sends_head else {}
         self.initial_A = {module: f.A for module, f in factors.items()}  # (r, d_in)
+        # global_model = mean_A only: every client's last A (that global model is their mean); with
+        # 'clients' A_k lives on client k alone and the server forgets it after the round
         self.last_A: dict[ClientId, dict[str, np.ndarray]] = {}  # partition id -> module -> A_k
         self.last_examples: dict[ClientId, int] = {}
         self.diagnostics: dict[str, float] = {}
@@ -104,8 +106,9 @@ class FedPissa(LoRAStrategy):
             factors, _ = split_payload(upload.payload)
             A_by_client[upload.partition_id] = {m: f.A for m, f in factors.items()}
             B_by_client[upload.partition_id] = {m: f.B for m, f in factors.items()}
-            self.last_A[upload.partition_id] = A_by_client[upload.partition_id]
-            self.last_examples[upload.partition_id] = upload.num_examples
+            if self.options.global_model == "mean_A":
+                self.last_A[upload.partition_id] = A_by_client[upload.partition_id]
+                self.last_examples[upload.partition_id] = upload.num_examples
         P_by_client = decorrelation_projectors(A_by_client, self.delta)
         B_agg = aggregate_B(B_by_client, P_by_client, p, self.options.lam, self.options.correction)
         self.diagnostics = projection_diagnostics(A_by_client, B_by_client, P_by_client, p, B_agg)

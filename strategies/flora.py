@@ -56,15 +56,16 @@ class FLoRA(LoRAStrategy):
 
     def setup(self) -> None:
         self.stacks: dict[int, dict[str, Factors]] = {}  # round -> module -> unit-scale stack
-        self.merged: dict[int, set[int]] = {p: set() for p in self.roster.partitions}  # confirmed rounds
-        self.sent: dict[int, set[int]] = {p: set() for p in self.roster.partitions}  # last download
+        # per client, only once it took part (an idle client costs nothing here)
+        self.merged: dict[int, set[int]] = {}  # confirmed rounds
+        self.sent: dict[int, set[int]] = {}  # last download
         self.head: Payload = self.initial_head()
 
     def scale(self, rank: int) -> float:
         return lora_scale(self.experiment.model.lora_alpha, rank)
 
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        missing = sorted(set(self.stacks) - self.merged[partition])
+        missing = sorted(set(self.stacks) - self.merged.get(partition, set()))
         self.sent[partition] = set(missing)
         payload: Payload = {}
         for t in missing:
@@ -74,7 +75,7 @@ class FLoRA(LoRAStrategy):
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         for u in uploads:  # a successful reply means the client merged what it was sent
-            self.merged[u.partition_id] |= self.sent[u.partition_id]
+            self.merged.setdefault(u.partition_id, set()).update(self.sent.get(u.partition_id, set()))
         clients = [split_payload(u.payload)[0] for u in uploads]
         scales = [self.scale(self.rank_of(u.partition_id)) for u in uploads]
         self.stacks[server_round] = stack(clients, self.weights(uploads), scales)

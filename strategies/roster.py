@@ -36,6 +36,7 @@ class ClientRoster:
         self.refused: dict[str, str] = {}  # "partition <k>" or "node <n>" -> reason
         self.refused_partitions: list[int] = []
         self.seen_nodes: set[int] = set()  # every node id asked for its profile
+        self._partition_of: dict[int, int] = {}  # node id -> partition id (the reverse of node_of)
 
     def __bool__(self) -> bool:
         return bool(self.profiles)
@@ -46,10 +47,13 @@ class ClientRoster:
         return sorted(self.profiles)
 
     def partition_of(self, node_id: int) -> int:
-        for partition, node in self.node_of.items():
-            if node == node_id:
-                return partition
-        raise KeyError(f"node {node_id} is not an accepted client")
+        partition = self._partition_of.get(node_id)
+        if partition is None or self.node_of.get(partition) != node_id:  # node_of changed: rebuild the reverse map
+            self._partition_of = {node: partition for partition, node in self.node_of.items()}
+            partition = self._partition_of.get(node_id)
+        if partition is None:
+            raise KeyError(f"node {node_id} is not an accepted client")
+        return partition
 
     def rank(self, partition: int) -> int:
         return self.profiles[partition].rank

@@ -449,10 +449,16 @@ def test_flora_clients_catch_up_and_share_one_merged_base(tmp_path: Path) -> Non
     for entry in train:
         assert sorted(read_stacks(entry["down"])) == sorted(set(range(1, entry["round"])) - {
             t for e in train if e["node"] == entry["node"] and e["round"] < entry["round"] for t in range(1, e["round"])})
-    for context in grid.contexts.values():
-        if "fedlora.local" not in context.state:
-            continue
-        state = from_array_record(context.state["fedlora.local"])
+    from flwr.app import RecordDict
+
+    from fedlora.checkpoint import CLIENTS_DIR, checkpoint_dir, restore_client_state
+
+    trained = sorted({e["node"] - 1000 for e in train})
+    assert trained
+    for partition in trained:  # simulation: a client's kept state is in its checkpoint file only
+        kept = RecordDict()
+        assert restore_client_state(checkpoint_dir(tmp_path) / CLIENTS_DIR, partition, 10**6, kept) > 0
+        state = from_array_record(kept["fedlora.local"])
         merged_rounds = [int(t) for t in state["merged-rounds"]]
         for module, delta in ((k.removeprefix("merged::"), v) for k, v in state.items() if k.startswith("merged::")):
             expected = sum(stacks[t][module].B.astype(np.float64) @ stacks[t][module].A for t in merged_rounds)

@@ -273,6 +273,17 @@ def run_recorded(tmp_path: Path, name: str) -> tuple[Any, RecordingGrid]:
     return run_server(grid, config, tmp_path), grid
 
 
+def kept_state(out: Path, partition: int) -> Any:
+    """The newest state client ``partition`` kept in the run ``out`` (its checkpoint file)."""
+    from flwr.app import RecordDict
+
+    from fedlora.checkpoint import CLIENTS_DIR, checkpoint_dir, restore_client_state
+
+    state = RecordDict()
+    assert restore_client_state(checkpoint_dir(out) / CLIENTS_DIR, partition, 10**6, state) > 0
+    return state
+
+
 def factor_bytes(rank: int) -> int:
     return TINY_MODULES * rank * TINY_DIM * 4  # one factor (A: r x 32 or B: 32 x r), float32
 
@@ -308,9 +319,10 @@ def test_round_trip_contract_and_exact_byte_ledger(tmp_path: Path, name: str) ->
         assert {k[-3:] for k in entry["up"] if not k.startswith("head::")} == suffixes
     assert 0.0 <= results["final"]["global_accuracy"] <= 1.0
     assert 0.0 <= results["final"]["personalized_accuracy"] <= 1.0
-    # Assert: what each client kept after its last round
+    # Assert: what each client kept after its last round (simulation: in its checkpoint file only)
     for k, rank in enumerate(RANKS):
-        kept = from_array_record(grid.contexts[1000 + k].state[LOCAL_STATE_KEY])
+        assert len(grid.contexts[1000 + k].state) == 0
+        kept = from_array_record(kept_state(tmp_path, k)[LOCAL_STATE_KEY])
         factors, _ = split_payload({key: v for key, v in kept.items() if not key.startswith("local::")})
         for module, f in factors.items():
             assert f.A.shape == (4 if name == "feddpa" else rank, TINY_DIM)

@@ -16,6 +16,7 @@ from test_golden import assert_close
 
 from fedlora.checkpoint import (
     checkpoint_dir,
+    drop_client_states_after,
     load_server,
     restore_client_state,
     save_client_state,
@@ -81,6 +82,19 @@ def test_client_state_restores_newest_round_not_after_resume_round(tmp_path):
     assert restored["c"]["r"] == 2
     assert sorted(p.name for p in (tmp_path / "5").iterdir()) == ["round_2.bin", "round_3.bin"]
     assert restore_client_state(tmp_path, 6, 2, RecordDict()) == 0
+
+
+def test_a_resumed_run_drops_client_states_of_the_interrupted_round(tmp_path):
+    # Prepare: client 1 trained in rounds 1 and 3 (3 was interrupted), client 2 in round 2
+    for partition, r in ((1, 1), (1, 3), (2, 2)):
+        save_client_state(tmp_path, partition, r, RecordDict({"c": ConfigRecord({"r": r})}))
+    # Execute: resume after round 2
+    dropped = drop_client_states_after(tmp_path, 2)
+    # Assert: round 3's file is gone, so reading "the newest state" can only find completed rounds
+    assert dropped == 1
+    restored = RecordDict()
+    assert restore_client_state(tmp_path, 1, 10, restored) == 1 and restored["c"]["r"] == 1
+    assert restore_client_state(tmp_path, 2, 10, RecordDict()) == 2
 
 
 @pytest.mark.parametrize(

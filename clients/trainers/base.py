@@ -190,7 +190,8 @@ class LocalTrainer:
     # ------------------------------------------------------------------ evaluation
     def loader(self, dataset, split: str, shuffle: bool = False):
         cfg = self.config.train
-        key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{self.job.profile.partition_id}|{self.job.profile.data_path}|{split}"
+        owner = "" if split == "global" else f"{self.job.profile.partition_id}|{self.job.profile.data_path}"  # one global test
+        key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{owner}|{split}"
         make = make_loader
         if self.causal:
             make, key = make_causal_loader, f"{key}|{cfg.max_length}"

@@ -137,8 +137,9 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     """Query, train and evaluate for ``config.train.rounds`` rounds; write results and a
     checkpoint (fedlora.checkpoint) each round. ``resume``: continue ``out_dir``'s run after its
     last complete round. ``client_checkpoints``: tell clients to keep their state under
-    ``out_dir`` (simulation: one file system); in a deployment each silo names its own folder
-    (node config ``checkpoint-dir``)."""
+    ``out_dir`` (simulation: one file system), and only there between messages, so that the
+    engine holds no idle client's state in memory; in a deployment each silo names its own folder
+    (node config ``checkpoint-dir``) and its SuperNode keeps the state in ``context.state``."""
     import torch
 
     from fedlora import checkpoint
@@ -152,8 +153,9 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.paths.adapter_dir = str((out_dir / "adapters").resolve())
     writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
-    if client_checkpoints:
+    if client_checkpoints:  # simulation: every client's state lives in its checkpoint file between messages
         strategy.paths.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
+        strategy.paths.state_on_disk = True
     first = 1
     if resume:
         saved = checkpoint.load_server(out_dir, config)
@@ -163,6 +165,8 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
             raise RuntimeError(f"resume: clients {missing} of the checkpoint did not join this run")
         strategy.load_state_dict(saved["strategy"])
         strategy.paths.resumed_from = first = saved["round"]
+        if strategy.paths.checkpoint_dir:  # states the interrupted round wrote belong to no completed round
+            checkpoint.drop_client_states_after(strategy.paths.checkpoint_dir, saved["round"])
         first += 1
         writer.rounds = list(saved["rounds"])
         writer.privacy = saved.get("privacy")

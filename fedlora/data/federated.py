@@ -1,14 +1,18 @@
 """Federated data: a held-out global test set plus one train / val / test split per client.
 
 ``build_federated_data`` loads the source, carves a stratified ``global_test`` that no client
-trains on, partitions the rest with a flwr-datasets partitioner (IID, Dirichlet label skew,
+trains on, and partitions the rest with a flwr-datasets partitioner (IID, Dirichlet label skew,
 pathological k-classes-per-client, or grouped: client groups with disjoint class blocks and
-Dirichlet skew within a group), splits every partition into train / val / test with the same
-label mix, and injects label noise into the client *training* labels only.
+Dirichlet skew within a group). That partition index (the source rows of every client) is all an
+idle client costs: a client's train / val / test split (same label mix) and its datasets, with
+label noise injected into its *training* labels only, are built when that client is first asked
+for (:meth:`FederatedData.client`), in the process that asks, and each client's build depends on
+its own rows and seed only, so the order in which clients are asked does not matter.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -43,22 +47,71 @@ class ClientData:
     realised_noise_rate: float
 
 
-@dataclass
 class FederatedData:
-    """All clients' data plus the global test set (clean labels, disjoint from every client)."""
+    """Every client's data plus the global test set (clean labels, disjoint from every client).
 
-    label_names: list[str]
-    global_test: datasets.Dataset
-    clients: list[ClientData]
+    Holds the source, the global test set and the partition index (each client's source rows);
+    a client's datasets are built on first use (:meth:`client`) and the most recent
+    :attr:`CACHED_CLIENTS` are kept, so a process that serves a few clients of a large federation
+    never builds the others.
+    """
+
+    CACHED_CLIENTS = 64  # built clients kept per process (a rebuilt client is identical)
+
+    def __init__(self, cfg: DataConfig, source: datasets.Dataset, labels: np.ndarray,
+                 client_rows: list[np.ndarray], global_test: datasets.Dataset) -> None:
+        self.cfg = cfg
+        self.label_names: list[str] = list(source.features["label"].names)
+        self.global_test = global_test
+        self._source = source
+        self._labels = labels
+        self._rows = client_rows  # partition index: client -> its source rows
+        self._cache: collections.OrderedDict[int, ClientData] = collections.OrderedDict()
+        self._all: list[ClientData] | None = None
+        self.built: set[int] = set()  # clients whose datasets this process has built
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._rows)
+
+    def _check(self, partition_id: int) -> None:
+        if not 0 <= partition_id < self.num_clients:
+            raise DataError(
+                f"partition_id must be in [0, {self.num_clients}) for data.num_clients="
+                f"{self.num_clients}, got {partition_id}"
+            )
 
     def client(self, partition_id: int) -> ClientData:
-        """Return the data of client ``partition_id`` (0-based)."""
-        if not 0 <= partition_id < len(self.clients):
-            raise DataError(
-                f"partition_id must be in [0, {len(self.clients)}) for data.num_clients="
-                f"{len(self.clients)}, got {partition_id}"
-            )
-        return self.clients[partition_id]
+        """The data of client ``partition_id`` (0-based), built on first use."""
+        self._check(partition_id)
+        if self._all is not None:
+            return self._all[partition_id]
+        if partition_id in self._cache:
+            self._cache.move_to_end(partition_id)
+            return self._cache[partition_id]
+        data = client_data(partition_id, self._source, self._rows[partition_id], self._labels, self.cfg)
+        if self.cfg.shuffle_test_labels:
+            data = dataclasses.replace(data, test=_shuffle_labels(data.test, self.cfg.seed + 1 + partition_id))
+        self.built.add(partition_id)
+        self._cache[partition_id] = data
+        while len(self._cache) > self.CACHED_CLIENTS:
+            self._cache.popitem(last=False)
+        return data
+
+    def num_train_examples(self, partition_id: int) -> int:
+        """``len(client(partition_id).train)``, from the partition index alone (nothing is built)."""
+        self._check(partition_id)
+        n = len(self._rows[partition_id])
+        n_test, n_val = split_sizes(n, self.cfg)
+        return n - n_test - n_val
+
+    @property
+    def clients(self) -> list[ClientData]:
+        """Every client's data (builds and keeps them all: statistics, plots, the pooled reference)."""
+        if self._all is None:
+            self._all = [self.client(k) for k in range(self.num_clients)]
+            self._cache.clear()
+        return self._all
 
     def partitions(self) -> ClientPartitions:
         """The clients' training splits as a flwr-datasets Partitioner (for its statistics and plots)."""
@@ -82,8 +135,8 @@ class ClientPartitions(Partitioner):  # type: ignore[misc]  # flwr-datasets ship
 
     def __init__(self, federated: FederatedData) -> None:
         super().__init__()
-        self._clients = federated.clients
-        self.dataset = datasets.concatenate_datasets([c.train for c in federated.clients])
+        self._clients = federated.clients  # builds every client
+        self.dataset = datasets.concatenate_datasets([c.train for c in self._clients])
 
     @property
     def num_partitions(self) -> int:
@@ -107,17 +160,16 @@ def _build_cached(config_json: str) -> FederatedData:
     started = time.perf_counter()
     cfg = DataConfig.model_validate_json(config_json)
     source = load_instructions(cfg) if is_instruction_data(cfg) else load_source(cfg)
-    label_names = list(source.features["label"].names)
     labels = np.asarray(source["label"][:], dtype=np.int64)
     pool_rows, global_test_rows = _hold_out_global_test(labels, cfg)
     client_rows = [pool_rows[rows] for rows in _partition(labels[pool_rows], cfg)]
-    clients = [
-        client_data(partition_id, source, rows, labels, cfg)
-        for partition_id, rows in enumerate(client_rows)
-    ]
+    for partition_id, rows in enumerate(client_rows):  # fail now, not when the client is first asked
+        n_test, n_val = split_sizes(len(rows), cfg)
+        if len(rows) - n_test - n_val <= 0:
+            raise _empty_train(partition_id, len(rows))
     logger.info(
         "build_federated_data: %d clients (%s), pool %d, global test %d, %.2f s",
-        len(clients),
+        len(client_rows),
         cfg.partition,
         len(pool_rows),
         len(global_test_rows),
@@ -126,8 +178,7 @@ def _build_cached(config_json: str) -> FederatedData:
     global_test = source.select(np.sort(global_test_rows))
     if cfg.shuffle_test_labels:
         global_test = _shuffle_labels(global_test, cfg.seed)
-        clients = [dataclasses.replace(c, test=_shuffle_labels(c.test, cfg.seed + 1 + c.partition_id)) for c in clients]
-    return FederatedData(label_names=label_names, global_test=global_test, clients=clients)
+    return FederatedData(cfg, source, labels, client_rows, global_test)
 
 
 def _shuffle_labels(split: datasets.Dataset, seed: int) -> datasets.Dataset:
@@ -236,6 +287,19 @@ def _grouped_partition(pool_labels: np.ndarray, cfg: DataConfig) -> list[np.ndar
     return partitions
 
 
+def split_sizes(n: int, cfg: DataConfig) -> tuple[int, int]:
+    """(test, validation) examples of a client partition of ``n`` examples; the rest trains."""
+    n_test = min(max(round(cfg.test_fraction * n), 0), n)
+    return n_test, min(round(cfg.val_fraction * n), n - n_test)
+
+
+def _empty_train(partition_id: int, n: int) -> DataError:
+    return DataError(
+        f"client {partition_id} has an empty train split ({n} examples in its "
+        "partition): lower data.num_clients or raise data.max_examples"
+    )
+
+
 def client_data(
     partition_id: int,
     source: datasets.Dataset,
@@ -245,16 +309,13 @@ def client_data(
 ) -> ClientData:
     """Split one client's source ``rows`` into train / val / test (same label mix), add noise."""
     seed = cfg.seed + partition_id
-    rest, test = split_indices(labels[rows], round(cfg.test_fraction * len(rows)), seed)
-    n_val = min(round(cfg.val_fraction * len(rows)), len(rest))
+    n_test, n_val = split_sizes(len(rows), cfg)
+    rest, test = split_indices(labels[rows], n_test, seed)
     train, val = split_indices(labels[rows[rest]], n_val, seed)
     train_rows, val_rows = np.sort(rows[rest[train]]), np.sort(rows[rest[val]])
     test_rows = np.sort(rows[test])
     if len(train_rows) == 0:
-        raise DataError(
-            f"client {partition_id} has an empty train split ({len(rows)} examples in its "
-            "partition): lower data.num_clients or raise data.max_examples"
-        )
+        raise _empty_train(partition_id, len(rows))
     train_data, noise_rate = _noisy_train(source.select(train_rows), cfg, seed)
     return ClientData(
         partition_id=partition_id,

@@ -1,0 +1,129 @@
+"""Idle clients cost nothing but their partition index (issue 19, 1,000 simulated clients).
+
+Properties, not timings (speed and memory are measured by ``benchmarks/scale.py``): building the
+federation builds no client's data, a run builds only the clients it samples, and between messages
+a simulated client's kept state is in its checkpoint file, not in the engine's memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from flwr.app import RecordDict
+
+from clients.trainers.base import LOCAL_STATE_KEY
+from fedlora.checkpoint import CLIENTS_DIR, checkpoint_dir, restore_client_state
+from fedlora.config import DataConfig, load_config
+from fedlora.data import build_federated_data
+from fedlora.lora import from_array_record
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.toml"
+
+
+def test_building_the_federation_builds_no_client_and_a_client_builds_only_itself() -> None:
+    # Prepare: 40 clients (a data seed no other test uses: a fresh federation in this process)
+    cfg = DataConfig(max_examples=2000, global_test_size=100, num_clients=40, partition="dirichlet", seed=4242)
+
+    # Execute
+    data = build_federated_data(cfg)
+    counts = [data.num_train_examples(k) for k in range(40)]
+    built_before = set(data.built)
+    client = data.client(17)
+
+    # Assert: the index answers sizes without building anything; asking for 17 builds 17 alone
+    assert built_before == set()
+    assert data.built == {17}
+    assert len(client.train) == counts[17]
+    assert sum(counts) == sum(len(c.train) for c in data.clients)  # .clients builds every client
+    assert data.built == set(range(40))
+
+
+def test_a_client_is_the_same_whichever_clients_were_built_before() -> None:
+    # Prepare
+    from fedlora.data import federated
+
+    cfg = DataConfig(max_examples=1500, global_test_size=100, num_clients=12, label_noise="symmetric",
+                     noise_rate=0.3, seed=4243)
+    alone = build_federated_data(cfg).client(5)
+    federated._build_cached.cache_clear()
+
+    # Execute: the same client after every other one
+    data = build_federated_data(cfg)
+    after_others = [data.client(k) for k in range(12)][5]
+
+    # Assert
+    assert after_others is not alone
+    for split in ("train", "val", "test"):
+        assert getattr(after_others, split).to_dict() == getattr(alone, split).to_dict()
+
+
+@pytest.fixture(scope="module")
+def sampled_run(tmp_path_factory: pytest.TempPathFactory):
+    """fedsa_lora (B stays on the clients) on 12 clients, 3 sampled per round, 2 rounds, in process."""
+    from clients.app import app as client_app
+    from fedlora.app.server import run_server
+    from simulations.inprocess import InProcessGrid, node_configs
+
+    out = tmp_path_factory.mktemp("sampled")
+    config = load_config(SMOKE, [
+        "strategy.name=fedsa_lora", "data.num_clients=12", "data.max_examples=900", "data.seed=4244",
+        "clients.ranks=[]", "train.rounds=2", "train.max_steps=2", "federation.fraction_train=0.25",
+        "federation.fraction_evaluate=0.25", "output.save_adapters=false", "output.tensorboard=false",
+    ])
+    grid = InProcessGrid(client_app, node_configs(config.data.num_clients))
+    writer = run_server(grid, config, out)
+    return config, grid, writer, out
+
+
+def test_a_run_builds_only_the_clients_it_samples(sampled_run) -> None:
+    # Prepare
+    config, _, writer, _ = sampled_run
+    trained = {int(k) for r in writer.rounds for k in r.per_client_train}
+    evaluated = {int(k) for r in writer.rounds for k in r.per_client}
+
+    # Execute
+    built = build_federated_data(config.data).built
+
+    # Assert: the query asked all 12 for their profile, yet only the sampled ones were built
+    assert all(r.failures == 0 for r in writer.rounds)
+    assert built == trained | evaluated
+    assert len(built) < config.data.num_clients
+
+
+def test_kept_state_is_on_disk_not_in_the_engine_between_messages(sampled_run) -> None:
+    # Prepare
+    _, grid, writer, out = sampled_run
+    trained = sorted({int(k) for r in writer.rounds for k in r.per_client_train})
+
+    # Execute
+    states = {}
+    for partition in trained:
+        states[partition] = RecordDict()
+        restore_client_state(checkpoint_dir(out) / CLIENTS_DIR, partition, writer.rounds[-1].round, states[partition])
+
+    # Assert: every node's context.state is empty; each client that trained has its B in its file
+    assert all(len(context.state) == 0 for context in grid.contexts.values())
+    assert sorted(int(p.name) for p in (checkpoint_dir(out) / CLIENTS_DIR).iterdir()) == trained
+    for partition, state in states.items():
+        kept = from_array_record(state[LOCAL_STATE_KEY])
+        assert any(key.endswith("::B") and abs(value).max() > 0 for key, value in kept.items()), partition
+
+
+def test_the_tokenised_split_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare
+    from fedlora import training
+    from fedlora.models import load_tokenizer
+
+    monkeypatch.setattr(training, "TOKENIZED_CACHE_SIZE", 2)
+    monkeypatch.setattr(training, "_TOKENIZED", type(training._TOKENIZED)())
+    data = build_federated_data(DataConfig(max_examples=600, global_test_size=100, num_clients=4, seed=4245))
+    tokenizer = load_tokenizer("tiny-bert")
+
+    # Execute: four clients' training splits through the cache
+    for k in range(4):
+        training.make_loader(data.client(k).train, tokenizer, 8, 16, shuffle=False, cache_key=f"client-{k}")
+
+    # Assert: only the two most recent stay
+    assert list(training._TOKENIZED) == ["client-2", "client-3"]
