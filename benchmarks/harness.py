@@ -274,12 +274,14 @@ def settle(args: argparse.Namespace, name: str, quick: bool = False, repeat: int
 
 
 def _jsonable(value: Any) -> Any:
-    """Paths as strings (relative to the repository when inside it), dataclasses as dicts,
-    containers walked."""
+    """Paths as strings (relative to the repository when inside it, also when given as strings),
+    dataclasses as dicts, containers walked."""
     if is_dataclass(value) and not isinstance(value, type):
         return _jsonable(asdict(value))
     if isinstance(value, Path):
         return str(value.relative_to(ROOT)) if value.is_absolute() and value.is_relative_to(ROOT) else str(value)
+    if isinstance(value, str) and value.startswith(str(ROOT) + os.sep):
+        return value[len(str(ROOT)) + 1:]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -130,7 +130,8 @@ def test_arguments_and_default_paths() -> None:
 def test_record_holds_environment_raw_runs_and_summary(tmp_path: Path) -> None:
     measured, _ = measured_pair()
     comparison = harness.compare(measured, "cand", "base", "seconds")
-    args = argparse.Namespace(repeat=5, warmup=1, out=harness.ROOT / "runs" / "x.json", note="busy")
+    args = argparse.Namespace(repeat=5, warmup=1, out=harness.ROOT / "runs" / "x.json", note="busy",
+                              config=str(harness.ROOT / "configs" / "smoke.toml"))
     env = harness.environment(args.note)
     data = harness.record("demo", args, measured, comparison, "a=1 spread=2.000", {"k": 7}, env)
     path = harness.write_record(tmp_path / "deep" / "demo.json", data)
@@ -138,6 +139,7 @@ def test_record_holds_environment_raw_runs_and_summary(tmp_path: Path) -> None:
     assert back["benchmark"] == "demo" and back["last_line"] == "a=1 spread=2.000"
     assert back["repeat"] == 5 and back["warmup"] == 1 and back["extra"] == {"k": 7}
     assert back["arguments"]["out"] == "runs/x.json"  # paths inside the repository are stored relative
+    assert back["arguments"]["config"] == "configs/smoke.toml"  # also when given as strings
     assert back["samples"]["cand"] == [{"seconds": v, "double": 2 * v} for v in CAND[1:]]
     assert back["warmup_samples"]["base"] == [{"seconds": 100.0, "double": 200.0}]
     assert back["order"][:3] == [["base", -1], ["cand", -1], ["base", 0]]
