@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from fedlora.training import autocast
+from fedlora.training import autocast, cached_tokenized
 
 if TYPE_CHECKING:
     import datasets
@@ -84,9 +84,6 @@ def tokenize_instructions(dataset: datasets.Dataset, tokenizer: PreTrainedTokeni
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names)
 
 
-_TOKENIZED: dict[str, datasets.Dataset] = {}  # per-process cache: clients reuse their splits
-
-
 def make_causal_loader(
     dataset: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -102,12 +99,7 @@ def make_causal_loader(
     from torch.utils.data import DataLoader
     from transformers import DataCollatorForSeq2Seq
 
-    if cache_key is None:
-        encoded = tokenize_instructions(dataset, tokenizer, max_length)
-    else:
-        if cache_key not in _TOKENIZED:
-            _TOKENIZED[cache_key] = tokenize_instructions(dataset, tokenizer, max_length)
-        encoded = _TOKENIZED[cache_key]
+    encoded = cached_tokenized(cache_key, dataset, tokenizer, max_length, tokenize_instructions)
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 
     def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -67,14 +67,21 @@ TOKENIZED_CACHE_SIZE = 256  # tokenised splits kept per process (most recently u
 _TOKENIZED: collections.OrderedDict[str, datasets.Dataset] = collections.OrderedDict()
 
 
-def _cached_tokenized(key: str, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
-                      max_length: int) -> datasets.Dataset:
-    """Per-process cache: a client sampled again reuses its tokenised splits; bounded, so a
-    process serving many clients of a large federation does not keep every client's splits."""
+Tokenize = Callable[["datasets.Dataset", "PreTrainedTokenizerBase", int], "datasets.Dataset"]
+
+
+def cached_tokenized(key: str | None, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
+                     max_length: int, tokenize_fn: Tokenize = tokenize) -> datasets.Dataset:
+    """``tokenize_fn(dataset, tokenizer, max_length)`` through a per-process cache keyed by ``key``
+    (None: not cached): a client sampled again reuses its tokenised splits; bounded, so a process
+    serving many clients of a large federation does not keep every client's splits. The key must
+    name the split and everything its tokens depend on."""
+    if key is None:
+        return tokenize_fn(dataset, tokenizer, max_length)
     if key in _TOKENIZED:
         _TOKENIZED.move_to_end(key)
         return _TOKENIZED[key]
-    _TOKENIZED[key] = encoded = tokenize(dataset, tokenizer, max_length)
+    _TOKENIZED[key] = encoded = tokenize_fn(dataset, tokenizer, max_length)
     while len(_TOKENIZED) > TOKENIZED_CACHE_SIZE:
         _TOKENIZED.popitem(last=False)
     return encoded
@@ -94,11 +101,7 @@ def make_loader(
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
 
-    encoded = (
-        _cached_tokenized(cache_key, dataset, tokenizer, max_length)
-        if cache_key
-        else tokenize(dataset, tokenizer, max_length)
-    )
+    encoded = cached_tokenized(cache_key, dataset, tokenizer, max_length)
     encoded = encoded.add_column("index", list(range(len(encoded))))
     # transformers' collator pads per batch and renames ``label`` to ``labels``; ``index`` (the row
     # in ``dataset``) rides along for methods that track samples (FedDR-LoRA's split)

@@ -37,17 +37,19 @@ class InProcessGrid(Grid):
         }
         self._ids = itertools.count(1)
         self._replies: dict[str, Message] = {}
+        self._run = Run.create_empty(RUN_ID)
         TaskIdentity.run_id = RUN_ID
         TaskIdentity.node_id = SERVER_NODE_ID
         TaskIdentity.task_id = 0
 
-    def set_run(self, run: Run) -> None:  # pragma: no cover - not used by fedlora
-        """Nothing to set: there is one implicit run."""
+    def set_run(self, run: Run) -> None:
+        """Replace the run this grid reports (the in-process engine has exactly one)."""
+        self._run = run
 
     @property
-    def run(self) -> Run:  # pragma: no cover - not used by fedlora
-        """There is no Flower Run in process; fedlora never reads it."""
-        raise NotImplementedError("the in-process engine has no Flower Run object")
+    def run(self) -> Run:
+        """The one in-process run (run id :data:`RUN_ID`, no FAB: the apps are imported)."""
+        return self._run
 
     def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None) -> Message:
         return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
