@@ -6,31 +6,41 @@ is never copied), loads the downloaded factors (:func:`fedlora.models.load_paylo
 AdamW optimiser, then trains ``--steps`` local steps with fedlora's loop
 (:func:`fedlora.training.optimise` on :func:`fedlora.causal_lm.causal_lm_loss`). This script times
 exactly that, message after message, on client 0 of ``configs/llm.toml`` (SmolLM2-135M-Instruct,
-WordNet definitions):
+WordNet definitions), as two arms of :mod:`harness` (benchmarks/harness.py):
 
-- ``tokens_per_second``: input tokens (prompt + response, padding excluded) per second of the
-  training loop;
-- ``overhead_fraction``: (adapter swap + payload load + optimiser setup) / training-loop time of
-  the same message.
+- ``swap``: adapter swap + payload load + optimiser set-up of one message (``seconds``);
+- ``train``: that message's training loop (``seconds``, ``tokens``: input tokens, prompt +
+  response, padding excluded, and ``tokens_per_second``); its upload is the next message's
+  download.
 
-The first message also loads the base model and is reported apart (warm-up, one step); the figures
-are medians over the ``--messages`` that follow. It measures the CPU, and CUDA too when a GPU is
-present (bf16 there). The last line is ``tokens_per_second=<x> overhead_fraction=<y>`` of the last
-device measured (CUDA when present). Goal (GPU, 20 local steps): overhead_fraction <= 0.05.
+The harness runs them in message order, swap train swap train ..., after ``--warmup`` discarded
+messages (default 1: the first also loads the base model), ``--repeat`` times (default 5). Pair i is
+message i, so the ratio of the medians swap / train is the **overhead fraction**, and ``spread=`` is
+max / min of the per-message fractions. One device per run: ``--device`` (default ``cuda`` when
+a GPU is present, bf16 there, else ``cpu``). The last line is
+``tokens_per_second=<median> overhead_fraction=<ratio of medians> spread=<...>``; the JSON record
+(``benchmarks/results/llm_throughput-<device>.json`` by default) holds the machine and every
+message. Goal (GPU, 20 local steps): overhead_fraction <= 0.05.
 
-    python benchmarks/llm_throughput.py                      # SmolLM2, 20 steps, batch 8, 96 tokens
-    python benchmarks/llm_throughput.py --steps 5 --batch-size 4 --max-length 64 --messages 2   # CPU, quicker
+    python benchmarks/llm_throughput.py                      # SmolLM2, 20 steps, batch 8, 96 tokens, 5 messages
+    python benchmarks/llm_throughput.py --steps 4 --batch-size 4 --max-length 64 --repeat 3   # CPU, quicker
+    python benchmarks/llm_throughput.py --model tiny-llama --steps 2 --repeat 2              # seconds: a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]  # the repository, then benchmarks/ (for harness)
+
+import harness
 
 
 class CountingLoader:
@@ -40,7 +50,7 @@ class CountingLoader:
         self.loader = loader
         self.tokens = 0
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
             self.tokens += int(batch["attention_mask"].sum())
             yield batch
@@ -49,75 +59,116 @@ class CountingLoader:
         return len(self.loader)
 
 
-def measure(args: argparse.Namespace, device_name: str) -> tuple[float, float]:
-    """(median tokens / s, median overhead fraction) of ``args.messages`` messages on one device."""
-    import torch
+class Client:
+    """Client 0 of ``configs/llm.toml`` on one device, message after message.
 
-    from fedlora.causal_lm import causal_lm_loss, make_causal_loader
-    from fedlora.config import load_config
-    from fedlora.data import build_federated_data
-    from fedlora.models import adapter_payload, build_model, load_payload, load_tokenizer, resolve_device
-    from fedlora.training import optimise
+    :meth:`swap` and :meth:`train` are the two arms; they must alternate (the harness runs them in
+    that order within every pair), as a client's messages do.
+    """
 
-    config = load_config(ROOT / "configs/llm.toml", [f"model.path={args.model!r}", f"train.device={device_name!r}"])
-    device = resolve_device(device_name)
-    federated = build_federated_data(config.data)
-    tokenizer = load_tokenizer(config.model.path)
-    train_split = federated.client(0).train
-    payload: dict[str, Any] = {}
-    rates, fractions = [], []
-    for message in range(args.messages + 1):
-        steps = 1 if message == 0 else args.steps
-        loader = CountingLoader(make_causal_loader(train_split, tokenizer, args.batch_size, args.max_length,
-                                                   shuffle=True, seed=message, cache_key=f"bench|{args.max_length}"))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from fedlora.config import load_config
+        from fedlora.data import build_federated_data
+        from fedlora.models import load_tokenizer, resolve_device
+
+        self.torch = torch
+        self.args = args
+        self.config = load_config(ROOT / "configs/llm.toml",
+                                  [f"model.path={args.model!r}", f"train.device={args.device!r}"])
+        self.device = resolve_device(args.device)
+        self.federated = build_federated_data(self.config.data)
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.split = self.federated.client(0).train
+        self.payload: dict[str, Any] = {}
+        self.message = 0
+        self.model: Any = None
+        self.optimizer: Any = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def swap(self) -> dict[str, float]:
+        """A new message arrives: swap the adapter in, load the download, build the optimiser."""
+        from fedlora.models import build_model, load_payload
+
+        self._sync()
         started = time.perf_counter()
-        model = build_model(config.model, len(federated.label_names), config.model.lora_rank, seed=message,
-                            device=device_name)  # the adapter swap on the one base model
-        if payload:
-            load_payload(model, payload)  # the download
-        model.to(device).train()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.train.lr)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        overhead = time.perf_counter() - started
-        stats = optimise(model, loader, optimizer, epochs=100, max_steps=steps, loss_fn=causal_lm_loss,
-                         autocast_device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        payload = adapter_payload(model)  # the upload, which the next message downloads
-        rate, fraction = loader.tokens / stats.seconds, overhead / stats.seconds
-        label = "warm-up (loads the base model)" if message == 0 else f"message {message}"
-        print(f"{device.type} {label}: swap+optimiser {overhead:.3f} s, {stats.steps} steps in {stats.seconds:.2f} s, "
-              f"{loader.tokens} tokens, {rate:.1f} tokens/s, overhead fraction {fraction:.4f}", flush=True)
-        if message:
-            rates.append(rate)
-            fractions.append(fraction)
-    return statistics.median(rates), statistics.median(fractions)
+        self.model = build_model(self.config.model, len(self.federated.label_names), self.config.model.lora_rank,
+                                 seed=self.message, device=self.args.device)
+        if self.payload:
+            load_payload(self.model, self.payload)
+        self.model.to(self.device).train()
+        self.optimizer = self.torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                                lr=self.config.train.lr)
+        self._sync()
+        return {"seconds": time.perf_counter() - started}
+
+    def train(self) -> dict[str, float]:
+        """The message's local steps; its upload becomes the next message's download."""
+        from fedlora.causal_lm import causal_lm_loss, make_causal_loader
+        from fedlora.models import adapter_payload
+        from fedlora.training import optimise
+
+        if self.model is None:
+            raise RuntimeError("train before swap: the arms must alternate swap, train")
+        a = self.args
+        loader = CountingLoader(make_causal_loader(self.split, self.tokenizer, a.batch_size, a.max_length,
+                                                   shuffle=True, seed=self.message,
+                                                   cache_key=f"bench|{a.max_length}"))
+        self._sync()
+        stats = optimise(self.model, loader, self.optimizer, epochs=100, max_steps=a.steps,
+                         loss_fn=causal_lm_loss, autocast_device=self.device)
+        self._sync()
+        self.payload = adapter_payload(self.model)
+        self.model = self.optimizer = None
+        self.message += 1
+        return {"seconds": stats.seconds, "tokens": float(loader.tokens),
+                "tokens_per_second": loader.tokens / stats.seconds, "steps": float(stats.steps)}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="model.path: smollm2, tiny-llama or a local folder")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="one device per run; auto: cuda when a GPU is present, else cpu")
     parser.add_argument("--steps", type=int, default=20, help="local steps per message")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=96)
-    parser.add_argument("--messages", type=int, default=3, help="timed messages after the warm-up one")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    args = parser.parse_args()
+    harness.add_arguments(parser)
+    args = parser.parse_args(argv)
     import torch
 
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, "error: --device cuda, but torch sees no GPU\n")
+    if args.steps < 1 or args.batch_size < 1 or args.max_length < 8 or args.threads < 0:
+        parser.exit(2, "error: need --steps >= 1, --batch-size >= 1, --max-length >= 8, --threads >= 0\n")
+    harness.settle(args, f"llm_throughput-{args.device}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device in devices:
-        rate, fraction = measure(args, device)
-        name = torch.cuda.get_device_name(0) if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-        print(f"{device} ({name}): {args.model}, batch {args.batch_size} x <= {args.max_length} tokens, "
-              f"{args.steps} steps per message: tokens/s {rate:.1f}, overhead fraction {fraction:.4f}", flush=True)
-    print(f"tokens_per_second={rate:.1f} overhead_fraction={fraction:.4f}")
+    env = harness.environment(args.note)
+    client = Client(args)
+    measured = harness.run_interleaved({"swap": client.swap, "train": client.train},
+                                       repeat=args.repeat, warmup=args.warmup)
+    comparison = harness.compare(measured, "swap", "train", "seconds")
+    tokens = harness.describe(measured.samples["train"])["tokens_per_second"].median
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(harness.report(measured, comparison, digits=4))
+    print(f"{args.device} ({where}): {args.model}, batch {args.batch_size} x <= {args.max_length} tokens, "
+          f"{args.steps} steps per message, {args.repeat} messages after {args.warmup} warm-up")
+    last = f"tokens_per_second={tokens:.1f} overhead_fraction={comparison.ratio:.4f} spread={comparison.spread:.2f}"
+    extra = {"device_name": where, "threads": torch.get_num_threads()}
+    path = harness.write_record(args.out, harness.record("llm_throughput", args, measured, comparison, last,
+                                                         extra=extra, env=env))
+    print(f"record: {path}")
+    print(last)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

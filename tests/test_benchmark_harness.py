@@ -182,3 +182,35 @@ def test_aggregation_last_line_matches_its_record(tmp_path: Path, capsys: pytest
     pairs = [d / f for d, f in zip(dense, factor, strict=True)]
     assert float(values["spread"]) == pytest.approx(max(pairs) / min(pairs), abs=5e-3)
     assert back["extra"]["pushed_update_rel_diff"] < 1e-3  # both paths push the same rank-4 update
+
+
+def test_llm_throughput_runs_messages_through_the_harness(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Tiny random Llama, 2 steps a message: the arms alternate swap, train (a message each), the
+    overhead fraction is the ratio of the medians and the last line matches the record."""
+    llm = load("llm_throughput")
+    out = tmp_path / "llm.json"
+    argv = ["--model", "tiny-llama", "--device", "cpu", "--steps", "2", "--batch-size", "4", "--max-length", "32",
+            "--repeat", "3", "--warmup", "1", "--out", str(out)]
+    assert llm.main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    values = dict(item.split("=") for item in last.split())
+    assert set(values) == {"tokens_per_second", "overhead_fraction", "spread"}
+    back = json.loads(out.read_text())
+    assert back["last_line"] == last and back["benchmark"] == "llm_throughput"
+    assert back["order"] == [["swap", -1], ["train", -1]] + [[arm, i] for i in range(3) for arm in ("swap", "train")]
+    swap = [s["seconds"] for s in back["samples"]["swap"]]
+    train = back["samples"]["train"]
+    assert all(s["steps"] == 2 and s["tokens"] > 0 for s in train)
+    assert float(values["overhead_fraction"]) == pytest.approx(
+        statistics.median(swap) / statistics.median([s["seconds"] for s in train]), abs=5e-5)
+    assert float(values["tokens_per_second"]) == pytest.approx(
+        statistics.median(s["tokens"] / s["seconds"] for s in train), abs=0.05)
+    assert back["arguments"]["device"] == "cpu" and back["extra"]["threads"] >= 1
+
+
+def test_llm_throughput_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    llm = load("llm_throughput")
+    with pytest.raises(SystemExit) as stop:
+        llm.main(["--model", "tiny-llama", "--device", "cpu", "--steps", "0"])
+    assert stop.value.code == 2 and capsys.readouterr().err.strip().startswith("error: need --steps >= 1")
