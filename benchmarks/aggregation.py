@@ -19,7 +19,7 @@ machine. The last line is ``factor_seconds=<median> dense_seconds=<median> speed
 medians> spread=<max/min of the per-pair speedups>``.
 
     python benchmarks/aggregation.py                # 7B shape: 6 runs per arm; the dense SVD of one module
-                                                    # took 27 s on 2 idle cores (docs/results/baselines.md)
+                                                    # took 18 s on 2 idle cores (docs/results/baselines.md)
     python benchmarks/aggregation.py --quick        # 8 modules of 512 x 512, 5 clients of rank 8 (seconds)
 """
 

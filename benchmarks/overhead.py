@@ -34,7 +34,7 @@ line is ``plain_seconds=<median> fedlora_seconds=<median> ratio=<ratio of the me
 spread=<max/min of the per-pair ratios>`` on the steady-state rounds.
 
     python benchmarks/overhead.py --repeat 5     # MiniLM, 4 clients, 5 rounds: 6 runs per arm; one fedlora run
-                                                 # took 61 s on 2 idle cores (docs/results/overhead.md)
+                                                 # took 50 s on 2 idle cores (docs/results/overhead.md)
     python benchmarks/overhead.py --quick        # tiny BERT, in-process engine, 1 run each: a smoke test (~30 s)
 """
 
