@@ -32,8 +32,9 @@ class FedDRLoRA(LoRAStrategy):
     nl_target : {"complementary", "given"}, default "complementary"
         [RECON] NL on a random other label for every sample (standard negative learning), or on
         the suspect samples' given labels.
-    robust_loss : {"clean", "all"}, default "clean"
-        [RECON] CE of the robust branch on the clean samples only, or on all of them.
+    robust_loss : {"all", "clean"}, default "all"
+        [RECON] CE of the robust branch on all samples, or on the clean samples only ("clean"
+        collapsed in the fidelity scenario: f_r overfits the low-loss classes it already predicts).
     split : {"epoch", "batch"}, default "epoch"
         [RECON] 2-component GMM on per-sample CE of f_r over the local set per epoch, or per batch.
     clean_threshold : float, default 0.5

@@ -16,9 +16,10 @@ The method's home is ``fedlora/methods/feddr_lora.py`` (its [RECON] choices are 
 Local objective: ``warmup_rounds`` rounds of plain cross-entropy on f_r; afterwards a
 2-component Gaussian mixture on the per-sample CE of f_r splits the samples into clean D_c (the
 low-loss component, posterior > ``clean_threshold``) and suspect D_n, and the loss is
-mean CE(f_r on D_c) + beta * mean NL(f_n on all samples, complementary labels y-bar != y),
-NL(p, y) = -log(1 - p_y) (``nl_target = given``: NL on D_n with the given labels;
-``robust_loss = all``: CE of f_r on every sample).
+mean CE(f_r on all samples) + beta * mean NL(f_n on all samples, complementary labels y-bar != y),
+NL(p, y) = -log(1 - p_y). With these defaults the split is measured (its precision and recall are
+reported) but does not act; it acts with ``robust_loss = clean`` (CE of f_r on D_c only) or
+``nl_target = given`` (NL on D_n with the given labels).
 """
 
 from __future__ import annotations
