@@ -198,9 +198,11 @@ def test_tls_auth_deployment_two_silos_and_refused_supernodes(no_leftovers: Path
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(no_leftovers: Path) -> None:
-    # Prepare: a CLI deployment, interrupted once both SuperNodes are up
+    # Prepare: a CLI deployment, interrupted once both SuperNodes are up; the run is long (500
+    # rounds), so the interrupt cannot arrive after it has finished (2 rounds finished first on a
+    # loaded machine, and the CLI then rightly exited 0)
     out = no_leftovers / "run"
-    sets = [arg for item in TWO_SILOS for arg in ("--set", item)]
+    sets = [arg for item in [*TWO_SILOS, "train.rounds=500"] for arg in ("--set", item)]
     cli = subprocess.Popen(
         [FEDLORA, "deploy", "local", "configs/smoke.toml", "--nodes", "2", "--out", str(out), *sets],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
