@@ -596,6 +596,35 @@ def test_bad_fedhera_config_is_a_one_line_error(override: str, message: str) -> 
         load_config(ROOT / "configs/smoke.toml", ["strategy.name=fedhera", override])
 
 
+# size keys configs/fedhera.toml may cut; every other key must be the scenario's
+SIZE_KEYS = {
+    "data": {"max_examples", "num_clients", "global_test_size"},
+    "train": {"rounds"},
+    "federation": {"evaluate_every"},
+}
+
+
+def test_the_fedhera_config_is_the_fidelity_scenario_at_a_smaller_size() -> None:
+    # Prepare
+    small = load_config(ROOT / "configs/fedhera.toml").model_dump(mode="json")
+    scenario = load_config(ROOT / "configs/scenarios/fedhera.toml").model_dump(mode="json")
+    # Execute: every section a run's behaviour depends on, minus the size keys and the output folder
+    differences = {
+        f"{section}.{key}": (small[section].get(key), value)
+        for section, keys in scenario.items() if section != "output"
+        for key, value in keys.items()
+        if key not in SIZE_KEYS.get(section, set()) and small[section].get(key) != value
+    }
+    # Assert: the same method choices (tiers, budgets, head, partition, local training, options);
+    # smaller, and still tiered: each tier holds at least one client
+    assert differences == {}
+    assert small["data"]["num_clients"] < scenario["data"]["num_clients"]
+    assert small["train"]["rounds"] < scenario["train"]["rounds"]
+    config = load_config(ROOT / "configs/fedhera.toml")
+    budgets = {resolve_profile(config, {"partition-id": i}).budgets["download"] for i in range(config.data.num_clients)}
+    assert len(budgets) == 3
+
+
 # ------------------------------------------------------------------------- end to end
 
 
