@@ -13,7 +13,8 @@ generation and ROUGE-L (client side, and the server's global evaluation).
   batch-wide token mean, as Hugging Face computes it, mixes the examples' token counts into every
   per-sample gradient).
 - **Evaluation**: token-level loss (total response NLL / response tokens) and its perplexity on
-  the whole split; ROUGE-L F1 (the ``rouge-score`` package, Porter stemming) of greedy generations
+  the whole split; teacher-forced next-token accuracy (the argmax at position t equals response
+  token t + 1; the received-model metric, no generation); ROUGE-L F1 (the ``rouge-score`` package, Porter stemming) of greedy generations
   (``train.max_new_tokens`` tokens) on the first ``train.rouge_examples`` instructions.
 """
 
@@ -176,17 +177,41 @@ def generate(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
     return [text.strip() for text in outputs]
 
 
-def response_loss(model: Any, loader: DataLoader[Any], device: torch.device) -> tuple[float, int]:
-    """(mean NLL per response token, response tokens) over a loader, in eval mode without gradients."""
+def token_hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per example, how many labelled tokens the argmax predicts (position t predicts token t + 1);
+    ``logits`` (batch, seq, vocab), ``labels`` (batch, seq) with -100 where there is no loss."""
+    shifted = labels[:, 1:]  # (batch, seq - 1)
+    return ((logits[:, :-1].argmax(-1) == shifted) & (shifted != IGNORE_INDEX)).sum(1)
+
+
+@dataclass
+class TeacherForced:
+    """A split scored with teacher forcing (no generation)."""
+
+    loss: float  # mean NLL per response token
+    accuracy: float  # fraction of response tokens whose argmax prediction is right
+    tokens: int  # response tokens scored
+
+
+def teacher_forced(model: Any, loader: DataLoader[Any], device: torch.device) -> TeacherForced:
+    """Loss and next-token accuracy per response token over a loader, in eval mode without gradients."""
     import torch
 
     model.to(device).eval()
-    total, tokens = 0.0, 0
+    total, hits, tokens = 0.0, 0, 0
     with torch.no_grad(), autocast(device):
         for batch in loader:
-            nll, count = token_losses(*response_logits(model, batch, device))
+            logits, labels = response_logits(model, batch, device)
+            nll, count = token_losses(logits, labels)
             total, tokens = total + float(nll.sum()), tokens + int(count.sum())
-    return (total / tokens if tokens else math.nan), tokens
+            hits += int(token_hits(logits, labels).sum())
+    return TeacherForced(total / tokens if tokens else math.nan, hits / tokens if tokens else math.nan, tokens)
+
+
+def response_loss(model: Any, loader: DataLoader[Any], device: torch.device) -> tuple[float, int]:
+    """(mean NLL per response token, response tokens) over a loader, in eval mode without gradients."""
+    scored = teacher_forced(model, loader, device)
+    return scored.loss, scored.tokens
 
 
 def evaluate_generation(

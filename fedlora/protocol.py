@@ -37,6 +37,9 @@ TRAIN_SECONDS = "train-seconds"
 TRAIN_EXAMPLES = "train-examples"
 RECEIVED_ACCURACY = "received-accuracy"
 RECEIVED_EXAMPLES = "received-examples"
+RECEIVED_TOKEN_ACCURACY = "received-token-accuracy"  # causal LM: teacher-forced next-token accuracy
+RECEIVED_LOSS = "received-loss"  # causal LM: NLL per response token
+RECEIVED_TOKENS = "received-tokens"  # causal LM: response tokens scored (the weights of both)
 
 
 def wire_size(message: Message) -> int:

@@ -10,7 +10,9 @@ reports ``global_rouge_l`` (ROUGE-L F1 of the global model's greedy generations 
 test instructions), ``global_loss`` / ``global_perplexity`` (per response token), the personalised
 ``personalized_rouge_l`` (example-weighted over the clients' local tests) and its
 ``_unweighted`` / ``_worst`` / ``_p10``, ``personalized_loss`` / ``personalized_perplexity``
-(token-weighted) and ``validation_loss`` (which picks ``best_round``). Its ``rounds`` start with
+(token-weighted), ``validation_loss`` (which picks ``best_round``) and, on evaluation rounds,
+``received_token_accuracy`` / ``received_loss`` (each sampled client's model as received, before
+local training, on its local test split, teacher-forced; token-weighted). Its ``rounds`` start with
 round 0: the zero-shot model (the initial adapter, B = 0) on the global test set.
 """
 
@@ -46,6 +48,8 @@ class RoundRecord:
     validation_accuracy: float = math.nan  # example-weighted mean on the clients' validation parts
     received_accuracy: float = math.nan  # sampled clients' received models on their local test, before training
     received_accuracy_unweighted: float = math.nan  # same, plain mean over clients
+    received_token_accuracy: float = math.nan  # causal LM: the same received models, teacher-forced next-token accuracy
+    received_loss: float = math.nan  # causal LM: their NLL per response token (both token-weighted over clients)
     train_loss: float = math.nan
     # causal LMs (model.kind = 'causal_lm'); NaN for classification
     global_rouge_l: float = math.nan  # global model's greedy generations on the global test set, ROUGE-L F1

@@ -472,7 +472,13 @@ def _reject(record: RoundRecord, partition: int, reason: str) -> None:
 def _note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:
     """Received accuracy: each sampled client's model as it received it (the download overlaid on
     its kept state; FedHera's tail scaled by lambda), on its local test split, before local
-    training (FedHera's official metric; evaluation rounds only)."""
+    training (FedHera's official metric; evaluation rounds only). A causal LM's is teacher-forced:
+    token accuracy and loss per response token, token-weighted over the clients."""
+    scored = [u.metrics for u in uploads if protocol.RECEIVED_TOKEN_ACCURACY in u.metrics]
+    if scored:
+        tokens = np.array([r[protocol.RECEIVED_TOKENS] for r in scored])
+        record.received_token_accuracy = float(np.average([r[protocol.RECEIVED_TOKEN_ACCURACY] for r in scored], weights=tokens))
+        record.received_loss = float(np.average([r[protocol.RECEIVED_LOSS] for r in scored], weights=tokens))
     rows = [u.metrics for u in uploads if protocol.RECEIVED_ACCURACY in u.metrics]
     if not rows:
         return

@@ -40,10 +40,12 @@ from fedlora.methods.fedhera import (
     allocate_download,
     allocate_training,
     push_round_of,
+    round_summary,
     scale_tail,
     scored_round_of,
     spectral_push,
     tail_lambda,
+    tier_label,
 )
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase
@@ -96,8 +98,9 @@ class FedHera(LoRAStrategy):
         Per-round decay of a client's remembered alignment score.
     time_unit, memory_unit : float, default 1.0
         t_unit and m_unit: a column of module l costs (d_out + d_in) * unit.
-    min_rank : int, default 1
-        [RECON] Smallest r_tot / r_main of any module (peft needs r >= 1).
+    min_rank : int, default 0
+        Smallest r_tot / r_main of any module: 0 official (r_main = 0: frozen on that client;
+        r_tot = 0: not adapted there, nothing sent); [RECON] 1 the earlier floor.
     initial_rank : int, default 0
         Round-1 rank of every module of every client; 0 = model.lora_rank (official).
     initial_budget : {'ignore', 'fit'}, default 'ignore'
@@ -110,7 +113,9 @@ class FedHera(LoRAStrategy):
     the server learns them by query. A budget not declared defaults to what a uniform adapter at
     the client's declared rank costs (so a plain rank-r client behaves as r_tot = r_main = r).
 
-    Upload: all of A and B at the client's r_tot (frozen tail included) and the head.
+    Upload: all of A and B at the client's r_tot (frozen tail included) and the head; a module
+    with r_tot = 0 is neither downloaded nor uploaded, and counts as a zero term (the client's
+    adapter there is zero) with the client's weight in 'original', as no term in 'unbiased'.
 
     Aggregation: per module, the thin SVD of G = sum_i w_i s_i B_i A_i (or the 'unbiased'
     update) in factor space, w_i = n_i / sum n; the head is averaged (FedAvg). Each upload's
@@ -160,7 +165,8 @@ class FedHera(LoRAStrategy):
         if problem or unknown:
             return problem or f"unknown budgets {unknown} (FedHera reads {list(BUDGET_KEYS)})"
         budgets = self.budgets_of(profile)
-        rank = self.options.initial_rank if self.options.initial_budget == "fit" else 0
+        # 'fit' needs a round-1 rank >= 1 on every module; otherwise only the floor (and the head) must fit
+        rank = max(self.options.initial_rank, 1) if self.options.initial_budget == "fit" else 0
         rank = max(rank, self.options.min_rank)
         if not self.uniform_rank_fits(budgets, rank):
             return f"budgets {budgets} cannot afford rank {rank} on every module (plus the head)"
@@ -172,7 +178,7 @@ class FedHera(LoRAStrategy):
         self.initial_rank = self.options.initial_rank or self.experiment.model.lora_rank
         if self.options.initial_budget == "fit":
             self.initial_rank = max(
-                r for r in range(self.options.min_rank, max(self.initial_rank, self.options.min_rank) + 1)
+                r for r in range(max(self.options.min_rank, 1), max(self.initial_rank, self.options.min_rank, 1) + 1)
                 if all(self.uniform_rank_fits(b, r) for b in self.budgets.values())
             )
         self.max_rank = {m: min(shape) for m, shape in self.module_shapes.items()}
@@ -182,14 +188,29 @@ class FedHera(LoRAStrategy):
         self.pushes: dict[tuple[int, int], Push] = {}  # (partition, round) -> what it got
         self.violations = 0
         self.allocation_rng = np.random.default_rng([self.experiment.train.seed, 7])  # 'random' ablation
+        self.tiers = {p: self.tier_of(profile) for p, profile in self.roster.profiles.items()}
+        self.sent: dict[int, list[int]] = {}  # round -> partitions sent a training message
         self._global: Payload | None = None
         log(INFO, "setup: FedHera initial rank %d, budgets %s", self.initial_rank, dict(sorted(self.budgets.items())))
 
+    def tier_of(self, profile: ClientProfile) -> str:
+        """The budget tier a client's declared budgets match (clients.budget_tiers, by name), for
+        the round records; 'custom' when they match none (a node config override), 'all' when
+        no tiers are configured."""
+        tiers = self.experiment.clients.budget_tiers
+        if not tiers:
+            return "all"
+        for index, tier in enumerate(tiers):
+            if tier.budgets() == profile.budgets:
+                return tier_label(tier.name, index)
+        return "custom"
+
     # ---------------------------------------------------------------- download
     def allocate(self, partition: int) -> tuple[dict[str, int], dict[str, int]]:
-        """(r_tot, r_main) of client ``partition`` under its budgets and the current spectrum of G."""
+        """(r_tot, r_main) of client ``partition`` under its budgets and the current spectrum of G,
+        the modules in the model's order (the official order, which breaks ties)."""
         assert self.G is not None
-        spectra = {m: G.S for m, G in self.G.items()}
+        spectra = {m: self.G[m].S for m in self.module_shapes}
         budgets, opts = self.budgets[partition], self.options
         column_bytes = {m: c * BYTES_PER_PARAM for m, c in self.column_params.items()}
         r_tot = allocate_download(
@@ -199,7 +220,7 @@ class FedHera(LoRAStrategy):
             spectra, r_tot,
             {m: c * opts.time_unit for m, c in self.column_params.items()},
             {m: c * opts.memory_unit for m, c in self.column_params.items()},
-            budgets.time, budgets.memory, opts.min_rank, opts.allocation, self.allocation_rng,
+            budgets.time, budgets.memory, opts.min_rank, opts.allocation,
         )
         return (dict(r_main) if opts.coupled else r_tot), r_main
 
@@ -217,6 +238,8 @@ class FedHera(LoRAStrategy):
         if key not in self.pushes:
             self.pushes[key] = self._push(partition, server_round)
         push = self.pushes[key]
+        if phase == "train":
+            self.sent.setdefault(server_round, []).append(partition)
         if push.budget_applies and push.bytes > self.budgets[partition].download:
             self.violations += 1
             log(WARNING, "download: client %d gets %d bytes over its budget %.0f",
@@ -236,6 +259,8 @@ class FedHera(LoRAStrategy):
         rng = np.random.default_rng([self.experiment.train.seed, server_round, partition])
         factors = {}
         for m, G in self.G.items():
+            if r_tot[m] == 0:  # not adapted on this client: nothing to send
+                continue
             missing = max(r_tot[m] - len(G.S), 0)
             fresh = kaiming_rows(missing, G.Vt.shape[1], rng) if self.options.fresh_components else None
             factors[m] = spectral_push(G, r_tot[m], lora_scale(alpha, r_tot[m]), fresh)
@@ -254,6 +279,8 @@ class FedHera(LoRAStrategy):
         push = self.pushes[(partition, server_round)]
         shapes: dict[str, tuple[int, ...]] = {}
         for m, (d_out, d_in) in self.module_shapes.items():
+            if push.r_tot[m] == 0:  # not adapted: not uploaded
+                continue
             shapes[m + A_SUFFIX] = (push.r_tot[m], d_in)
             shapes[m + B_SUFFIX] = (d_out, push.r_tot[m])
         if self.sends_head:
@@ -267,7 +294,7 @@ class FedHera(LoRAStrategy):
         updates, starts = [], []
         for u in uploads:
             push = self.pushes[(u.partition_id, server_round)]
-            scales = {m: lora_scale(alpha, r) for m, r in push.r_tot.items()}
+            scales = {m: lora_scale(alpha, r) for m, r in push.r_tot.items() if r > 0}
             updates.append(scaled(split_payload(u.payload)[0], scales))
             start = split_payload(push.payload)[0]
             if self.options.unbiased_reference == "start":
@@ -276,12 +303,13 @@ class FedHera(LoRAStrategy):
         if self.options.aggregation == "unbiased":
             self.G = aggregate_unbiased(self.G or self._initial_G(), updates, starts, weights)
         else:
-            self.G = aggregate_original(updates, weights)
+            self.G = aggregate_original(updates, weights, self.module_shapes)
         self.head = self.averaged_head(uploads, weights, self.head)
         for u, update in zip(uploads, updates):
             self.scores[u.partition_id] = (alignment_score(update, self.G), scored_round_of(server_round))
         self._global = None
         self.pushes = {k: v for k, v in self.pushes.items() if k[1] >= server_round}
+        self.sent = {r: p for r, p in self.sent.items() if r >= server_round}
 
     def _initial_G(self) -> dict[str, LowRankSVD]:
         """G before any aggregation: s B0 A0 of the initial adapter (zero with kaiming init)."""
@@ -300,6 +328,9 @@ class FedHera(LoRAStrategy):
         return self._global
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
+        """Per sampled client its download, budget, ranks (summed over modules) and lambda under
+        ``fedhera``; flat numeric keys per budget tier (:func:`fedhera.round_summary`)."""
+        sampled = {p: self.pushes[(p, server_round)] for p in sorted(set(self.sent.get(server_round, [])))}
         rows = {
             str(partition): {
                 "download_bytes": push.bytes,
@@ -309,8 +340,11 @@ class FedHera(LoRAStrategy):
                 "lambda": push.lam,
                 "budget_applies": push.budget_applies,
             }
-            for (partition, rnd), push in sorted(self.pushes.items())
-            if rnd == server_round
+            for partition, push in sampled.items()
         }
+        tiers: dict[str, list[tuple[dict[str, int], dict[str, int]]]] = {}
+        for partition, push in sampled.items():
+            tiers.setdefault(self.tiers.get(partition, "custom"), []).append((push.r_tot, push.r_main))
+        lambdas = [push.lam for push in sampled.values()] if self.options.atw else None
         violations, self.violations = self.violations, 0
-        return {"fedhera": {"clients": rows, "budget_violations": violations}}
+        return {"fedhera": {"clients": rows, "budget_violations": violations}, **round_summary(tiers, lambdas)}

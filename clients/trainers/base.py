@@ -22,6 +22,7 @@ from fedlora.causal_lm import (
     evaluate_generation,
     make_causal_loader,
     response_loss,
+    teacher_forced,
 )
 from fedlora.data import ClientData, FederatedData
 from fedlora.lora import Payload, from_array_record, to_array_record, without_head
@@ -207,10 +208,15 @@ class LocalTrainer:
 
     def received_metrics(self, model: PeftModel) -> dict[str, float]:
         """``received-accuracy`` / ``-examples``: the model as received (before local training) on
-        the local test split (FedHera's official metric). Not measured for a causal LM (it would
-        add a generation pass to every training message)."""
+        the local test split (FedHera's official metric). A causal LM reports it teacher-forced,
+        as the official code does (no generation): ``received-token-accuracy`` and
+        ``received-loss`` per response token, weighted by ``received-tokens``."""
         if self.causal:
-            return {}
+            scored = teacher_forced(model, self.loader(self.job.data.test, "test"), self.device)
+            if not scored.tokens:
+                return {}
+            return {protocol.RECEIVED_TOKEN_ACCURACY: scored.accuracy, protocol.RECEIVED_LOSS: scored.loss,
+                    protocol.RECEIVED_TOKENS: float(scored.tokens)}
         test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
         if not math.isfinite(test.accuracy):
             return {}

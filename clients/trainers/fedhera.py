@@ -7,6 +7,11 @@ r_main: of A, columns r_main: of B) by sqrt(lambda), and trains with *prefix gat
 every backward the gradients outside A[:r_main, :] and B[:, :r_main] are zeroed, so with weight
 decay 0 the tail never moves but still acts in the forward pass as a frozen reference. It
 uploads all of A and B (tail included) and the head.
+
+A module with r_main = 0 is frozen on this client (official ``apply_lora_prefix_mask``: a zero
+mask); one with r_tot = 0 is not adapted here: the server sends nothing for it (r_tot travels in
+the config), the client holds a zero rank-1 placeholder (peft cannot build a rank-0 layer;
+A = B = 0 changes nothing and gets no gradient) and does not upload it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar, cast
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import Payload, head_only, join_payload, split_payload
+from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, join_payload, split_payload
 from fedlora.methods.fedhera import LAMBDA_KEY, R_MAIN_KEY, R_TOT_KEY, scale_tail
 from fedlora.models import PEFT_PREFIX, load_payload
 
@@ -54,17 +59,20 @@ class FedHeraTrainer(LocalTrainer):
     strategy_names: ClassVar[tuple[str, ...]] = ("fedhera",)
 
     def model_rank(self) -> int | dict[str, int]:
-        return self.r_tot
+        return {m: max(r, 1) for m, r in self.r_tot.items()}  # r_tot = 0: a rank-1 zero placeholder
 
     def prepare(self, download: Payload) -> PeftModel:
         """A fresh adapter at r_tot per module with the push loaded and its tail scaled."""
+        import torch
+
         factors, extras = split_payload(download)
-        self.r_tot = {m: f.rank for m, f in factors.items()}
+        received = {m: f.rank for m, f in factors.items()}
         config = self.job.message_config
+        declared: dict[str, int] = json.loads(str(config.get(R_TOT_KEY, "{}"))) or dict(received)
+        if {m: r for m, r in declared.items() if r > 0} != received:
+            raise ValueError(f"fedhera: download ranks {received} differ from the announced r_tot {declared}")
+        self.r_tot = declared
         self.r_main: dict[str, int] = json.loads(str(config.get(R_MAIN_KEY, "{}"))) or dict(self.r_tot)
-        declared = json.loads(str(config.get(R_TOT_KEY, "{}")))
-        if declared and declared != self.r_tot:
-            raise ValueError(f"fedhera: download ranks {self.r_tot} differ from the announced r_tot {declared}")
         lam = float(config.get(LAMBDA_KEY, 1.0))
         model = self.build()
         local_head = head_only(self.local_state())
@@ -72,10 +80,25 @@ class FedHeraTrainer(LocalTrainer):
             load_payload(model, local_head)
         load_payload(model, join_payload(scale_tail(factors, self.r_main, lam), extras))
         self.gated = prefix_parameters(model)
+        with torch.no_grad():
+            for m in self.unadapted:
+                A, B = self.gated[m]
+                A.zero_()
+                B.zero_()
         return model
+
+    @property
+    def unadapted(self) -> list[str]:
+        """Modules with r_tot = 0 on this client (nothing received, nothing trained or sent)."""
+        return [m for m, r in self.r_tot.items() if r == 0]
 
     def after_backward(self, model: PeftModel) -> None:
         gate_prefix(self.gated, self.r_main)
+
+    def upload(self, model: PeftModel) -> Payload:
+        """A and B of every adapted module (frozen ones included) and the head."""
+        dropped = {m + suffix for m in self.unadapted for suffix in (A_SUFFIX, B_SUFFIX)}
+        return {k: v for k, v in super().upload(model).items() if k not in dropped}
 
     def keep(self, model: PeftModel) -> Payload:
         """Only the head stays (the LoRA ranks change every round; the push replaces them)."""

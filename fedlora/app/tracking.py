@@ -51,6 +51,8 @@ ROUND_METRICS: dict[str, str] = {
     "personalized_loss": "loss/personalised",
     "personalized_perplexity": "perplexity/personalised",
     "validation_loss": "loss/validation",
+    "received_token_accuracy": "accuracy/received_token",
+    "received_loss": "loss/received",
     "bytes_up": "bytes/up",
     "bytes_down": "bytes/down",
     "wire_bytes_up": "bytes/wire_up",

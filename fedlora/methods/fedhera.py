@@ -11,6 +11,7 @@ per adapted module); the protocol is ``strategies/fedhera.py``, the client step
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -53,8 +54,11 @@ class FedHeraOptions(MethodOptions):
     )
     allocation: Allocation = Field(
         "greedy",
-        description="How budgets become ranks: 'greedy' water-filling on sigma^2 / cost (paper); "
-        "ablations 'uniform' (one column per module in turn) and 'random' (seeded).",
+        description="How budgets become ranks (official --ablation): 'greedy' water-filling on "
+        "sigma^2 / cost (rank_allocator.py); ablations 'uniform' (every module at the largest "
+        "affordable common rank, r_main capped by T and M alike) and 'random' (columns to "
+        "uniformly drawn affordable modules, seeded by train.seed here, unseeded there; r_main "
+        "as in 'uniform').",
     )
     coupled: bool = Field(
         False, description="Ablation: r_tot = r_main (download only what is trained, no frozen tail)."
@@ -72,7 +76,17 @@ class FedHeraOptions(MethodOptions):
     )
     time_unit: float = Field(1.0, gt=0.0, description="t_unit: time units per trained parameter.")
     memory_unit: float = Field(1.0, gt=0.0, description="m_unit: memory units per trained parameter.")
-    min_rank: int = Field(1, ge=1, description="[RECON] Smallest r_tot and r_main of any module.")
+    min_rank: int = Field(
+        0,
+        ge=0,
+        description="Smallest r_tot and r_main of any module. 0 (official rank_allocator.py: both "
+        "greedy passes start every module at 0): a module with r_main = 0 is frozen on that "
+        "client (its downloaded columns act in the forward pass, untrained, and go back up "
+        "unchanged), one with r_tot = 0 is not adapted there (nothing downloaded or uploaded; "
+        "peft cannot build a rank-0 layer, so the client holds a zero rank-1 placeholder, "
+        "A = B = 0, frozen, never sent). [RECON] 1: every module downloaded and trained at rank "
+        ">= 1 (fedlora's earlier default).",
+    )
     initial_rank: int = Field(
         0,
         ge=0,
@@ -99,13 +113,23 @@ class FedHeraOptions(MethodOptions):
 # --------------------------------------------------------------------------------------------
 
 
-def aggregate_original(updates: Sequence[Mapping[str, Factors]], weights: Sequence[float]) -> dict[str, LowRankSVD]:
-    """G^l = sum_i w_i s_i B_i A_i per module (``updates`` already scaled), as its thin SVD."""
-    modules = updates[0].keys()
-    return {
-        m: trim(factor_svd([u[m].B for u in updates], [u[m].A for u in updates], weights))
-        for m in modules
-    }
+def empty_svd(d_out: int, d_in: int) -> LowRankSVD:
+    """G = 0 of a (d_out, d_in) module: no components."""
+    return LowRankSVD(np.zeros((d_out, 0)), np.zeros(0), np.zeros((0, d_in)))
+
+
+def aggregate_original(
+    updates: Sequence[Mapping[str, Factors]], weights: Sequence[float], shapes: Mapping[str, tuple[int, int]]
+) -> dict[str, LowRankSVD]:
+    """G^l = sum_i w_i s_i B_i A_i per module of ``shapes`` (``updates`` already scaled), as its
+    thin SVD. An upload without module l (its client had r_tot^l = 0: no adapter there) is a zero
+    term, its weight w_i unchanged (the weights are normalised over all uploads)."""
+    out = {}
+    for m, (d_out, d_in) in shapes.items():
+        terms = [(u[m], w) for u, w in zip(updates, weights) if m in u]
+        out[m] = trim(factor_svd([f.B for f, _ in terms], [f.A for f, _ in terms], [w for _, w in terms])) if terms \
+            else empty_svd(d_out, d_in)
+    return out
 
 
 def aggregate_unbiased(
@@ -116,36 +140,44 @@ def aggregate_unbiased(
 ) -> dict[str, LowRankSVD]:
     """G^l = G_prev^l + sum_i w_i (dW_i - dW_i,init), all scaled factors, as its thin SVD.
 
-    The subtraction travels as negative weights through :func:`factor_svd` (factor space).
+    The subtraction travels as negative weights through :func:`factor_svd` (factor space). A
+    client without module l (r_tot^l = 0) neither received nor trained it: no term.
     """
     out = {}
     for m, G in previous.items():
-        Bs = [G.U * G.S] + [u[m].B for u in updates] + [s[m].B for s in starts]  # (d_out, r) each
-        As = [G.Vt] + [u[m].A for u in updates] + [s[m].A for s in starts]  # (r, d_in) each
-        w = [1.0, *weights, *(-np.asarray(weights))]
+        Bs, As, w = [G.U * G.S], [G.Vt], [1.0]  # (d_out, r), (r, d_in)
+        for u, s, wi in zip(updates, starts, weights):
+            if m in u:
+                Bs += [u[m].B, s[m].B]
+                As += [u[m].A, s[m].A]
+                w += [wi, -wi]
         out[m] = trim(factor_svd(Bs, As, w))
     return out
 
 
 # --------------------------------------------------------------------------------------------
-# server: water-filling rank allocation
+# server: water-filling rank allocation (official fed_utils/rank_allocator.py)
 # --------------------------------------------------------------------------------------------
 
+GAIN_FLOOR_BYTES = 1e-9  # official allocate_r_tot_for_client: gain = energy / max(cost, 1e-9)
+GAIN_FLOOR_COST = 1e-12  # official allocate_r_main_for_client: gain = sigma^2 / max(unit_cost, 1e-12)
+PRESSURE_FLOOR = 1e-9  # official: T_left / T as max(T_left, 1e-9) / max(T, 1e-9)
 
-def next_sigma(spectrum: np.ndarray, rank: int) -> float:
-    """sigma_{r+1}: the singular value the next column would carry (0 past the spectrum)."""
-    return float(spectrum[rank]) if rank < len(spectrum) else 0.0
+
+def next_energy(spectrum: np.ndarray, rank: int) -> float:
+    """sigma_{r+1}^2: the energy the next column would carry (0 past the numerical spectrum; the
+    official dense SVD has min(d_out, d_in) values there, ~0)."""
+    return float(spectrum[rank]) ** 2 if rank < len(spectrum) else 0.0
 
 
-def _pick(
-    candidates: list[str], gains: Mapping[str, float], ranks: Mapping[str, int], policy: Allocation, rng: np.random.Generator
-) -> str:
-    """The module that gets the next column: best gain (greedy), smallest rank (uniform), or any."""
-    if policy == "random":
-        return candidates[int(rng.integers(len(candidates)))]
-    if policy == "uniform":
-        return min(candidates, key=lambda m: ranks[m])  # ties: module order
-    return max(candidates, key=lambda m: (gains[m], -ranks[m]))  # ties: spread evenly
+def best_module(candidates: list[str], gains: Mapping[str, float]) -> str:
+    """The official comparison (``if gain > best``, candidates in module order): the largest gain,
+    ties to the first module in order."""
+    best = candidates[0]
+    for m in candidates[1:]:
+        if gains[m] > gains[best]:
+            best = m
+    return best
 
 
 def allocate_download(
@@ -157,29 +189,58 @@ def allocate_download(
     policy: Allocation = "greedy",
     rng: np.random.Generator | None = None,
 ) -> dict[str, int]:
-    """r_tot per module: start at ``min_rank``, then repeatedly add a column to the module with
-    the largest sigma_{l, r_l+1}^2 / bytes_l among those still affordable, until none is.
+    """r_tot per module (``spectra`` in the model's module order).
 
+    'greedy' (official ``allocate_r_tot_for_client``): every module starts at ``min_rank`` (0
+    officially); then, while some module below its ``max_rank`` can still afford a column
+    (spent + bytes_l <= ``budget``), the one with the largest sigma_{l, r_l+1}^2 / bytes_l gets
+    it (ties: the first in module order). 'random' (official ``_random_allocation``): the column
+    goes to a uniformly drawn affordable module. 'uniform' (official ``_uniform_allocation``):
+    every module at floor(budget / sum_l bytes_l), capped at its ``max_rank``.
     ``column_bytes[l]`` = (d_out + d_in) * bytes_per_param; the total never exceeds ``budget``.
     """
     rng = rng or np.random.default_rng(0)
+    if policy == "uniform":
+        cap = int(budget // max(sum(column_bytes.values()), 1))
+        return {m: min(max(cap, min_rank), max_rank[m]) for m in spectra}  # min_rank: affordable (check_profile)
     ranks = {m: min_rank for m in spectra}
-    left = budget - sum(min_rank * column_bytes[m] for m in spectra)
-    if left < 0:
+    spent = float(sum(min_rank * column_bytes[m] for m in spectra))
+    if spent > budget:
         raise ValueError(f"download budget {budget} cannot afford rank {min_rank} on every module")
     while True:
-        candidates = [m for m in spectra if ranks[m] < max_rank[m] and column_bytes[m] <= left]
+        candidates = [m for m in spectra if ranks[m] < max_rank[m] and spent + column_bytes[m] <= budget]
         if not candidates:
             return ranks
-        gains = {m: next_sigma(spectra[m], ranks[m]) ** 2 / column_bytes[m] for m in candidates}
-        chosen = _pick(candidates, gains, ranks, policy, rng)
+        if policy == "random":
+            chosen = candidates[int(rng.integers(len(candidates)))]
+        else:
+            gains = {m: next_energy(spectra[m], ranks[m]) / max(column_bytes[m], GAIN_FLOOR_BYTES) for m in candidates}
+            chosen = best_module(candidates, gains)
         ranks[chosen] += 1
-        left -= column_bytes[chosen]
+        spent += column_bytes[chosen]
 
 
-def _pressure(budget: float, left: float) -> float:
-    """T / T_left (1 for an undeclared, infinite budget)."""
-    return 1.0 if math.isinf(budget) else budget / max(left, 1e-300)
+def pressure_weights(time_budget: float, time_left: float, memory_budget: float, memory_left: float) -> tuple[float, float]:
+    """(a, b) of the official r_main pass: with p_T = T / T_left and p_M = M / M_left (each ratio
+    floored at 1e-9 as there; 1 for an undeclared, infinite budget), a = p_T / (p_T + p_M) and
+    b = p_M / (p_T + p_M): the scarcer resource weighs more."""
+
+    def pressure(budget: float, left: float) -> float:
+        if math.isinf(budget):
+            return 1.0
+        return 1.0 / (max(left, PRESSURE_FLOOR) / max(budget, PRESSURE_FLOOR))
+
+    p_time, p_memory = pressure(time_budget, time_left), pressure(memory_budget, memory_left)
+    total = p_time + p_memory
+    return p_time / total, p_memory / total
+
+
+def uniform_training_cap(column_time: Mapping[str, float], column_memory: Mapping[str, float],
+                         time_budget: float, memory_budget: float) -> float:
+    """The official ablations' r_main cap: min(T // sum_l c_time_l, M // sum_l c_mem_l)."""
+    caps = [budget // max(sum(costs.values()), 1) for budget, costs in ((time_budget, column_time), (memory_budget, column_memory))
+            if not math.isinf(budget)]
+    return min(caps, default=math.inf)
 
 
 def allocate_training(
@@ -191,32 +252,37 @@ def allocate_training(
     memory_budget: float,
     min_rank: int,
     policy: Allocation = "greedy",
-    rng: np.random.Generator | None = None,
 ) -> dict[str, int]:
-    """r_main^l <= r_tot^l: the same water-filling under the time budget T and memory budget M.
+    """r_main^l <= r_tot^l (``spectra`` in the model's module order).
 
-    A column of module l costs c_time_l and c_mem_l; it is ranked by sigma^2 / (a c_time_l +
-    b c_mem_l) with a = (T/T_left) / ((T/T_left) + (M/M_left)), b = 1 - a (the scarcer resource
-    weighs more), and added only while both totals stay within T and M.
+    'greedy' (official ``allocate_r_main_for_client``): every module starts at min(``min_rank``,
+    r_tot^l) (0 officially); then, while some module below r_tot^l can afford a column within
+    both T_left and M_left, the one with the largest sigma_{l, r_l+1}^2 / (a c_time_l + b c_mem_l)
+    gets it (:func:`pressure_weights`; ties: the first in module order). A module left at 0 is
+    frozen on that client. 'uniform' / 'random' (official ablations): r_main^l = min(r_tot^l,
+    :func:`uniform_training_cap`).
     """
-    rng = rng or np.random.default_rng(0)
+    if policy != "greedy":
+        cap = uniform_training_cap(column_time, column_memory, time_budget, memory_budget)
+        return {m: int(min(r_tot[m], max(cap, min_rank))) for m in spectra}
     ranks = {m: min(min_rank, r_tot[m]) for m in spectra}
     time_left = time_budget - sum(ranks[m] * column_time[m] for m in spectra)
     memory_left = memory_budget - sum(ranks[m] * column_memory[m] for m in spectra)
     if time_left < 0 or memory_left < 0:
         raise ValueError(f"training budgets (T={time_budget}, M={memory_budget}) cannot afford rank {min_rank}")
     while True:
+        a, b = pressure_weights(time_budget, time_left, memory_budget, memory_left)
         candidates = [
             m for m in spectra
-            if ranks[m] < r_tot[m] and column_time[m] <= time_left and column_memory[m] <= memory_left
+            if ranks[m] < r_tot[m] and not (memory_left < column_memory[m] or time_left < column_time[m])
         ]
         if not candidates:
             return ranks
-        pressure_t, pressure_m = _pressure(time_budget, time_left), _pressure(memory_budget, memory_left)
-        a = pressure_t / (pressure_t + pressure_m)
-        cost = {m: a * column_time[m] + (1.0 - a) * column_memory[m] for m in candidates}
-        gains = {m: next_sigma(spectra[m], ranks[m]) ** 2 / cost[m] for m in candidates}
-        chosen = _pick(candidates, gains, ranks, policy, rng)
+        gains = {
+            m: next_energy(spectra[m], ranks[m]) / max(a * column_time[m] + b * column_memory[m], GAIN_FLOOR_COST)
+            for m in candidates
+        }
+        chosen = best_module(candidates, gains)
         ranks[chosen] += 1
         time_left -= column_time[chosen]
         memory_left -= column_memory[chosen]
@@ -253,13 +319,15 @@ def alignment_score(update: Mapping[str, Factors], G: Mapping[str, LowRankSVD]) 
     P_i^l = s_i B_i^l A_i^l the client's uploaded product (``update``, already scaled; its frozen
     tail carries the lambda it trained with) and G the aggregate this round produced (client i's
     own contribution included). s_i is in [-1, 1]; 0 when either norm is <= 1e-6 (as there).
+    ||G|| runs over every module of G (official: computed before the loop over the client's
+    modules); a module the client did not upload (r_tot = 0) adds nothing to its sums.
     """
-    inner, update_sq, global_sq = 0.0, 0.0, 0.0
+    inner, update_sq = 0.0, 0.0
     for m, f in update.items():
         g_B, g_A = G[m].U * G[m].S, G[m].Vt  # G = (U S) Vt
         inner += product_inner(f.B, f.A, g_B, g_A)
         update_sq += product_inner(f.B, f.A, f.B, f.A)
-        global_sq += float(np.sum(np.square(G[m].S, dtype=np.float64)))
+    global_sq = sum(float(np.sum(np.square(g.S, dtype=np.float64))) for g in G.values())  # every module of G
     update_norm, global_norm = math.sqrt(max(update_sq, 0.0)), math.sqrt(global_sq)
     if update_norm <= ATW_MIN_NORM or global_norm <= ATW_MIN_NORM:
         return 0.0
@@ -301,6 +369,41 @@ def scale_tail(factors: Mapping[str, Factors], r_main: Mapping[str, int], lam: f
         A[r_main[module]:] *= root  # (r_tot - r_main, d_in)
         B[:, r_main[module]:] *= root  # (d_out, r_tot - r_main)
         out[module] = Factors(A, B)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# what a round records (results.json round ``extra``)
+# --------------------------------------------------------------------------------------------
+
+
+def tier_label(name: str, index: int) -> str:
+    """A budget tier's name as a key part: lower case, [a-z0-9_] (``tier<index>`` when unnamed)."""
+    label = re.sub(r"[^0-9a-z]+", "_", name.lower()).strip("_")
+    return label or f"tier{index}"
+
+
+def round_summary(
+    tiers: Mapping[str, Sequence[tuple[Mapping[str, int], Mapping[str, int]]]], lambdas: Sequence[float] | None
+) -> dict[str, float]:
+    """Flat numeric facts of one round's allocation, from (r_tot, r_main) per sampled client of
+    each tier: ``fedhera_r_tot_<tier>`` / ``fedhera_r_main_<tier>`` = mean over the tier's clients
+    of the mean over modules of r_tot^l / r_main^l (an average rank per module, comparable with
+    the tier's targets); ``fedhera_frozen_<tier>`` = mean number of modules with r_main^l = 0
+    (untrained on that client, r_tot^l = 0 included); ``fedhera_unadapted_<tier>`` = mean number
+    with r_tot^l = 0; and, when ``lambdas`` is given (ATW on), ``fedhera_lambda_mean`` / ``_min``
+    / ``_max`` over all the round's sampled clients."""
+    out: dict[str, float] = {}
+    for tier, clients in tiers.items():
+        if not clients:
+            continue
+        out[f"fedhera_r_tot_{tier}"] = float(np.mean([np.mean(list(r_tot.values())) for r_tot, _ in clients]))
+        out[f"fedhera_r_main_{tier}"] = float(np.mean([np.mean(list(r_main.values())) for _, r_main in clients]))
+        out[f"fedhera_frozen_{tier}"] = float(np.mean([sum(r == 0 for r in r_main.values()) for _, r_main in clients]))
+        out[f"fedhera_unadapted_{tier}"] = float(np.mean([sum(r == 0 for r in r_tot.values()) for r_tot, _ in clients]))
+    if lambdas:
+        out |= {"fedhera_lambda_mean": float(np.mean(lambdas)), "fedhera_lambda_min": float(min(lambdas)),
+                "fedhera_lambda_max": float(max(lambdas))}
     return out
 
 
