@@ -263,15 +263,21 @@ def test_pairing_is_by_seed_not_by_position() -> None:
     assert paired.row("c", "personalized_accuracy")["mean_difference"] == pytest.approx(0.05)
 
 
-def test_explicit_seeds_pair_the_same_seeds_of_both_sides(hand_folder: Path) -> None:
-    # Prepare: seeds 1 and 2 only (the baseline also has seed 0): by position seed 1 of "a" would
-    # meet seed 0 of fedit
-    table = summarize(hand_folder, write=False)
+def test_explicit_seeds_pair_the_same_seeds_of_both_sides(tmp_path: Path) -> None:
+    # Prepare: "a" ran seeds 1 and 2 only (a non-core row), the baseline 0, 1 and 2: by position,
+    # seed 1 of "a" would meet seed 0 of fedit
+    for seed, value in HAND["fedit"].items():
+        write_run(tmp_path, "fedit", seed, value)
+    for seed in (1, 2):
+        write_run(tmp_path, "a", seed, HAND["a"][seed])
+    table = summarize(tmp_path, write=False)
     # Execute
     paired = paired_comparisons(table.runs, [Pair("a", "fedit", (1, 2))], metrics=["personalized_accuracy"])
-    # Assert
+    # Assert: +2 and +3 points (by position: -8 and +23)
     row = paired.row("a", "personalized_accuracy")
     assert row["seeds"] == "1,2" and row["mean_difference"] == pytest.approx(0.025)
+    with pytest.raises(PairingError, match="needs seeds 0,1,2; a ran 1,2"):
+        paired_comparisons(table.runs, [Pair("a", "fedit", (0, 1, 2))])
 
 
 def test_paired_refuses_unknown_baselines_unmatched_seeds_and_other_partitions(hand_folder: Path) -> None:
