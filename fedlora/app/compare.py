@@ -41,6 +41,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedlora.app.paired import PAIRED_METRICS, RESAMPLES, Pair, PairedTable, PairingError, paired_comparisons
+from fedlora.app.runs import (  # noqa: F401 - re-exported: the reading half of the comparison API
+    EXTRA_PREFIX,
+    SEED_DIR_PREFIX,
+    final_extra,
+    load_runs,
+    number,
+    numeric_extra,
+    result_dirs,
+    train_seed,
+)
 
 if TYPE_CHECKING:
     from fedlora.config import ExperimentConfig
@@ -49,7 +59,6 @@ logger = logging.getLogger("fedlora")
 
 Engine = Literal["ray", "inprocess"]
 ENGINES: tuple[str, ...] = ("ray", "inprocess")
-SEED_DIR_PREFIX = "seed"
 
 
 @dataclass(frozen=True)
@@ -115,45 +124,21 @@ COLUMNS: tuple[Column, ...] = (
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 
 
-EXTRA_PREFIX = "extra."
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-
-
-def numeric_extra(extra: Any) -> dict[str, float]:
-    """The numeric entries of a round's ``extra`` (flat keys; booleans, strings, lists and nested
-    dicts are left out), finite values only."""
-    if not isinstance(extra, dict):
-        return {}
-    values = {str(key): _number(value) for key, value in extra.items()}
-    return {key: value for key, value in values.items() if math.isfinite(value)}
-
-
-def final_extra(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """``extra.<key>`` -> the value of the last round that recorded the numeric key."""
-    final: dict[str, float] = {}
-    for record in rounds:
-        final.update({f"{EXTRA_PREFIX}{key}": value for key, value in numeric_extra(record.get("extra")).items()})
-    return final
-
-
 def run_row(results: dict[str, Any]) -> dict[str, float]:
     """The summary columns of one results.json (NaN where a value is absent), and the final value
     of every numeric ``extra`` key as ``extra.<key>``."""
     final = results.get("final") or {}
     rounds = results.get("rounds") or []
     count = max(len(rounds), 1)
-    row = {key: _number(final.get(key)) for key in COLUMN_KEYS}
+    row = {key: number(final.get(key)) for key in COLUMN_KEYS}
     row["bytes_up_per_round"] = sum(int(r.get("bytes_up") or 0) for r in rounds) / count
     row["bytes_down_per_round"] = sum(int(r.get("bytes_down") or 0) for r in rounds) / count
     row["bytes_total"] = float(sum(int(r.get("bytes_up") or 0) + int(r.get("bytes_down") or 0) for r in rounds))
     row["wire_bytes_total"] = float(sum(int(r.get("wire_bytes_up") or 0) + int(r.get("wire_bytes_down") or 0)
                                         for r in rounds))
-    row["client_train_seconds"] = sum(_number(r.get("client_train_seconds")) for r in rounds) if rounds else math.nan
-    row["aggregation_seconds"] = sum(_number(r.get("aggregation_seconds")) for r in rounds) if rounds else math.nan
-    row["wall_seconds"] = _number(results.get("wall_seconds"))
+    row["client_train_seconds"] = sum(number(r.get("client_train_seconds")) for r in rounds) if rounds else math.nan
+    row["aggregation_seconds"] = sum(number(r.get("aggregation_seconds")) for r in rounds) if rounds else math.nan
+    row["wall_seconds"] = number(results.get("wall_seconds"))
     row.update(final_extra(rounds))
     return row
 
@@ -312,51 +297,6 @@ class ComparisonTable:
         return folder / "summary.csv", folder / "summary.md"
 
 
-# --------------------------------------------------------------------------- reading results
-def result_dirs(out_dir: str | Path) -> list[Path]:
-    """Every ``OUT/<label>/seed<k>`` folder holding a results.json, in label then seed order."""
-    found = [p.parent for p in Path(out_dir).glob(f"*/{SEED_DIR_PREFIX}*/results.json")]
-
-    def seed_of(path: Path) -> int:
-        suffix = path.name[len(SEED_DIR_PREFIX):]
-        return int(suffix) if suffix.lstrip("-").isdigit() else 0
-
-    return sorted(found, key=lambda p: (p.parent.name, seed_of(p)))
-
-
-def _train_seed(results: dict[str, Any]) -> int:
-    return int(((results.get("config") or {}).get("train") or {}).get("seed", 0))
-
-
-def load_runs(
-    out_dir: str | Path, labels: Sequence[str] | None = None, seeds: Iterable[int] | None = None
-) -> dict[str, list[dict[str, Any]]]:
-    """Label -> the results dicts of its finished seeds (``labels`` picks and orders them;
-    ``seeds`` keeps the runs of those ``train.seed`` values only).
-
-    A run still in progress (or interrupted) has a results.json with fewer rounds than its config
-    asks for; it is left out, so a summary never mixes partial and final numbers.
-    """
-    from fedlora.results import load_results
-
-    wanted = None if seeds is None else {int(s) for s in seeds}
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for folder in result_dirs(out_dir):
-        results = load_results(folder)
-        planned = ((results.get("config") or {}).get("train") or {}).get("rounds")
-        done = [r.get("round") for r in results.get("rounds") or []]
-        if planned is not None and done != list(range(1, planned + 1)):
-            logger.info("compare: %s has %d of %d rounds, not summarised", folder, len(done), planned)
-            continue
-        if wanted is not None and _train_seed(results) not in wanted:
-            continue
-        results["_seed_dir"] = folder.name
-        runs.setdefault(folder.parent.name, []).append(results)
-    if labels is not None:
-        runs = {label: runs[label] for label in labels if label in runs}
-    return runs
-
-
 def scale_line(results: dict[str, Any], fresh_partitions: bool = False) -> str:
     """The experiment's scale, from a resolved config (so a README table can say it)."""
     cfg = results.get("config") or {}
@@ -391,7 +331,7 @@ def summarize(
     for label, results_list in runs.items():
         for results in results_list:
             data_seed = ((results.get("config") or {}).get("data") or {}).get("seed")
-            rows.append({"strategy": rename.get(label, label), "seed": _train_seed(results),
+            rows.append({"strategy": rename.get(label, label), "seed": train_seed(results),
                          "data_seed": data_seed, "path": results["_seed_dir"], **run_row(results)})
     first = next(iter(runs.values()), [{}])[0]
     fresh = len({row["data_seed"] for row in rows}) > 1

@@ -188,7 +188,7 @@ def mechanism_series(results_list: list[dict[str, Any]]) -> dict[str, tuple[list
     """Numeric ``extra`` key -> (rounds, mean, std over the seeds that recorded it that round)."""
     import numpy as np
 
-    from fedlora.app.compare import numeric_extra
+    from fedlora.app.runs import numeric_extra
 
     per_key: dict[str, dict[int, list[float]]] = {}
     for results in results_list:
@@ -209,12 +209,12 @@ def plot_mechanisms(out_dir: str | Path | None = None, runs: Runs | None = None,
     correction, FedTreeLoRA's lambda per block, FedDR-LoRA's split precision, FedHera's ranks ...)
     by round, one panel per key, one line per label that records it (mean over seeds, +-1 std band).
 
-    ``runs`` defaults to :func:`fedlora.app.compare.load_runs` of ``out_dir``; the figure goes to
+    ``runs`` defaults to :func:`fedlora.app.runs.load_runs` of ``out_dir``; the figure goes to
     ``path`` (default ``out_dir/mechanisms.png``). Returns the figure, or None when no run records a
     numeric ``extra`` entry (nothing is written then).
     """
     if runs is None:
-        from fedlora.app.compare import load_runs
+        from fedlora.app.runs import load_runs
 
         if out_dir is None:
             raise ValueError("plot_mechanisms needs out_dir or runs")

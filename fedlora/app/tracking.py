@@ -71,7 +71,7 @@ EXTRA_TAG = "extra/"
 def extra_metrics(extra: Any) -> dict[str, float]:
     """``extra/<key>`` -> value for the numeric entries of a round's ``extra`` (flat keys only:
     strings, booleans, lists and nested dicts are left out, as are NaN and infinities)."""
-    from fedlora.app.compare import numeric_extra
+    from fedlora.app.runs import numeric_extra
 
     return {f"{EXTRA_TAG}{key}": value for key, value in numeric_extra(extra).items()}
 
