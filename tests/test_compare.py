@@ -1,7 +1,9 @@
-"""Strategy comparison: `fedlora compare`, its summary and plots, resume, and the notebook."""
+"""Strategy comparison: `fedlora compare`, its summary and plots, resume, the paired statistics
+(checked on hand-made folders of runs against hand-computed numbers), and the notebook."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -9,11 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedlora.app.compare import ComparisonTable, Job, is_complete, job_config, run_row, summarize
 from fedlora.app.compare import compare as compare_strategies
-from fedlora.app.plotting import COMPARISON_PLOTS
+from fedlora.app.paired import Pair, PairingError, bootstrap_ci, holm, paired_comparisons, paired_t_pvalue
+from fedlora.app.plotting import COMPARISON_PLOTS, MECHANISMS_PLOT, plot_mechanisms
 from fedlora.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +92,17 @@ def test_jobs_share_partitions_and_differ_only_in_train_seed(tmp_path: Path) -> 
     assert configs[3].output.dir == str(tmp_path / "flexlora" / "seed1")
 
 
+def test_fresh_partitions_vary_data_seed_with_the_seed_and_share_it_across_labels(tmp_path: Path) -> None:
+    # Prepare: a base data.seed of 7
+    base = load_config(SMOKE, ["data.seed=7"])
+    jobs = [Job(strategy, seed, fresh_partition=True) for strategy in STRATEGIES for seed in (0, 1, 2)]
+    # Execute
+    configs = [job_config(base, job, job.run_dir(tmp_path)) for job in jobs]
+    # Assert: data.seed = 7 + seed, train.seed = seed, the rest of the data section unchanged
+    assert [(c.data.seed, c.train.seed) for c in configs] == [(7, 0), (8, 1), (9, 2)] * 2
+    assert all(c.data.model_copy(update={"seed": 7}) == base.data for c in configs)
+
+
 @pytest.mark.parametrize(
     "job, message",
     [
@@ -129,12 +144,215 @@ def test_summary_leaves_out_runs_still_in_progress(tmp_path: Path) -> None:
     assert table["fedit"]["seeds"] == 1 and table["fedit"]["personalized_accuracy_mean"] == 0.5
 
 
+# --------------------------------------------------------------------------- paired statistics
+def t_pvalue_df2(differences: list[float]) -> float:
+    """Two-sided paired t-test p-value for 3 seeds by hand: t = mean / (sd / sqrt 3), and with 2
+    degrees of freedom the t distribution's tail has the closed form p = 1 - |t| / sqrt(2 + t^2)."""
+    mean = sum(differences) / 3
+    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / 2)
+    t = mean / (sd / math.sqrt(3))
+    return 1 - abs(t) / math.sqrt(2 + t * t)
+
+
+# personalised accuracy by label and seed; "fedit" is the baseline
+HAND = {
+    "fedit": {0: 0.80, 1: 0.70, 2: 0.90},
+    "a": {0: 0.81, 1: 0.72, 2: 0.93},  # differences +1, +2, +3 points
+    "b": {0: 0.79, 1: 0.71, 2: 0.93},  # -1, +1, +3
+    "c": {0: 0.85, 1: 0.76, 2: 0.94},  # +5, +6, +4
+}
+HAND_DIFFERENCES = {"a": [0.01, 0.02, 0.03], "b": [-0.01, 0.01, 0.03], "c": [0.05, 0.06, 0.04]}
+
+
+def write_run(out: Path, label: str, seed: int, personalised: float, data_seed: int | None = None,
+              worst: float | None = None, received: float | None = 0.5, extra: list[dict] | None = None) -> None:
+    """A hand-made OUT/<label>/seed<k>/results.json with chosen numbers (two rounds)."""
+    folder = out / label / f"seed{seed}"
+    folder.mkdir(parents=True)
+    results = fake_results(seed, personalised, personalised)
+    results["config"] = {"train": {"seed": seed, "rounds": 2}, "data": {"seed": seed if data_seed is None else data_seed}}
+    results["final"]["personalized_accuracy_worst"] = personalised - 0.2 if worst is None else worst
+    results["final"]["received_accuracy"] = received
+    for record, entries in zip(results["rounds"], extra or [{}, {}], strict=True):
+        record["extra"] = entries
+    (folder / "results.json").write_text(json.dumps(results))
+
+
+@pytest.fixture
+def hand_folder(tmp_path: Path) -> Path:
+    for label, by_seed in HAND.items():
+        for seed, value in by_seed.items():
+            write_run(tmp_path, label, seed, value)
+    return tmp_path
+
+
+def test_holm_adjusts_known_pvalues_step_down_and_keeps_nan_out_of_the_family() -> None:
+    # Hand: sorted 0.01, 0.03, 0.04 (m = 3): 3 x 0.01 = 0.03, 2 x 0.03 = 0.06, max(0.06, 1 x 0.04) = 0.06
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    adjusted = holm([0.2, math.nan, 0.01, 0.9])  # m = 3: 0.03, max(0.03, 2 x 0.2) = 0.4, max(0.4, 0.9)
+    assert adjusted[0] == pytest.approx(0.4) and math.isnan(adjusted[1])
+    assert adjusted[2] == pytest.approx(0.03) and adjusted[3] == pytest.approx(0.9)
+    assert holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])  # capped at 1
+
+
+def test_bootstrap_interval_matches_the_exact_bootstrap_of_five_seeds() -> None:
+    # Prepare: the exact bootstrap distribution of the mean of 5 differences, all 5^5 resamples
+    differences = [0.01, 0.02, 0.03, 0.04, 0.05]
+    exact = [sum(differences[i] for i in picks) / 5 for picks in itertools.product(range(5), repeat=5)]
+    exact_low, exact_high = np.percentile(exact, [2.5, 97.5])
+    # Execute
+    low, high = bootstrap_ci(differences)
+    # Assert: the seeded Monte Carlo interval (10,000 resamples) is the exact one, and it contains
+    # the mean and 2 / 4 points but neither 1.5 nor 4.5 points
+    assert low == pytest.approx(exact_low, abs=0.0005) and high == pytest.approx(exact_high, abs=0.0005)
+    assert low < 0.02 and 0.04 < high  # holds 2 and 4 points (and the mean, 3)
+    assert 0.015 < low and high < 0.045
+    assert bootstrap_ci(differences) == (low, high)  # seeded: reproducible
+
+
+def test_paired_t_pvalue_is_the_hand_computed_one() -> None:
+    for differences in HAND_DIFFERENCES.values():
+        assert paired_t_pvalue(differences) == pytest.approx(t_pvalue_df2(differences), rel=1e-9)
+    assert paired_t_pvalue([0.02, 0.02, 0.02]) == 0.0 and paired_t_pvalue([0.0, 0.0]) == 1.0
+    assert math.isnan(paired_t_pvalue([0.1]))
+
+
+def test_paired_table_on_a_hand_made_folder_of_runs(hand_folder: Path) -> None:
+    # Execute: every label minus fedit; "a" declared primary on personalised accuracy
+    table = summarize(hand_folder, write=False)
+    paired = table.paired("fedit", primary="a")
+    # Assert: mean differences and p-values by hand
+    expected_p = {label: t_pvalue_df2(d) for label, d in HAND_DIFFERENCES.items()}
+    for label, differences in HAND_DIFFERENCES.items():
+        row = paired.row(label, "personalized_accuracy")
+        assert row["mean_difference"] == pytest.approx(sum(differences) / 3, abs=1e-12)
+        assert row["p_value"] == pytest.approx(expected_p[label], rel=1e-9)
+        assert row["n"] == 3 and row["seeds"] == "0,1,2"
+    # Holm over b and c only (a is the primary): c 2 x p_c, b max(that, 1 x p_b); a uncorrected
+    assert paired.row("c", "personalized_accuracy")["p_holm"] == pytest.approx(2 * expected_p["c"])
+    assert paired.row("b", "personalized_accuracy")["p_holm"] == pytest.approx(expected_p["b"])
+    assert paired.row("a", "personalized_accuracy")["p_holm"] == pytest.approx(expected_p["a"])
+    assert paired.row("a", "personalized_accuracy")["primary"]
+    # on another metric a is not primary: a three-comparison family (worst = personalised - 0.2)
+    worst = {label: paired.row(label, "personalized_accuracy_worst")["p_holm"] for label in HAND_DIFFERENCES}
+    assert worst["c"] == pytest.approx(3 * expected_p["c"]) and worst["a"] == pytest.approx(2 * expected_p["a"])
+    assert worst["b"] == pytest.approx(expected_p["b"])
+    # the bootstrap interval of c (+5, +6, +4 points) holds its mean and excludes 0
+    c = paired.row("c", "personalized_accuracy")
+    assert 0.04 - 1e-9 <= c["ci_low"] < 0.05 < c["ci_high"] <= 0.06 + 1e-9 and c["ci_low"] > 0
+    b = paired.row("b", "personalized_accuracy")
+    assert b["ci_low"] < 0 < b["ci_high"]  # -1, +1, +3: the interval holds 0
+    # every metric of the issue is there, worst client included; CSV and markdown carry them
+    assert set(paired.frame["metric"]) == {"personalized_accuracy", "personalized_accuracy_worst",
+                                           "global_accuracy", "received_accuracy"}
+    markdown = paired.to_markdown()
+    assert "worst-client personalised accuracy" in markdown and "**a − fedit** (primary)" in markdown
+    assert "+1.0, +2.0, +3.0" in markdown and "Holm" in markdown and "bootstrap" in markdown
+    assert paired.to_csv().splitlines()[0] == ("label,baseline,metric,primary,n,seeds,differences,mean_difference,"
+                                               "ci_low,ci_high,p_value,p_holm")
+
+
+def test_pairing_is_by_seed_not_by_position() -> None:
+    # Prepare: the label's runs listed in seed order 2, 0, 1; the baseline's in 0, 1, 2
+    rows = [{"strategy": "fedit", "seed": s, "data_seed": s, "personalized_accuracy": HAND["fedit"][s]} for s in (0, 1, 2)]
+    rows += [{"strategy": "c", "seed": s, "data_seed": s, "personalized_accuracy": HAND["c"][s]} for s in (2, 0, 1)]
+    # Execute
+    paired = paired_comparisons(rows, [Pair("c", "fedit")], metrics=["personalized_accuracy"])
+    # Assert: +5, +6, +4 (by position it would be 0.94-0.80, 0.85-0.70, 0.76-0.90)
+    assert paired.row("c", "personalized_accuracy")["differences"] == "0:+0.050000 1:+0.060000 2:+0.040000"
+    assert paired.row("c", "personalized_accuracy")["mean_difference"] == pytest.approx(0.05)
+
+
+def test_explicit_seeds_pair_the_same_seeds_of_both_sides(tmp_path: Path) -> None:
+    # Prepare: "a" ran seeds 1 and 2 only (a non-core row), the baseline 0, 1 and 2: by position,
+    # seed 1 of "a" would meet seed 0 of fedit
+    for seed, value in HAND["fedit"].items():
+        write_run(tmp_path, "fedit", seed, value)
+    for seed in (1, 2):
+        write_run(tmp_path, "a", seed, HAND["a"][seed])
+    table = summarize(tmp_path, write=False)
+    # Execute
+    paired = paired_comparisons(table.runs, [Pair("a", "fedit", (1, 2))], metrics=["personalized_accuracy"])
+    # Assert: +2 and +3 points (by position: -8 and +23)
+    row = paired.row("a", "personalized_accuracy")
+    assert row["seeds"] == "1,2" and row["mean_difference"] == pytest.approx(0.025)
+    with pytest.raises(PairingError, match="needs seeds 0,1,2; a ran 1,2"):
+        paired_comparisons(table.runs, [Pair("a", "fedit", (0, 1, 2))])
+
+
+def test_paired_refuses_unknown_baselines_unmatched_seeds_and_other_partitions(hand_folder: Path) -> None:
+    table = summarize(hand_folder, write=False)
+    with pytest.raises(ConfigError, match="baseline 'nope' is not among"):
+        table.paired("nope")
+    with pytest.raises(ConfigError, match="--primary"):
+        table.paired("fedit", primary="fedit")
+    write_run(hand_folder, "short", 0, 0.5)
+    write_run(hand_folder, "short", 1, 0.5)
+    with pytest.raises(PairingError, match="seeds do not match: short ran 0,1, the baseline fedit ran 0,1,2"):
+        summarize(hand_folder, write=False).paired("fedit")
+    write_run(hand_folder, "short", 2, 0.5, data_seed=7)
+    with pytest.raises(PairingError, match="seed 2: short ran on data.seed 7, fedit on data.seed 2"):
+        summarize(hand_folder, write=False).paired("fedit")
+
+
+def test_absent_metric_is_left_out_of_that_comparison_only(tmp_path: Path) -> None:
+    for seed in (0, 1):
+        write_run(tmp_path, "fedit", seed, 0.8 + seed / 100)
+        write_run(tmp_path, "centralized", seed, 0.7, received=None)  # the reference has no received model
+    paired = summarize(tmp_path, write=False).paired("fedit")
+    assert set(paired.frame["metric"]) == {"personalized_accuracy", "personalized_accuracy_worst", "global_accuracy"}
+
+
+# --------------------------------------------------------------------------- mechanisms in the summary
+def test_numeric_extra_entries_get_their_last_value_as_summary_columns(tmp_path: Path) -> None:
+    # Prepare: round 1 and 2 extras; a string, a bool and a nested dict are not numeric entries
+    extras = [{"relative_correction": 0.5, "lam_mean_block0": 0.4, "phase": "warmup"},
+              {"relative_correction": 0.25, "flag": True, "fedhera": {"clients": {"0": {"r_tot": 8}}}}]
+    write_run(tmp_path, "fedpissa", 0, 0.8, extra=extras)
+    write_run(tmp_path, "fedpissa", 1, 0.8, extra=[{}, {"relative_correction": 0.75}])
+    write_run(tmp_path, "fedit", 0, 0.7)
+    write_run(tmp_path, "fedit", 1, 0.7)
+    # Execute
+    table = summarize(tmp_path)
+    # Assert: the last recorded value per run, mean over seeds; absent for a label that never records it
+    assert table.extra_keys == ["extra.lam_mean_block0", "extra.relative_correction"]
+    assert table["fedpissa"]["extra.relative_correction_mean"] == pytest.approx(0.5)  # (0.25 + 0.75) / 2
+    assert table["fedpissa"]["extra.lam_mean_block0_mean"] == pytest.approx(0.4)  # one seed recorded it
+    assert math.isnan(table["fedit"]["extra.relative_correction_mean"])
+    header = (tmp_path / "summary.csv").read_text().splitlines()[0]
+    assert "extra.relative_correction_mean" in header and "phase" not in header and "flag" not in header
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "| relative_correction | | 0.5 |" in re.sub(r" +\|", " |", re.sub(r"\| +", "| ", markdown))
+
+
+def test_plot_mechanisms_draws_every_numeric_extra_key_with_integer_round_ticks(tmp_path: Path) -> None:
+    write_run(tmp_path, "fedpissa", 0, 0.8, extra=[{"relative_correction": 0.5, "overlap": 0.1},
+                                                   {"relative_correction": 0.25, "overlap": 0.2}])
+    write_run(tmp_path, "fedit", 0, 0.7)
+    # Execute
+    figure = plot_mechanisms(tmp_path)
+    # Assert: one panel per key, the file written; rounds 1 and 2 ticked as whole numbers
+    assert (tmp_path / MECHANISMS_PLOT).stat().st_size > 0
+    panels = [ax for ax in figure.axes if ax.get_visible()]
+    assert sorted(ax.get_title() for ax in panels) == ["overlap", "relative_correction"]
+    line = next(ax for ax in panels if ax.get_title() == "relative_correction").lines[0]
+    assert list(line.get_xdata()) == [1, 2] and list(line.get_ydata()) == pytest.approx([0.5, 0.25])
+    for ax in panels:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    empty = tmp_path / "none"
+    write_run(empty, "fedit", 0, 0.7)
+    assert plot_mechanisms(empty) is None and not (empty / MECHANISMS_PLOT).exists()
+
+
 # --------------------------------------------------------------------------- end to end
 def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> None:
-    # Execute: 2 strategies x 2 seeds without Ray, two runs at a time in worker processes
-    table = compare_strategies(SMOKE, STRATEGIES, seeds=(0, 1), out_dir=tmp_path, engine="inprocess", workers=2)
+    # Execute: 2 strategies x 2 seeds without Ray, two runs at a time in worker processes, a fresh
+    # partition per seed, paired against fedit
+    options = {"seeds": (0, 1), "out_dir": tmp_path, "engine": "inprocess", "fresh_partitions": True, "paired": "fedit"}
+    table = compare_strategies(SMOKE, STRATEGIES, workers=2, **options)
     first = results_mtimes(tmp_path)
-    again = compare_strategies(SMOKE, STRATEGIES, seeds=(0, 1), out_dir=tmp_path, engine="inprocess")
+    again = compare_strategies(SMOKE, STRATEGIES, **options)
     # Assert
     assert len(first) == 4 and results_mtimes(tmp_path) == first  # the rerun ran nothing
     assert table.strategies == list(STRATEGIES) and [r["seeds"] for r in table.rows] == [2, 2]
@@ -153,6 +371,18 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
         assert any((tmp_path / f"tensorboard/{s}/mean").glob("events.out.tfevents.*")), s
     seeds = {json.loads((tmp_path / f"fedit/seed{s}/results.json").read_text())["config"]["train"]["seed"] for s in (0, 1)}
     assert seeds == {0, 1}
+    data_seeds = {(s, k): json.loads((tmp_path / f"{s}/seed{k}/results.json").read_text())["config"]["data"]["seed"]
+                  for s in STRATEGIES for k in (0, 1)}
+    base_seed = load_config(SMOKE).data.seed
+    assert data_seeds == {(s, k): base_seed + k for s in STRATEGIES for k in (0, 1)}
+    # the paired table: flexlora - fedit on both seeds, in paired.csv and summary.md
+    assert table.paired_table is not None
+    row = table.paired_table.row("flexlora", "personalized_accuracy")
+    fedit, flexlora = ([json.loads((tmp_path / f"{s}/seed{k}/results.json").read_text())["final"]["personalized_accuracy"]
+                        for k in (0, 1)] for s in STRATEGIES)
+    assert row["n"] == 2 and row["mean_difference"] == pytest.approx((flexlora[0] - fedit[0] + flexlora[1] - fedit[1]) / 2)
+    assert "flexlora,fedit,personalized_accuracy" in (tmp_path / "paired.csv").read_text()
+    assert "Paired differences" in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -162,6 +392,10 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
         (["--strategies", "fedit", "--seeds", "0,x"], "--seeds"),
         (["--strategies", "fedit", "--set", "data.bogus=1"], "unknown config key"),
         (["--strategies", ","], "--strategies is empty"),
+        (["--strategies", "fedit,flexlora", "--paired", "nope"], "--paired: baseline 'nope' is not among the strategies"),
+        (["--strategies", "fedit,flexlora", "--primary", "flexlora"], "--primary needs --paired"),
+        (["--strategies", "fedit,flexlora", "--paired", "fedit", "--primary", "fedit"], "--primary: 'fedit' must be"),
+        (["--strategies", "fedit,flexlora", "--paired", "fedit", "--primary-metric", "bogus"], "unknown metric 'bogus'"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2_and_runs_nothing(tmp_path: Path, args: list[str], message: str) -> None:

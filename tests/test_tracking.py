@@ -140,3 +140,26 @@ def test_compare_mean_curves_average_the_seeds(tmp_path: Path) -> None:
     assert scalars["accuracy/global"][0][1] == pytest.approx(0.3)
     assert [step for step, _ in scalars["loss/train"]] == [1, 2]
     assert [value for _, value in scalars["loss/train"]] == pytest.approx([2.5, 1.5])
+
+
+def test_numeric_extra_entries_go_to_tensorboard_and_to_the_mean_curves(tmp_path: Path) -> None:
+    # Prepare: a method's mechanism in the rounds' extra, next to entries that are not numbers
+    config = load_config(SMOKE, [f'output.dir="{tmp_path}"'])
+    tracker = Tracker(config, tmp_path)
+    extras = [{"relative_correction": 0.5, "phase": "warmup", "flag": True, "ranks": {"0": 4}},
+              {"relative_correction": 0.25, "lam_min_block3": 0.1, "diverged": float("nan")}]
+    # Execute
+    for r, extra in enumerate(extras, start=1):
+        tracker.round(RoundRecord(round=r, global_accuracy=0.1 * r, extra=extra))
+    tracker.finish()
+    (folder,) = write_mean_curves(tmp_path / "mean", {"fedpissa": [
+        {"rounds": [{"round": 1, "extra": {"relative_correction": 0.5}}, {"round": 2, "extra": {"relative_correction": 0.25}}]},
+        {"rounds": [{"round": 1, "extra": {"relative_correction": 0.7}}, {"round": 2, "extra": {}}]},
+    ]})
+    # Assert: extra/<key> for the finite numbers only, step = the round
+    scalars = read_scalars(tmp_path / "tensorboard")
+    assert scalars["extra/relative_correction"] == [(1, pytest.approx(0.5)), (2, pytest.approx(0.25))]
+    assert scalars["extra/lam_min_block3"] == [(2, pytest.approx(0.1))]
+    assert not {"extra/phase", "extra/flag", "extra/ranks", "extra/diverged"} & set(scalars)
+    means = read_scalars(folder)["extra/relative_correction"]
+    assert means == [(1, pytest.approx(0.6))]  # round 2: one seed only, not a mean over seeds

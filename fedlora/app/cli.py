@@ -3,7 +3,8 @@
     fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose] [--resume DIR] [--engine ray|inprocess]
                    [--ray-address HOST:PORT]
     fedlora compare CONFIG --strategies a,b,... [--seeds 0,1,2] [--out DIR] [--set k=v ...]
-                   [--engine ray|inprocess] [--workers N]
+                   [--engine ray|inprocess] [--workers N] [--fresh-partitions]
+                   [--paired BASELINE [--primary LABEL] [--primary-metric METRIC]]
     fedlora tune CONFIG --strategies a,b --grid train.lr=1e-4,1e-3 [--seeds 0,1] [--out DIR]
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
@@ -83,9 +84,17 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         engine=args.engine,
         verbose=args.verbose,
         workers=args.workers,
+        fresh_partitions=args.fresh_partitions,
+        paired=args.paired,
+        primary=args.primary,
+        primary_metric=args.primary_metric,
     )
     print(table.to_markdown())
-    print(f"summary: {table.out_dir}/summary.md, {table.out_dir}/summary.csv   plots: {table.out_dir}/*.png")
+    paired = ""
+    if table.paired_table is not None:
+        print(table.paired_table.to_markdown())
+        paired = f", {table.out_dir}/paired.csv"
+    print(f"summary: {table.out_dir}/summary.md, {table.out_dir}/summary.csv{paired}   plots: {table.out_dir}/*.png")
     return 0
 
 
@@ -189,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     cmp.add_argument("--workers", type=int, default=1,
                      help="runs at a time, each in its own process (in-process engine; they share a GPU)")
+    cmp.add_argument("--fresh-partitions", action="store_true",
+                     help="every seed a fresh partition (data.seed = config's data.seed + seed); default: "
+                     "the config's data.seed for every seed (identical partitions)")
+    cmp.add_argument("--paired", default=None, metavar="BASELINE",
+                     help="paired statistics of every other strategy minus BASELINE, matched by seed (bootstrap "
+                     "95%% CI, paired t-test, Holm): summary.md and paired.csv")
+    cmp.add_argument("--primary", default=None, metavar="LABEL",
+                     help="the declared primary comparison (LABEL - BASELINE): uncorrected, outside the Holm family")
+    cmp.add_argument("--primary-metric", default="personalized_accuracy", metavar="METRIC",
+                     help="metric of the primary comparison (default personalized_accuracy; or "
+                     "personalized_accuracy_worst, global_accuracy, received_accuracy)")
     cmp.set_defaults(func=_cmd_compare)
 
     tune = sub.add_parser("tune", help="same grid for every strategy; each picks its best setting on validation")

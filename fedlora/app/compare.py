@@ -12,11 +12,20 @@ Two reusable halves (``fedlora tune`` and the reference runs build on them):
   :class:`ComparisonTable` (mean +- std over seeds per label), written as ``summary.csv`` /
   ``summary.md`` by :meth:`ComparisonTable.write`.
 
-Same partitions: a job's seed overrides ``train.seed`` (LoRA init, batch order, client
+Same partitions by default: a job's seed overrides ``train.seed`` (LoRA init, batch order, client
 sampling) only; ``data.seed`` stays the config's, so every strategy and every seed trains on
-identical client partitions, validation / test splits and global test set. Strategy options in
-the base config's ``[strategy]`` section are kept for a strategy only when its options model
-declares them; per-strategy options go into a job's ``overrides``.
+identical client partitions, validation / test splits and global test set. With
+``fresh_partitions`` (``--fresh-partitions``) every seed is also a fresh partition:
+``data.seed = <config's data.seed> + seed``, so the seeds measure the spread over partitions too;
+every label of one seed still shares that seed's partition, so differences stay paired. Strategy
+options in the base config's ``[strategy]`` section are kept for a strategy only when its options
+model declares them; per-strategy options go into a job's ``overrides``.
+
+Paired statistics (``paired=BASELINE``, ``--paired BASELINE``): every other label minus the
+baseline, matched by seed, with a bootstrap interval, a paired t-test and Holm's correction
+(:mod:`fedlora.app.paired`), written to ``paired.csv`` and appended to ``summary.md``; in Python
+``table.paired("fedit")``. Numeric entries of a round's ``extra`` (the methods' mechanisms) get
+their final values as ``extra.<key>`` columns in ``summary.csv``.
 """
 
 from __future__ import annotations
@@ -31,6 +40,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from fedlora.app.paired import PAIRED_METRICS, RESAMPLES, Pair, PairedTable, PairingError, paired_comparisons
+from fedlora.app.runs import (  # noqa: F401 - re-exported: the reading half of the comparison API
+    EXTRA_PREFIX,
+    SEED_DIR_PREFIX,
+    final_extra,
+    load_runs,
+    number,
+    numeric_extra,
+    result_dirs,
+    train_seed,
+)
+
 if TYPE_CHECKING:
     from fedlora.config import ExperimentConfig
 
@@ -38,7 +59,6 @@ logger = logging.getLogger("fedlora")
 
 Engine = Literal["ray", "inprocess"]
 ENGINES: tuple[str, ...] = ("ray", "inprocess")
-SEED_DIR_PREFIX = "seed"
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,7 @@ class Job:
     seed: int = 0
     overrides: tuple[str, ...] = ()
     label: str = ""
+    fresh_partition: bool = False  # data.seed = the config's data.seed + seed (else the config's)
 
     @property
     def name(self) -> str:
@@ -103,24 +124,22 @@ COLUMNS: tuple[Column, ...] = (
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 
 
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-
-
 def run_row(results: dict[str, Any]) -> dict[str, float]:
-    """The summary columns of one results.json (NaN where a value is absent)."""
+    """The summary columns of one results.json (NaN where a value is absent), and the final value
+    of every numeric ``extra`` key as ``extra.<key>``."""
     final = results.get("final") or {}
     rounds = results.get("rounds") or []
     count = max(len(rounds), 1)
-    row = {key: _number(final.get(key)) for key in COLUMN_KEYS}
+    row = {key: number(final.get(key)) for key in COLUMN_KEYS}
     row["bytes_up_per_round"] = sum(int(r.get("bytes_up") or 0) for r in rounds) / count
     row["bytes_down_per_round"] = sum(int(r.get("bytes_down") or 0) for r in rounds) / count
     row["bytes_total"] = float(sum(int(r.get("bytes_up") or 0) + int(r.get("bytes_down") or 0) for r in rounds))
     row["wire_bytes_total"] = float(sum(int(r.get("wire_bytes_up") or 0) + int(r.get("wire_bytes_down") or 0)
                                         for r in rounds))
-    row["client_train_seconds"] = sum(_number(r.get("client_train_seconds")) for r in rounds) if rounds else math.nan
-    row["aggregation_seconds"] = sum(_number(r.get("aggregation_seconds")) for r in rounds) if rounds else math.nan
-    row["wall_seconds"] = _number(results.get("wall_seconds"))
+    row["client_train_seconds"] = sum(number(r.get("client_train_seconds")) for r in rounds) if rounds else math.nan
+    row["aggregation_seconds"] = sum(number(r.get("aggregation_seconds")) for r in rounds) if rounds else math.nan
+    row["wall_seconds"] = number(results.get("wall_seconds"))
+    row.update(final_extra(rounds))
     return row
 
 
@@ -129,25 +148,33 @@ class ComparisonTable:
     """Mean +- std over seeds per label (pandas); also holds every run's row (``runs``).
 
     ``rows``: one dict per label with ``strategy``, ``seeds`` (count) and ``<column>_mean`` /
-    ``<column>_std`` for every column of :data:`COLUMNS` (sample std; 0 for a single seed).
-    Displays itself in notebooks (HTML / markdown) with the legend saying which average is which.
+    ``<column>_std`` for every column of :data:`COLUMNS` and every numeric ``extra.<key>`` any run
+    recorded (sample std; 0 for a single seed). Displays itself in notebooks (HTML / markdown) with
+    the legend saying which average is which; :meth:`paired` gives the paired statistics.
     """
 
     def __init__(self, runs: list[dict[str, Any]], out_dir: str | Path | None = None, scale: str = "") -> None:
         import pandas as pd
 
-        self.runs = runs  # strategy, seed, path, + COLUMN_KEYS
+        self.runs = runs  # strategy, seed, data_seed, path, + COLUMN_KEYS + extra.<key>
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.scale = scale  # one line describing the experiment scale (clients, rounds, model...)
-        frame = pd.DataFrame(runs, columns=["strategy", *COLUMN_KEYS]).astype({k: float for k in COLUMN_KEYS})
-        grouped = frame.groupby("strategy", sort=False)[list(COLUMN_KEYS)]
+        self.extra_keys = sorted({key for run in runs for key in run if key.startswith(EXTRA_PREFIX)})
+        keys = [*COLUMN_KEYS, *self.extra_keys]
+        frame = pd.DataFrame(runs, columns=["strategy", *keys]).astype({k: float for k in keys})
+        grouped = frame.groupby("strategy", sort=False)[keys]
         mean, std, count = grouped.mean(), grouped.std(ddof=1), grouped.count()
         std = std.mask(std.isna() & (count == 1), 0.0)  # one seed: no spread
         summary = pd.concat([mean.add_suffix("_mean"), std.add_suffix("_std")], axis=1)
         summary.insert(0, "seeds", frame.groupby("strategy", sort=False).size())
-        ordered = ["seeds", *(f"{k}_{s}" for k in COLUMN_KEYS for s in ("mean", "std"))]
+        ordered = ["seeds", *(f"{k}_{s}" for k in keys for s in ("mean", "std"))]
         self.frame = summary[ordered].reset_index()
         self.rows: list[dict[str, Any]] = self.frame.to_dict("records")
+        data_seeds: dict[str, set[Any]] = {}
+        for run in runs:
+            data_seeds.setdefault(run["strategy"], set()).add(run.get("data_seed"))
+        self.fresh_partitions = any(len(seeds) > 1 for seeds in data_seeds.values())
+        self.paired_table: PairedTable | None = None  # set by compare(paired=...)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -161,6 +188,31 @@ class ComparisonTable:
     @property
     def strategies(self) -> list[str]:
         return [row["strategy"] for row in self.rows]
+
+    def paired(
+        self,
+        baseline: str,
+        primary: str | None = None,
+        primary_metric: str = "personalized_accuracy",
+        metrics: Sequence[str] = PAIRED_METRICS,
+        resamples: int = RESAMPLES,
+    ) -> PairedTable:
+        """Every other label minus ``baseline``, runs matched by seed (:mod:`fedlora.app.paired`).
+
+        ``primary``: the label of the declared primary comparison (``primary`` - ``baseline`` on
+        ``primary_metric``), reported uncorrected and left out of the Holm family. Raises
+        :class:`~fedlora.app.paired.PairingError` (a ConfigError) for an unknown baseline or
+        primary, or when a label's seeds are not the baseline's.
+        """
+        if baseline not in self.strategies:
+            raise PairingError(f"--paired: baseline {baseline!r} is not among the compared labels "
+                               f"({', '.join(self.strategies)})")
+        if primary is not None and (primary not in self.strategies or primary == baseline):
+            raise PairingError(f"--primary: {primary!r} must be one of the other compared labels "
+                               f"({', '.join(s for s in self.strategies if s != baseline)})")
+        pairs = [Pair(label, baseline) for label in self.strategies if label != baseline]
+        return paired_comparisons(self.runs, pairs, (primary, baseline) if primary else None, primary_metric,
+                                  metrics, resamples)
 
     # ------------------------------------------------------------------ rendering
     @staticmethod
@@ -183,15 +235,34 @@ class ComparisonTable:
         )
 
     def legend(self) -> list[str]:
-        lines = [("Values are mean ± std over seeds (sample std; seeds change train.seed only, the partitions "
-                  "are identical).")]
+        seeds = ("seeds change train.seed and data.seed: a fresh partition per seed, shared by every label of "
+                 "that seed" if self.fresh_partitions else "seeds change train.seed only, the partitions are identical")
+        lines = [f"Values are mean ± std over seeds (sample std; {seeds})."]
         lines += [f"{c.header}: {c.meaning}." for c in COLUMNS]
         return lines
+
+    def mechanisms(self):  # -> pandas.DataFrame
+        """Final value of every numeric ``extra`` key (rows) per label (columns), mean over seeds;
+        empty cells: the label does not record the key."""
+        import pandas as pd
+
+        cells = []
+        for key in self.extra_keys:
+            row = [key.removeprefix(EXTRA_PREFIX)]
+            for label_row in self.rows:
+                value = label_row[f"{key}_mean"]
+                row.append(f"{value:.4g}" if math.isfinite(value) else "")
+            cells.append(row)
+        return pd.DataFrame(cells, columns=["extra key (final round)", *self.strategies])
 
     def to_markdown(self) -> str:
         out = [f"Scale: {self.scale}", ""] if self.scale else []
         out.append(self.display().to_markdown(index=False, tablefmt="pipe", disable_numparse=True))
         out += ["", *(f"- {line}" for line in self.legend())]
+        if self.extra_keys:
+            out += ["", ("Mechanisms: the last recorded value of each numeric `extra` entry of the rounds, mean over "
+                         "seeds (`extra.<key>_mean` / `_std` in summary.csv):"), "",
+                    self.mechanisms().to_markdown(index=False, tablefmt="pipe", disable_numparse=True)]
         return "\n".join(out) + "\n"
 
     def _repr_markdown_(self) -> str:
@@ -200,7 +271,8 @@ class ComparisonTable:
     def _repr_html_(self) -> str:
         scale = f"<p>Scale: {html.escape(self.scale)}</p>" if self.scale else ""
         legend = "".join(f"<li>{html.escape(line)}</li>" for line in self.legend())
-        return f"{scale}{self.display().to_html(index=False)}<ul>{legend}</ul>"
+        mechanisms = self.mechanisms().to_html(index=False) if self.extra_keys else ""
+        return f"{scale}{self.display().to_html(index=False)}<ul>{legend}</ul>{mechanisms}"
 
     def __repr__(self) -> str:
         return self.to_markdown()
@@ -225,68 +297,45 @@ class ComparisonTable:
         return folder / "summary.csv", folder / "summary.md"
 
 
-# --------------------------------------------------------------------------- reading results
-def result_dirs(out_dir: str | Path) -> list[Path]:
-    """Every ``OUT/<label>/seed<k>`` folder holding a results.json, in label then seed order."""
-    found = [p.parent for p in Path(out_dir).glob(f"*/{SEED_DIR_PREFIX}*/results.json")]
-
-    def seed_of(path: Path) -> int:
-        suffix = path.name[len(SEED_DIR_PREFIX):]
-        return int(suffix) if suffix.lstrip("-").isdigit() else 0
-
-    return sorted(found, key=lambda p: (p.parent.name, seed_of(p)))
-
-
-def load_runs(out_dir: str | Path, labels: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Label -> the results dicts of its finished seeds (``labels`` picks and orders them).
-
-    A run still in progress (or interrupted) has a results.json with fewer rounds than its config
-    asks for; it is left out, so a summary never mixes partial and final numbers.
-    """
-    from fedlora.results import load_results
-
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for folder in result_dirs(out_dir):
-        results = load_results(folder)
-        planned = ((results.get("config") or {}).get("train") or {}).get("rounds")
-        done = [r.get("round") for r in results.get("rounds") or []]
-        if planned is not None and done != list(range(1, planned + 1)):
-            logger.info("compare: %s has %d of %d rounds, not summarised", folder, len(done), planned)
-            continue
-        results["_seed_dir"] = folder.name
-        runs.setdefault(folder.parent.name, []).append(results)
-    if labels is not None:
-        runs = {label: runs[label] for label in labels if label in runs}
-    return runs
-
-
-def scale_line(results: dict[str, Any]) -> str:
+def scale_line(results: dict[str, Any], fresh_partitions: bool = False) -> str:
     """The experiment's scale, from a resolved config (so a README table can say it)."""
     cfg = results.get("config") or {}
     model, data, train = cfg.get("model", {}), cfg.get("data", {}), cfg.get("train", {})
+    data_seed = "a fresh data.seed per seed" if fresh_partitions else f"data.seed {data.get('seed')}"
     return (
         f"model {model.get('path')}, data {data.get('source')}/{data.get('task')} "
         f"(max_examples {data.get('max_examples')}, {data.get('partition')} alpha {data.get('dirichlet_alpha')}, "
-        f"data.seed {data.get('seed')}), {data.get('num_clients')} clients, {train.get('rounds')} rounds, "
+        f"{data_seed}), {data.get('num_clients')} clients, {train.get('rounds')} rounds, "
         f"{train.get('local_epochs')} local epoch(s) capped at {train.get('max_steps')} steps, batch "
         f"{train.get('batch_size')}, max_length {train.get('max_length')}, lr {train.get('lr')}"
     )
 
 
-def summarize(out_dir: str | Path, labels: Sequence[str] | None = None, write: bool = True) -> ComparisonTable:
+def summarize(
+    out_dir: str | Path,
+    labels: Sequence[str] | None = None,
+    write: bool = True,
+    seeds: Iterable[int] | None = None,
+    rename: dict[str, str] | None = None,
+) -> ComparisonTable:
     """Summarise every ``OUT/<label>/seed<k>/results.json`` into a :class:`ComparisonTable`.
 
-    ``labels`` picks and orders the rows (default: every label found, alphabetically); with
-    ``write`` the table is saved as ``OUT/summary.csv`` and ``OUT/summary.md``.
+    ``labels`` picks and orders the rows (default: every label found, alphabetically), ``seeds``
+    keeps those ``train.seed`` values only, ``rename`` shows a folder under another row name (e.g.
+    a tuned point's folder ``fedit[train.lr=6e-3]`` as ``fedit``); with ``write`` the table is
+    saved as ``OUT/summary.csv`` and ``OUT/summary.md``.
     """
-    runs = load_runs(out_dir, labels)
+    runs = load_runs(out_dir, labels, seeds)
+    rename = rename or {}
     rows = []
     for label, results_list in runs.items():
         for results in results_list:
-            seed = (results.get("config") or {}).get("train", {}).get("seed", 0)
-            rows.append({"strategy": label, "seed": seed, "path": results["_seed_dir"], **run_row(results)})
+            data_seed = ((results.get("config") or {}).get("data") or {}).get("seed")
+            rows.append({"strategy": rename.get(label, label), "seed": train_seed(results),
+                         "data_seed": data_seed, "path": results["_seed_dir"], **run_row(results)})
     first = next(iter(runs.values()), [{}])[0]
-    table = ComparisonTable(rows, out_dir, scale=scale_line(first) if first else "")
+    fresh = len({row["data_seed"] for row in rows}) > 1
+    table = ComparisonTable(rows, out_dir, scale=scale_line(first, fresh) if first else "")
     if write:
         table.write(out_dir)
     return table
@@ -313,7 +362,10 @@ def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentCon
     declared = set(method(job.strategy).options.model_fields)  # ConfigError listing the known names
     raw = base.model_dump(mode="json")
     raw["strategy"] = {k: v for k, v in raw["strategy"].items() if k in declared} | {"name": job.strategy}
-    raw = apply_overrides(raw, [*job.overrides, f"train.seed={job.seed}"])
+    seeds = [f"train.seed={job.seed}"]
+    if job.fresh_partition:  # a fresh partition per seed, the same for every label of that seed
+        seeds.append(f"data.seed={base.data.seed + job.seed}")
+    raw = apply_overrides(raw, [*job.overrides, *seeds])
     raw["output"]["dir"] = str(run_dir)
     # TensorBoard: OUT/tensorboard/<label>/seed<k>, so `tensorboard --logdir OUT/tensorboard`
     # overlays the strategies in each chart (tracking.write_mean_curves adds <label>/mean)
@@ -486,8 +538,12 @@ def compare(
     plots: bool = True,
     verbose: bool = False,
     workers: int = 1,
+    fresh_partitions: bool = False,
+    paired: str | None = None,
+    primary: str | None = None,
+    primary_metric: str = "personalized_accuracy",
 ) -> ComparisonTable:
-    """Run every strategy x seed on the same partitions, then summarise and plot.
+    """Run every strategy x seed, then summarise and plot.
 
     Parameters
     ----------
@@ -496,7 +552,8 @@ def compare(
     strategies : sequence of str
         Registered strategy names; a run folder is ``OUT/<strategy>/seed<k>/``.
     seeds : sequence of int, default (0,)
-        Values of ``train.seed``; ``data.seed`` stays the config's, so partitions are identical.
+        Values of ``train.seed``; ``data.seed`` stays the config's (identical partitions) unless
+        ``fresh_partitions``.
     out_dir : path, optional
         Comparison folder (default ``<output.dir>/compare``); gets ``summary.csv``,
         ``summary.md`` and the PNG plots.
@@ -505,6 +562,15 @@ def compare(
         ServerApp / ClientApp code without Ray (:func:`fedlora.app.runner.run_inprocess`).
     workers : int, default 1
         Runs at a time, each in its own process (in-process engine only; they share a GPU).
+    fresh_partitions : bool, default False
+        Every seed a fresh partition: ``data.seed = <config's data.seed> + seed`` (all strategies
+        of one seed share it, so the paired differences stay paired).
+    paired : str, optional
+        Baseline of the paired statistics (:meth:`ComparisonTable.paired`): ``paired.csv`` and a
+        section of ``summary.md``. Must be one of ``strategies``.
+    primary, primary_metric : str, optional
+        The declared primary comparison (``primary`` - ``paired`` on ``primary_metric``): reported
+        uncorrected, outside the Holm family.
 
     Runs whose results.json already holds every round of the same config are not run again.
     """
@@ -513,18 +579,45 @@ def compare(
     check_engine(engine)
     if not strategies:
         raise ConfigError("compare needs at least one strategy, e.g. --strategies fedit,flexlora")
+    check_paired(strategies, paired, primary, primary_metric)
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base)
     check_output_folder(out)
-    jobs = [Job(strategy, int(seed)) for strategy in strategies for seed in seeds]
+    jobs = [Job(strategy, int(seed), fresh_partition=fresh_partitions) for strategy in strategies for seed in seeds]
     run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers)
-    table = summarize(out, labels=list(dict.fromkeys(strategies)))
+    labels = list(dict.fromkeys(strategies))
+    table = summarize(out, labels=labels, seeds=[int(s) for s in seeds])
+    if paired is not None:
+        comparison = table.paired(paired, primary=primary, primary_metric=primary_metric)
+        comparison.write(out)
+        with (out / "summary.md").open("a") as summary:
+            summary.write("\n" + comparison.to_markdown())
+        table.paired_table = comparison
     if base.output.tensorboard:
         from fedlora.app.tracking import write_mean_curves
 
-        write_mean_curves(out / "tensorboard", load_runs(out, table.strategies))
+        write_mean_curves(out / "tensorboard", load_runs(out, table.strategies, seeds))
     if plots:
-        from fedlora.app.plotting import plot_comparison
+        from fedlora.app.plotting import plot_comparison, plot_mechanisms
 
-        plot_comparison(out, load_runs(out, table.strategies), base.data)
+        runs = load_runs(out, table.strategies, seeds)
+        plot_comparison(out, runs, base.data)
+        plot_mechanisms(out, runs)
     return table
+
+
+def check_paired(strategies: Sequence[str], paired: str | None, primary: str | None, primary_metric: str) -> None:
+    """Refuse, before anything runs, a paired baseline or primary that is not among the labels."""
+    from fedlora.app.paired import METRIC_NAMES
+
+    if paired is None:
+        if primary is not None:
+            raise PairingError("--primary needs --paired BASELINE (the primary comparison is PRIMARY - BASELINE)")
+        return
+    if paired not in strategies:
+        raise PairingError(f"--paired: baseline {paired!r} is not among the strategies ({', '.join(strategies)})")
+    if primary is not None and (primary not in strategies or primary == paired):
+        raise PairingError(f"--primary: {primary!r} must be one of the other strategies "
+                           f"({', '.join(s for s in strategies if s != paired)})")
+    if primary_metric not in METRIC_NAMES:
+        raise PairingError(f"--primary-metric: unknown metric {primary_metric!r}; known: {', '.join(METRIC_NAMES)}")

@@ -15,6 +15,13 @@ def _pyplot():
     return plt
 
 
+def _integer_rounds(ax: Any) -> None:
+    """Rounds are whole numbers: tick them so."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_accuracy(results: dict[str, Any], path: str | Path):
     """Global and personalised accuracy per round of one run (a causal LM: ROUGE-L, round 0 being
     the zero-shot model); returns the figure."""
@@ -28,6 +35,7 @@ def plot_accuracy(results: dict[str, Any], path: str | Path):
         if evaluated:
             ax.plot(*zip(*evaluated), marker="o", label=label)
     ax.set_xlabel("round")
+    _integer_rounds(ax)
     ax.set_ylabel(metric)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
@@ -92,8 +100,6 @@ def _colors(labels: list[str]) -> dict[str, Any]:
 def plot_accuracy_vs_round(runs: Runs, path: str | Path | None = None):
     """Global and personalised accuracy per round, mean over seeds with a +-1 std band."""
     plt = _pyplot()
-    from matplotlib.ticker import MaxNLocator
-
     colors = _colors(list(runs))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, (key, title) in zip(axes, ACCURACY_PANELS, strict=True):
@@ -103,7 +109,7 @@ def plot_accuracy_vs_round(runs: Runs, path: str | Path | None = None):
             ax.fill_between(x, mean - std, mean + std, color=colors[label], alpha=0.2)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _integer_rounds(ax)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (mean ± std over seeds)")
     axes[0].set_ylim(0, 1)
@@ -172,6 +178,74 @@ def plot_label_distribution(federated: Any, path: str | Path | None = None):
         figsize=(max(6.0, 1.0 * len(federated.label_names)), max(3.5, 2.5 + 0.35 * len(federated.clients))),
         plot_kwargs={"annot": len(federated.clients) * len(federated.label_names) <= 400},
     )
+    return _finish(fig, path)
+
+
+MECHANISMS_PLOT = "mechanisms.png"
+
+
+def mechanism_series(results_list: list[dict[str, Any]]) -> dict[str, tuple[list[int], Any, Any]]:
+    """Numeric ``extra`` key -> (rounds, mean, std over the seeds that recorded it that round)."""
+    import numpy as np
+
+    from fedlora.app.runs import numeric_extra
+
+    per_key: dict[str, dict[int, list[float]]] = {}
+    for results in results_list:
+        for record in results.get("rounds") or []:
+            for key, value in numeric_extra(record.get("extra")).items():
+                per_key.setdefault(key, {}).setdefault(int(record["round"]), []).append(value)
+    series = {}
+    for key, by_round in per_key.items():
+        rounds = sorted(by_round)
+        series[key] = (rounds, np.array([np.mean(by_round[r]) for r in rounds]),
+                       np.array([np.std(by_round[r]) for r in rounds]))
+    return series
+
+
+def plot_mechanisms(out_dir: str | Path | None = None, runs: Runs | None = None, path: str | Path | None = None,
+                    columns: int = 3):
+    """Each numeric ``extra`` key of the rounds (the methods' mechanisms: FedPissa's relative
+    correction, FedTreeLoRA's lambda per block, FedDR-LoRA's split precision, FedHera's ranks ...)
+    by round, one panel per key, one line per label that records it (mean over seeds, +-1 std band).
+
+    ``runs`` defaults to :func:`fedlora.app.runs.load_runs` of ``out_dir``; the figure goes to
+    ``path`` (default ``out_dir/mechanisms.png``). Returns the figure, or None when no run records a
+    numeric ``extra`` entry (nothing is written then).
+    """
+    if runs is None:
+        from fedlora.app.runs import load_runs
+
+        if out_dir is None:
+            raise ValueError("plot_mechanisms needs out_dir or runs")
+        runs = load_runs(out_dir)
+    per_label = {label: mechanism_series(results_list) for label, results_list in runs.items() if results_list}
+    keys = sorted({key for series in per_label.values() for key in series})
+    if not keys:
+        return None
+    if path is None and out_dir is not None:
+        path = Path(out_dir) / MECHANISMS_PLOT
+    plt = _pyplot()
+    colors = _colors(list(runs))
+    ncols = min(columns, len(keys))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for label, series in per_label.items():
+            if key not in series:
+                continue
+            rounds, mean, std = series[key]
+            n = len(runs[label])
+            ax.plot(rounds, mean, marker="o", markersize=3, color=colors[label], label=f"{label} (n={n})")
+            ax.fill_between(rounds, mean - std, mean + std, color=colors[label], alpha=0.2)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("round")
+        _integer_rounds(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    fig.suptitle("mechanisms: numeric extra entries of the rounds (mean ± std over seeds)", fontsize=10)
     return _finish(fig, path)
 
 

@@ -5,8 +5,9 @@
 
 - **TensorBoard** (``output.tensorboard``, on by default): one ``SummaryWriter`` on
   ``output.tensorboard_dir`` (default ``<output.dir>/tensorboard``). Scalars are grouped by tag
-  prefix (``accuracy/``, ``loss/``, ``bytes/``, ``seconds/``, ``clients/``, ``client/<k>/``), step =
-  the round, and the resolved config is a text entry. A resumed run purges the events after the
+  prefix (``accuracy/``, ``loss/``, ``bytes/``, ``seconds/``, ``clients/``, ``client/<k>/``, and
+  ``extra/<key>`` for every numeric entry of the round's ``extra``: the method's mechanism, e.g.
+  FedPissa's relative correction), step = the round, and the resolved config is a text entry. A resumed run purges the events after the
   round it resumes from, so a crash never leaves two values for one round.
 - **MLflow** (``output.mlflow_uri`` set): the resolved config flattened to params plus
   ``config_hash``, the same per-round metrics (step = the round), and at the end ``results.json``,
@@ -66,14 +67,26 @@ ROUND_METRICS: dict[str, str] = {
 MLFLOW_RUN_FILE = "mlflow_run.json"
 
 
+EXTRA_TAG = "extra/"
+
+
+def extra_metrics(extra: Any) -> dict[str, float]:
+    """``extra/<key>`` -> value for the numeric entries of a round's ``extra`` (flat keys only:
+    strings, booleans, lists and nested dicts are left out, as are NaN and infinities)."""
+    from fedlora.app.runs import numeric_extra
+
+    return {f"{EXTRA_TAG}{key}": value for key, value in numeric_extra(extra).items()}
+
+
 def round_metrics(record: RoundRecord) -> Iterator[tuple[str, float]]:
-    """``(name, value)`` for every measured metric of ``record``: the round's metrics, then each
-    client's evaluation accuracy (``client/<partition>/accuracy``; causal LMs: ``rouge_l``). NaN
-    values are left out."""
+    """``(name, value)`` for every measured metric of ``record``: the round's metrics, the numeric
+    entries of its ``extra`` (``extra/<key>``), then each client's evaluation accuracy
+    (``client/<partition>/accuracy``; causal LMs: ``rouge_l``). NaN values are left out."""
     for field, name in ROUND_METRICS.items():
         value = float(getattr(record, field))
         if math.isfinite(value):
             yield name, value
+    yield from extra_metrics(record.extra).items()
     for partition, metrics in sorted(record.per_client.items(), key=lambda kv: int(kv[0])):
         for key in ("accuracy", "rouge-l"):
             value = float(metrics.get(key, math.nan))
@@ -197,8 +210,9 @@ class Tracker:
 
 def write_mean_curves(folder: Path, runs: dict[str, list[dict[str, Any]]]) -> list[Path]:
     """For each label of ``runs`` (label -> results.json dicts, one per seed) an event file under
-    ``folder/<label>/mean`` with the mean over seeds of every round metric (rounds every seed
-    measured). Earlier mean files there are replaced. Returns the folders written."""
+    ``folder/<label>/mean`` with the mean over seeds of every round metric and numeric ``extra``
+    entry (rounds every seed measured). Earlier mean files there are replaced. Returns the folders
+    written."""
     import shutil
 
     from torch.utils.tensorboard import SummaryWriter
@@ -210,9 +224,10 @@ def write_mean_curves(folder: Path, runs: dict[str, list[dict[str, Any]]]) -> li
         per_round: dict[int, dict[str, list[float]]] = {}
         for results in results_list:
             for row in results.get("rounds") or []:
-                for field, name in ROUND_METRICS.items():
-                    value = row.get(field)
-                    if isinstance(value, (int, float)) and math.isfinite(value):
+                entries: dict[str, Any] = {name: row.get(field) for field, name in ROUND_METRICS.items()}
+                entries.update(extra_metrics(row.get("extra")))
+                for name, value in entries.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                         per_round.setdefault(int(row["round"]), {}).setdefault(name, []).append(float(value))
         with SummaryWriter(str(target)) as writer:
             for step, metrics in sorted(per_round.items()):

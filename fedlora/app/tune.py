@@ -2,6 +2,11 @@
 
     fedlora tune configs/smoke.toml --strategies fedit,flexlora --grid train.lr=1e-4,3e-4,1e-3
 
+Two protocols live here. ``fedlora tune`` (:func:`tune`): one grid, the same for every strategy.
+The fidelity benchmark's (:func:`plan`, :class:`Budget`, :class:`Knob`): every label gets the same
+number of configurations, a method's own knob counted inside it, and a learning-rate grid that is
+widened where the choice sits at its edge (see :func:`plan`).
+
 Every strategy runs every grid point (cartesian product of the ``--grid`` keys) for every seed,
 through the comparison harness (:func:`fedlora.app.compare.run_jobs`). A setting's score is its
 best *validation* accuracy over the rounds (each client's validation split, example-weighted),
@@ -17,7 +22,8 @@ import json
 import math
 import statistics
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +119,121 @@ def tune(
         for strategy, info in record["strategies"].items():
             summary.write(f"- `{strategy}`: `{info['chosen']}` (grid: {', '.join(f'{k}={v}' for k, v in grid.items())})\n")
     return table
+
+
+# --------------------------------------------------------------------------- equal budget with a knob
+Point = tuple[str, ...]  # the overrides of one configuration, e.g. ("train.lr=0.003", "strategy.beta=1.0")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A method's own option tuned inside its budget: ``key`` and its values (TOML literals); the
+    learning-rate sweep runs at the first value, the others are tried at the chosen learning rate."""
+
+    key: str
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The equal tuning budget of one scenario.
+
+    Every label gets ``size`` configurations on the first seed. Without a knob: ``size`` learning
+    rates, ``lr_grid``. With a knob of k values: the first ``size - (k - 1)`` learning rates of
+    ``lr_grid`` at the knob's first value, then the other k - 1 values at the chosen learning rate
+    (coordinate search; k - 1 + the learning rates = ``size``). Then the edge rule: while the chosen
+    configuration's learning rate is the lowest or the highest the label tried, one more learning
+    rate beyond it (``lr_grid``'s ratio) is tried at the chosen knob value and the choice is made
+    again, at most ``max_widen`` times. Widening is the same rule for every label, so labels differ
+    in count only where their optimum lies outside the common grid; the count is reported.
+    """
+
+    size: int = 4
+    lr_grid: tuple[float, ...] = (1.5e-3, 3e-3, 6e-3, 1.2e-2)  # ascending, a constant ratio
+    max_widen: int = 2
+    lr_key: str = "train.lr"
+
+    @property
+    def ratio(self) -> float:
+        return self.lr_grid[1] / self.lr_grid[0] if len(self.lr_grid) > 1 else 2.0
+
+    def learning_rates(self, knob: Knob | None) -> tuple[float, ...]:
+        """The learning rates of the first sweep: ``size`` minus the knob's other values."""
+        count = self.size - (len(knob.values) - 1 if knob else 0)
+        if count < 1 or count > len(self.lr_grid):
+            raise ValueError(f"budget {self.size} leaves {count} learning rates for knob {knob}; the grid has "
+                             f"{len(self.lr_grid)}")
+        return self.lr_grid[:count]
+
+
+@dataclass
+class TunePlan:
+    """Where one label's tuning stands: the configurations in protocol order, the ones still to
+    run (``pending``), and once none is pending the ``chosen`` one."""
+
+    points: list[Point] = field(default_factory=list)
+    pending: list[Point] = field(default_factory=list)
+    chosen: Point | None = None
+    widened: int = 0  # learning rates added beyond the first sweep by the edge rule
+    at_edge: bool = False  # the choice still sits at the edge after max_widen widenings
+
+    @property
+    def budget_points(self) -> list[Point]:
+        """The configurations of the equal budget (before any widening)."""
+        return self.points[: len(self.points) - self.widened]
+
+
+def lr_override(key: str, lr: float) -> str:
+    return f"{key}={lr:g}"
+
+
+def point_value(point: Point, key: str) -> str | None:
+    for override in point:
+        name, _, value = override.partition("=")
+        if name == key:
+            return value
+    return None
+
+
+def plan(budget: Budget, knob: Knob | None, score: Callable[[Point], float | None]) -> TunePlan:
+    """The equal-budget protocol of :class:`Budget` for one label, given the validation ``score``
+    of each configuration run so far (None: not run yet; NaN counts as the worst score).
+
+    Deterministic: the same scores give the same plan, so an interrupted tuning stage resumes.
+    Ties go to the earlier configuration of the protocol's order.
+    """
+    def point(lr: float, value: str | None) -> Point:
+        return (lr_override(budget.lr_key, lr),) + ((f"{knob.key}={value}",) if knob and value is not None else ())
+
+    def best(points: list[Point]) -> Point:
+        def key(p: Point) -> float:
+            value = score(p)
+            return -math.inf if value is None or math.isnan(value) else value
+        return max(points, key=key)  # the first of equal scores
+
+    first = knob.values[0] if knob else None
+    result = TunePlan(points=[point(lr, first) for lr in budget.learning_rates(knob)])
+    result.pending = [p for p in result.points if score(p) is None]
+    if result.pending:
+        return result
+    if knob and len(knob.values) > 1:
+        lr = float(point_value(best(result.points), budget.lr_key) or "nan")
+        others = [point(lr, value) for value in knob.values[1:]]
+        result.points += others
+        result.pending = [p for p in others if score(p) is None]
+        if result.pending:
+            return result
+    while True:
+        chosen = best(result.points)
+        lr = float(point_value(chosen, budget.lr_key) or "nan")
+        tried = [float(point_value(p, budget.lr_key) or "nan") for p in result.points]
+        step = 1 if lr >= max(tried) else -1 if lr <= min(tried) else 0
+        if step == 0 or result.widened >= budget.max_widen:
+            result.chosen, result.at_edge = chosen, step != 0
+            return result
+        wider = point(lr * budget.ratio**step, point_value(chosen, knob.key) if knob else None)
+        result.points.append(wider)
+        result.widened += 1
+        if score(wider) is None:
+            result.pending = [wider]
+            return result
