@@ -6,7 +6,7 @@ vintage tables of docs/results/fedtreelora.md were measured with it and name thi
 
     python benchmarks/compare_fedtree.py --seeds 0,1,2
 
-Runs every job of :data:`JOBS` x seeds on ``configs/fedtreelora.toml`` (2 client groups with
+Runs every job of :data:`JOBS` x seeds on ``configs/fedtreelora.toml`` (client groups with
 disjoint label sets, Dirichlet skew inside a group) with :func:`fedlora.app.compare.run_jobs`
 (in-process engine by default: the real ServerApp / ClientApp without Ray), so every run trains on
 identical partitions; complete runs are skipped when rerun. Writes ``OUT/summary.md`` /

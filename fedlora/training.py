@@ -151,9 +151,11 @@ def train(
     weight_decay: float = 0.0,
     loss_fn: LossFn = cross_entropy_loss,
     after_backward: Callable[[Any], None] | None = None,
-    parameters: list[torch.nn.Parameter] | None = None,
+    parameters: list[torch.nn.Parameter] | list[dict[str, Any]] | None = None,
 ) -> TrainStats:
-    """AdamW over the trainable parameters (or ``parameters``) for ``epochs`` / ``max_steps``."""
+    """AdamW over the trainable parameters (or ``parameters``: a list of tensors, or of torch
+    parameter groups ``{"params": [...], "lr": ...}`` whose own ``lr`` / ``weight_decay`` override
+    the arguments) for ``epochs`` / ``max_steps``."""
     import torch
 
     params = parameters if parameters is not None else [p for p in model.parameters() if p.requires_grad]

@@ -27,8 +27,10 @@ from fedlora.methods.fedtreelora import (
     cut_tree,
     global_distance,
     independent_cuts,
+    lam_by_block,
     layer_cuts,
     layer_distances,
+    mechanism_extra,
     modules_by_layer,
     tree_aggregate,
 )
@@ -61,6 +63,8 @@ class FedTreeLoRA(LoRAStrategy):
         D^(l)_ij as the mean of per-module norms (spec) or one norm of the stacked block.
     lam0 : float, default 0.5
         [RECON] Initial lam = sigmoid(theta_l) of every block (theta_l = logit(lam0)).
+    mixing_lr : float, default 0.1
+        [RECON] Learning rate of theta (own AdamW group, no weight decay); 0 keeps lam at lam0.
 
     Warm-up (rounds 1..W): nothing goes down (every client builds the same seeded initial
     adapter); clients train locally. Only round W's upload (A, B, and the head when
@@ -77,6 +81,10 @@ class FedTreeLoRA(LoRAStrategy):
     expert of its cluster (``external::<module>::A/B``, blocks with c*_l > 1 only) and the head.
     The client mixes them per block, h = W0 x + lam B_c A_c x + (1 - lam) B_e A_e x with a local
     learnable lam = sigmoid(theta_l) and the external expert frozen (clients/trainers/fedtreelora).
+
+    Record (round ``extra``): the cuts, the memberships, the cluster sizes per block and lam per
+    block (mean / min / max over the clients that trained this round, reported by them after
+    training), as lists per block and as flat ``fedtreelora_*`` numbers.
 
     Mixed ranks: averaging A and B within a cluster needs one rank, so FedTreeLoRA is a same-rank
     method (``clients.mixed_rank_policy``); if ranks still differ, factors are zero-padded to the
@@ -98,6 +106,7 @@ class FedTreeLoRA(LoRAStrategy):
         self.fallback: dict[str, Factors] = {}  # everyone's mean, for a client the tree never saw
         self.head: Payload = {}
         self.distances: dict[int, np.ndarray] = {}
+        self.lam: dict[int, list[float]] = {}  # this round: block -> lam of the clients that mixed it
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
         if self.options.weights == "uniform":
@@ -130,6 +139,7 @@ class FedTreeLoRA(LoRAStrategy):
 
     # ---------------------------------------------------------------- aggregation
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        self.lam = lam_by_block([u.metrics for u in uploads])
         if server_round < self.options.warmup_rounds:
             return
         if server_round == self.options.warmup_rounds:
@@ -193,10 +203,13 @@ class FedTreeLoRA(LoRAStrategy):
         }
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
+        """``phase``, the ``cuts`` and ``clusters`` of the tree, and the mechanism's record
+        (:func:`~fedlora.methods.fedtreelora.mechanism_extra`: cluster sizes, lam per block over
+        the clients that trained this round, flat ``fedtreelora_*`` numbers)."""
         if server_round < self.options.warmup_rounds or not self.cuts:
             return {"phase": "warmup" if server_round <= self.options.warmup_rounds else "no tree"}
         phase = "warmup" if server_round == self.options.warmup_rounds else "tree"
-        return {"phase": phase, **self.tree_facts()}
+        return {"phase": phase, **self.tree_facts(), **mechanism_extra(self.cuts, self.membership, self.lam)}
 
     def save_artifacts(self, out_dir: Path) -> dict[str, Any]:
         """``tree.json`` and ``tree_cuts.png`` (dendrogram + cut per block); the cuts and

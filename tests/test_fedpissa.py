@@ -198,18 +198,21 @@ def test_lam_zero_is_plain_weighted_averaging_of_B(weights: list[float]) -> None
 
 
 # ------------------------------------------------------------------------------ the protocol
-def small_strategy(options: list[str], num_clients: int = 3, rank: int = 4) -> FedPissa:
-    """A FedPissa on hand-made shapes (module m: d_out 6, d_in 5; a 2 x 6 head) with profiles set."""
+def small_strategy(
+    options: list[str], num_clients: int = 3, rank: int = 4, shapes: dict[str, tuple[int, int]] | None = None
+) -> FedPissa:
+    """A FedPissa on hand-made shapes (default: module m with d_out 6, d_in 5; a 2 x 6 head) with
+    profiles set."""
+    shapes = shapes or {"m": (6, 5)}
     config = load_config(
         ROOT / "configs/smoke.toml", [*SMOKE_ONE_RANK, f"clients.ranks={[rank] * num_clients}", *options]
     )
     rng = np.random.default_rng(0)
-    initial = {
-        "m::A": rng.standard_normal((rank, 5)).astype(np.float32),
-        "m::B": rng.standard_normal((6, rank)).astype(np.float32),
-        "head::classifier.weight": np.zeros((2, 6), np.float32),
-    }
-    strategy = FedPissa(config, lambda r: initial, {"m": (6, 5)})
+    initial = {"head::classifier.weight": np.zeros((2, 6), np.float32)}
+    for module, (d_out, d_in) in shapes.items():
+        initial[f"{module}::A"] = rng.standard_normal((rank, d_in)).astype(np.float32)
+        initial[f"{module}::B"] = rng.standard_normal((d_out, rank)).astype(np.float32)
+    strategy = FedPissa(config, lambda r: initial, shapes)
     strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=rank) for k in range(num_clients)}  # type: ignore[misc]
     strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
     strategy.setup()
@@ -270,6 +273,158 @@ def test_mean_A_global_model_is_example_weighted() -> None:
     assert np.array_equal(payload["m::B"], strategy.B_agg["m"])
 
 
+# ------------------------------------------------------------------------------ the round's record
+def distinct_uploads() -> list[ClientUpload]:
+    """DISTINCT_A / DISTINCT_B as uploads of module m (d_out 2, d_in 3, rank 3), p = 1/2, 1/4, 1/4."""
+    return [
+        ClientUpload(k, {"m::A": DISTINCT_A[k]["m"].astype(np.float32), "m::B": DISTINCT_B[k]["m"].astype(np.float32)},
+                     num_examples=n, metrics={})
+        for k, n in zip(range(3), [2, 1, 1])
+    ]
+
+
+def test_recorded_correction_and_overlap_by_hand_with_distinct_projectors() -> None:
+    # Prepare: the hand case above: P_k = e_k e_k^T, B_avg = [[4, 3, 4], [1, 2, 4]] and the bounded
+    # B_agg = [[4, 4.25, 3], [0.5, 1.5, 6]], so B_agg - B_avg = [[0, 1.25, -1], [-0.5, -0.5, 2]]
+    strategy = small_strategy(["model.head=local"], rank=3, shapes={"m": (2, 3)})
+    # Execute
+    strategy.aggregate(1, distinct_uploads())
+    extra = strategy.round_extra(1)
+    # Assert: ||B_agg - B_avg||_F^2 = 1.5625 + 1 + 0.25 + 0.25 + 4 = 7.0625, ||B_avg||_F^2 = 62;
+    # the tail spaces e_0, e_1, e_2 are mutually orthogonal: overlap 0
+    assert extra["relative_correction"] == pytest.approx(np.sqrt(7.0625 / 62), rel=1e-6)
+    assert extra["projector_overlap"] == pytest.approx(0.0, abs=1e-12)
+    assert extra["delta"] == 1 and extra["lam"] == 1.0
+
+
+@pytest.mark.parametrize("correction, lam", [("bounded", 1.0), ("literal", 1.0), ("bounded", 3.0)])
+def test_recorded_correction_equals_a_numpy_hand_computation(correction: str, lam: float) -> None:
+    # Prepare: 4 clients with distinct random A_k (rank 4, delta 2), random B_k, skewed n_k
+    rng = np.random.default_rng(5)
+    strategy = small_strategy(
+        [f"strategy.lam={lam}", f"strategy.correction={correction}", "data.num_clients=4"], num_clients=4
+    )
+    uploads = [fake_upload(rng, k, n) for k, n in enumerate([5, 10, 20, 45])]
+    # Execute
+    strategy.aggregate(1, uploads)
+    extra = strategy.round_extra(1)
+    # Assert: Eq. 4 written out with numpy only
+    A = [u.payload["m::A"].astype(np.float64) for u in uploads]
+    B = [u.payload["m::B"].astype(np.float64) for u in uploads]
+    p = np.array([5, 10, 20, 45]) / 80
+    P = []
+    for k in range(4):
+        C_k = sum(A[j] @ A[j].T for j in range(4) if j != k)
+        _, vectors = np.linalg.eigh(C_k)  # ascending: the first 2 columns are the tail
+        P.append(vectors[:, :2] @ vectors[:, :2].T)
+    B_avg = sum(p[k] * B[k] for k in range(4))
+    c = p if correction == "bounded" else np.ones(4)
+    B_agg = B_avg + lam * sum(c[k] * (B[k] - B_avg) @ P[k] for k in range(4))
+    overlap = np.mean([np.linalg.norm(P[k] @ P[j]) ** 2 / 2 for k in range(4) for j in range(4) if j != k])
+    assert extra["relative_correction"] == pytest.approx(np.linalg.norm(B_agg - B_avg) / np.linalg.norm(B_avg), rel=1e-4)
+    assert extra["projector_overlap"] == pytest.approx(overlap, rel=1e-6)
+    assert 0.0 < overlap < 1.0 and extra["relative_correction"] > 0.01
+
+
+def test_projector_overlap_by_hand() -> None:
+    from fedlora.methods.fedpissa import projector_overlap
+
+    # Prepare: rank-1 tails at 60 degrees (cos^2 = 1/4) and identical rank-2 tails
+    u, v = np.array([1.0, 0.0]), np.array([0.5, np.sqrt(3) / 2])
+    tilted = {0: {"m": np.outer(u, u)}, 1: {"m": np.outer(v, v)}}
+    same = {k: {"m": np.diag([1.0, 1.0, 0.0]), "n": np.diag([0.0, 1.0, 1.0])} for k in range(3)}
+    # Execute / Assert
+    assert projector_overlap(tilted) == pytest.approx(0.25)
+    assert projector_overlap(same) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------ selection = dynamics
+def test_update_consensus_by_hand() -> None:
+    from fedlora.methods.fedpissa import update_consensus
+
+    # Prepare: start 0; module a: equal updates, b: opposite, c: one client moves, d: nobody moves
+    e = np.array([[1.0, 2.0], [0.0, -2.0]])
+    start = {0: dict.fromkeys("abcd", np.zeros((2, 2))), 1: dict.fromkeys("abcd", np.zeros((2, 2)))}
+    end = {0: {"a": e, "b": e, "c": e, "d": np.zeros((2, 2))}, 1: {"a": e, "b": -e, "c": 0 * e, "d": np.zeros((2, 2))}}
+    # Execute
+    kappa = update_consensus(start, end, {0: 0.5, 1: 0.5})
+    # Assert: ||mean||^2 / mean ||.||^2 = 1, 0, (0.25 |e|^2) / (0.5 |e|^2) = 0.5, 0
+    assert kappa == pytest.approx({"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.0})
+
+
+def dynamics_uploads(strategy: FedPissa, rng: np.random.Generator, agree: dict[str, str], start: dict) -> list[ClientUpload]:
+    """3 uploads: per module, the factor named in ``agree`` moves by one common step from the
+    client's start (plus a little noise), the other factor by independent random steps."""
+    uploads = []
+    common = {(m, f): rng.standard_normal(start[0][m][f].shape) for m in agree for f in "AB"}
+    for k, n in enumerate([1, 1, 2]):
+        payload = {}
+        for m, factor in agree.items():
+            for f in "AB":
+                step = common[(m, f)] + 0.05 * rng.standard_normal(common[(m, f)].shape) if f == factor else (
+                    rng.standard_normal(common[(m, f)].shape))
+                payload[f"{m}::{f}"] = (start[k][m][f] + step).astype(np.float32)
+        payload["head::classifier.weight"] = np.zeros((2, 6), np.float32)
+        uploads.append(ClientUpload(k, payload, num_examples=n, metrics={}))
+    return uploads
+
+
+def test_dynamics_aggregates_the_factor_whose_updates_agree_and_keeps_the_other_local() -> None:
+    from fedlora.lora import payload_bytes
+
+    # Prepare: modules m (clients agree on A) and n (clients agree on B), d_out 6 != d_in 5
+    shapes = {"m": (6, 5), "n": (6, 5)}
+    strategy = small_strategy(["strategy.selection=dynamics", "strategy.lam=0.5"], shapes=shapes)
+    rng = np.random.default_rng(3)
+    init = {k: {m: {"A": strategy.initial_A[m], "B": strategy.initial_B[m]} for m in shapes} for k in range(3)}
+    first = strategy.download(0, 1, "train")
+    for k in (1, 2):
+        strategy.download(k, 1, "train")
+    uploads = dynamics_uploads(strategy, rng, {"m": "A", "n": "B"}, init)
+    # Execute
+    strategy.aggregate(1, uploads)
+    download = strategy.download(0, 2, "train")
+    extra = strategy.round_extra(1)
+    # Assert: round 1 sent B (the figure's choice); now m sends A_agg and n sends B_agg, nothing else
+    assert set(first) == {"m::B", "n::B", "head::classifier.weight"}
+    assert set(download) == {"m::A", "n::B", "head::classifier.weight"}
+    assert extra["aggregated_A_fraction"] == 0.5 and extra["consensus_A"] > 0.3 and extra["consensus_B"] > 0.3
+    # Assert: the bytes that travel follow the selection: A (4 x 5) for m, B (6 x 4) for n, head
+    assert payload_bytes(download) == 4 * (4 * 5 + 6 * 4 + 2 * 6)
+    # Assert: A_agg is the mirror of Eq. 4 (bounded), written out: Q_k = tail of sum_{j != k} B_j^T B_j
+    A = [u.payload["m::A"].astype(np.float64) for u in uploads]
+    Bm = [u.payload["m::B"].astype(np.float64) for u in uploads]
+    p = np.array([0.25, 0.25, 0.5])
+    A_avg = sum(p[k] * A[k] for k in range(3))
+    Q = []
+    for k in range(3):
+        _, vectors = np.linalg.eigh(sum(Bm[j].T @ Bm[j] for j in range(3) if j != k))
+        Q.append(vectors[:, :2] @ vectors[:, :2].T)
+    expected = A_avg + 0.5 * sum(p[k] * Q[k] @ (A[k] - A_avg) for k in range(3))
+    assert np.allclose(download["m::A"], expected, atol=1e-5)
+
+
+def test_dynamics_measures_updates_from_what_each_client_started_with() -> None:
+    # Prepare: round 1 selects A for m (clients agree on A), B for n
+    shapes = {"m": (6, 5), "n": (6, 5)}
+    strategy = small_strategy(["strategy.selection=dynamics"], shapes=shapes)
+    rng = np.random.default_rng(4)
+    init = {k: {m: {"A": strategy.initial_A[m], "B": strategy.initial_B[m]} for m in shapes} for k in range(3)}
+    for k in range(3):
+        strategy.download(k, 1, "train")
+    first = dynamics_uploads(strategy, rng, {"m": "A", "n": "B"}, init)
+    strategy.aggregate(1, first)
+    # Execute: round 2: every client starts from the A_agg / B_agg it received and its own kept
+    # factor; now the clients agree on m's B and n's A, measured from those starts
+    sent = {k: strategy.download(k, 2, "train") for k in range(3)}
+    starts = {k: {m: {f: sent[k].get(f"{m}::{f}", first[k].payload[f"{m}::{f}"]) for f in "AB"} for m in shapes}
+              for k in range(3)}
+    strategy.aggregate(2, dynamics_uploads(strategy, rng, {"m": "B", "n": "A"}, starts))
+    # Assert: the selection flipped in both modules
+    assert strategy.selected == {"m": "B", "n": "A"}
+    assert set(strategy.download(0, 3, "train")) == {"m::B", "n::A", "head::classifier.weight"}
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -295,6 +450,7 @@ def test_mean_A_global_model_is_example_weighted() -> None:
         (["model.init=gaussian"], "conflicts with strategy.init"),
         (["strategy.weights=median"], "strategy.weights"),
         (["strategy.lam=-1"], "strategy.lam"),
+        (["strategy.selection=adaptive"], "strategy.selection"),
     ],
 )
 def test_bad_options_are_config_errors(overrides: list[str], message: str) -> None:
@@ -356,7 +512,8 @@ def test_inprocess_bytes_and_personal_adapters(tmp_path: Path) -> None:
         assert record["bytes_eval_down"] == 3 * (B_bytes + head)
         assert 0.0 <= record["personalized_accuracy"] <= 1.0 and 0.0 <= record["global_accuracy"] <= 1.0
         assert record["extra"]["delta"] == 2
-    assert results["strategy_info"]["downloads"] == "B, head"
+    assert results["strategy_info"]["downloads"].startswith("B, head")
+    assert all(0.0 <= r["extra"]["projector_overlap"] <= 1.0 + 1e-9 for r in results["rounds"])
     assert len(writer.rounds) == config.train.rounds
     # Assert: personalised adapters: every client holds the same B_agg and its own A_k
     adapters = [load_file(tmp_path / f"adapters/client_{k}/adapter_model.safetensors") for k in range(3)]
@@ -385,6 +542,27 @@ def test_mixed_declared_ranks_train_at_the_smallest(tmp_path: Path) -> None:
     assert results["rounds"][0]["extra"]["delta"] == 1
 
 
+def test_inprocess_dynamics_selection_runs_and_clients_share_the_aggregated_factor(tmp_path: Path) -> None:
+    # Prepare
+    config = load_config(ROOT / "configs/smoke.toml", [*SMOKE_ONE_RANK, "strategy.selection=dynamics"])
+    from fedlora.app.runner import run_inprocess
+
+    # Execute
+    run_inprocess(config, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    # Assert: the dynamics are recorded every round
+    for record in results["rounds"]:
+        assert 0.0 <= record["extra"]["consensus_A"] <= 1.0 and 0.0 <= record["extra"]["consensus_B"] <= 1.0
+        assert 0.0 <= record["extra"]["aggregated_A_fraction"] <= 1.0
+    # Assert: in every module the clients' final models share the factor that was aggregated
+    # (the evaluation download overlays it) and differ in the kept one
+    adapters = [load_file(tmp_path / f"adapters/client_{k}/adapter_model.safetensors") for k in range(3)]
+    for key in [k for k in adapters[0] if "lora_A" in k]:
+        pair = [key, key.replace("lora_A", "lora_B")]
+        shared = [all(np.array_equal(adapters[0][x], a[x]) for a in adapters[1:]) for x in pair]
+        assert sorted(shared) == [False, True], key
+
+
 @pytest.mark.slow
 def test_ray_smoke_run(tmp_path: Path) -> None:
     # Execute: the CLI on Flower's simulation engine
@@ -402,3 +580,22 @@ def test_cli_bad_delta_is_one_line_exit_2(tmp_path: Path) -> None:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1
     assert "strategy.delta must be in [1, rank), got 0" in lines[0]
+
+
+# ------------------------------------------------------------------------------ the per-method config
+SIZE_KEYS = {"data.max_examples", "data.global_test_size", "train.rounds", "federation.evaluate_every", "output.dir"}
+
+
+def flat(config: object) -> dict[str, object]:
+    """``section.key -> value`` of a validated config (defaults included)."""
+    return {f"{section}.{key}": value for section, values in config.model_dump().items() for key, value in values.items()}
+
+
+def test_method_config_is_its_scenario_at_a_smaller_size() -> None:
+    # Prepare: the config a user reaches for first, and the fidelity scenario
+    config = flat(load_config(ROOT / "configs/fedpissa.toml"))
+    scenario = flat(load_config(ROOT / "configs/scenarios/fedpissa.toml"))
+    # Assert: every key equals the scenario's (label skew, head, strategy options, training) but the size
+    differing = sorted(k for k in scenario if config[k] != scenario[k])
+    assert set(differing) <= SIZE_KEYS, differing
+    assert config["data.max_examples"] < scenario["data.max_examples"] and config["train.rounds"] < scenario["train.rounds"]

@@ -367,6 +367,163 @@ def test_client_mixes_experts_by_sigmoid_theta_and_theta_gets_gradient() -> None
     assert set(adapter_payload(model)) == set(own)  # the upload is the cluster expert only
 
 
+FEDERATED: dict[str, object] = {}
+
+
+def tree_trainer(overrides: list[str]):
+    """FedTreeLoRA's client trainer for partition 0 of the smoke federation (tiny-bert, rank 4),
+    in round 2, the first tree round after a 1-round warm-up; default options unless overridden."""
+    from flwr.app import RecordDict
+
+    from clients.trainers.base import ClientJob
+    from clients.trainers.fedtreelora import FedTreeLoRATrainer
+    from fedlora.data import build_federated_data
+    from fedlora.profile import resolve_profile
+
+    config = load_config(ROOT / "configs/smoke.toml", [*SMOKE, *overrides])
+    key = config.data.model_dump_json()
+    if key not in FEDERATED:  # built once per module: every trainer here reads the same federation
+        FEDERATED[key] = build_federated_data(config.data)
+    federated = FEDERATED[key]
+    job = ClientJob(config, resolve_profile(config, {"partition-id": 0}), federated.client(0), federated,
+                    RecordDict(), {"server-round": 2})
+    return FedTreeLoRATrainer(job)
+
+
+@pytest.fixture(scope="module")
+def two_experts() -> dict[str, dict[str, np.ndarray]]:
+    """A hand-made pair of experts for client 0: ``good`` = LoRA factors and head trained on the
+    client's own training split (60 steps at lr 1e-2, so it lowers the local loss), ``noise`` =
+    Gaussian factors with 5 times its RMS per matrix (a harmful expert) and the same head."""
+    import torch
+
+    from fedlora.models import adapter_payload
+    from fedlora.training import train
+
+    trainer = tree_trainer([])
+    model = trainer.prepare({})
+    loader = trainer.loader(trainer.job.data.train, "train", shuffle=True)
+    train(model, loader, epochs=20, lr=1e-2, device=torch.device("cpu"), max_steps=60)
+    good = adapter_payload(model)
+    rng = np.random.default_rng(0)
+    noise = {
+        k: v if k.startswith("head::") else (5 * rng.standard_normal(v.shape) * np.sqrt(np.mean(v**2))).astype(np.float32)
+        for k, v in good.items()
+    }
+    return {"good": good, "noise": noise}
+
+
+def two_expert_download(experts: dict[str, dict[str, np.ndarray]], cluster: str, external: str) -> dict[str, np.ndarray]:
+    """The download of a tree round: ``cluster`` as the client's own expert (and the head),
+    ``external`` as the external expert in both blocks."""
+    own = experts[cluster]
+    return {**own, **{"external::" + k: v for k, v in experts[external].items() if not k.startswith("head::")}}
+
+
+def mixed_loss(trainer, model, logit: float) -> float:
+    """Client 0's training loss with lam = sigmoid(logit) in every block (theta restored after)."""
+    from fedlora.training import evaluate
+
+    saved = trainer.theta.detach().clone()
+    trainer.theta.data.fill_(logit)
+    loss = evaluate(model, trainer.loader(trainer.job.data.train, "train"), trainer.device).loss
+    trainer.theta.data.copy_(saved)
+    return loss
+
+
+@pytest.mark.parametrize(
+    "cluster, external, toward",
+    [
+        ("noise", "good", -1.0),  # the external expert lowers the loss: lam must fall
+        ("good", "noise", +1.0),  # the cluster expert lowers the loss: lam must rise
+    ],
+)
+def test_mixing_weight_moves_toward_the_expert_that_lowers_the_loss(
+    two_experts: dict[str, dict[str, np.ndarray]], cluster: str, external: str, toward: float
+) -> None:
+    import math
+
+    # Prepare: the default options (lam0 = 0.5, mixing_lr default), one round's download
+    trainer = tree_trainer([])
+    model = trainer.prepare(two_expert_download(two_experts, cluster, external))
+    start = float(trainer.theta.detach()[0])
+    # Assert: the premise: lam -> 1 (cluster expert alone) vs lam -> 0 (external alone)
+    losses = {"cluster": mixed_loss(trainer, model, 20.0), "external": mixed_loss(trainer, model, -20.0)}
+    good_side = "external" if external == "good" else "cluster"
+    assert losses[good_side] < losses["cluster" if good_side == "external" else "external"] - 0.05
+    # Execute: one local run (smoke: 5 steps of 16 examples)
+    stats = trainer.fit(model)
+    lam = trainer.train_metrics()
+    # Assert: in both blocks theta moved toward the good expert, by far more than the LoRA
+    # learning rate could move it in 5 steps (5 x 1e-3): theta has its own learning rate
+    assert stats.steps == 5 and set(lam) == {"fedtreelora-lam-0", "fedtreelora-lam-1"}
+    for block in (0, 1):
+        moved = math.log(lam[f"fedtreelora-lam-{block}"] / (1 - lam[f"fedtreelora-lam-{block}"])) - start
+        assert toward * moved > 0.1, f"block {block}: theta moved {moved:+.3f}"
+
+
+def test_mixing_lr_zero_keeps_lam_at_lam0(two_experts: dict[str, dict[str, np.ndarray]]) -> None:
+    # Prepare: the ablation "lam fixed at lam0", with a lam0 other than 0.5
+    trainer = tree_trainer(["strategy.mixing_lr=0", "strategy.lam0=0.3"])
+    model = trainer.prepare(two_expert_download(two_experts, "noise", "good"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_B.default" in n}
+    # Execute
+    trainer.fit(model)
+    # Assert: lam stays exactly lam0 while the cluster expert still trains
+    assert trainer.train_metrics() == pytest.approx({"fedtreelora-lam-0": 0.3, "fedtreelora-lam-1": 0.3}, abs=1e-7)
+    after = dict(model.named_parameters())
+    assert any(not bool((after[n] == before[n]).all()) for n in before)
+
+
+def test_theta_has_its_own_parameter_group_without_weight_decay(two_experts: dict[str, dict[str, np.ndarray]]) -> None:
+    # Prepare
+    trainer = tree_trainer(["strategy.mixing_lr=0.25", "train.weight_decay=0.1"])
+    model = trainer.prepare(two_expert_download(two_experts, "noise", "good"))
+    # Execute
+    groups = trainer.parameter_groups(model, None)
+    # Assert: theta only in the second group, at mixing_lr and without decay; LoRA keeps train.*
+    assert len(groups) == 2 and groups[1] == {"params": [trainer.theta], "lr": 0.25, "weight_decay": 0.0}
+    assert all(p is not trainer.theta for p in groups[0]["params"]) and set(groups[0]) == {"params"}
+    # Assert: a round without an external expert (nothing mixed) trains no theta
+    plain = tree_trainer([])
+    assert len(plain.parameter_groups(plain.prepare({}), None)) == 1
+
+
+def test_round_extra_records_lam_cuts_and_cluster_sizes_per_block() -> None:
+    # Prepare: clients 0, 2 and 1, 3 form two groups in both blocks; clients report lam per block
+    tree, _ = protocol_pair([])
+    uploads = protocol_uploads(np.random.default_rng(1), [0, 1, 0, 1])
+    tree.aggregate(1, uploads)  # warm-up end: the tree, cuts [2, 2]
+    lam = {0: {0: 0.4, 1: 0.7}, 1: {0: 0.6, 1: 0.9}, 2: {1: 0.2}, 3: {}}  # client -> block -> lam
+    for u in uploads:
+        u.metrics.update({f"fedtreelora-lam-{b}": v for b, v in lam[u.partition_id].items()})
+    # Execute
+    tree.aggregate(2, uploads)
+    extra = tree.round_extra(2)
+    # Assert: lists per block and flat numbers, by hand
+    assert extra["cuts"] == [2, 2] and extra["cluster_sizes"] == [[2, 2], [2, 2]]
+    assert extra["lam_mean"] == pytest.approx([0.5, 0.6]) and extra["lam_min"] == [0.4, 0.2]
+    assert extra["lam_max"] == [0.6, 0.9]
+    assert extra["fedtreelora_lam_mean_b1"] == pytest.approx(0.6) and extra["fedtreelora_lam_min_b0"] == 0.4
+    assert extra["fedtreelora_lam_mean"] == pytest.approx((0.4 + 0.7 + 0.6 + 0.9 + 0.2) / 5)
+    assert extra["fedtreelora_lam_min"] == 0.2 and extra["fedtreelora_lam_max"] == 0.9
+    assert extra["fedtreelora_cut_b0"] == 2.0 and extra["fedtreelora_clusters_b1"] == 2.0
+    assert extra["fedtreelora_cluster_size_min_b0"] == extra["fedtreelora_cluster_size_max_b1"] == 2.0
+    flat = {k: v for k, v in extra.items() if k.startswith("fedtreelora_")}
+    assert all(isinstance(v, float) for v in flat.values())
+
+
+def test_cluster_sizes_and_missing_lam_of_a_block_without_mixing() -> None:
+    from fedlora.methods.fedtreelora import mechanism_extra
+
+    # Execute: block 0 one cluster of 5 (nobody mixes it), block 1 clusters of 3, 1 and 1
+    extra = mechanism_extra({0: 1, 1: 3}, {0: dict.fromkeys(range(5), 0), 1: {0: 0, 1: 0, 2: 2, 3: 0, 4: 1}}, {1: [0.25]})
+    # Assert
+    assert extra["cluster_sizes"] == [[5], [3, 1, 1]] and extra["lam_mean"] == [None, 0.25]
+    assert "fedtreelora_lam_mean_b0" not in extra and extra["fedtreelora_cluster_size_min_b1"] == 1.0
+    assert extra["fedtreelora_cluster_size_max_b0"] == 5.0 and extra["fedtreelora_lam_max"] == 0.25
+
+
 # ---------------------------------------------------------------- data
 def test_grouped_partition_gives_disjoint_class_blocks() -> None:
     # Prepare
@@ -403,6 +560,8 @@ def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None
     cuts = rounds[-1]["extra"]["cuts"]
     assert len(cuts) == 2 and all(1 <= a <= b for a, b in pairwise(cuts))
     assert set(rounds[-1]["extra"]["clusters"]["0"]) == {"0", "1", "2"}
+    assert [rounds[-1]["extra"][f"fedtreelora_cut_b{b}"] for b in (0, 1)] == cuts
+    assert [sum(sizes) for sizes in rounds[-1]["extra"]["cluster_sizes"]] == [3, 3]
     assert all(0.0 <= r["personalized_accuracy"] <= 1.0 for r in rounds)
     assert results["strategy_info"]["fedtreelora"]["cuts"] == cuts
     assert (tmp_path / "tree_cuts.png").stat().st_size > 0 and (tmp_path / "tree.json").is_file()
@@ -417,3 +576,24 @@ def test_ray_run(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["final"]["failures"] == 0 and len(results["rounds"]) == 3
     assert (tmp_path / "tree_cuts.png").is_file()
+
+
+# ---------------------------------------------------------------- the per-method config
+SIZE_KEYS = {"data.max_examples", "data.global_test_size", "train.rounds", "federation.evaluate_every", "output.dir"}
+
+
+def flat(config: object) -> dict[str, object]:
+    """``section.key -> value`` of a validated config (defaults included)."""
+    return {f"{section}.{key}": value for section, values in config.model_dump().items() for key, value in values.items()}
+
+
+def test_method_config_is_its_scenario_at_a_smaller_size() -> None:
+    # Prepare: the config a user reaches for first, and the fidelity scenario
+    config = flat(load_config(ROOT / "configs/fedtreelora.toml"))
+    scenario = flat(load_config(ROOT / "configs/scenarios/fedtreelora.toml"))
+    # Assert: every key equals the scenario's (grouped partition, local heads, warm-up, strategy
+    # options, training) except the size; and it is smaller
+    differing = sorted(k for k in scenario if config[k] != scenario[k])
+    assert set(differing) <= SIZE_KEYS, differing
+    assert config["data.max_examples"] < scenario["data.max_examples"] and config["train.rounds"] < scenario["train.rounds"]
+    assert config["model.head"] == "local" and config["data.partition"] == "grouped"

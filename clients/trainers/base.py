@@ -128,13 +128,20 @@ class LocalTrainer:
             weight_decay=cfg.weight_decay,
             loss_fn=self.loss,
             after_backward=self.after_backward,
-            parameters=self.trainable_parameters(model, loader),
+            parameters=self.parameter_groups(model, loader),
         )
 
     def trainable_parameters(self, model: PeftModel, loader: Any) -> list[torch.nn.Parameter]:
         """What the optimiser updates (default: the model's trainable parameters); a method with
         parameters outside the model (e.g. FedDR-LoRA's noise branch) adds them here."""
         return [p for p in model.parameters() if p.requires_grad]
+
+    def parameter_groups(self, model: PeftModel, loader: Any) -> list[dict[str, Any]]:
+        """The optimiser's parameter groups (default: one group, :meth:`trainable_parameters` at
+        ``train.lr`` and ``train.weight_decay``); a method whose extra parameters need their own
+        learning rate (e.g. FedTreeLoRA's mixing logits) returns more groups, each dict overriding
+        AdamW's ``lr`` / ``weight_decay`` for its parameters."""
+        return [{"params": self.trainable_parameters(model, loader)}]
 
     def fit_private(self, model: PeftModel) -> TrainStats:
         """DP-SGD with Opacus (fedlora.privacy); the accountant's history stays in the client's
@@ -143,7 +150,7 @@ class LocalTrainer:
 
         from fedlora.privacy import private_train
 
-        customised = ("fit", "after_backward", "trainable_parameters")
+        customised = ("fit", "after_backward", "trainable_parameters", "parameter_groups")
         if any(getattr(type(self), name) is not getattr(LocalTrainer, name) for name in customised):
             raise ValueError(f"privacy.dp: {type(self).__name__} customises its training step; DP-SGD not supported")
         cfg, privacy = self.config.train, self.config.privacy

@@ -7,6 +7,10 @@ the blocks that have one. The mixing is done by each LoRA layer's own scaling: a
 pre-hook sets ``scaling[default] = s lam_l`` and ``scaling[external] = s (1 - lam_l)`` from
 theta as tensors, so the gradient reaches theta. theta is local: it stays in the client state
 and never travels. Blocks whose cut is c = 1 get no external expert and keep lam = 1 (FedIT).
+theta has its own AdamW parameter group at ``strategy.mixing_lr`` without weight decay (at the
+LoRA learning rate for a few steps a round it barely moves); ``mixing_lr = 0`` freezes it at
+logit(lam0). After training, the client reports lam of every mixed block
+(``fedtreelora-lam-<block>``) for the round's record.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 
 from clients.trainers.base import LocalTrainer
 from fedlora.lora import A_SUFFIX, Payload
-from fedlora.methods.fedtreelora import EXTERNAL_PREFIX
+from fedlora.methods.fedtreelora import EXTERNAL_PREFIX, LAM_METRIC
 from fedlora.models import PEFT_PREFIX, adapter_payload, layer_index, load_payload
 
 if TYPE_CHECKING:
@@ -108,6 +112,17 @@ class FedTreeLoRATrainer(LocalTrainer):
             self.mixed_blocks = sorted({layer_index(m) for m in mixed})
         return model
 
+    def parameter_groups(self, model: PeftModel, loader: Any) -> list[dict[str, Any]]:
+        """The LoRA factors and the head at ``train.lr``; theta (when this round mixes a block) in
+        its own group at ``strategy.mixing_lr`` without weight decay; ``mixing_lr = 0``: frozen."""
+        lora = [p for p in self.trainable_parameters(model, loader) if p is not self.theta]
+        groups: list[dict[str, Any]] = [{"params": lora}]
+        if self.mixed_blocks and self.options.mixing_lr > 0:
+            groups.append({"params": [self.theta], "lr": self.options.mixing_lr, "weight_decay": 0.0})
+        else:
+            self.theta.requires_grad_(False)  # lam stays at its value (lam0 when mixing_lr = 0)
+        return groups
+
     @staticmethod
     def _modules(model: PeftModel) -> list[str]:
         return [k.removesuffix(A_SUFFIX) for k in adapter_payload(model) if k.endswith(A_SUFFIX)]
@@ -124,7 +139,6 @@ class FedTreeLoRATrainer(LocalTrainer):
         return {**adapter_payload(model), THETA_KEY: self.theta.detach().cpu().numpy().copy()}
 
     def train_metrics(self) -> dict[str, float]:
-        if not self.mixed_blocks:
-            return {}
-        lam = self.theta.detach().sigmoid().cpu().numpy()[self.mixed_blocks]
-        return {"lam-mean": float(lam.mean()), "lam-min": float(lam.min()), "lam-max": float(lam.max())}
+        """lam = sigmoid(theta_l) after training, for every block this round mixed."""
+        lam = self.theta.detach().sigmoid().cpu().numpy()
+        return {f"{LAM_METRIC}{block}": float(lam[block]) for block in self.mixed_blocks}

@@ -1,8 +1,15 @@
-"""FedPissa: selective aggregation of B with a decorrelated subspace projection; A stays local.
+"""FedPissa: selective aggregation of one LoRA factor with a decorrelated subspace projection.
 
 FedPissa (2026; abstract only, plus the authors' overview figure). The server update is "Eq. 4"
-of the figure [FIG]; the PiSSA init, the tail-rank default, the weighting of the deviations and
-the global-model definition are reconstructions [RECON] and therefore options (docs/algorithms.md).
+of the figure [FIG]; the PiSSA init, the tail-rank default, the weighting of the deviations, the
+global-model definition and which factor is aggregated (the abstract's "selectively aggregate
+LoRA components based on their aggregation dynamics") are reconstructions [RECON] and therefore
+options (docs/algorithms.md).
+
+Eq. 4 is written here for the aggregated factor X in (d, r) orientation and the kept factor U
+in (r, d') orientation: X = B, U = A (the figure), or, when ``selection = 'dynamics'`` picks A
+for a module, X = A^T, U = B^T (the mirror image: client k's deviation of A survives along the
+rank directions the other clients' B barely use).
 """
 
 from __future__ import annotations
@@ -60,6 +67,14 @@ class FedPissaOptions(MethodOptions):
         "'clients' = every client's personalised model W0 + s B_agg A_k on the global test "
         "set, example-weighted; 'mean_A' = one model B_agg with the example-weighted mean of "
         "the clients' last A, evaluated by the server.",
+    )
+    selection: Literal["fixed", "dynamics"] = Field(
+        "fixed",
+        description="[RECON] Which factor is aggregated (the abstract: 'selectively aggregate LoRA "
+        "components based on their aggregation dynamics'): 'fixed' = B in every module, A local "
+        "(the figure); 'dynamics' = per module and round the factor whose client updates agree "
+        "more (higher consensus ||sum_k p_k dX_k||^2 / sum_k p_k ||dX_k||^2) is aggregated by Eq. 4 "
+        "and the other kept local; the download then carries A or B per module.",
     )
 
 
@@ -161,9 +176,11 @@ def projection_diagnostics(
 ) -> dict[str, float]:
     """How large the projected correction was and how much of the other clients' A it touches.
 
-    ``relative_correction`` = ||B_agg - B_avg||_F / ||B_avg||_F summed over modules;
-    ``interference`` = mean over k, j != k, modules of ||P_k A_j||_F / ||A_j||_F (small when the
-    tail directions are ones the other clients barely use).
+    ``relative_correction`` = sqrt(sum over modules of ||B_agg - B_avg||_F^2 / sum over modules
+    of ||B_avg||_F^2); ``interference`` = mean over k, j != k, modules of ||P_k A_j||_F / ||A_j||_F
+    (small when the tail directions are ones the other clients barely use);
+    ``projector_overlap`` = :func:`projector_overlap`. (B, A) may be the aggregated and the kept
+    factor in the orientations of the module docstring.
     """
     clients = list(B_by_client)
     num, den, ratios = 0.0, 0.0, []
@@ -181,7 +198,57 @@ def projection_diagnostics(
     return {
         "relative_correction": float(np.sqrt(num / max(den, 1e-24))),
         "interference": float(np.mean(ratios)) if ratios else 0.0,
+        "projector_overlap": projector_overlap(P_by_client),
     }
+
+
+def projector_overlap(P_by_client: Mapping[ClientId, Mapping[str, np.ndarray]]) -> float:
+    """Mean over ordered client pairs k != j and modules of ||P_k P_j||_F^2 / delta.
+
+    For rank-delta orthogonal projectors ||P_k P_j||_F^2 = tr(P_k P_j) = sum of the squared cosines
+    of the principal angles between the two tail spaces, in [0, delta]: the overlap is 1 when
+    every client's tail space is the same (then the bounded correction vanishes) and 0 when they
+    are mutually orthogonal. 0.0 for fewer than two clients."""
+    clients = list(P_by_client)
+    values = []
+    for module in P_by_client[clients[0]] if clients else []:
+        for k in clients:
+            for j in clients:
+                if j != k:
+                    P_k, P_j = P_by_client[k][module], P_by_client[j][module]  # (r, r) each
+                    delta = float(np.trace(P_k))
+                    values.append(float(np.linalg.norm(P_k @ P_j) ** 2) / max(delta, 1e-12))
+    return float(np.mean(values)) if values else 0.0
+
+
+def update_consensus(
+    start: Mapping[ClientId, Mapping[str, np.ndarray]],
+    end: Mapping[ClientId, Mapping[str, np.ndarray]],
+    weights: Mapping[ClientId, float],
+) -> dict[str, float]:
+    """Per module, how much the clients' updates of one factor agree this round.
+
+    dX_k = end_k - start_k (the factor after local training minus the one client k started
+    from); consensus = ||sum_k p_k dX_k||_F^2 / sum_k p_k ||dX_k||_F^2, in [0, 1] (Jensen): 1 when
+    every client moved the factor the same way, near 1 / K for unrelated updates, 0 when the
+    updates cancel. Equals 1 - (weighted dispersion of dX_k around their mean) / (mean ||dX_k||^2).
+    0.0 for a module nobody moved.
+    """
+    clients = list(end)
+    result = {}
+    for module in end[clients[0]]:
+        delta = np.stack([np.asarray(end[k][module], np.float64) - start[k][module] for k in clients])  # (K, ...)
+        p = np.array([weights[k] for k in clients])  # (K,)
+        mean_sq = float(np.einsum("k,k->", p, (delta**2).reshape(len(clients), -1).sum(1)))
+        mean = np.tensordot(p, delta, axes=1)
+        result[module] = float(np.sum(mean**2)) / mean_sq if mean_sq > 0 else 0.0
+    return result
+
+
+def select_factors(consensus_A: Mapping[str, float], consensus_B: Mapping[str, float]) -> dict[str, str]:
+    """``selection = 'dynamics'``: per module 'A' when the clients' A updates agree strictly more
+    than their B updates, else 'B' (ties keep the figure's choice)."""
+    return {m: "A" if consensus_A[m] > consensus_B[m] else "B" for m in consensus_B}
 
 
 def check(experiment: ExperimentConfig, options: FedPissaOptions) -> None:
@@ -199,7 +266,7 @@ METHOD = Method(
     capabilities=Capabilities(
         personalized=True,
         uploads="A, B, head",
-        downloads="B, head",
+        downloads="B, head (selection = dynamics: A or B per module)",
         mixed_ranks=False,
         paper="FedPissa, 2026 (abstract and overview figure; docs/algorithms.md)",
     ),

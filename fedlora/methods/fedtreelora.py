@@ -23,6 +23,7 @@ from fedlora.models import layer_index
 from fedlora.schema import ExperimentConfig
 
 EXTERNAL_PREFIX = "external::"  # download keys of the frozen external expert: external::<module>::A
+LAM_METRIC = "fedtreelora-lam-"  # reply metric fedtreelora-lam-<block>: the client's lam after training
 NO_CLUSTER = -1
 
 
@@ -55,6 +56,12 @@ class FedTreeLoRAOptions(MethodOptions):
         0.5, gt=0.0, lt=1.0,
         description="[RECON] Initial mixing weight lam = sigmoid(theta_l) of the cluster expert in every "
         "block (theta_l starts at logit(lam0)); the papers do not give it.",
+    )
+    mixing_lr: float = Field(
+        0.1, ge=0.0,
+        description="[RECON] Learning rate of the mixing logits theta (their own AdamW parameter group, "
+        "no weight decay); the LoRA factors keep train.lr. 0 freezes lam at lam0 (ablation: fixed "
+        "mixing). Provisional default, to be chosen on validation in the method's scenario.",
     )
 
 
@@ -199,6 +206,63 @@ def tree_aggregate(
                 others = [factors[int(i)][module] for i in np.flatnonzero(~inside)]
                 external_experts[module][int(cluster)] = average_factors(others, w[~inside])
     return cluster_experts, external_experts
+
+
+# --------------------------------------------------------------------------------------------
+# what the round records: lam per block, cluster sizes
+# --------------------------------------------------------------------------------------------
+
+
+def lam_by_block(metrics: Sequence[Mapping[str, float]]) -> dict[int, list[float]]:
+    """Block -> the lam of every client that mixed it, from the clients' reply metrics
+    (``fedtreelora-lam-<block>``; a client reports only its blocks with an external expert)."""
+    blocks: dict[int, list[float]] = {}
+    for client in metrics:
+        for key, value in client.items():
+            if key.startswith(LAM_METRIC):
+                blocks.setdefault(int(key[len(LAM_METRIC) :]), []).append(float(value))
+    return dict(sorted(blocks.items()))
+
+
+def cluster_sizes(membership: Mapping[int, int]) -> list[int]:
+    """Sizes of a block's clusters (partition -> cluster), largest first."""
+    return sorted(np.unique(list(membership.values()), return_counts=True)[1].tolist(), reverse=True)
+
+
+def mechanism_extra(
+    cuts: Mapping[int, int], membership: Mapping[int, Mapping[int, int]], lam: Mapping[int, Sequence[float]]
+) -> dict[str, float | list[int] | list[list[int]] | list[float | None]]:
+    """The round's record of the mechanism: per block (lists, shallow to deep) and flat numbers.
+
+    Lists: ``cluster_sizes`` (per block, largest first) and ``lam_mean`` / ``lam_min`` /
+    ``lam_max`` (over the clients that mixed the block this round; None where none did, e.g. a
+    block with c*_l = 1, where lam is 1 by construction). Flat: ``fedtreelora_cut_b<l>``,
+    ``fedtreelora_clusters_b<l>``, ``fedtreelora_cluster_size_min_b<l>`` / ``_max_b<l>``,
+    ``fedtreelora_lam_mean_b<l>`` / ``_min_`` / ``_max_`` (mixed blocks only), and
+    ``fedtreelora_lam_mean`` / ``_min`` / ``_max`` over every (client, mixed block) pair.
+    """
+    blocks = list(cuts)
+    extra: dict[str, float | list[int] | list[list[int]] | list[float | None]] = {
+        "cluster_sizes": [cluster_sizes(membership[b]) for b in blocks],
+        "lam_mean": [float(np.mean(lam[b])) if lam.get(b) else None for b in blocks],
+        "lam_min": [float(np.min(lam[b])) if lam.get(b) else None for b in blocks],
+        "lam_max": [float(np.max(lam[b])) if lam.get(b) else None for b in blocks],
+    }
+    for b in blocks:
+        sizes = cluster_sizes(membership[b])
+        extra[f"fedtreelora_cut_b{b}"] = float(cuts[b])
+        extra[f"fedtreelora_clusters_b{b}"] = float(len(sizes))
+        extra[f"fedtreelora_cluster_size_min_b{b}"] = float(min(sizes))
+        extra[f"fedtreelora_cluster_size_max_b{b}"] = float(max(sizes))
+        if lam.get(b):
+            extra[f"fedtreelora_lam_mean_b{b}"] = float(np.mean(lam[b]))
+            extra[f"fedtreelora_lam_min_b{b}"] = float(np.min(lam[b]))
+            extra[f"fedtreelora_lam_max_b{b}"] = float(np.max(lam[b]))
+    every = [value for b in blocks for value in lam.get(b, [])]
+    if every:
+        extra |= {"fedtreelora_lam_mean": float(np.mean(every)), "fedtreelora_lam_min": float(np.min(every)),
+                  "fedtreelora_lam_max": float(np.max(every))}
+    return extra
 
 
 def check(experiment: ExperimentConfig, options: FedTreeLoRAOptions) -> None:
