@@ -621,16 +621,17 @@ def deploy_local(
     insecure: bool = False,
     timeout: float = 3600.0,
     on_ready: Callable[[LocalDeployment], None] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Run ``config`` on a local SuperLink + ``num_nodes`` SuperNodes; the results dict.
 
     ``on_ready(deployment)`` is called after the run finished, while every process is still up
-    (the tests use it for probes against the live SuperLink).
+    (the tests use it for probes against the live SuperLink). ``overwrite``: see :func:`deploy_runs`.
     """
     from fedlora.app.runner import resolve
 
     resolved = resolve(config, overrides)
-    return deploy_runs({"": resolved}, num_nodes, out_dir, insecure, timeout, on_ready)[""]
+    return deploy_runs({"": resolved}, num_nodes, out_dir, insecure, timeout, on_ready, overwrite=overwrite)[""]
 
 
 def deploy_runs(
@@ -641,13 +642,18 @@ def deploy_runs(
     timeout: float = 3600.0,
     on_ready: Callable[[LocalDeployment], None] | None = None,
     side_by_side: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Run several experiments on ONE local federation (a SuperLink and ``num_nodes`` SuperNodes
     started once), one after the other or, with ``side_by_side``, all submitted at once (Flower
     runs them concurrently: their message latencies overlap); label -> its results dict. Run
     ``label`` writes into ``OUT/<label>`` (``OUT`` itself for the label ''). The silos' node
     configs come from the first experiment, so the experiments must share their data and
-    clients sections."""
+    clients sections. ``OUT`` must be new or empty: an earlier deployment there (its results,
+    certificates, logs) is refused, or with ``overwrite`` moved aside (``OUT.old-<time>``; nothing
+    is deleted) once every check passed. An interrupted deployment run continues from its
+    checkpoint with ``flwr run`` and the run-config entry ``resume = true`` (docs/deployment.md)."""
+    from fedlora.app.folders import claim
     from fedlora.app.runner import check_inputs
     from fedlora.results import load_results
 
@@ -663,13 +669,14 @@ def deploy_runs(
         if config.data != first.data or config.clients != first.clients:
             raise ConfigError(f"run '{label}' has other [data] / [clients] than the first: one federation serves both")
     out = Path(out_dir or first.output.dir).resolve()
-    if (out / "flwr").exists() or (out / "certs").exists():
-        raise ConfigError(f"{out} holds an earlier deployment (certs/, flwr/); choose a new --out folder")
+    claimed = claim(out, what="deployment", overwrite=overwrite,
+                    resume_hint="flwr run with the run-config entry resume = true (docs/deployment.md)")
     for label, config in configs.items():
         config.output.dir = str(out / label if label else out)
     app = app_dir()
     for config in configs.values():
         check_inputs(config)  # one-line errors for a missing model or unreadable data, before any process
+    claimed.take()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     evidence: dict[str, dict[str, Any]] = {}
