@@ -30,13 +30,17 @@ USER_ERROR = 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from fedlora.app.deploy.local import DeployError
-    from fedlora.app.runner import RunError
-    from fedlora.config import ConfigError
-    from fedlora.data import DataError
-    from fedlora.models import ModelError
+    """The errors a user can fix. Only modules already imported are looked at: an error class
+    whose module was never imported cannot have been raised (and importing the data layer to
+    find out would cost seconds on every one-line error)."""
+    from fedlora.errors import ConfigError  # ModelError, CheckpointError: subclasses
 
-    return (ConfigError, DataError, ModelError, RunError, DeployError)
+    errors: list[type[BaseException]] = [ConfigError]
+    for module, name in (("fedlora.app.deploy.local", "DeployError"), ("fedlora.app.runner", "RunError"),
+                         ("fedlora.data.sources", "DataError")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
 
 
 def _final_scores(results: dict[str, Any]) -> str:
