@@ -187,3 +187,30 @@ def test_compare_refuses_an_earlier_comparison_and_resume_keeps_every_run(one_ro
     assert tree(moved) == earlier[1]
     assert [r["round"] for r in json.loads((out / "fedit" / "seed1" / "results.json").read_text())["rounds"]] == [1, 2]
     assert table["fedit"]["seeds"] == 2
+
+
+@pytest.mark.slow
+def test_deploy_local_refuses_earlier_output_and_resume_continues_on_a_new_federation(tmp_path: Path) -> None:
+    from fedlora.app.deploy.local import deploy_local
+
+    # Prepare: a one-round deployment (2 SuperNodes, TLS + auth)
+    out = tmp_path / "fed"
+    silos = ["data.num_clients=2", "clients.ranks=[4, 4]", "train.max_steps=1", "output.tensorboard=false"]
+    first = deploy_local(str(SMOKE), out_dir=out, overrides=[*silos, "train.rounds=1"], timeout=900)
+    before = tree(out)
+    # Execute 1 / Assert 1: a plain second deployment into it is refused before any process starts
+    with pytest.raises(ConfigError, match="holds an earlier deployment"):
+        deploy_local(str(SMOKE), out_dir=out, overrides=[*silos, "train.rounds=2"], timeout=900)
+    assert tree(out) == before
+    # Execute 2: --resume with one more round
+    resumed = deploy_local(str(SMOKE), out_dir=out, overrides=[*silos, "train.rounds=2"], timeout=900, resume=True)
+    # Assert 2: round 1 kept as it was, round 2 added by a new federation; the first federation's
+    # certificates, logs and records moved, byte for byte, into deployment.old-<time>/
+    untimed = [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in first["rounds"]]
+    assert [r["round"] for r in resumed["rounds"]] == [1, 2]
+    assert [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in resumed["rounds"][:1]] == untimed
+    assert resumed["deployment"]["run_id"] != first["deployment"]["run_id"]
+    (old,) = out.glob("deployment.old-*")
+    kept = {name: data for name, data in before.items() if name.split("/")[0] in ("certs", "logs", "deployment.json")
+            or name.startswith("run_config")}
+    assert kept and all(tree(old)[name] == data for name, data in kept.items())

@@ -23,6 +23,7 @@ from fedlora.checkpoint import (
     save_server,
 )
 from fedlora.config import ConfigError, load_config
+from fedlora.results import RoundRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -108,7 +109,7 @@ def test_a_resumed_run_drops_client_states_of_the_interrupted_round(tmp_path):
 )
 def test_resume_config_must_match_the_checkpoint(tmp_path, saved, resumed, accepted):
     # Prepare: a checkpoint written under one config
-    save_server(tmp_path, 1, load_config(SMOKE, saved), {}, [])
+    save_server(tmp_path, 1, load_config(SMOKE, saved), {}, [RoundRecord(round=1)])
     # Execute / Assert
     if accepted:
         assert load_server(tmp_path, load_config(SMOKE, resumed))["round"] == 1
