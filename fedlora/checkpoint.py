@@ -227,16 +227,19 @@ def check_blob(blob: Any, folder: Path) -> None:
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise _fail(f"the manifest's sha256 of {name} is not a sha256")
         file = folder / name
+        late = (f"; if a client whose reply timed out wrote it late, move {file.parent} out of the folder to "
+                f"resume that client without its state") if client else ""
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing (the manifest lists it); refusing to resume")
         if sha256_file(file) != digest:
             raise CheckpointError(f"checkpoint file {file} does not match its sha256 in the manifest (changed or "
-                                  f"corrupt); refusing to resume")
+                                  f"corrupt); refusing to resume{late}")
     unlisted = sorted(set(client_manifest_names(folder, blob["round"])) - set(manifest))
     if unlisted:
         raise CheckpointError(f"checkpoint file {folder / unlisted[0]} is not in the checkpoint's manifest (added by hand, "
-                              f"or written after round {blob['round']} was checkpointed); a resume would restore it "
-                              f"unverified: move it out of {folder / CLIENTS_DIR} to resume without it")
+                              f"or written late by a client whose reply timed out); a resume would restore it "
+                              f"unverified: move {(folder / unlisted[0]).parent} out of the folder to resume that client "
+                              f"without its state")
     for name in manifest:
         if name != blob["arrays"]:
             check_client_state(folder / name)

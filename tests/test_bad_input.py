@@ -303,3 +303,29 @@ def test_a_saved_dataset_with_an_overlong_text_is_refused_before_it_is_read(tmp_
     with pytest.raises(DataError, match="a text is longer than 1 MiB") as error:
         load_source(DataConfig(source=str(folder)))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_one_huge_record_is_refused_reading_at_most_one_mib_of_it(tmp_path: Path, suffix: str) -> None:
+    # Prepare: a data file whose second record is 64 MiB (before: read whole, gigabytes of memory)
+    import tracemalloc
+
+    from fedlora.config import DataConfig
+    from fedlora.data import DataError, load_source
+
+    path = tmp_path / f"huge{suffix}"
+    with path.open("w") as handle:
+        if suffix == ".csv":
+            handle.write("text,label\nsmall,0\n" + "x" * (64 * MIB) + ",1\n")
+        else:
+            handle.write('{"text": "small", "label": 0}\n{"text": "' + "x" * (64 * MIB) + '", "label": 1}\n')
+    # Execute
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="line [23] is longer than 1 MiB"):
+            load_source(DataConfig(source=str(path)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Assert: memory of the order of one record's cap, not of the record
+    assert peak < 8 * MIB, peak
