@@ -89,7 +89,8 @@ def main() -> None:
             tables[setting] = summarize(folder, labels=strategies)
         else:
             overrides = setting_overrides(setting) + list(args.set)
-            tables[setting] = compare(args.config, strategies, seeds, folder, overrides, engine="inprocess", plots=False)
+            tables[setting] = compare(args.config, strategies, seeds, folder, overrides, engine="inprocess", plots=False,
+                                      resume=True)  # a rerun continues: finished runs are kept
         print(f"done {setting}", flush=True)
 
     header = ["noise", *(f"`{s}` clients / global" for s in strategies), "FedDR split prec. / recall"]

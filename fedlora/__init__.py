@@ -1,8 +1,9 @@
 """fedlora: federated LoRA fine-tuning on Flower.
 
-Public Python API (for notebooks): ``fedlora.run(config, overrides=None, out_dir=None)`` runs one
-experiment and returns its results dict; ``fedlora.load_config`` reads and validates a TOML
-config; ``fedlora.compare(config, strategies, seeds, ...)`` runs a strategy comparison and
+Public Python API (for notebooks): ``fedlora.run(config, overrides=None, out_dir=None, resume=None,
+overwrite=False)`` runs one experiment and returns its results dict (an output folder holding an
+earlier run is refused unless resumed or, with ``overwrite``, moved aside); ``fedlora.load_config``
+reads and validates a TOML config; ``fedlora.compare(config, strategies, seeds, ...)`` runs a strategy comparison and
 returns its table (see :mod:`fedlora.app.compare`).
 
 This module is the package's facade: it sits above everything (the application layer
@@ -18,11 +19,13 @@ __version__ = "0.1.0"
 
 
 def run(config: Any, overrides: list[str] | None = None, out_dir: Any = None, verbose: bool = False,
-        engine: str = "ray") -> dict:
-    """Run one experiment (see :func:`fedlora.app.runner.run`)."""
+        engine: str = "ray", resume: Any = None, overwrite: bool = False) -> dict:
+    """Run one experiment (see :func:`fedlora.app.runner.run`): ``out_dir`` must be new or empty
+    unless ``resume`` (that folder: continue its run) or ``overwrite`` (move the earlier run aside)."""
     from fedlora.app.runner import run as _run
 
-    return _run(config, overrides=overrides, out_dir=out_dir, verbose=verbose, engine=engine)
+    return _run(config, overrides=overrides, out_dir=out_dir, verbose=verbose, engine=engine, resume=resume,
+                overwrite=overwrite)
 
 
 def load_config(path: Any, overrides: list[str] | None = None) -> Any:

@@ -7,6 +7,7 @@ the one import a caller needs.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -52,14 +53,40 @@ def _format_validation_error(error: ValidationError) -> str:
     )
 
 
+def _non_finite(value: Any, where: str) -> str | None:
+    """The dotted key of the first NaN / inf float in ``value`` (None: every float is finite)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    if isinstance(value, dict):
+        items: list[tuple[str, Any]] = [(f"{where}.{key}", item) for key, item in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, key)
+        if found is not None:
+            return found
+    return None
+
+
 def build_config(raw: dict[str, Any]) -> ExperimentConfig:
-    """Validate a raw dict (TOML + overrides) into an ExperimentConfig, strategy options too."""
+    """Validate a raw dict (TOML + overrides) into an ExperimentConfig, strategy options too.
+    Every float must be finite (the schema's sections refuse NaN / inf themselves; the strategy's
+    options are checked here, whatever their model declares)."""
     try:
         config = ExperimentConfig.model_validate(raw)
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error)) from None
+    found = _non_finite(config.strategy.options(), "strategy")
+    if found is not None:
+        raise ConfigError(f"invalid config '{found}': must be a finite number, got {_lookup(config, found)!r}")
     methods.validate(config)
     return config
+
+
+def _lookup(config: ExperimentConfig, dotted: str) -> Any:
+    return config.strategy.options().get(dotted.split(".", 1)[1].split("[", 1)[0])
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -68,7 +95,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot parse {path}: {error}") from None
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"cannot parse {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    try:
+        raw = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError) as error:
+        raise ConfigError(f"cannot parse {path}: {str(error) or 'nested too deeply'}") from None
     return build_config(apply_overrides(raw, overrides or []))

@@ -37,7 +37,7 @@ import numpy as np
 
 from fedlora.errors import ConfigError
 from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX, Payload
-from fedlora.schema import ModelConfig
+from fedlora.schema import ExperimentConfig, ModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -221,6 +221,58 @@ def check_target_modules(cfg: ModelConfig, num_labels: int, device: str = "cpu")
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
         raise ModelError(f"model.target_modules: {unknown} match no module of '{cfg.path}'; its module names end in "
                          f"{', '.join(leaves[:12])}{', ...' if len(leaves) > 12 else ''}")
+
+
+def _bare_model(cfg: ModelConfig, num_labels: int, device: str) -> Any:
+    """The backbone the run's models wrap (no adapter): a causal LM's shared base, a classifier's cache."""
+    if cfg.kind == "causal_lm":
+        return bare_causal_model(cfg.path, device)
+    return _base_model(cfg.path, num_labels, 0)
+
+
+def max_lora_rank(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> int:
+    """The largest LoRA rank every target module can take: min over them of min(d_out, d_in) (a
+    larger rank is no longer low-rank, and a huge one would be allocated before anything fails)."""
+    model = _bare_model(cfg, num_labels, device)
+    sizes = [min(module.weight.shape[:2]) for name, module in model.named_modules()
+             if any(name == t or name.endswith("." + t) for t in cfg.target_modules)
+             and getattr(getattr(module, "weight", None), "ndim", 0) >= 2]
+    return int(min(sizes)) if sizes else 0
+
+
+def max_positions(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> int | None:
+    """The most tokens one sequence may hold: the model's position embeddings (and its tokenizer's
+    declared maximum, when it declares a real one); None when the model declares neither."""
+    config = _bare_model(cfg, num_labels, device).config
+    limits = [int(value) for value in (getattr(config, "max_position_embeddings", None),) if value]
+    declared = getattr(load_tokenizer(cfg.path), "model_max_length", None)
+    if isinstance(declared, int) and 0 < declared < 10**9:  # transformers' "no limit" is ~1e30
+        limits.append(declared)
+    return min(limits) if limits else None
+
+
+def check_model_limits(config: ExperimentConfig, num_labels: int) -> None:
+    """ModelError (one line) for a configured LoRA rank above :func:`max_lora_rank`, or a
+    ``train.max_length`` (a causal LM: plus ``train.max_new_tokens``, which generation appends) above
+    :func:`max_positions`: limits known before the run, which would otherwise fail (or allocate
+    gigabytes) in the middle of it. A silo's own rank (deployment node config) is checked by the
+    server when it joins."""
+    model, train, clients = config.model, config.train, config.clients
+    device = str(resolve_device(train.device))
+    ranks = {"model.lora_rank": [model.lora_rank], "clients.ranks": list(clients.ranks),
+             "clients.rank_tiers": [int(rank) for rank in clients.rank_tiers]}
+    largest = max_lora_rank(model, num_labels, device)
+    for key, values in ranks.items():
+        too_big = sorted({r for r in values if r > largest})
+        if too_big and largest:
+            raise ModelError(f"{key}: rank {too_big[-1]} exceeds what '{model.path}' can take: its target modules "
+                             f"{model.target_modules} allow at most rank {largest} (min of their d_out, d_in)")
+    limit = max_positions(model, num_labels, device)
+    length = train.max_length + (train.max_new_tokens if model.kind == "causal_lm" else 0)
+    if limit is not None and length > limit:
+        what = "train.max_length + train.max_new_tokens" if model.kind == "causal_lm" else "train.max_length"
+        raise ModelError(f"{what} = {length} exceeds the {limit} positions '{model.path}' can encode; "
+                         f"set train.max_length <= {limit - (length - train.max_length)}")
 
 
 def head_labels(path: str) -> int | None:

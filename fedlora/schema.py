@@ -21,9 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fedlora.errors import ConfigError
 
+MAX_SEED = 2**31 - 1  # seeds are offset by rounds and partitions, and some libraries take < 2**32 only
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # every float of a config must be a finite number: NaN or inf (a learning rate, a DP noise, a
+    # budget) would be accepted here and fail only after every round ran
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 ModelKind = Literal["classification", "causal_lm"]
@@ -130,7 +134,8 @@ class DataConfig(_Section):
         "none", description="Noise injected into client *training* labels only."
     )
     noise_rate: float = Field(0.0, description="Fraction of training labels flipped, in [0, 1).")
-    seed: int = Field(0, ge=0, description="Seed of subsampling, partitioning, splits and noise (>= 0).")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of subsampling, partitioning, splits and noise, in "
+                      "[0, 2**31 - 1].")
     shuffle_test_labels: bool = Field(
         False, description="Audit only: permute the labels of every test split (local and global) "
         "so test scores are noise; model selection, which reads validation only, must not change."
@@ -168,7 +173,8 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' picks CUDA when present (bf16 autocast there), else CPU."
     )
-    seed: int = Field(0, ge=0, description="Seed of LoRA init, batch order and client sampling (>= 0).")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of LoRA init, batch order and client sampling, in "
+                      "[0, 2**31 - 1].")
 
 
 class StrategyConfig(_Section):
@@ -307,7 +313,8 @@ class FaultsConfig(_Section):
         description="Malformations a corrupting client picks from: NaN, Inf, a wrong shape, a "
         "wrong rank, unexpected keys, or a huge norm (x1e6).",
     )
-    seed: int = Field(0, description="Seed of the failure draws (per round and client).")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the failure draws (per round and client), in "
+                      "[0, 2**31 - 1].")
     norm_outlier_factor: float = Field(
         10.0, ge=0.0, description="Reject an update whose L2 norm exceeds this multiple of the "
         "round's median update norm (needs >= 3 updates; 0 = off)."

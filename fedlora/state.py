@@ -6,6 +6,10 @@ tuples, sets, dicts with any of those as keys, numpy arrays and scalars, numpy r
 (their bit-generator state), and instances of the dataclasses / named tuples registered with
 :func:`register` (an explicit allow-list, looked up by name; an unknown name is an error, never
 an import). Anything else refuses to encode, with its type named.
+
+Decoding is as strict: a structure nested deeper than :data:`MAX_DEPTH`, an unknown tag or type
+name, an object with fields its class does not declare, or an array name the arrays do not hold
+is a :class:`StateError`, never a crash or a guess.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 T = TypeVar("T")
 
 _REGISTERED: dict[str, type] = {}
+MAX_DEPTH = 64  # deepest nesting a stored structure may have (a strategy's state is a few levels deep)
 
 
 class StateError(ValueError):
@@ -46,7 +51,21 @@ def encode(value: Any) -> tuple[Any, dict[str, np.ndarray]]:
 
 def decode(structure: Any, arrays: dict[str, np.ndarray]) -> Any:
     """Inverse of :func:`encode` (StateError for anything this codec did not write)."""
+    check_depth(structure)
     return _decode(structure, arrays)
+
+
+def check_depth(structure: Any, limit: int = MAX_DEPTH) -> None:
+    """StateError when ``structure`` (JSON values) nests deeper than ``limit`` (checked without recursion)."""
+    stack: list[tuple[Any, int]] = [(structure, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise StateError(f"the stored structure nests deeper than {limit} levels")
+        if isinstance(value, dict):
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
 
 
 def _encode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
@@ -98,6 +117,8 @@ def _decode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
     if not isinstance(value, dict) or len(value) not in (1, 2):
         raise StateError(f"unexpected stored value {str(value)[:60]!r}")
     tag = next(iter(value))
+    if len(value) == 2 and (tag != "__object__" or "fields" not in value):
+        raise StateError(f"unexpected stored value {str(value)[:60]!r}")
     decoders: dict[str, Callable[[Any], Any]] = {
         "__float__": lambda text: float(text),
         "__array__": lambda name: _array(arrays, name),
@@ -130,4 +151,8 @@ def _object(name: Any, fields: Any, arrays: dict[str, np.ndarray]) -> Any:
     cls = _REGISTERED.get(name) if isinstance(name, str) else None
     if cls is None or not isinstance(fields, dict):
         raise StateError(f"the state holds an object of an unknown type {name!r}")
+    declared = getattr(cls, "_fields", None) or [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(str(k) for k in fields if k not in declared)
+    if unknown:
+        raise StateError(f"a stored {cls.__qualname__} has fields {unknown[:5]} its class does not declare")
     return cls(**{k: _decode(v, arrays) for k, v in fields.items()})

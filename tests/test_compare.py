@@ -352,7 +352,7 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
     options = {"seeds": (0, 1), "out_dir": tmp_path, "engine": "inprocess", "fresh_partitions": True, "paired": "fedit"}
     table = compare_strategies(SMOKE, STRATEGIES, workers=2, **options)
     first = results_mtimes(tmp_path)
-    again = compare_strategies(SMOKE, STRATEGIES, **options)
+    again = compare_strategies(SMOKE, STRATEGIES, resume=True, **options)
     # Assert
     assert len(first) == 4 and results_mtimes(tmp_path) == first  # the rerun ran nothing
     assert table.strategies == list(STRATEGIES) and [r["seeds"] for r in table.rows] == [2, 2]
@@ -418,7 +418,7 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
     # Execute
     first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900)
     mtimes = results_mtimes(tmp_path)
-    second = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    second = subprocess.run([*command, "--resume"], check=False, capture_output=True, text=True, timeout=300)
     # Assert
     assert first.returncode == 0, first.stderr[-3000:]
     assert second.returncode == 0, second.stderr[-3000:]

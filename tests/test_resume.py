@@ -23,6 +23,7 @@ from fedlora.checkpoint import (
     save_server,
 )
 from fedlora.config import ConfigError, load_config
+from fedlora.results import RoundRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -108,7 +109,7 @@ def test_a_resumed_run_drops_client_states_of_the_interrupted_round(tmp_path):
 )
 def test_resume_config_must_match_the_checkpoint(tmp_path, saved, resumed, accepted):
     # Prepare: a checkpoint written under one config
-    save_server(tmp_path, 1, load_config(SMOKE, saved), {}, [])
+    save_server(tmp_path, 1, load_config(SMOKE, saved), {}, [RoundRecord(round=1)])
     # Execute / Assert
     if accepted:
         assert load_server(tmp_path, load_config(SMOKE, resumed))["round"] == 1
@@ -265,43 +266,235 @@ def test_dp_run_resumes_with_the_same_epsilon_and_adapters(tmp_path):
             np.testing.assert_allclose(_adapters(resumed)[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
 
 
-# ------------------------------------------------------------------------------ no pickle
-def _checkpointed(tmp_path: Path) -> Path:
-    """A real checkpoint (one in-process round of the smoke config)."""
+# ------------------------------------------------------------------------------ verified checkpoints
+TAMPER_ROUNDS = ["train.rounds=2", "train.max_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run folder: two in-process rounds of the smoke config (server checkpoint of round 2,
+    every client's state file); each test copies it."""
     from fedlora.app.runner import run_inprocess
 
-    run_inprocess(load_config(SMOKE, ["train.rounds=1", "train.max_steps=1"]), tmp_path)
-    return tmp_path / "checkpoint" / "server.json"
+    folder = tmp_path_factory.mktemp("checkpointed") / "run"
+    run_inprocess(load_config(SMOKE, TAMPER_ROUNDS), folder)
+    return folder
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes (a refusal must leave them as they were)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _blob(run: Path) -> dict:
+    import json
+
+    return json.loads((checkpoint_dir(run) / "server.json").read_text())
+
+
+def _write_signed(run: Path, blob: dict) -> None:
+    """Write ``blob`` as server.json with a digest that matches it and a manifest that matches the
+    files: a crafted checkpoint, which only the structural checks can refuse."""
+    import json
+
+    from fedlora.checkpoint import blob_digest, sha256_file
+
+    folder = checkpoint_dir(run)
+    blob["manifest"] = {name: sha256_file(folder / name) for name in blob["manifest"] if (folder / name).is_file()}
+    blob["digest"] = blob_digest(json.loads(json.dumps({k: v for k, v in blob.items() if k != "digest"})))
+    (folder / "server.json").write_text(json.dumps(blob))
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _nan_arrays(run: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    path = checkpoint_dir(run) / _blob(run)["arrays"]
+    arrays = load_file(str(path))
+    save_file({k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in arrays.items()}, str(path))
+
+
+def _resigned(edit):
+    def tamper(run: Path) -> None:
+        blob = _blob(run)
+        edit(blob)
+        _write_signed(run, blob)
+    return tamper
+
+
+def _set_round_field(blob: dict, field: str, value) -> None:
+    """Set ``field`` of the first round record in the stored structure."""
+    records = blob["state"]["__dict__"]
+    rounds = next(v for k, v in records if k == "rounds")
+    rounds[0]["fields"][field] = value
+
+
+def _strategy_entries(blob: dict) -> list:
+    return next(v for k, v in blob["state"]["__dict__"] if k == "strategy")["__dict__"]
+
+
+def _deep(depth: int):
+    value: object = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _nan_client_state(run: Path) -> None:
+    from flwr.app import Array, ArrayRecord
+    from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    path = next((checkpoint_dir(run) / "clients").rglob("round_2.bin"))
+    proto = ProtoRecordDict()
+    proto.ParseFromString(path.read_bytes())
+    state = recorddict_from_proto(proto)
+    key = next(iter(state.array_records))
+    state[key] = ArrayRecord({name: Array(np.full_like(a.numpy(), np.nan)) for name, a in state[key].items()})
+    path.write_bytes(recorddict_to_proto(state).SerializeToString())
+    _write_signed(run, _blob(run))
+
+
+def _claim_round(run: Path, server_round: int) -> None:
+    """A checkpoint that says it completed ``server_round`` (its arrays file renamed to match) while
+    its round records stop at round 2."""
+    folder, blob = checkpoint_dir(run), _blob(run)
+    name = f"server-{server_round}.safetensors"
+    (folder / blob["arrays"]).rename(folder / name)
+    blob["manifest"] = {(name if k == blob["arrays"] else k): v for k, v in blob["manifest"].items()}
+    blob.update(round=server_round, arrays=name)
+    _write_signed(run, blob)
+
+
+def _unlisted_client_state(run: Path) -> None:
+    """A state file for partition 9 that no checkpoint listed (a resume would restore it)."""
+    clients = checkpoint_dir(run) / "clients"
+    (clients / "9").mkdir()
+    (clients / "9" / "round_1.bin").write_bytes((clients / "0" / "round_2.bin").read_bytes())
+
+
+# (case, tamper the copied run folder, what the one line must say)
+TAMPERS = [
+    ("flipped-byte-in-arrays", lambda run: _flip_byte(checkpoint_dir(run) / _blob(run)["arrays"], -5),
+     "does not match its sha256 in the manifest"),
+    ("flipped-byte-in-json", lambda run: _flip_byte(checkpoint_dir(run) / "server.json", 4000),
+     "checkpoint"),
+    ("flipped-byte-in-client-state", lambda run: _flip_byte(next((checkpoint_dir(run) / "clients").rglob("*.bin")), -3),
+     "does not match its sha256 in the manifest"),
+    ("nan-arrays", _nan_arrays, "does not match its sha256"),
+    ("nan-arrays-manifest-rehashed", lambda run: (_nan_arrays(run), _write_signed(run, _blob(run))),
+     "holds NaN or inf values"),
+    ("nan-client-state-manifest-rehashed", _nan_client_state, "is not finite numbers"),
+    ("edited-json", lambda run: (checkpoint_dir(run) / "server.json").write_text(
+        (checkpoint_dir(run) / "server.json").read_text().replace('"round": 2', '"round": -1', 1)),
+     "was changed after it was written"),
+    ("negative-round", _resigned(lambda blob: blob.update(round=-1)), "round -1"),
+    ("round-records-inconsistent", lambda run: _claim_round(run, 3), "not 1..3"),
+    ("round-record-negative-count", _resigned(lambda blob: _set_round_field(blob, "clients", -3)), "not a count >= 0"),
+    ("round-record-accuracy-out-of-range", _resigned(lambda blob: _set_round_field(blob, "global_accuracy", 7.5)),
+     "outside [0, 1]"),
+    ("round-record-string-for-number", _resigned(lambda blob: _set_round_field(blob, "train_loss", "x")),
+     "not a finite number"),
+    ("partition-that-does-not-exist", _resigned(lambda blob: blob.update(partitions=[0, 1, 2, 7])),
+     "names partitions [7]"),
+    ("nesting-too-deep", _resigned(lambda blob: _strategy_entries(blob).append(["deep", _deep(200)])),
+     "nests deeper than"),
+    ("unknown-type", _resigned(lambda blob: _set_round_field(blob, "extra", {"__object__": "os:system", "fields": {}})),
+     "unknown type 'os:system'"),
+    ("arrays-outside-folder", _resigned(lambda blob: blob.update(arrays="../../x.safetensors")),
+     "is not server-2.safetensors"),
+    ("pickle-era-format", _resigned(lambda blob: blob.update(format=1)), "format 1, expected 3"),
+    ("unlisted-client-state", lambda run: _unlisted_client_state(run), "is not in the checkpoint's manifest"),
+]
+
+
+@pytest.mark.parametrize(("case", "tamper", "message"), TAMPERS, ids=[t[0] for t in TAMPERS])
+def test_a_tampered_checkpoint_is_refused_and_left_as_it_was(checkpointed_run: Path, tmp_path: Path, case: str,
+                                                             tamper, message: str) -> None:
+    # Prepare: a copy of a real two-round checkpoint, tampered with
+    run = _copy(checkpointed_run, tmp_path)
+    tamper(run)
+    before = _tree(run)
+    # Execute / Assert: the library refuses with one line, naming what is wrong, and changes nothing
+    with pytest.raises(ConfigError) as error:
+        load_server(run, load_config(SMOKE, TAMPER_ROUNDS))
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+    assert _tree(run) == before
+
+
+def test_an_intact_checkpoint_verifies_and_lists_every_file_it_restores(checkpointed_run: Path) -> None:
+    # Execute
+    saved = load_server(checkpointed_run, load_config(SMOKE, TAMPER_ROUNDS))
+    blob = _blob(checkpointed_run)
+    # Assert: the arrays and every client's newest state are in the manifest, with their sha256
+    import hashlib
+
+    folder = checkpoint_dir(checkpointed_run)
+    assert saved["round"] == 2 and [r.round for r in saved["rounds"]] == [1, 2]
+    assert sorted(blob["manifest"]) == ["clients/0/round_2.bin", "clients/1/round_2.bin", "clients/2/round_2.bin",
+                                        "server-2.safetensors"]
+    for name, digest in blob["manifest"].items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest
 
 
 @pytest.mark.parametrize(
-    ("damage", "message"),
+    ("case", "tamper", "message"),
     [
-        (lambda text: text[: len(text) // 2], "corrupt or not a fedlora checkpoint"),  # truncated JSON
-        (lambda text: text.replace('"format": 2', '"format": 1'), "format 1, expected 2"),  # a pickle-era file
-        (lambda text: text.replace('"__object__": "fedlora.results:RoundRecord"', '"__object__": "os:system"'),
-         "unknown type 'os:system'"),
-        (lambda text: text.replace('"arrays": "server-1.safetensors"', '"arrays": "../../x.safetensors"'),
-         "outside the checkpoint folder"),
+        ("flipped-byte-in-arrays", TAMPERS[0][1], "does not match its sha256"),
+        ("nan-arrays-manifest-rehashed", TAMPERS[4][1], "holds NaN or inf values"),
+        ("edited-json", TAMPERS[6][1], "was changed after it was written"),
+        ("negative-round", TAMPERS[7][1], "round -1"),
+        # found once the strategy is built: an attribute it does not have, an attribute of another kind
+        ("unknown-strategy-attribute", _resigned(lambda blob: _strategy_entries(blob).append(["aggregate", 1])),
+         "attributes ['aggregate'] this strategy does not have"),
+        ("strategy-attribute-of-another-kind", _resigned(lambda blob: [e.__setitem__(1, "not a generator")
+                                                                       for e in _strategy_entries(blob) if e[0] == "rng"]),
+         "'rng' is a str"),
     ],
+    ids=["flipped-byte-in-arrays", "nan-arrays-manifest-rehashed", "edited-json", "negative-round",
+         "unknown-strategy-attribute", "strategy-attribute-of-another-kind"],
 )
-def test_a_corrupt_or_foreign_checkpoint_is_one_line_and_never_runs_code(tmp_path, damage, message):
-    # Prepare: damage a real checkpoint
-    path = _checkpointed(tmp_path)
-    path.write_text(damage(path.read_text()))
-    # Execute / Assert: the library refuses with a ConfigError; the CLI with one line and exit 2
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        load_server(tmp_path, load_config(SMOKE, ["train.rounds=1", "train.max_steps=1"]))
-    proc = subprocess.run(_cmd(tmp_path, "fedit", "--resume", str(tmp_path), "--set", "train.max_steps=1"),
-                          check=False, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().count("\n") == 0 and "checkpoint" in proc.stderr
-
-
-def test_checkpoint_files_hold_json_and_safetensors_only(tmp_path):
+def test_cli_resume_of_a_tampered_checkpoint_is_one_line_exit_2_and_changes_nothing(
+        checkpointed_run: Path, tmp_path: Path, case: str, tamper, message: str) -> None:
+    # Prepare
+    run = _copy(checkpointed_run, tmp_path)
+    tamper(run)
+    before = _tree(run)
     # Execute
-    path = _checkpointed(tmp_path)
-    # Assert: no pickle anywhere in the server checkpoint
-    names = sorted(p.name for p in path.parent.iterdir() if p.is_file())
-    assert names == ["server-1.safetensors", "server.json"]
-    assert not any(b"\x80\x04" in p.read_bytes()[:2] for p in path.parent.iterdir() if p.is_file())
+    proc = subprocess.run(_cmd(run, "fedit", "--resume", str(run), "--set", "train.max_steps=1"),
+                          check=False, capture_output=True, text=True, cwd=ROOT)
+    # Assert
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert _tree(run) == before
+
+
+def test_checkpoint_files_hold_json_and_safetensors_only(checkpointed_run: Path) -> None:
+    # Execute
+    folder = checkpoint_dir(checkpointed_run)
+    # Assert: no pickle anywhere in the server checkpoint; client states are Flower protobuf
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    assert names == ["server-2.safetensors", "server.json"]
+    assert not any(b"\x80\x04" in p.read_bytes()[:2] for p in folder.rglob("*") if p.is_file())
+
+
+def test_a_corrupt_or_foreign_checkpoint_is_one_line_and_never_runs_code(checkpointed_run: Path, tmp_path: Path) -> None:
+    # Prepare: a crafted checkpoint (consistent digest and manifest) naming a type outside the allow-list
+    run = _copy(checkpointed_run, tmp_path)
+    _resigned(lambda blob: _set_round_field(blob, "extra", {"__object__": "os:system", "fields": {"command": "x"}}))(run)
+    # Execute / Assert: refused before any constructor is looked up by name
+    with pytest.raises(ConfigError, match="unknown type 'os:system'"):
+        load_server(run, load_config(SMOKE, TAMPER_ROUNDS))

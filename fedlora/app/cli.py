@@ -1,17 +1,21 @@
 """The ``fedlora`` command line.
 
-    fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose] [--resume DIR] [--engine ray|inprocess]
-                   [--ray-address HOST:PORT]
+    fedlora run CONFIG [--set key=value ...] [--out DIR] [--verbose] [--resume DIR | --overwrite]
+                   [--engine ray|inprocess] [--ray-address HOST:PORT]
     fedlora compare CONFIG --strategies a,b,... [--seeds 0,1,2] [--out DIR] [--set k=v ...]
-                   [--engine ray|inprocess] [--workers N] [--fresh-partitions]
+                   [--engine ray|inprocess] [--workers N] [--fresh-partitions] [--resume | --overwrite]
                    [--paired BASELINE [--primary LABEL] [--primary-metric METRIC]]
     fedlora tune CONFIG --strategies a,b --grid train.lr=1e-4,1e-3 [--seeds 0,1] [--out DIR]
+                   [--resume | --overwrite]
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
-    fedlora deploy local CONFIG --nodes N [--insecure] [--out DIR] [--set k=v ...]
+    fedlora deploy local CONFIG --nodes N [--insecure] [--out DIR] [--set k=v ...] [--resume | --overwrite]
 
-A user mistake (bad config, missing model or data, unknown strategy) prints one line on stderr
-and exits with status 2; nothing already written (results, adapters) is removed.
+A user mistake (bad config, missing model or data, unknown strategy, an output folder that cannot
+be written, a corrupt checkpoint) prints one line on stderr and exits with status 2; nothing
+already written (results, adapters) is removed. An output folder that holds an earlier run is
+never written into unless --resume continues it, nor removed: --overwrite moves it aside
+(fedlora/app/folders.py).
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ USER_ERROR = 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from fedlora.app.deploy.local import DeployError
-    from fedlora.app.runner import RunError
-    from fedlora.config import ConfigError
-    from fedlora.data import DataError
-    from fedlora.models import ModelError
+    """The errors a user can fix. Only modules already imported are looked at: an error class
+    whose module was never imported cannot have been raised (and importing the data layer to
+    find out would cost seconds on every one-line error)."""
+    from fedlora.errors import ConfigError  # ModelError, CheckpointError: subclasses
 
-    return (ConfigError, DataError, ModelError, RunError, DeployError)
+    errors: list[type[BaseException]] = [ConfigError]
+    for module, name in (("fedlora.app.deploy.local", "DeployError"), ("fedlora.app.runner", "RunError"),
+                         ("fedlora.data.sources", "DataError")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
 
 
 def _final_scores(results: dict[str, Any]) -> str:
@@ -51,7 +59,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from fedlora.app.runner import run
 
     results = run(args.config, overrides=args.set, out_dir=args.out, verbose=args.verbose, resume=args.resume,
-                  engine=args.engine)
+                  engine=args.engine, overwrite=args.overwrite)
     final = results["final"]
     out = results["config"]["output"]["dir"]
     print(f"{_final_scores(results)}, {final.get('bytes_total', 0) / 1e6:.2f} MB in {results['wall_seconds']:.0f}s")
@@ -88,6 +96,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         paired=args.paired,
         primary=args.primary,
         primary_metric=args.primary_metric,
+        resume=args.resume,
+        overwrite=args.overwrite,
     )
     print(table.to_markdown())
     paired = ""
@@ -109,6 +119,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         out_dir=args.out,
         overrides=args.set,
         engine=args.engine,
+        resume=args.resume,
+        overwrite=args.overwrite,
     )
     print(table.to_markdown())
     print(f"chosen settings: {table.out_dir}/tuning.json   summary: {table.out_dir}/summary.md")
@@ -152,7 +164,7 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
 
     results = deploy_local(
         args.config, num_nodes=args.nodes, out_dir=args.out, overrides=args.set, insecure=args.insecure,
-        timeout=args.timeout,
+        timeout=args.timeout, overwrite=args.overwrite, resume=args.resume,
     )
     final, deployment = results["final"], results["deployment"]
     out = results["config"]["output"]["dir"]
@@ -163,6 +175,11 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     )
     print(f"results: {out}/results.json   logs: {out}/logs/   all processes stopped")
     return 0
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (an error message must never spill over several lines of stderr)."""
+    return " ".join(text.split()) or "unknown error"
 
 
 def _fmt(value: float | None) -> str:
@@ -180,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     run.add_argument("--resume", default=None, metavar="DIR",
                      help="continue the interrupted run in DIR after its last complete round (same config)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="move an earlier run in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
     run.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                      help="join this running Ray cluster (ray start --head ...) instead of a local Ray")
     run.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
@@ -209,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--primary-metric", default="personalized_accuracy", metavar="METRIC",
                      help="metric of the primary comparison (default personalized_accuracy; or "
                      "personalized_accuracy_worst, global_accuracy, received_accuracy)")
+    cmp.add_argument("--resume", action="store_true",
+                     help="continue the comparison in the output folder: complete runs are kept, interrupted ones "
+                          "resume from their checkpoint (or, without a usable one, are moved aside and rerun)")
+    cmp.add_argument("--overwrite", action="store_true",
+                     help="move an earlier comparison in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
     cmp.set_defaults(func=_cmd_compare)
 
     tune = sub.add_parser("tune", help="same grid for every strategy; each picks its best setting on validation")
@@ -221,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     tune.add_argument("--engine", choices=("ray", "inprocess"), default="ray", help="as for compare")
     tune.add_argument("--ray-address", default=None, metavar="HOST:PORT", help="as for run")
+    tune.add_argument("--resume", action="store_true", help="continue the tuning in the output folder (as for compare)")
+    tune.add_argument("--overwrite", action="store_true",
+                      help="move an earlier tuning in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
     tune.set_defaults(func=_cmd_tune)
 
     deploy = sub.add_parser("deploy", help="cross-silo deployment: certificates, local SuperLink + SuperNodes")
@@ -239,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--out", default=None, help="output folder (default: output.dir); logs/, certs/, flwr/ go here")
     local.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     local.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (then stop it)")
+    local.add_argument("--resume", action="store_true",
+                       help="continue the interrupted run in the output folder from its checkpoint on a new federation "
+                            "(the earlier one's certificates and logs are moved into deployment.old-<time>/)")
+    local.add_argument("--overwrite", action="store_true",
+                       help="move an earlier deployment in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
     local.set_defaults(func=_cmd_deploy_local)
 
     strategies = sub.add_parser("strategies", help="list the registered strategies")
@@ -265,7 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except _user_errors() as error:
-        print(f"fedlora: error: {error}", file=sys.stderr)
+        print(f"fedlora: error: {one_line(str(error))}", file=sys.stderr)
+        return USER_ERROR
+    except OSError as error:  # a file or folder the system refused (full disk, permissions, ...)
+        where = f": {error.filename}" if error.filename else ""
+        print(f"fedlora: error: {one_line(error.strerror or str(error))}{where}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
         print("fedlora: interrupted; results written so far are kept", file=sys.stderr)

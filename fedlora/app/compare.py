@@ -53,6 +53,7 @@ from fedlora.app.runs import (  # noqa: F401 - re-exported: the reading half of 
 )
 
 if TYPE_CHECKING:
+    from fedlora.app.folders import Claim
     from fedlora.config import ExperimentConfig
 
 logger = logging.getLogger("fedlora")
@@ -348,6 +349,14 @@ def check_output_folder(out: Path) -> None:
     check(out)
 
 
+def claim_output(out: Path, what: str, resume: bool, overwrite: bool) -> Claim:
+    """The comparison (or tuning) folder ``out``, checked (fedlora.app.folders): an earlier one is
+    refused unless ``resume`` (continue it) or ``overwrite`` (moved aside when the runs start)."""
+    from fedlora.app.folders import claim
+
+    return claim(out, what=what, resume=resume, overwrite=overwrite)
+
+
 def resolve_base(config: ExperimentConfig | str | Path | dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
     from fedlora.app.runner import resolve
 
@@ -394,12 +403,13 @@ def is_complete(run_dir: Path, config: ExperimentConfig) -> bool:
     return rounds == list(range(1, config.train.rounds + 1))
 
 
-def run_one(config: ExperimentConfig, run_dir: Path, engine: Engine, verbose: bool = False) -> None:
-    """Run one experiment into ``run_dir`` on the chosen engine."""
+def run_one(config: ExperimentConfig, run_dir: Path, engine: Engine, verbose: bool = False,
+            resume: bool = False) -> None:
+    """Run one experiment into ``run_dir`` on the chosen engine (``resume``: continue its checkpoint)."""
     if engine == "ray":
         from fedlora.app.runner import run
 
-        run(config, out_dir=run_dir, verbose=verbose)
+        run(config, out_dir=None if resume else run_dir, verbose=verbose, resume=run_dir if resume else None)
         return
     from fedlora.app.runner import (
         RunError,
@@ -412,9 +422,9 @@ def run_one(config: ExperimentConfig, run_dir: Path, engine: Engine, verbose: bo
 
     check_inputs(config)
     quiet_flower(verbose)
-    with run_folder(run_dir):
+    with run_folder(run_dir, fresh=not resume):
         try:
-            writer = run_inprocess(config, run_dir)
+            writer = run_inprocess(config, run_dir, resume=resume)
         except protocol_errors() as error:
             raise RunError(f"{run_dir}: {error}") from None
     if not any(r.clients for r in writer.rounds):
@@ -436,11 +446,17 @@ def run_jobs(
     overrides: Sequence[str] = (),
     verbose: bool = False,
     workers: int = 1,
+    folder: Claim | None = None,
 ) -> list[Path]:
-    """Run every job into ``OUT/<label>/seed<k>/`` (complete runs are skipped); returns the folders.
+    """Run every job into ``OUT/<label>/seed<k>/``; returns the folders. What is there is never lost
+    (this is what ``--resume`` does): a complete run (results.json with every round of this exact
+    config) is skipped, an interrupted one resumes from its checkpoint, and a run folder that cannot
+    be resumed (no usable checkpoint, another config) is moved aside (``seed<k>.old-<time>``, with
+    its TensorBoard folder) and run again.
 
-    Every job's config is built and validated before the first run starts, so a bad strategy
-    name or override fails at once. ``workers > 1`` runs that many jobs at a time, each in its own
+    Every job's config is built and validated, and its inputs checked (model, data, limits),
+    before the first run starts (and before ``folder``, the claimed output folder, moves an
+    earlier comparison aside), so a bad strategy name, override or data file fails at once. ``workers > 1`` runs that many jobs at a time, each in its own
     process (in-process engine only: each Ray run starts its own cluster); on a CUDA machine the
     workers share the GPU. A worker's log goes to ``<run dir>/run.log``.
     """
@@ -454,28 +470,58 @@ def run_jobs(
 
         raise ConfigError("parallel workers need the in-process engine (--engine inprocess); Ray already "
                           "runs the clients of one experiment in parallel")
+    from fedlora.app.runner import check_inputs
+
     base = resolve_base(config, overrides)
     out = Path(out_dir)
     planned = [(job, job.run_dir(out)) for job in jobs]
     configs = [job_config(base, job, run_dir) for job, run_dir in planned]
+    for cfg in configs:
+        check_inputs(cfg)
+    if folder is not None:
+        folder.take()
     todo = []
     for index, ((job, run_dir), cfg) in enumerate(zip(planned, configs, strict=True), start=1):
         if is_complete(run_dir, cfg):
             logger.info("compare: [%d/%d] %s seed %d: complete, skipped", index, len(planned), job.name, job.seed)
         else:
-            todo.append((index, job, run_dir, cfg))
+            todo.append((index, job, run_dir, cfg, resumable(run_dir, cfg)))
     if workers == 1:
-        for index, job, run_dir, cfg in todo:
-            logger.info("compare: [%d/%d] %s seed %d -> %s (%s)", index, len(planned), job.name, job.seed, run_dir, engine)
+        for index, job, run_dir, cfg, resume in todo:
+            logger.info("compare: [%d/%d] %s seed %d -> %s (%s%s)", index, len(planned), job.name, job.seed, run_dir,
+                        engine, ", resumed" if resume else "")
             started = time.perf_counter()
-            run_one(cfg, run_dir, engine, verbose)
+            run_one(cfg, run_dir, engine, verbose, resume)
             logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
     else:
         _run_parallel(todo, len(planned), workers)
     return [run_dir for _, run_dir in planned]
 
 
-def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig]], total: int, workers: int) -> None:
+def resumable(run_dir: Path, config: ExperimentConfig) -> bool:
+    """Whether the incomplete run in ``run_dir`` continues from its checkpoint (True) or starts
+    afresh (False); a folder holding anything that cannot be resumed is moved aside first."""
+    from fedlora.app.folders import holds_something, move_aside
+    from fedlora.checkpoint import load_server
+    from fedlora.config import ConfigError
+    from strategies.registry import strategy_class
+
+    if not holds_something(run_dir):
+        return False
+    try:
+        strategy_class(config.strategy.name)  # its state types decode
+        load_server(run_dir, config)
+        return True
+    except ConfigError as error:
+        logger.warning("compare: %s cannot be resumed (%s)", run_dir, error)
+    move_aside(run_dir, "run", "compare")
+    tensorboard = Path(config.output.tensorboard_dir)
+    if config.output.tensorboard_dir and holds_something(tensorboard):
+        move_aside(tensorboard, "run's TensorBoard events", "compare")
+    return False
+
+
+def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig, bool]], total: int, workers: int) -> None:
     """``todo`` on a pool of ``workers`` fresh processes (spawned: no inherited torch or Ray state)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -484,9 +530,10 @@ def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig]], total: in
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {}
-        for index, job, run_dir, cfg in todo:
-            logger.info("compare: [%d/%d] %s seed %d -> %s (worker)", index, total, job.name, job.seed, run_dir)
-            futures[pool.submit(_worker_run, cfg.to_json(), str(run_dir))] = job
+        for index, job, run_dir, cfg, resume in todo:
+            logger.info("compare: [%d/%d] %s seed %d -> %s (worker%s)", index, total, job.name, job.seed, run_dir,
+                        ", resumed" if resume else "")
+            futures[pool.submit(_worker_run, cfg.to_json(), str(run_dir), resume)] = job
         failed = []
         for future in as_completed(futures):
             job = futures[future]
@@ -500,8 +547,9 @@ def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig]], total: in
         raise RunError(f"{len(failed)} run(s) failed: {'; '.join(failed)}")
 
 
-def _worker_run(config_json: str, run_dir: str) -> float:
-    """One job in a worker process: the in-process engine, its log in ``run_dir/run.log``."""
+def _worker_run(config_json: str, run_dir: str, resume: bool = False) -> float:
+    """One job in a worker process: the in-process engine, its log in ``run_dir/run.log``
+    (appended to when the job resumes)."""
     import logging as logging_module
 
     from fedlora.app import progress
@@ -510,14 +558,14 @@ def _worker_run(config_json: str, run_dir: str) -> float:
     progress.LIVE = False  # workers share the terminal: plain lines, into run.log
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    handler = logging_module.FileHandler(folder / "run.log", mode="w")
+    handler = logging_module.FileHandler(folder / "run.log", mode="a" if resume else "w")
     handler.setFormatter(logging_module.Formatter("%(asctime)s %(message)s"))
     root = logging_module.getLogger()
     root.addHandler(handler)
     root.setLevel(logging_module.INFO)
     started = time.perf_counter()
     try:
-        run_one(config_from_json(config_json), folder, "inprocess")
+        run_one(config_from_json(config_json), folder, "inprocess", resume=resume)
     finally:  # a worker runs several jobs: each log only in its own run.log
         root.removeHandler(handler)
         handler.close()
@@ -542,6 +590,8 @@ def compare(
     paired: str | None = None,
     primary: str | None = None,
     primary_metric: str = "personalized_accuracy",
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> ComparisonTable:
     """Run every strategy x seed, then summarise and plot.
 
@@ -572,7 +622,13 @@ def compare(
         The declared primary comparison (``primary`` - ``paired`` on ``primary_metric``): reported
         uncorrected, outside the Holm family.
 
-    Runs whose results.json already holds every round of the same config are not run again.
+    resume : bool, default False
+        Continue the comparison in ``out_dir`` (:func:`run_jobs`): runs whose results.json holds
+        every round of the same config are not run again, interrupted ones resume from their
+        checkpoint. Without it, an ``out_dir`` that holds an earlier comparison is refused.
+    overwrite : bool, default False
+        Move an earlier comparison in ``out_dir`` aside (``OUT.old-<time>``; nothing is deleted)
+        and start afresh.
     """
     from fedlora.config import ConfigError
 
@@ -582,9 +638,9 @@ def compare(
     check_paired(strategies, paired, primary, primary_metric)
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base)
-    check_output_folder(out)
+    folder = claim_output(out, "comparison", resume, overwrite)
     jobs = [Job(strategy, int(seed), fresh_partition=fresh_partitions) for strategy in strategies for seed in seeds]
-    run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers)
+    run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers, folder=folder)
     labels = list(dict.fromkeys(strategies))
     table = summarize(out, labels=labels, seeds=[int(s) for s in seeds])
     if paired is not None:

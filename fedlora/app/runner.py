@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fedlora.app.folders import check_writable, claim, same_folder
 from fedlora.config import ConfigError, ExperimentConfig, apply_overrides, build_config, load_config
 from fedlora.results import ResultsWriter
 
@@ -73,32 +74,46 @@ def resolve(config: ExperimentConfig | str | Path | dict, overrides: list[str] |
 
 def check_inputs(config: ExperimentConfig) -> None:
     """Fail fast, before Ray starts and before anything is written: a missing model, unreadable
-    data, target modules the backbone does not have."""
+    data, target modules the backbone does not have, ranks or a ``max_length`` it cannot take,
+    a TensorBoard folder that cannot be written."""
     from fedlora.data import build_federated_data
-    from fedlora.models import check_model_available, check_target_modules
+    from fedlora.models import check_model_available, check_model_limits, check_target_modules
 
     check_model_available(config.model.path)
     federated = build_federated_data(config.data)
     check_target_modules(config.model, len(federated.label_names), config.train.device)
+    check_model_limits(config, len(federated.label_names))
+    if config.output.tensorboard:
+        from fedlora.app.tracking import tensorboard_dir
+
+        check_writable(tensorboard_dir(config, Path(config.output.dir)), "output.tensorboard_dir")
 
 
 def check_output_folder(out: Path) -> None:
-    """ConfigError when the output folder is an existing file."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a folder (new or existing) for the run's results")
+    """ConfigError (one line) when ``out`` cannot be a folder this process writes (a file, under a
+    file, read-only, ...); see :func:`fedlora.app.folders.check_writable`."""
+    check_writable(out, "--out")
 
 
 @contextlib.contextmanager
-def run_folder(out: Path) -> Iterator[None]:
+def run_folder(out: Path, fresh: bool = True) -> Iterator[None]:
     """Create ``out`` for a run; if the run fails before writing any results, remove what this
-    run created (an existing folder, and any results already written, are kept)."""
-    created = not out.exists()
+    run created: the folder, or (an empty folder that existed) its new contents. A resumed run
+    (``fresh`` False) and any results already written are kept."""
+    existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
         yield
     except BaseException:
-        if created and not (out / "results.json").is_file():
-            shutil.rmtree(out, ignore_errors=True)
+        if fresh and not (out / "results.json").is_file():
+            if existed:
+                for entry in out.iterdir():
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(out, ignore_errors=True)
         raise
 
 
@@ -117,24 +132,33 @@ def run(
     verbose: bool = False,
     resume: str | Path | None = None,
     engine: str = "ray",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Run one experiment in Flower's simulation engine and return its results dict.
 
+    ``out_dir`` (default ``output.dir``) must be new or empty (:mod:`fedlora.app.folders`):
     ``resume``: the output folder of an interrupted run; continue it after its last complete
-    round (same config; ``train.rounds`` may grow). ``engine``: ``ray`` (Flower's simulation
-    engine) or ``inprocess`` (the same apps in this process, simulations/inprocess.py)."""
+    round (same config; ``train.rounds`` may grow); ``overwrite``: move an earlier run in
+    ``out_dir`` aside (``DIR.old-<time>``, never deleted) and start afresh. ``engine``: ``ray``
+    (Flower's simulation engine) or ``inprocess`` (the same apps in this process,
+    simulations/inprocess.py). Every check (config, folder, checkpoint, model, data) runs before
+    anything is created or moved."""
     config = resolve(config, overrides)
+    if resume and out_dir and not same_folder(resume, out_dir):
+        raise ConfigError(f"--resume {resume} continues the run in {resume} and writes there, but --out names "
+                          f"{out_dir}: drop --out, or copy {resume} to {out_dir} first and --resume {out_dir}")
     out = Path(resume or out_dir or config.output.dir)
-    check_output_folder(out)
+    folder = claim(out, what="run", resume=bool(resume), overwrite=overwrite, resume_hint=f"--resume {out}")
     config.output.dir = str(out)
     if resume:
         from fedlora.checkpoint import load_server
         from strategies.registry import strategy_class
 
         strategy_class(config.strategy.name)  # imports the strategies: their state types decode
-        load_server(out, config)  # a missing checkpoint or another config: one line, before any start
+        load_server(out, config)  # a missing, corrupt or tampered checkpoint or another config: one line
     check_inputs(config)
-    with run_folder(out):
+    folder.take()
+    with run_folder(out, fresh=not resume):
         prepare_environment(out)
         if engine == "inprocess":
             return _run_inprocess(config, out, bool(resume), verbose)

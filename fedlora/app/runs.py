@@ -42,8 +42,10 @@ def final_extra(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def result_dirs(out_dir: str | Path) -> list[Path]:
-    """Every ``OUT/<label>/seed<k>`` folder holding a results.json, in label then seed order."""
-    found = [p.parent for p in Path(out_dir).glob(f"*/{SEED_DIR_PREFIX}*/results.json")]
+    """Every ``OUT/<label>/seed<k>`` folder holding a results.json, in label then seed order (a run
+    moved aside, ``seed<k>.old-<time>``, is not one of them)."""
+    found = [p.parent for p in Path(out_dir).glob(f"*/{SEED_DIR_PREFIX}*/results.json")
+             if p.parent.name[len(SEED_DIR_PREFIX):].lstrip("-").isdigit()]
 
     def seed_of(path: Path) -> int:
         suffix = path.name[len(SEED_DIR_PREFIX):]

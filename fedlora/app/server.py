@@ -158,11 +158,13 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         strategy.paths.state_on_disk = True
     first = 1
     if resume:
-        saved = checkpoint.load_server(out_dir, config)
+        saved = checkpoint.load_server(out_dir, config)  # verified: files, structure, finite arrays
         strategy.connect(grid)  # this run's clients (new node ids), then the state saved by partition
         missing = sorted(set(saved["partitions"]) - set(strategy.roster.partitions))
         if missing:
-            raise RuntimeError(f"resume: clients {missing} of the checkpoint did not join this run")
+            raise checkpoint.CheckpointError(f"--resume {out_dir}: clients {missing} of the checkpoint did not "
+                                             f"join this run; resume with every client of the run")
+        checkpoint.check_strategy_state(saved["strategy"], strategy.state_dict(), f"--resume {out_dir}")
         strategy.load_state_dict(saved["strategy"])
         strategy.paths.resumed_from = first = saved["round"]
         if strategy.paths.checkpoint_dir:  # states the interrupted round wrote belong to no completed round

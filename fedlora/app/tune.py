@@ -92,19 +92,25 @@ def tune(
     out_dir: str | Path | None = None,
     overrides: Sequence[str] = (),
     engine: str = "ray",
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> ComparisonTable:
-    """Run the same grid for every strategy; summarise each strategy's validation-chosen setting."""
-    from fedlora.app.compare import check_output_folder, default_out_dir, resolve_base
+    """Run the same grid for every strategy; summarise each strategy's validation-chosen setting.
+
+    ``out_dir`` (default ``<output.dir>/tune``) must be new or empty unless ``resume`` (continue the
+    tuning there: finished runs are kept, interrupted ones resumed) or ``overwrite`` (move the
+    earlier tuning aside, ``OUT.old-<time>``; nothing is deleted)."""
+    from fedlora.app.compare import claim_output, default_out_dir, resolve_base
 
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base).with_name("tune")
-    check_output_folder(out)
+    folder = claim_output(out, "tuning", resume, overwrite)
     points = grid_points(grid)
     jobs = [
         Job(strategy, int(seed), overrides=point, label=point_label(strategy, point))
         for strategy in strategies for point in points for seed in seeds
     ]
-    run_jobs(base, jobs, out, engine=engine)  # type: ignore[arg-type]
+    run_jobs(base, jobs, out, engine=engine, folder=folder)  # type: ignore[arg-type]
     runs = load_runs(out)
     record: dict[str, Any] = {"grid": grid, "seeds": list(seeds), "selection": "best validation accuracy, mean over seeds", "strategies": {}}
     chosen = []

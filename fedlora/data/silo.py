@@ -38,13 +38,10 @@ def load_silo_data(path: str | Path, cfg: DataConfig, label_names: list[str], pa
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str, _mtime: int, cfg_json: str, label_names: tuple[str, ...], partition_id: int) -> ClientData:
     cfg = DataConfig.model_validate_json(cfg_json)
-    raw = read_local(Path(path))
     where = f"data-path {path}"
-    for key, column in (("text_column", cfg.text_column), ("label_column", cfg.label_column)):
-        if column not in raw.column_names:
-            raise DataError(f"{where}: column '{column}' (data.{key}) not found; columns are {raw.column_names}")
-    labels = encode_to_server_labels(list(raw[cfg.label_column][:]), raw.features[cfg.label_column], list(label_names), where)
-    texts = ["" if text is None else str(text) for text in raw[cfg.text_column][:]]
+    columns = read_local(Path(path), cfg.text_column, cfg.label_column, where)
+    labels = encode_to_server_labels(columns.labels, columns.label_names, list(label_names), where)
+    texts = ["" if text is None else str(text) for text in columns.texts]
     if len(texts) < 3:
         raise DataError(f"{where}: {len(texts)} examples; a silo needs at least 3 (train / val / test)")
     source = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=label_features(list(label_names)))
@@ -52,10 +49,13 @@ def _load_cached(path: str, _mtime: int, cfg_json: str, label_names: tuple[str, 
     return client_data(partition_id, source, rows, np.asarray(labels, dtype=np.int64), cfg)
 
 
-def encode_to_server_labels(raw: list[object], feature: object, label_names: list[str], where: str) -> list[int]:
-    """Map a silo's labels (class names, integer ids or a ClassLabel column) to the server's ids."""
-    if isinstance(feature, datasets.ClassLabel):
-        raw = [feature.names[value] for value in raw]
+def encode_to_server_labels(raw: list[object], class_names: list[str] | None, label_names: list[str],
+                            where: str) -> list[int]:
+    """Map a silo's labels (class names, integer ids, or the ids of a ClassLabel column whose
+    ``class_names`` are given) to the server's ids."""
+    if class_names is not None:
+        raw = [class_names[value] if isinstance(value, int) and 0 <= value < len(class_names) else value
+               for value in raw]
     index = {name: i for i, name in enumerate(label_names)}
     encoded: list[int] = []
     unknown: set[str] = set()

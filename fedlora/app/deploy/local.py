@@ -613,6 +613,35 @@ def write_run_config(config: ExperimentConfig, path: Path, resume: bool = False)
     return path
 
 
+FEDERATION_FILES = ("certs", "flwr", "logs", "deployment.json")  # + run_config*.toml: one federation's records
+
+
+def earlier_federation_aside(out: Path) -> Path | None:
+    """Move what an earlier federation left in ``out`` (certificates, Flower homes, logs, run
+    records; not the runs' results and checkpoints) into ``out/deployment.old-<time>/``, so that a
+    new federation can start there and nothing of the old one is lost; that folder (None: nothing)."""
+    import time as time_module
+
+    from fedlora.app.folders import OLD_SUFFIX
+
+    entries = [out / name for name in FEDERATION_FILES if (out / name).exists()]
+    entries += sorted(out.glob("run_config*.toml")) + sorted(out.glob("*/deployment.json"))
+    if not entries:
+        return None
+    target = out / f"deployment{OLD_SUFFIX}{time_module.strftime('%Y%m%d-%H%M%S')}"
+    count = 1
+    while target.exists():
+        count += 1
+        target = out / f"deployment{OLD_SUFFIX}{time_module.strftime('%Y%m%d-%H%M%S')}-{count}"
+    for entry in entries:
+        destination = target / entry.relative_to(out)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(entry, destination)
+    logger.warning("--resume: the earlier federation's certificates, logs and records in %s were moved to %s",
+                   out, target)
+    return target
+
+
 def deploy_local(
     config: ExperimentConfig | str | Path | dict,
     num_nodes: int | None = None,
@@ -621,16 +650,20 @@ def deploy_local(
     insecure: bool = False,
     timeout: float = 3600.0,
     on_ready: Callable[[LocalDeployment], None] | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run ``config`` on a local SuperLink + ``num_nodes`` SuperNodes; the results dict.
 
     ``on_ready(deployment)`` is called after the run finished, while every process is still up
-    (the tests use it for probes against the live SuperLink).
+    (the tests use it for probes against the live SuperLink). ``overwrite``, ``resume``: see
+    :func:`deploy_runs`.
     """
     from fedlora.app.runner import resolve
 
     resolved = resolve(config, overrides)
-    return deploy_runs({"": resolved}, num_nodes, out_dir, insecure, timeout, on_ready)[""]
+    return deploy_runs({"": resolved}, num_nodes, out_dir, insecure, timeout, on_ready, overwrite=overwrite,
+                       resume=resume)[""]
 
 
 def deploy_runs(
@@ -641,13 +674,22 @@ def deploy_runs(
     timeout: float = 3600.0,
     on_ready: Callable[[LocalDeployment], None] | None = None,
     side_by_side: bool = False,
+    overwrite: bool = False,
+    resume: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Run several experiments on ONE local federation (a SuperLink and ``num_nodes`` SuperNodes
     started once), one after the other or, with ``side_by_side``, all submitted at once (Flower
     runs them concurrently: their message latencies overlap); label -> its results dict. Run
     ``label`` writes into ``OUT/<label>`` (``OUT`` itself for the label ''). The silos' node
     configs come from the first experiment, so the experiments must share their data and
-    clients sections."""
+    clients sections. ``OUT`` must be new or empty: an earlier deployment there (its results,
+    certificates, logs) is refused, or with ``overwrite`` moved aside (``OUT.old-<time>``; nothing
+    is deleted) once every check passed. ``resume``: continue the interrupted runs in ``OUT`` from
+    their checkpoints (verified before any process starts) on a new federation; the earlier
+    federation's certificates, Flower homes, logs and run records are moved into
+    ``OUT/deployment.old-<time>/`` first. The silos' kept state is their own (node config
+    ``checkpoint-dir``; without it a resumed silo starts from the global model it receives)."""
+    from fedlora.app.folders import claim
     from fedlora.app.runner import check_inputs
     from fedlora.results import load_results
 
@@ -663,13 +705,22 @@ def deploy_runs(
         if config.data != first.data or config.clients != first.clients:
             raise ConfigError(f"run '{label}' has other [data] / [clients] than the first: one federation serves both")
     out = Path(out_dir or first.output.dir).resolve()
-    if (out / "flwr").exists() or (out / "certs").exists():
-        raise ConfigError(f"{out} holds an earlier deployment (certs/, flwr/); choose a new --out folder")
+    claimed = claim(out, what="deployment", overwrite=overwrite, resume=resume)
     for label, config in configs.items():
         config.output.dir = str(out / label if label else out)
     app = app_dir()
+    if resume:
+        from fedlora.checkpoint import load_server
+        from strategies.registry import strategy_class
+
+        for config in configs.values():
+            strategy_class(config.strategy.name)  # its state types decode
+            load_server(config.output.dir, config)  # a missing, corrupt or tampered checkpoint: one line
     for config in configs.values():
         check_inputs(config)  # one-line errors for a missing model or unreadable data, before any process
+    claimed.take()
+    if resume:
+        earlier_federation_aside(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     evidence: dict[str, dict[str, Any]] = {}
@@ -687,7 +738,7 @@ def deploy_runs(
         submitted: dict[str, int] = {}
         finished: dict[str, dict[str, Any]] = {}
         for label, config in configs.items():
-            run_config = write_run_config(config, out / f"run_config{'-' + label if label else ''}.toml")
+            run_config = write_run_config(config, out / f"run_config{'-' + label if label else ''}.toml", resume=resume)
             submitted[label] = deployment.submit(app, run_config)
             if not side_by_side:
                 finished[label] = deployment.wait_run(submitted[label], timeout)
