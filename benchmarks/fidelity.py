@@ -12,11 +12,13 @@ total optimiser steps. The rules (docs/results/fidelity.md explains them):
   seed is a new partition, shared by every job of that seed, so differences stay paired.
 - **Seeds.** The ``core`` jobs (the method, its ablations, the baseline its paper leads with) run
   every ``--seeds`` value (default 0..4); the other rows the first ``--other-seeds`` (default 3).
-- **Tuned alike.** Every job (baselines, method, ablations, reference) gets the same number of
-  configurations (:class:`fedlora.app.tune.Budget`, default 4) on the first seed, chosen on the
+- **Tuned alike.** Every tuned job (the method, the baselines, the reference) gets the same number
+  of configurations (:class:`fedlora.app.tune.Budget`, default 4) on the first seed, chosen on the
   clients' validation splits (never a test split): learning rates, a method's own knob counted
   inside the budget, and a grid widened where the choice sits at its edge. The chosen
-  configuration is reused for every seed (its first-seed run is the tuning run itself).
+  configuration is reused for every seed (its first-seed run is the tuning run itself). An
+  ablation runs at its method's choice and a bytes-matched row at its base strategy's
+  (``JobSpec.tuned_as``): the ablation then differs from the method in its mechanism only.
 - **Judged paired.** One declared primary comparison per scenario (the method against the baseline
   its paper leads with, on the paper's metric), reported uncorrected; the method against every
   other job, Holm-corrected; 95 % bootstrap intervals over seeds (:mod:`fedlora.app.paired`).
@@ -62,7 +64,14 @@ ROLES = ("method", "ablation", "bytes-matched", "baseline", "reference")
 @dataclass(frozen=True)
 class JobSpec:
     """One row of a scenario: a strategy with fixed overrides, its role, whether it is ``core``
-    (every seed), and the method's own ``knob`` tuned inside the equal budget."""
+    (every seed), and the method's own ``knob`` tuned inside the equal budget.
+
+    ``tuned_as`` names another label whose chosen configuration this row reuses instead of tuning
+    its own: an ablation is its method minus one mechanism, so it runs at the method's chosen
+    learning rate and knob (a separately tuned ablation would confound the mechanism with the
+    tuning), and a bytes-matched row runs at its base strategy's choice. Keys the row fixes itself
+    (e.g. ``strategy.mixing_lr=0``) win over the reused configuration.
+    """
 
     strategy: str
     overrides: tuple[str, ...] = ()
@@ -70,6 +79,7 @@ class JobSpec:
     core: bool = False
     knob: Knob | None = None
     note: str = ""
+    tuned_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,6 @@ class Scenario:
 # Jobs below reference them; until they are merged the tests check these overrides are well formed
 # and leave them out of the config validation (tests/test_fidelity_benchmark.py).
 PENDING_OPTIONS: dict[str, tuple[str, ...]] = {
-    "fedtreelora": ("mixing_lr",),
     "feddr_lora": ("noise_branch",),
 }
 
@@ -106,8 +115,28 @@ PENDING_OPTIONS: dict[str, tuple[str, ...]] = {
 # bytes): FedHera held to FlexLoRA's bytes, or the baselines at the rank that moves FedHera's. Put
 # the job(s) here (role "bytes-matched", core=True) and the comparison(s) (label, baseline) below;
 # they join the fedhera scenario's jobs, its equal tuning budget, its seeds and its Holm family.
-FEDHERA_BYTES_MATCHED: dict[str, JobSpec] = {}
-FEDHERA_BYTES_MATCHED_PAIRS: tuple[tuple[str, str], ...] = ()
+# Arithmetic (docs/results/fedhera.md): a rank column of one 384 x 384 module is 3072 bytes, the head
+# 12,320. With the scenario's tiers FedHera's download budgets buy 105 / 158 / 211 columns (low /
+# medium / high), FlexLoRA at ranks 2 / 4 / 8 moves 86,048 / 159,776 / 307,232 bytes a client: 2.88x
+# less per sampled client. fedhera_bytes_matched holds FedHera to FlexLoRA's bytes (download budgets
+# = FlexLoRA's per-tier bytes; 'fit' keeps round 1 within them too); flexlora_bytes_matched gives
+# FlexLoRA the ranks 9 / 13 / 17 whose bytes are FedHera's within 3.3 % (-1.0 % on average).
+FEDHERA_BYTES_MATCHED: dict[str, JobSpec] = {
+    "fedhera_bytes_matched": JobSpec(
+        "fedhera",
+        (("clients.budget_tiers=[{share = 0.3, name = 'low', download = 86048, time = 20275, memory = 1e12}, "
+          "{share = 0.5, name = 'medium', download = 159776, time = 40550, memory = 1e12}, "
+          "{share = 0.2, name = 'high', download = 307232, time = 81100, memory = 1e12}]"),
+         "strategy.initial_budget='fit'"),
+        role="bytes-matched", core=True, tuned_as="fedhera", note="FedHera held to FlexLoRA's bytes"),
+    "flexlora_bytes_matched": JobSpec(
+        "flexlora", ('clients.rank_tiers={"9" = 0.3, "13" = 0.5, "17" = 0.2}',),
+        role="bytes-matched", core=True, tuned_as="flexlora", note="FlexLoRA at FedHera's bytes (ranks 9 / 13 / 17)"),
+}
+FEDHERA_BYTES_MATCHED_PAIRS: tuple[tuple[str, str], ...] = (
+    ("fedhera_bytes_matched", "flexlora"),
+    ("fedhera", "flexlora_bytes_matched"),
+)
 # ---------------------------------------------------------------------------------------------------
 
 SCENARIOS: dict[str, Scenario] = {
@@ -117,7 +146,7 @@ SCENARIOS: dict[str, Scenario] = {
             "fedpissa": JobSpec("fedpissa", role="method", core=True,
                                 knob=Knob("strategy.correction", ("bounded", "literal")),
                                 note="PiSSA init, Eq. 4 correction; knob: bounded / literal form"),
-            "fedpissa_lam0": JobSpec("fedpissa", ("strategy.lam=0",), role="ablation", core=True,
+            "fedpissa_lam0": JobSpec("fedpissa", ("strategy.lam=0",), role="ablation", core=True, tuned_as="fedpissa",
                                      note="lambda = 0: B averaged, A local, no correction"),
             "feddpa": JobSpec("feddpa", core=True, note="dual LoRA, the paper's personalised baseline"),
             "fedit": JobSpec("fedit"),
@@ -137,6 +166,7 @@ SCENARIOS: dict[str, Scenario] = {
             "fedhera": JobSpec("fedhera", role="method", core=True, knob=Knob("strategy.atw", ("false", "true")),
                                note="decoupled r_tot / r_main; knob: adaptive tail warm-up off / on"),
             "fedhera_coupled": JobSpec("fedhera", ("strategy.coupled=true",), role="ablation", core=True,
+                                       tuned_as="fedhera",
                                        note="r_tot = r_main"),
             **FEDHERA_BYTES_MATCHED,
             "flexlora": JobSpec("flexlora", core=True, note="truncation baseline the abstract argues against"),
@@ -158,6 +188,7 @@ SCENARIOS: dict[str, Scenario] = {
             "feddr_lora": JobSpec("feddr_lora", role="method", core=True, knob=Knob("strategy.beta", ("1.0", "2.0")),
                                   note="dual branch, negative learning; knob: beta"),
             "feddr_lora_no_noise": JobSpec("feddr_lora", ("strategy.noise_branch=false",), role="ablation", core=True,
+                                           tuned_as="feddr_lora",
                                            note="without the noise branch"),
             "fedit": JobSpec("fedit", core=True, note="FedAvg of LoRA, the paper's lead baseline type"),
             "fedsa_lora": JobSpec("fedsa_lora"),
@@ -175,11 +206,13 @@ SCENARIOS: dict[str, Scenario] = {
         config="configs/scenarios/fedtreelora.toml",
         jobs={
             "fedtreelora": JobSpec("fedtreelora", role="method", core=True,
-                                   knob=Knob("strategy.mixing_lr", ("0.1", "0.01")),
+                                   knob=Knob("strategy.mixing_lr", ("0.1", "0.5")),
                                    note="layer-wise tree, learned mixing; knob: the mixing weights' own lr"),
             "fedtreelora_fixed_lam": JobSpec("fedtreelora", ("strategy.mixing_lr=0",), role="ablation", core=True,
+                                             tuned_as="fedtreelora",
                                              note="lambda fixed at lam0"),
             "fedtreelora_one_cluster": JobSpec("fedtreelora", ("strategy.fixed_c=1",), role="ablation", core=True,
+                                               tuned_as="fedtreelora",
                                                note="one cluster at every block"),
             "fedsa_lora": JobSpec("fedsa_lora", core=True, note="flat personalised baseline"),
             "feddpa": JobSpec("feddpa"),
@@ -243,17 +276,28 @@ def comparisons(scenario: Scenario, seeds: list[int], other_seeds: int = OTHER_S
 # --------------------------------------------------------------------------- tuning stage
 def tune_scenario(scenario: Scenario, config: str, seed: int, out: Path, workers: int,
                   overrides: list[str]) -> dict[str, TunePlan]:
-    """Run the equal-budget protocol of every job on ``seed`` until each has chosen."""
+    """Run the equal-budget protocol of every tuned job (``tuned_as`` None) on ``seed`` until each has chosen."""
     base = resolve_base(config, overrides)
     while True:
         runs = load_runs(out, seeds=[seed])
         plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seed, base, out, runs))
-                 for label, spec in scenario.jobs.items()}
+                 for label, spec in scenario.jobs.items() if spec.tuned_as is None}
         pending = [tuning_job(scenario, label, point, seed) for label, p in plans.items() for point in p.pending]
         if not pending:
             return plans
         logger.info("fidelity: tuning, %d configuration(s) to run on seed %d", len(pending), seed)
         run_jobs(base, pending, out, engine="inprocess", workers=workers)
+
+
+def choices(scenario: Scenario, plans: dict[str, TunePlan]) -> dict[str, Point]:
+    """Every job's configuration: its own tuning's choice, or (``tuned_as``) the choice of the
+    label it reuses, without the keys it fixes itself."""
+    chosen = {label: p.chosen or () for label, p in plans.items()}
+    for label, spec in scenario.jobs.items():
+        if spec.tuned_as is not None:
+            fixed = {override.partition("=")[0] for override in spec.overrides}
+            chosen[label] = tuple(o for o in chosen[spec.tuned_as] if o.partition("=")[0] not in fixed)
+    return chosen
 
 
 def _scorer(scenario: Scenario, label: str, seed: int, base: Any, out: Path, runs: dict[str, list[dict]]):
@@ -276,7 +320,7 @@ def run_scenario(name: str, seeds: list[int], out: Path, workers: int, overrides
     started = time.perf_counter()
     plans = tune_scenario(scenario, config, seeds[0], out, workers, overrides)
     tuned = time.perf_counter()
-    chosen = {label: p.chosen or () for label, p in plans.items()}
+    chosen = choices(scenario, plans)
     jobs = final_jobs(scenario, seeds, chosen, other_seeds)
     run_jobs(config, jobs, out, engine="inprocess", overrides=overrides, workers=workers)
     finished = time.perf_counter()
@@ -294,7 +338,9 @@ def run_scenario(name: str, seeds: list[int], out: Path, workers: int, overrides
     facts = regime(table, scenario)
     facts |= {
         "scenario": name, "seeds": seeds, "other_seeds": seeds[:other_seeds], "workers": workers,
-        "tuning": {label: tuning_facts(p, out, label, seeds[0]) for label, p in plans.items()},
+        "tuning": {label: tuning_facts(plans[label], out, label, seeds[0]) if label in plans
+                   else {"chosen": ",".join(chosen[label]), "reuses": scenario.jobs[label].tuned_as}
+                   for label in scenario.jobs},
         "stage_seconds": {"tuning": tuned - started, "final": finished - tuned},
         "times": times(table, workers),
         "primary": {"label": scenario.primary[0], "baseline": scenario.primary[1], "metric": scenario.metric},
@@ -378,6 +424,9 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     ]
     for label, info in facts["tuning"].items():
         spec = scenario.jobs[label]
+        if "reuses" in info:
+            lines.append(f"| {label} | {spec.role} | none: reuses {info['reuses']}'s choice | `{info['chosen']}` | - |")
+            continue
         scores = "; ".join(f"{k}: {v:.4f}" for k, v in info["validation_scores"].items())
         edge = " (still at the edge)" if info["at_edge"] else ""
         lines.append(f"| {label} | {spec.role} | {info['budget']} + {info['widened']}{edge} | `{info['chosen']}` | "
@@ -395,8 +444,8 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
             f"{row['wall_seconds_mean'] / 60:.1f} |")
     t = facts["times"]
     per_seed = ", ".join(f"seed {s}: {m:.0f}" for s, m in sorted(t["minutes_per_seed"].items()))
-    tuning_runs = sum(info["configurations"] for info in facts["tuning"].values())
-    tuning_minutes = sum(info["worker_minutes"] for info in facts["tuning"].values())
+    tuning_runs = sum(info.get("configurations", 0) for info in facts["tuning"].values())
+    tuning_minutes = sum(info.get("worker_minutes", 0.0) for info in facts["tuning"].values())
     lines += ["", (f"Times, from the runs' own wall times: minutes per seed with {facts['workers']} worker(s) "
                    f"({per_seed}; the first seed's runs are tuning runs); the tuning stage, {tuning_runs} runs on the "
                    f"first seed, {tuning_minutes:.0f} worker-minutes ({tuning_minutes / facts['workers']:.0f} minutes "

@@ -269,8 +269,10 @@ def test_tuning_stage_runs_the_budget_then_resumes_without_rerunning(fake_traini
     plans = fidelity.tune_scenario(scenario, config, 0, tmp_path, 1, [])
     first = len(fake_training)
     again = fidelity.tune_scenario(scenario, config, 0, tmp_path, 1, [])
-    # Assert: budget 4 for each of the 7 jobs, peak at 3e-3 (interior), knob's 'literal' better by 0.01
-    assert first == 4 * len(scenario.jobs) and len(fake_training) == first  # the rerun ran nothing
+    # Assert: budget 4 for each of the 6 tuned jobs (the ablation reuses the method's choice), peak at 3e-3 (interior), knob's 'literal' better by 0.01
+    tuned = [label for label, spec in scenario.jobs.items() if spec.tuned_as is None]
+    assert first == 4 * len(tuned) and len(fake_training) == first  # the rerun ran nothing
+    assert set(plans) == set(tuned) and "fedpissa_lam0" not in tuned  # the ablation is not tuned
     assert plans["fedpissa"].chosen == ("train.lr=0.003", "strategy.correction=literal")
     assert plans["fedit"].chosen == ("train.lr=0.003",) and again["fedit"].chosen == ("train.lr=0.003",)
     assert {job.seed for job in fake_training} == {0} and all(job.fresh_partition for job in fake_training)
@@ -334,3 +336,31 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, capsys:
     assert fidelity.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_ablations_run_at_their_methods_choice_with_their_own_keys_winning(name: str) -> None:
+    # Prepare: every tuned label chose an interior point; the method also chose its knob's second value
+    scenario = fidelity.SCENARIOS[name]
+    plans = {}
+    for label, spec in scenario.jobs.items():
+        if spec.tuned_as is None:
+            point = ("train.lr=0.003",) + ((f"{spec.knob.key}={spec.knob.values[-1]}",) if spec.knob else ())
+            plans[label] = fidelity.TunePlan(points=[point], chosen=point)
+    # Execute
+    chosen = fidelity.choices(scenario, plans)
+    # Assert: every ablation is tuned as its method; it takes the method's lr (and knob unless it fixes
+    # that key itself), and its final overrides never set one key twice
+    for label, spec in scenario.jobs.items():
+        if spec.role == "ablation":
+            assert spec.tuned_as == scenario.method, label
+        if spec.tuned_as is None:
+            assert chosen[label] == plans[label].chosen
+            continue
+        base = plans[spec.tuned_as].chosen
+        fixed = {o.partition("=")[0] for o in spec.overrides}
+        assert chosen[label] == tuple(o for o in base if o.partition("=")[0] not in fixed), label
+        keys = [o.partition("=")[0] for o in spec.overrides + chosen[label]]
+        assert len(keys) == len(set(keys)) and "train.lr=0.003" in chosen[label], label
+    if name == "fedtreelora":  # the fixed-lambda ablation keeps mixing_lr = 0, not the method's 0.5 / 0.1
+        assert chosen["fedtreelora_fixed_lam"] == ("train.lr=0.003",)
