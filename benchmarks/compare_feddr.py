@@ -55,8 +55,8 @@ def split_quality(folder: Path) -> str:
     values = []
     for path in sorted((folder / "feddr_lora").glob("seed*/results.json")):
         extra = json.loads(path.read_text())["rounds"][-1].get("extra", {})
-        if isinstance(extra.get("noise_precision"), float):
-            values.append((extra["noise_precision"], extra["noise_recall"]))
+        if isinstance(extra.get("feddr_noise_precision"), float) and isinstance(extra.get("feddr_noise_recall"), float):
+            values.append((extra["feddr_noise_precision"], extra["feddr_noise_recall"]))
     if not values:
         return "n/a"
     precision = sum(v[0] for v in values) / len(values)

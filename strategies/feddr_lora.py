@@ -32,11 +32,18 @@ class FedDRLoRA(LoRAStrategy):
     nl_target : {"complementary", "given"}, default "complementary"
         [RECON] NL on a random other label for every sample (standard negative learning), or on
         the suspect samples' given labels.
-    robust_loss : {"all", "clean"}, default "all"
-        [RECON] CE of the robust branch on all samples, or on the clean samples only ("clean"
+    robust_loss : {"posterior", "all", "clean"}, default "posterior"
+        [RECON] CE of the robust branch weighted by each sample's clean posterior (soft, normalised
+        by the split's mean weight), plain on all samples, or on the clean samples only ("clean"
         collapsed in the fidelity scenario: f_r overfits the low-loss classes it already predicts).
+        "posterior" is provisional: the benchmark's tuning stage chooses on validation.
+    noise_branch : bool, default True
+        [RECON] False = the ablation without the noise branch (no B^n, no NL loss).
     split : {"epoch", "batch"}, default "epoch"
-        [RECON] 2-component GMM on per-sample CE of f_r over the local set per epoch, or per batch.
+        [RECON] 2-component GMM on per-sample CE of f_r, per epoch over the samples the epoch
+        trains on (eval mode, before its first step), or per batch.
+    split_scope : {"class", "pooled"}, default "class"
+        [RECON] One Gaussian mixture per given label, or one over all samples (DivideMix).
     clean_threshold : float, default 0.5
         [RECON] Posterior of the low-loss component above which a sample is clean.
     weights : {"samples", "uniform"}, default "samples"
@@ -51,11 +58,13 @@ class FedDRLoRA(LoRAStrategy):
 
     Upload: B_k^r of every module (and the head when ``model.head = global``). A_k and the noise
     branch (B_k^n, and A_k^n for ``two_lora``) never leave the client. Train metrics add the split
-    quality against the injected noise (``noise-precision``, ``noise-recall``, counts).
+    counts against the injected noise and the robust-CE weight sums per sample group (``noise-*``).
 
     Aggregation: B = sum_k p_k B_k^r per module (head: FedAvg). There is no global A, so there is
     no single global model: "global accuracy" is the mean of the clients' own models on the global
-    test set. Each round's results carry the micro-averaged split precision / recall.
+    test set. Each round's ``extra`` carries flat numeric ``feddr_*`` keys micro-averaged over the
+    clients: the split's precision / recall against the injected noise and the mean robust-CE
+    weight of truly noisy / clean and flagged / unflagged samples (``split_summary``).
 
     Download: the global B (and head) to every sampled client, which sets B_k^r <- B and keeps
     its own A_k; inference uses the robust branch W0 + s B A_k only.
@@ -94,7 +103,4 @@ class FedDRLoRA(LoRAStrategy):
         return None  # A is local: every client has its own model
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
-        reported = {pid: m for pid, m in self.split_metrics.items() if m}
-        if not reported:
-            return {"noise_split": "warm-up" if server_round <= self.options.warmup_rounds else "none reported"}
-        return split_summary(reported)
+        return split_summary({pid: m for pid, m in self.split_metrics.items() if m})

@@ -1,5 +1,6 @@
-"""FedDR-LoRA: negative learning, the GMM clean / suspect split, where gradients flow in the dual
-branch, what leaves the client (B^r only) and the byte ledger end to end."""
+"""FedDR-LoRA: negative learning, the GMM clean / suspect split and the posterior weighting of the
+robust loss, where gradients flow in the dual branch, what leaves the client (B^r only), the
+ablation without the noise branch and the byte ledger end to end."""
 
 from __future__ import annotations
 
@@ -96,16 +97,86 @@ def test_noise_branch_negative_learning_value_by_hand(nl_target: str, expected: 
     assert float(value) == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode, expected", [("clean", (1.0 + 3.0) / 2), ("all", (1.0 + 2.0 + 3.0) / 3)])
-def test_robust_branch_cross_entropy_on_clean_or_all_samples(mode: str, expected: float) -> None:
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("clean", (1.0 + 3.0) / 2),  # the batch's clean samples (posterior > 0.5: 0 and 2)
+        ("all", (1.0 + 2.0 + 3.0) / 3),
+        # w = (0.9, 0.2, 0.6), the split's mean weight 0.5: (0.9 + 0.4 + 1.8) / (3 * 0.5)
+        ("posterior", (0.9 * 1.0 + 0.2 * 2.0 + 0.6 * 3.0) / (3 * 0.5)),
+    ],
+)
+def test_robust_branch_cross_entropy_by_mode(mode: str, expected: float) -> None:
     import torch
 
     from clients.trainers.feddr_lora import robust_term
+    from fedlora.methods.feddr_lora import robust_weights
 
-    # Execute: per-sample CE (1, 2, 3), sample 1 suspect
-    value = robust_term(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([True, False, True]), mode)
+    # Prepare: per-sample CE (1, 2, 3), clean posteriors (0.9, 0.2, 0.6): sample 1 suspect
+    weights = robust_weights(np.array([0.9, 0.2, 0.6]), mode, threshold=0.5)
+    # Execute
+    value = robust_term(torch.tensor([1.0, 2.0, 3.0]), torch.from_numpy(weights).float(), mode, split_mean=0.5)
     # Assert
     assert float(value) == pytest.approx(expected)
+
+
+def test_default_robust_loss_gives_the_split_noisy_samples_less_weight() -> None:
+    """Acceptance (issue 29): with the default options the samples the split calls noisy get less
+    weight in the robust loss, and the loss is the posterior-weighted CE."""
+    import torch
+
+    from clients.trainers.feddr_lora import robust_term
+    from fedlora.methods.feddr_lora import FedDRLoRAOptions, robust_weights, split_posterior
+
+    # Prepare: 10 per-sample CE values of two given labels, each with a low and a high-loss group
+    options = FedDRLoRAOptions()
+    ce = [0.10, 0.20, 0.15, 2.30, 2.60, 0.05, 0.12, 0.08, 0.11, 2.40]
+    labels = np.array([0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
+    high = np.array([False, False, False, True, True, False, False, False, False, True])
+    # Execute: the split (fitted on these losses, as split = epoch does) and the robust term
+    posterior = split_posterior(np.array(ce), labels, options.split_scope)
+    flagged = posterior <= options.clean_threshold
+    weights = robust_weights(posterior, options.robust_loss, options.clean_threshold)
+    value = robust_term(torch.tensor(ce), torch.from_numpy(weights).float(), options.robust_loss, float(weights.mean()))
+    # Assert: the split flags exactly the high-loss group, and they weigh less than every clean sample
+    assert flagged.tolist() == high.tolist()
+    assert weights[flagged].max() < 0.01 and weights[~flagged].min() > 0.99
+    # Assert: the loss is the weighted mean sum w_i CE_i / sum w_i (the split covers this batch) ...
+    hand = sum(w * c for w, c in zip(weights.tolist(), ce)) / sum(weights.tolist())
+    assert float(value) == pytest.approx(hand, rel=1e-5)
+    # ... which, with weights ~1 / ~0, is the mean of the seven low losses, not the plain mean 0.816
+    assert float(value) == pytest.approx((0.10 + 0.20 + 0.15 + 0.05 + 0.12 + 0.08 + 0.11) / 7, abs=0.02)
+
+
+def test_class_scope_splits_each_label_among_itself() -> None:
+    from fedlora.methods.feddr_lora import split_posterior
+
+    # Prepare: label 0 is learned (low losses, one high); label 1 is not yet (all high, one higher);
+    # label 2 has 3 samples only
+    losses = np.array([0.10, 0.20, 0.15, 0.12, 2.50, 1.90, 2.00, 1.95, 2.05, 3.20, 0.1, 0.1, 3.0])
+    labels = np.array([0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2])
+    # Execute
+    pooled = split_posterior(losses, labels, "pooled") > 0.5
+    per_class = split_posterior(losses, labels, "class") > 0.5
+    # Assert: pooled flags the whole unlearned label 1; per class only its outlier (and label 0's);
+    # label 2 is too small to split and counts as clean
+    assert pooled[5:10].tolist() == [False] * 5
+    assert per_class.tolist() == [True] * 4 + [False] + [True] * 4 + [False] + [True] * 3
+
+
+@pytest.mark.parametrize(
+    "posterior, mode, expected",
+    [
+        ([0.9, 0.2, 0.6], "posterior", [0.9, 0.2, 0.6]),
+        ([0.9, 0.2, 0.6], "clean", [1.0, 0.0, 1.0]),
+        ([0.9, 0.2, 0.6], "all", [1.0, 1.0, 1.0]),
+    ],
+)
+def test_robust_weights_by_mode(posterior: list[float], mode: str, expected: list[float]) -> None:
+    from fedlora.methods.feddr_lora import robust_weights
+
+    # Execute / Assert
+    assert robust_weights(np.array(posterior), mode, threshold=0.5).tolist() == expected
 
 
 def test_complementary_labels_never_equal_the_given_label() -> None:
@@ -199,21 +270,51 @@ def test_server_averages_robust_B_and_refuses_A(weights: list[float]) -> None:
         aggregate_robust_B([{**uploads[0], "m::A": np.zeros((2, 4))}], [1.0])
 
 
-def test_split_summary_micro_averages_client_counts() -> None:
-    from fedlora.methods.feddr_lora import split_summary
+def test_split_summary_micro_averages_client_counts_and_weights() -> None:
+    from fedlora.methods.feddr_lora import split_summary, weight_sums
 
-    # Prepare: client 0 flagged 3 (2 noisy) of 4 noisy; client 1 flagged 1 (1 noisy) of 2 noisy
+    # Prepare: client 0 flagged 3 (2 noisy) of 4 noisy; client 1 flagged 1 (1 noisy) of 2 noisy;
+    # client 2 does not know the truth (no is_noisy column): flagged 2 of 10
     per_client = {
         0: {"noise-flagged": 3.0, "noise-true-positives": 2.0, "noise-noisy": 4.0, "noise-samples": 10.0},
         1: {"noise-flagged": 1.0, "noise-true-positives": 1.0, "noise-noisy": 2.0, "noise-samples": 10.0},
+        2: {"noise-flagged": 2.0, "noise-samples": 10.0},
     }
+    # client 0's robust weights: noisy samples 0.1 and 0.3, clean 0.8, 1.0, 0.9
+    weights = np.array([0.1, 0.3, 0.8, 1.0, 0.9])
+    noisy = np.array([True, True, False, False, False])
+    per_client[0] |= {"noise-" + k: v for k, v in weight_sums(weights, {"noisy": noisy, "clean": ~noisy}).items()}
+    # client 1's: one noisy sample 0.5, one clean 0.7
+    per_client[1] |= {"noise-weight-sum-noisy": 0.5, "noise-weight-n-noisy": 1.0,
+                      "noise-weight-sum-clean": 0.7, "noise-weight-n-clean": 1.0}
     # Execute
     summary = split_summary(per_client)
-    # Assert: (2 + 1) / (3 + 1) and (2 + 1) / (4 + 2)
-    assert summary["noise_precision"] == pytest.approx(0.75)
-    assert summary["noise_recall"] == pytest.approx(0.5)
-    assert summary["noise_true_rate"] == pytest.approx(0.3)
-    assert set(summary["noise_split_per_client"]) == {"0", "1"}
+    # Assert: (2 + 1) / (3 + 1) and (2 + 1) / (4 + 2) over the clients that know the truth
+    assert summary["feddr_noise_precision"] == pytest.approx(0.75)
+    assert summary["feddr_noise_recall"] == pytest.approx(0.5)
+    assert summary["feddr_noise_rate"] == pytest.approx(0.3)
+    assert summary["feddr_flagged_fraction"] == pytest.approx(6 / 30)
+    assert summary["feddr_split_active"] == 1.0
+    # Assert: mean weight per group over all the clients' samples: (0.1 + 0.3 + 0.5) / 3, (2.7 + 0.7) / 4
+    assert summary["feddr_weight_noisy"] == pytest.approx(0.9 / 3)
+    assert summary["feddr_weight_clean"] == pytest.approx(3.4 / 4)
+    assert "feddr_weight_flagged" not in summary  # no client reported that group
+    assert set(summary["feddr_split_per_client"]) == {"0", "1", "2"}
+    assert all(isinstance(v, float) for k, v in summary.items() if k != "feddr_split_per_client")
+
+
+def test_epoch_split_batches_hands_each_epoch_its_capped_batches() -> None:
+    from clients.trainers.feddr_lora import EpochSplitBatches
+
+    # Prepare: a 5-batch loader, at most 3 steps in all
+    seen: list[list[int]] = []
+    wrapped = EpochSplitBatches([{"b": i} for i in range(5)], 3, lambda batches: seen.append([b["b"] for b in batches]))
+    # Execute: two epochs
+    first, second = [b["b"] for b in wrapped], [b["b"] for b in wrapped]
+    # Assert: the split sees exactly what the epoch yields; the cap is spent in the first epoch
+    assert first == [0, 1, 2] and second == [] and seen == [[0, 1, 2]]
+    uncapped = EpochSplitBatches([{"b": i} for i in range(2)], 0, lambda batches: seen.append([b["b"] for b in batches]))
+    assert [b["b"] for b in uncapped] + [b["b"] for b in uncapped] == [0, 1, 0, 1] and seen[1:] == [[0, 1], [0, 1]]
 
 
 @pytest.mark.parametrize(
@@ -223,6 +324,7 @@ def test_split_summary_micro_averages_client_counts() -> None:
         (["strategy.topology=three_lora"], "strategy.topology"),
         (["strategy.nl_target=random"], "strategy.nl_target"),
         (["strategy.robust_loss=some"], "strategy.robust_loss"),
+        (["strategy.noise_branch=maybe"], "strategy.noise_branch"),
         (["strategy.clean_threshold=1.5"], "strategy.clean_threshold"),
         (["strategy.warmup=2"], "unknown option 'strategy.warmup'"),
     ],
@@ -345,8 +447,84 @@ def test_client_uploads_B_r_only_and_keeps_A_and_B_n(head: str, head_sent: bool)
     # Assert: A and B^n stay in the client state; B^n moved away from zero
     noise = from_array_record(trainer.job.state[NOISE_STATE_KEY])
     assert len(noise) == 4 and any(np.abs(v).sum() > 0 for v in noise.values())
+    # Assert: the split covered the samples of the 3 trained batches (split = epoch, capped by max_steps)
     metrics = trainer.train_metrics()
-    assert 0.0 <= metrics["noise-recall"] <= 1.0 and metrics["noise-samples"] == len(trainer.job.data.train)
+    assert 0.0 <= metrics["noise-recall"] <= 1.0 and metrics["noise-samples"] == 3 * 16
+
+
+def test_epoch_split_is_fitted_on_exactly_the_batches_the_round_trains_on() -> None:
+    # Prepare: record the samples each training step sees
+    trainer = make_trainer(["train.max_steps=3"], server_round=2)
+    model = trainer.prepare({})
+    trained: list[int] = []
+    loss = trainer.loss
+
+    def recording_loss(model, batch):
+        trained.extend(batch["index"].tolist())
+        return loss(model, batch)
+
+    trainer.loss = recording_loss
+    # Execute
+    trainer.fit(model)
+    # Assert: the posterior is known for the trained samples and no other
+    assert len(trained) == 3 * 16
+    assert sorted(np.flatnonzero(np.isfinite(trainer.posterior)).tolist()) == sorted(trained)
+    assert trainer.splits == 1
+
+
+@pytest.mark.parametrize("noise_branch", [False, True])
+def test_trainer_robust_loss_is_the_posterior_weighted_cross_entropy(noise_branch: bool) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from clients.trainers.feddr_lora import negative_learning_loss
+    from fedlora.training import model_inputs
+
+    # Prepare: a round after warm-up; a hand posterior for the batch's samples (as an epoch split)
+    trainer = make_trainer([f"strategy.noise_branch={str(noise_branch).lower()}"], server_round=2)
+    model = trainer.prepare({})
+    randomise_B(model, trainer)
+    model.eval()  # no dropout, so the test's forward equals the trainer's
+    batch = next(iter(trainer.loader(trainer.job.data.train, "train", shuffle=True)))
+    index = batch["index"].numpy()
+    posterior = np.linspace(0.0, 1.0, len(index))
+    trainer.posterior[index] = posterior
+    trainer.split_mean = 0.4
+    generator_state = trainer.generator.get_state()
+    # Execute
+    value = float(trainer.loss(model, batch).detach())
+    # Assert: sum_i w_i CE_i / (n * 0.4), plus beta * mean NL on the complementary labels with the branch
+    with torch.no_grad():
+        ce = F.cross_entropy(model(**model_inputs(batch, trainer.device)).logits, batch["labels"], reduction="none")
+        hand = float((torch.from_numpy(posterior).float() * ce).sum()) / (len(index) * 0.4)
+        if noise_branch:
+            trainer.generator.set_state(generator_state)
+            other = trainer._complementary(batch["labels"])
+            noise_logits = trainer._noise_forward(model, model_inputs(batch, trainer.device))
+            hand += trainer.options.beta * float(negative_learning_loss(noise_logits, other).mean())
+    assert value == pytest.approx(hand, rel=1e-5)
+    # Assert: the weights were recorded per group (flagged: posterior <= 0.5)
+    weights = trainer.train_metrics()
+    flagged = posterior <= 0.5
+    assert weights["noise-weight-sum-flagged"] == pytest.approx(posterior[flagged].sum())
+    assert weights["noise-weight-n-unflagged"] == (~flagged).sum()
+
+
+def test_without_the_noise_branch_there_is_no_B_n_to_train_or_keep() -> None:
+    from clients.trainers.feddr_lora import NOISE_STATE_KEY
+
+    # Prepare
+    with_branch, without = (make_trainer([f"strategy.noise_branch={flag}", "train.max_steps=2"], server_round=2)
+                            for flag in ("true", "false"))
+    models = [with_branch.prepare({}), without.prepare({})]
+    # Execute
+    counts = [sum(p.numel() for p in t.trainable_parameters(m, []) ) for t, m in zip((with_branch, without), models)]
+    without.fit(models[1])
+    without.save_state(without.keep(models[1]))
+    # Assert: rank 4 on 4 modules of width 32: A 4 x 4 x 32 = 512, B^r 512, head 8 x 32 + 8 = 264; B^n 512 more
+    assert counts == [512 + 512 + 264 + 512, 512 + 512 + 264]
+    assert without.noise == {} and NOISE_STATE_KEY not in without.job.state
+    assert without.train_metrics()["noise-samples"] == 2 * 16
 
 
 def test_warm_up_round_is_plain_cross_entropy_without_split_metrics() -> None:
@@ -355,8 +533,12 @@ def test_warm_up_round_is_plain_cross_entropy_without_split_metrics() -> None:
     model = trainer.prepare({})
     # Execute
     trainer.fit(model)
-    # Assert: no split, no B^n update
-    assert trainer.train_metrics() == {}
+    # Assert: no split, no B^n update; every trained sample has robust weight 1 (noisy ones too)
+    metrics = trainer.train_metrics()
+    assert not any(k in metrics for k in ("noise-samples", "noise-flagged", "noise-precision"))
+    noisy = metrics["noise-weight-n-noisy"]
+    assert noisy > 0 and noisy + metrics["noise-weight-n-clean"] == 2 * 16
+    assert metrics["noise-weight-sum-noisy"] == noisy and "noise-weight-n-flagged" not in metrics
     assert all(float(p.detach().abs().sum()) == 0.0 for p in trainer.noise.values())
 
 
@@ -367,6 +549,7 @@ def test_warm_up_round_is_plain_cross_entropy_without_split_metrics() -> None:
         (ONE_RANK, 4, HEAD_BYTES),
         (ONE_RANK + ["strategy.split=batch", "strategy.nl_target=given", "model.head=local"], 4, 0),
         ([], 2, HEAD_BYTES),  # smoke's mixed ranks [2, 4, 8]: one rank, the smallest (mixed_rank_policy)
+        (ONE_RANK + ["strategy.noise_branch=false"], 4, HEAD_BYTES),  # the ablation moves the same bytes
     ],
 )
 def test_inprocess_noisy_smoke_ledger_is_B_r_only(
@@ -385,12 +568,19 @@ def test_inprocess_noisy_smoke_ledger_is_B_r_only(
         assert record["failures"] == 0 and record["clients"] == 3
         assert record["bytes_up"] == record["bytes_down"] == 3 * per_client
         assert 0.0 <= record["personalized_accuracy"] <= 1.0 and 0.0 <= record["global_accuracy"] <= 1.0
-    # Assert: split quality against the injected noise is reported after the warm-up
-    warm_up, split = results["rounds"]
-    assert warm_up["extra"]["noise_split"] == "warm-up"
-    assert 0.0 <= split["extra"]["noise_recall"] <= 1.0
-    assert split["extra"]["noise_true_rate"] == pytest.approx(0.4, abs=0.02)
-    assert set(split["extra"]["noise_split_per_client"]) == {"0", "1", "2"}
+    # Assert: the warm-up round records weight 1 for every sample and no split
+    warm_up, split = (r["extra"] for r in results["rounds"])
+    assert warm_up["feddr_split_active"] == 0.0 and "feddr_noise_precision" not in warm_up
+    assert warm_up["feddr_weight_noisy"] == warm_up["feddr_weight_clean"] == 1.0
+    # Assert: then the split's quality against the injected noise and the weights per group
+    assert split["feddr_split_active"] == 1.0
+    assert 0.0 <= split["feddr_noise_recall"] <= 1.0 and 0.2 < split["feddr_noise_rate"] < 0.6
+    # hits / samples two ways: precision * flagged fraction = recall * noise rate
+    assert split["feddr_noise_precision"] * split["feddr_flagged_fraction"] == pytest.approx(
+        split["feddr_noise_recall"] * split["feddr_noise_rate"])
+    if "robust_loss" not in " ".join(overrides):  # the default, posterior: flagged means posterior <= 0.5
+        assert split["feddr_weight_flagged"] <= 0.5 < split["feddr_weight_unflagged"]
+    assert set(split["feddr_split_per_client"]) == {"0", "1", "2"}
     assert all((tmp_path / f"adapters/client_{k}/adapter_config.json").is_file() for k in range(3))
 
 
@@ -403,4 +593,4 @@ def test_ray_noisy_smoke_run(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["strategy"] == "feddr_lora" and len(results["rounds"]) == 2
     assert all(r["bytes_up"] == 3 * (4 * B_BYTES_PER_RANK + HEAD_BYTES) for r in results["rounds"])
-    assert "noise_precision" in results["rounds"][1]["extra"]
+    assert "feddr_noise_precision" in results["rounds"][1]["extra"]
