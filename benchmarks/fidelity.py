@@ -106,9 +106,7 @@ class Scenario:
 # ---- options the method engineers add on their branches (issue 29) --------------------------------
 # Jobs below reference them; until they are merged the tests check these overrides are well formed
 # and leave them out of the config validation (tests/test_fidelity_benchmark.py).
-PENDING_OPTIONS: dict[str, tuple[str, ...]] = {
-    "feddr_lora": ("noise_branch",),
-}
+PENDING_OPTIONS: dict[str, tuple[str, ...]] = {}
 
 # ---- BYTES-MATCHED FEDHERA: the FedHera engineer defines this ------------------------------------
 # The issue asks for a FedHera comparison at matched bytes (FedHera moves about 2.9 x FlexLoRA's
@@ -185,8 +183,9 @@ SCENARIOS: dict[str, Scenario] = {
     "feddr_lora": Scenario(
         config="configs/scenarios/feddr_lora.toml",
         jobs={
-            "feddr_lora": JobSpec("feddr_lora", role="method", core=True, knob=Knob("strategy.beta", ("1.0", "2.0")),
-                                  note="dual branch, negative learning; knob: beta"),
+            "feddr_lora": JobSpec("feddr_lora", role="method", core=True, knob=Knob("strategy.robust_loss", ("posterior", "all")),
+                                  note="dual branch, negative learning; knob: robust loss weighted by the split's "
+                                  "clean posterior / plain CE on every sample"),
             "feddr_lora_no_noise": JobSpec("feddr_lora", ("strategy.noise_branch=false",), role="ablation", core=True,
                                            tuned_as="feddr_lora",
                                            note="without the noise branch"),
