@@ -118,7 +118,7 @@ class FedPissa(LoRAStrategy):
             server_round, len(uploads), self.delta, self.options.lam, self.diagnostics["relative_correction"])
 
     def aggregation_weights(self, uploads: Sequence[ClientUpload]) -> dict[ClientId, float]:
-        counts = [u.num_examples if self.options.weights == "samples" else 1.0 for u in uploads]
+        counts = [u.weight if self.options.weights == "samples" else 1.0 for u in uploads]
         return dict(zip([u.partition_id for u in uploads], normalise(counts).tolist()))
 
     def global_payload(self) -> Payload | None:
