@@ -277,5 +277,5 @@ def capped_weights(counts: Any, max_share: float) -> np.ndarray:
         rest = ordered[cut:].sum()
         level = max_share * rest / (1.0 - cut * max_share)  # T / (cut T + rest) = max_share
         if ordered[cut] <= level <= ordered[cut - 1] and cut * max_share < 1.0:
-            return np.minimum(n, level)
+            return np.asarray(np.minimum(n, level), dtype=np.float64)
     return (n > 0).astype(np.float64)
