@@ -136,7 +136,7 @@ class Expectation:
 
 # ---------------------------------------------------------------------------------------- parse
 def parse_metrics(message: Message, rules: Mapping[str, MetricRule], required: tuple[str, ...]) -> dict[str, float] | str:
-    """The reply's ``metrics`` record as floats, every value checked ('' problems none), or why not."""
+    """The reply's ``metrics`` record as floats, every value a number within its rule, or why not."""
     record = message.content.metric_records.get("metrics")
     if record is None:
         return "no 'metrics' record"
