@@ -293,6 +293,7 @@ class ClientsConfig(_Section):
         return tiers
 
 
+AggregationRule = Literal["mean", "median", "trimmed_mean"]  # faults.aggregation (fedlora.lora.Combine)
 CorruptKind = Literal["nan", "inf", "shape", "rank", "keys", "norm"]
 CORRUPT_KINDS: tuple[CorruptKind, ...] = ("nan", "inf", "shape", "rank", "keys", "norm")
 
@@ -325,6 +326,38 @@ class FaultsConfig(_Section):
     max_failed_rounds: int = Field(
         3, ge=1, description="Consecutive rounds with fewer than federation.min_clients valid "
         "updates (state unchanged, the next round retries with a new sample) before the run stops."
+    )
+    max_update_ratio: float = Field(
+        10.0, ge=0.0, allow_inf_nan=False, description="Reject an update whose L2 norm exceeds this multiple "
+        "of the reference norm: the lower median of the (non-zero) update norms accepted in the last "
+        "round that aggregated, before that the norm of the initial adapter. Unlike "
+        "norm_outlier_factor it needs no other update of the same round, so it works with two "
+        "clients; one client alone in a round can raise the reference by at most this factor per round "
+        "(0 = off)."
+    )
+    max_client_share: float = Field(
+        0.6, gt=0.0, le=1.0, allow_inf_nan=False, description="Largest share of a round's aggregation "
+        "weight one client can get: example counts above the share are cut down (water-filling) so "
+        "that no upload weighs more than this; with fewer than 1 / share uploads they weigh the same. "
+        "Also bounds the example weights of the personalised evaluation. 0.6 leaves every shipped "
+        "config unchanged (their largest honest share is 0.54) and bounds a client that declared a "
+        "huge partition when it joined; 1 = off."
+    )
+    max_examples: int = Field(
+        0, ge=0, description="Reject a training reply whose example count exceeds this cap (0 = no "
+        "cap). Whatever the cap, a count above the partition size the client declared when it "
+        "joined (its profile's num_train_examples) is rejected."
+    )
+    aggregation: AggregationRule = Field(
+        "mean", description="How a linear method combines the uploaded arrays: 'mean' (its weighted "
+        "mean, FedAvg), or Flower's robust rules, coordinate by coordinate and unweighted: "
+        "'median' (FedMedian) or 'trimmed_mean' (FedTrimmedAvg, cutting trim_fraction at each end). "
+        "They need 3+ uploads to resist a client (with two, both equal the mean). Methods whose "
+        "aggregate is not a mean of arrays (SVD, stacking) refuse them (capability matrix)."
+    )
+    trim_fraction: float = Field(
+        0.2, ge=0.0, lt=0.5, description="aggregation = 'trimmed_mean': fraction of the values cut at "
+        "each end of every coordinate (Flower's FedTrimmedAvg beta), in [0, 0.5)."
     )
 
     @field_validator("drop_rate", "corrupt_rate")

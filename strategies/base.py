@@ -9,8 +9,11 @@ model is (:meth:`global_payload`). Its options and capabilities come from its ho
 stay in :class:`~strategies.roster.ClientRoster`. Every message is built fresh per client, so
 per-client payloads (mixed ranks, personalised factors) never share a RecordDict.
 
-The parts that are not the protocol live beside it: who takes part (``roster.py``), the defence
-against bad updates (``validation.py``), the privacy ledger (``ledger.py``).
+A reply is read in steps (``replies.py``): parse -> validate -> weigh, then :meth:`aggregate`
+and the round's accounting; the server never raises on what a client sent. The parts that are not
+the protocol live beside it: who takes part (``roster.py``), the steps of reading a reply
+(``replies.py``), the defence against bad updates (``validation.py``), the privacy ledger
+(``ledger.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from fedlora import protocol
 from fedlora.lora import (
     A_SUFFIX,
     B_SUFFIX,
+    Combine,
     Payload,
-    from_array_record,
     head_only,
     normalise,
     payload_bytes,
@@ -44,28 +47,26 @@ from fedlora.lora import (
 )
 from fedlora.methods import Capabilities, Method
 from fedlora.profile import ClientProfile
-from fedlora.protocol import Phase, number, wire_size
+from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig
-from strategies.ledger import PrivacyLedger
+from strategies.ledger import EPSILON_KEY, PrivacyLedger
+from strategies.replies import (
+    ClientUpload,
+    Expectation,
+    Rejection,
+    capped_weights,
+    parse_evaluate_reply,
+    parse_train_reply,
+)
 from strategies.roster import ClientRoster
-from strategies.validation import check_upload, norm_outliers
+from strategies.validation import norm_outliers, reference_norm, update_norm
 
 InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
 
 
 class RoundFailedError(RuntimeError):
     """Too many consecutive rounds without enough valid updates (faults.max_failed_rounds)."""
-
-
-@dataclass
-class ClientUpload:
-    """One valid training reply."""
-
-    partition_id: int
-    payload: Payload
-    num_examples: int
-    metrics: dict[str, float]
 
 
 @dataclass
@@ -98,6 +99,7 @@ class LoRAStrategy(Strategy):
     # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
+        "_awaiting", "_initial_norm",
     })
 
     def __init__(
@@ -118,7 +120,10 @@ class LoRAStrategy(Strategy):
         self.rng = np.random.default_rng(experiment.train.seed)  # the client sampler
         self.failed_rounds = 0  # consecutive rounds with too few valid updates
         self.common_rank = 0  # > 0: a same-rank method runs every client at this rank
+        self.norm_reference = 0.0  # faults.max_update_ratio's reference norm (0: the initial adapter's)
         self._experiment_json = experiment.to_json()
+        self._awaiting: dict[Phase, set[int]] = {}  # partitions sent a message this round, by phase
+        self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -128,10 +133,18 @@ class LoRAStrategy(Strategy):
 
     # ---------------------------------------------------------------- method interface
     def check_profile(self, profile: ClientProfile) -> str:
-        """Why a client cannot take part ('' if it can)."""
+        """Why a client cannot take part ('' if it can): its partition, rank, example count and budgets."""
         max_rank = min(min(shape) for shape in self.module_shapes.values())
+        num_clients = self.experiment.data.num_clients
+        if not 0 <= profile.partition_id < num_clients:
+            return f"partition {profile.partition_id} outside [0, {num_clients}) (data.num_clients)"
         if not 1 <= profile.rank <= max_rank:
             return f"unsupported rank {profile.rank} (must be in [1, {max_rank}] for this model)"
+        if profile.num_train_examples < 0:
+            return f"negative num_train_examples {profile.num_train_examples}"
+        bad = sorted(key for key, value in profile.budgets.items() if not (math.isfinite(value) and value > 0))
+        if bad:
+            return f"budgets {bad[:3]} are not positive finite numbers"
         return ""
 
     def setup(self) -> None:
@@ -225,14 +238,24 @@ class LoRAStrategy(Strategy):
         return dict(self.head_initial) if self.sends_head else {}
 
     def averaged_head(self, uploads: list[ClientUpload], weights: Any, previous: Payload) -> Payload:
-        """FedAvg of the uploads' head arrays when the head is global (``previous`` otherwise)."""
+        """FedAvg of the uploads' head arrays when the head is global (``previous`` otherwise);
+        ``faults.aggregation``'s robust rule where the method allows it."""
         if not self.sends_head:
             return previous
-        return weighted_average([head_only(u.payload) for u in uploads], weights)
+        return weighted_average([head_only(u.payload) for u in uploads], weights, self.combine)
+
+    @property
+    def combine(self) -> Combine:
+        """How the method's means combine arrays (``faults.aggregation``; 'mean' unless the method
+        declares ``capabilities.robust_aggregation``, which the config check enforces)."""
+        faults = self.experiment.faults
+        rule = faults.aggregation if self.capabilities.robust_aggregation else "mean"
+        return Combine(rule, faults.trim_fraction)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
-        """p_k = n_k / sum n over this round's uploads."""
-        return normalise([u.num_examples for u in uploads])
+        """p_k = n_k / sum n over this round's uploads (n_k cut down so that no client weighs more
+        than ``faults.max_client_share``: :func:`strategies.replies.capped_weights`)."""
+        return normalise([u.weight for u in uploads])
 
     def sample(self, fraction: float) -> list[int]:
         """Seeded sample of accepted partitions (Flower's sample_nodes uses the global RNG)."""
@@ -272,6 +295,7 @@ class LoRAStrategy(Strategy):
         record = self.record(server_round)
         record.refused = sorted(self.roster.refused_partitions)
         partitions = self.sample_train(server_round)
+        self._awaiting["train"] = set(partitions)
         messages = []
         for partition in partitions:
             payload = self.download(partition, server_round, "train")
@@ -283,17 +307,12 @@ class LoRAStrategy(Strategy):
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, MetricRecord | None]:
-        """Check replies, count bytes and failures, aggregate the valid uploads."""
+        """Read the replies (parse -> validate -> weigh), aggregate the valid uploads, account."""
         record = self.record(server_round)
         replies = list(replies)
-        record.wire_bytes_up += sum(wire_size(reply) for reply in replies)
-        missing = max(record.sampled - len(replies), 0)  # no reply before federation.round_timeout
-        if missing:
-            record.failures += missing
-            log(WARNING, "aggregate_train: %d of %d sampled clients did not reply within federation.round_timeout",
-                missing, record.sampled)
-        self.ledger.note(replies, record)
-        uploads = self._valid_uploads(replies, server_round, record)
+        record.wire_bytes_up += sum(_wire_size(reply) for reply in replies)
+        uploads = self._valid_uploads(replies, server_round, record)  # parse + validate
+        self._weigh(uploads)  # weigh
         record.clients = len(uploads)
         record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
         if uploads:
@@ -313,8 +332,9 @@ class LoRAStrategy(Strategy):
             return None, None
         self.failed_rounds = 0
         started = time.perf_counter()
-        self.aggregate(server_round, uploads)
+        self.aggregate(server_round, uploads)  # aggregate
         record.aggregation_seconds = time.perf_counter() - started
+        self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
         record.extra.update(self.round_extra(server_round))
         metrics = MetricRecord({"train-loss": record.train_loss, "clients": len(uploads)})
         return None, metrics  # state lives in the strategy; global_payload() exposes the model
@@ -325,10 +345,13 @@ class LoRAStrategy(Strategy):
         """Personalised evaluation: each sampled client tests its own model on its local split."""
         fraction = self.experiment.federation.fraction_evaluate
         if fraction == 0.0 or not self.roster or not self.evaluates(server_round):
+            self._awaiting["evaluate"] = set()
             return []
         record = self.record(server_round)
         messages = []
-        for partition in self.sample(fraction):
+        partitions = self.sample(fraction)
+        self._awaiting["evaluate"] = set(partitions)
+        for partition in partitions:
             payload = self.download(partition, server_round + 1, "evaluate")
             record.bytes_eval_down += payload_bytes(payload)
             messages.append(self._message(partition, server_round, payload, "evaluate"))
@@ -336,40 +359,57 @@ class LoRAStrategy(Strategy):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Example-weighted and unweighted means, worst client and 10th percentile."""
+        """Example-weighted (no client above ``faults.max_client_share``) and unweighted means,
+        worst client and 10th percentile, over the valid replies (parse -> validate -> weigh)."""
         record = self.record(server_round)
         rows = []
         replies = list(replies)
-        record.wire_bytes_eval += sum(wire_size(reply) for reply in replies)
+        record.wire_bytes_eval += sum(_wire_size(reply) for reply in replies)
+        seen: set[int] = set()
         for msg in replies:
-            if msg.has_error():
-                log(WARNING, "aggregate_evaluate: node %d failed: %s", msg.metadata.src_node_id, msg.error.reason)
+            node = msg.metadata.src_node_id
+            partition = self._sender(msg, "evaluate", seen)
+            if msg.has_error():  # the client's evaluation failed: nothing to count (or a stray error)
+                log(WARNING, "aggregate_evaluate: node %d failed: %s", node, _short(msg.error.reason))
                 continue
-            metrics = {k: number(v) for k, v in msg.content.metric_records["metrics"].items()}
-            rows.append(metrics)
-            record.per_client[str(int(metrics[protocol.PARTITION_ID]))] = {k: float(v) for k, v in metrics.items()}
+            if isinstance(partition, Rejection):
+                _reject(record, self._known(node), node, partition.reason, "aggregate_evaluate", failure=False)
+                continue
+            parsed = parse_evaluate_reply(msg, partition, self.experiment.model.kind)
+            if isinstance(parsed, Rejection):
+                _reject(record, partition, node, parsed.reason, "aggregate_evaluate", failure=False)
+                continue
+            rows.append(parsed)
+            record.per_client[str(partition)] = dict(parsed)
         if not rows:
             return None
+        rows.sort(key=lambda r: r[protocol.PARTITION_ID])  # the result does not depend on the replies' arrival order
         if self.experiment.model.kind == "causal_lm":
             return self._aggregate_generation(record, rows)
         accuracy = np.array([r["accuracy"] for r in rows])
-        examples = np.array([r[protocol.NUM_EXAMPLES] for r in rows], dtype=float)
+        examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
         record.personalized_accuracy = float(np.average(accuracy, weights=examples))
         record.personalized_accuracy_unweighted = float(accuracy.mean())
         record.personalized_accuracy_worst = float(accuracy.min())
         record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
         if all("val-accuracy" in r for r in rows):
-            val_examples = np.array([max(r.get("val-examples", 1.0), 1.0) for r in rows])
+            val_examples = self._evaluation_weights([max(r.get("val-examples", 1.0), 1.0) for r in rows])
             record.validation_accuracy = float(np.average([r["val-accuracy"] for r in rows], weights=val_examples))
         if all("global-accuracy" in r for r in rows) and self.global_payload() is None:
             record.global_accuracy = float(np.average([r["global-accuracy"] for r in rows], weights=examples))
         return MetricRecord({"personalized-accuracy": record.personalized_accuracy})
 
+    def _evaluation_weights(self, counts: list[float]) -> np.ndarray:
+        """Evaluation example counts as weights: no client above ``faults.max_client_share``, and
+        uniform when every count is zero (a weighted mean needs a positive total)."""
+        weights = capped_weights(counts, self.experiment.faults.max_client_share)
+        return weights if weights.sum() > 0 else np.ones(len(counts))
+
     def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
         """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
         client scored) and unweighted, worst, p10; loss and perplexity token-weighted."""
         rouge = np.array([r["rouge-l"] for r in rows])
-        scored = np.array([max(r.get("rouge-examples", 1.0), 1.0) for r in rows])
+        scored = self._evaluation_weights([max(r.get("rouge-examples", 1.0), 1.0) for r in rows])
         record.personalized_rouge_l = float(np.average(rouge, weights=scored))
         record.personalized_rouge_l_unweighted = float(rouge.mean())
         record.personalized_rouge_l_worst = float(rouge.min())
@@ -379,7 +419,7 @@ class LoRAStrategy(Strategy):
         if all("val-loss" in r for r in rows):
             record.validation_loss = _token_mean(rows, "val-loss", "val-tokens")
         if all("global-rouge-l" in r for r in rows) and self.global_payload() is None:
-            examples = np.array([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
+            examples = self._evaluation_weights([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
             record.global_rouge_l = float(np.average([r["global-rouge-l"] for r in rows], weights=examples))
             record.global_loss = float(np.average([r["global-loss"] for r in rows], weights=examples))
             record.global_perplexity = math.exp(min(record.global_loss, 700.0))
@@ -426,32 +466,91 @@ class LoRAStrategy(Strategy):
         content = RecordDict({"arrays": to_array_record(payload), "config": config})
         return Message(content=content, dst_node_id=self.roster.node_of[partition], message_type=message_type)
 
-    def _valid_uploads(self, replies: Iterable[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
-        uploads = []
-        for msg in replies:
-            if msg.has_error():
-                record.failures += 1
-                log(WARNING, "aggregate_train: node %d failed: %s", msg.metadata.src_node_id, msg.error.reason)
-                continue
+    def _sender(self, msg: Message, phase: Phase, seen: set[int]) -> int | Rejection:
+        """The partition of the reply's sender (the roster's map, never what the reply claims), if it
+        was sent a message of ``phase`` this round and has not replied yet (then added to ``seen``)."""
+        try:
             partition = self.roster.partition_of(msg.metadata.src_node_id)
-            payload = from_array_record(msg.content.array_records["arrays"])
-            metrics = {k: number(v) for k, v in msg.content.metric_records["metrics"].items()}
-            self.observe_reply(partition, metrics)
-            problem = check_upload(payload, self.expected_upload(partition, server_round))
-            if problem:
-                _reject(record, partition, problem)
+        except KeyError:
+            return Rejection(f"node {msg.metadata.src_node_id} is not an accepted client")
+        if partition in seen:
+            return Rejection(f"a second reply from client {partition} this round")
+        if partition not in self._awaiting.get(phase, {partition}):  # unknown (no configure call): any accepted
+            return Rejection(f"client {partition} was sent no {phase} message this round")
+        seen.add(partition)
+        return partition
+
+    def _known(self, node: int) -> int | None:
+        """The partition of ``node``, None for a node the roster does not know."""
+        try:
+            return self.roster.partition_of(node)
+        except KeyError:
+            return None
+
+    def _expectation(self, partition: int) -> Expectation:
+        """What the server knows about ``partition``'s training reply before reading it."""
+        faults = self.experiment.faults
+        if not self.norm_reference and not self._initial_norm:
+            self._initial_norm = update_norm(self.initial_adapter(self.experiment.model.lora_rank))
+        reference = self.norm_reference or self._initial_norm
+        return Expectation(partition, self.roster.profiles[partition].num_train_examples, faults.max_examples,
+                           reference, faults.max_update_ratio)
+
+    def _valid_uploads(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
+        """Parse and validate every reply (:func:`strategies.replies.parse_train_reply`); count the
+        errors, the missing replies and the rejections; note the DP epsilon each client reported."""
+        uploads: list[ClientUpload] = []
+        seen: set[int] = set()  # sampled partitions that replied (an error reply too)
+        spent: dict[int, float] = {}
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            partition = self._sender(msg, "train", seen)
+            if msg.has_error():  # a crashed client: a failure of the round (a stray error is only logged)
+                log(WARNING, "aggregate_train: node %d failed: %s", node, _short(msg.error.reason))
+                record.failures += not isinstance(partition, Rejection)
                 continue
-            uploads.append(ClientUpload(partition, payload, int(metrics[protocol.NUM_EXAMPLES]), metrics))
-            worker = msg.content.config_records.get(protocol.WORKER)
+            if isinstance(partition, Rejection):
+                _reject(record, self._known(node), node, partition.reason, failure=False)
+                continue
+
+            def expected(metrics: Mapping[str, float], partition: int = partition) -> dict[str, tuple[int, ...]]:
+                self.observe_reply(partition, metrics)
+                return self.expected_upload(partition, server_round)
+
+            parsed = parse_train_reply(msg, self._expectation(partition), expected)
+            if parsed.metrics is not None and EPSILON_KEY in parsed.metrics:
+                spent[partition] = parsed.metrics[EPSILON_KEY]  # spent even if the update is refused
+            if isinstance(parsed, Rejection):
+                _reject(record, partition, node, parsed.reason)
+                continue
+            uploads.append(parsed)
+            metrics = parsed.metrics
             record.per_client_train[str(partition)] = {
                 "train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
-                "examples": metrics.get(protocol.TRAIN_EXAMPLES), **({k: str(v) for k, v in worker.items()} if worker else {}),
+                "examples": metrics.get(protocol.TRAIN_EXAMPLES), **parsed.worker,
             }
+        missing = max(record.sampled - len(seen), 0)  # no reply before federation.round_timeout
+        if missing:
+            record.failures += missing
+            log(WARNING, "aggregate_train: %d of %d sampled clients did not reply within federation.round_timeout",
+                missing, record.sampled)
+        self.ledger.note(spent, record)
         uploads.sort(key=lambda u: u.partition_id)
         outliers = norm_outliers([u.payload for u in uploads], self.experiment.faults)
         for index, reason in outliers.items():
-            _reject(record, uploads[index].partition_id, reason)
+            _reject(record, uploads[index].partition_id, self.roster.node_of.get(uploads[index].partition_id), reason)
         return [u for i, u in enumerate(uploads) if i not in outliers]
+
+    def _weigh(self, uploads: list[ClientUpload]) -> None:
+        """Each upload's aggregation weight: its example count, no client above
+        ``faults.max_client_share`` of the round (:func:`strategies.replies.capped_weights`)."""
+        max_share = self.experiment.faults.max_client_share
+        weights = capped_weights([u.num_examples for u in uploads], max_share)
+        for upload, weight in zip(uploads, weights):
+            if weight != upload.num_examples:
+                log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples "
+                    "(faults.max_client_share = %g)", upload.partition_id, weight, upload.num_examples, max_share)
+            upload.weight = float(weight)
 
 
 def _token_mean(rows: list[dict[str, float]], key: str, tokens: str) -> float:
@@ -462,11 +561,31 @@ def _token_mean(rows: list[dict[str, float]], key: str, tokens: str) -> float:
     return float(np.average([r[key] for r in rows], weights=weights))
 
 
-def _reject(record: RoundRecord, partition: int, reason: str) -> None:
-    record.failures += 1
+def _reject(record: RoundRecord, partition: int | None, node: int | None, reason: str,
+            hook: str = "aggregate_train", failure: bool = True) -> None:
+    """Count and log a refused reply, with the client's partition and node id. ``failure``: it
+    was a sampled client's reply of this round (not a stray, duplicate or evaluation reply)."""
+    if failure:
+        record.failures += 1
     record.rejected += 1
-    record.rejections.append(f"client {partition}: {reason}")
-    log(WARNING, "aggregate_train: rejecting update of client %d: %s", partition, reason)
+    who = f"client {partition}" if partition is not None else "unknown client"
+    phase = "" if hook == "aggregate_train" else "evaluation: "
+    record.rejections.append(f"{phase}{who} (node {node}): {reason}")
+    log(WARNING, "%s: rejecting the reply of %s (node %s): %s", hook, who, node, reason)
+
+
+def _short(text: object, limit: int = 300) -> str:
+    """A client-supplied text for a log line: one line, at most ``limit`` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit] + "..."
+
+
+def _wire_size(message: Message) -> int:
+    """:func:`fedlora.protocol.wire_size`, 0 for a reply Flower cannot serialise (it is refused anyway)."""
+    try:
+        return wire_size(message)
+    except Exception:  # noqa: BLE001 - a reply's size must not end the run
+        return 0
 
 
 def _note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:

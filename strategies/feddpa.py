@@ -67,7 +67,7 @@ class FedDPA(LoRAStrategy):
         return self.lora_shapes(self.rank_g, send_A=True, send_B=True)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
-        self.global_adapter = weighted_average([u.payload for u in uploads], self.weights(uploads))
+        self.global_adapter = weighted_average([u.payload for u in uploads], self.weights(uploads), self.combine)
 
     def global_payload(self) -> Payload:
         return self.global_adapter

@@ -92,7 +92,7 @@ class FedDRLoRA(LoRAStrategy):
         return super().weights(uploads)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
-        averaged = aggregate_robust_B([u.payload for u in uploads], self.weights(uploads))
+        averaged = aggregate_robust_B([u.payload for u in uploads], self.weights(uploads), self.combine)
         self.global_B = {k: v for k, v in averaged.items() if k in self.global_B}
         self.head = {k: v for k, v in averaged.items() if k in self.head}
         self.split_metrics = {

@@ -42,7 +42,8 @@ class FedIT(LoRAStrategy):
         return truncate_payload(self.global_adapter, self.rank_of(partition))
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
-        self.global_adapter = padded_average([u.payload for u in uploads], self.weights(uploads), self.max_rank)
+        self.global_adapter = padded_average([u.payload for u in uploads], self.weights(uploads), self.max_rank,
+                                             self.combine)
 
     def global_payload(self) -> Payload:
         return self.global_adapter

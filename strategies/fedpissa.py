@@ -193,7 +193,7 @@ class FedPissa(LoRAStrategy):
             self.diagnostics["relative_correction"], self.diagnostics["projector_overlap"])
 
     def aggregation_weights(self, uploads: Sequence[ClientUpload]) -> dict[ClientId, float]:
-        counts = [u.num_examples if self.options.weights == "samples" else 1.0 for u in uploads]
+        counts = [u.weight if self.options.weights == "samples" else 1.0 for u in uploads]
         return dict(zip([u.partition_id for u in uploads], normalise(counts).tolist()))
 
     def global_payload(self) -> Payload | None:

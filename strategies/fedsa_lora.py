@@ -60,7 +60,7 @@ class FedSALoRA(LoRAStrategy):
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = self.weights(uploads)
         client_A = [{m: f.A for m, f in split_payload(u.payload)[0].items()} for u in uploads]
-        self.A = aggregate_A(client_A, weights, self.A)
+        self.A = aggregate_A(client_A, weights, self.A, self.combine)
         self.head = self.averaged_head(uploads, weights, self.head)
 
     def global_payload(self) -> None:

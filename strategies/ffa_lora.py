@@ -64,7 +64,7 @@ class FFALoRA(LoRAStrategy):
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = self.weights(uploads)
         client_B = [{m: f.B for m, f in split_payload(u.payload)[0].items()} for u in uploads]
-        self.B = aggregate_B(client_B, weights, self.rank_max)
+        self.B = aggregate_B(client_B, weights, self.rank_max, self.combine)
         self.head = self.averaged_head(uploads, weights, self.head)
 
     def global_payload(self) -> Payload:

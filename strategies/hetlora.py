@@ -60,6 +60,8 @@ class HetLoRA(LoRAStrategy):
 
     method = hetlora.METHOD
     options: hetlora.HetLoRAOptions
+    # the rank each reply reports, read only while its upload is checked: never state
+    NOT_STATE = LoRAStrategy.NOT_STATE | {"upload_rank"}
 
     def setup(self) -> None:
         self.max_rank = max(p.rank for p in self.roster.profiles.values())
@@ -83,7 +85,7 @@ class HetLoRA(LoRAStrategy):
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         clients = [split_payload(u.payload)[0] for u in uploads]
-        examples = [u.num_examples for u in uploads]
+        examples = [u.weight for u in uploads]
         self.global_factors = hetlora_aggregate(clients, self.max_rank, examples, self.options.weighting)
         for upload, factors in zip(uploads, clients):
             self.ranks[upload.partition_id] = next(iter(factors.values())).rank  # pruned clients stay pruned
@@ -92,10 +94,10 @@ class HetLoRA(LoRAStrategy):
 
     def observe_reply(self, partition: int, metrics: Mapping[str, float]) -> None:
         """A self-pruning client reports the rank of its upload: its current rank or the pruned one."""
-        reported = int(metrics.get(UPLOAD_RANK_KEY, self.ranks[partition]))
+        reported = metrics.get(UPLOAD_RANK_KEY, float(self.ranks[partition]))
         allowed = {self.ranks[partition], pruned_rank(self.ranks[partition], self.options.prune_decay)}
-        # anything else keeps the current rank, so the upload's shapes are refused as malformed
-        self.upload_rank[partition] = reported if self.options.self_prune and reported in allowed else self.ranks[partition]
+        # anything else (NaN, 2.5, another rank) keeps the current rank: the upload's shapes are refused
+        self.upload_rank[partition] = int(reported) if self.options.self_prune and reported in allowed else self.ranks[partition]
 
     def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
         rank = self.upload_rank.get(partition, self.ranks[partition])

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Message
-
 from fedlora import state
-from fedlora.protocol import number
 from fedlora.results import RoundRecord
 from fedlora.schema import PrivacyConfig
 
@@ -27,14 +24,9 @@ class PrivacyLedger:
 
     epsilon: dict[int, float] = field(default_factory=dict)
 
-    def note(self, replies: Iterable[Message], record: RoundRecord) -> None:
-        spent = {}
-        for msg in replies:
-            if msg.has_error() or "metrics" not in msg.content.metric_records:
-                continue
-            metrics = msg.content.metric_records["metrics"]
-            if EPSILON_KEY in metrics and "partition-id" in metrics:
-                spent[int(number(metrics["partition-id"]))] = number(metrics[EPSILON_KEY])
+    def note(self, spent: Mapping[int, float], record: RoundRecord) -> None:
+        """Remember the epsilon each client reported this round (partition -> epsilon; the partition
+        is the sender's, checked by the server, never what a reply claims)."""
         if spent:
             self.epsilon.update(spent)
             record.extra["dp_epsilon"] = {str(k): v for k, v in sorted(spent.items())}

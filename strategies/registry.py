@@ -17,7 +17,7 @@ from fedlora import methods
 from fedlora.schema import ExperimentConfig
 from strategies.base import InitialAdapter, LoRAStrategy
 
-_NOT_STRATEGIES = {"base", "registry", "roster", "validation", "ledger"}
+_NOT_STRATEGIES = {"base", "registry", "roster", "validation", "ledger", "replies"}
 
 
 @cache

@@ -55,6 +55,10 @@ class ClientRoster:
             raise KeyError(f"node {node_id} is not an accepted client")
         return partition
 
+    def declared_examples(self, partition: int) -> int:
+        """The training examples client ``partition`` declared when it joined (0: none declared)."""
+        return self.profiles[partition].num_train_examples
+
     def rank(self, partition: int) -> int:
         return self.profiles[partition].rank
 
@@ -68,11 +72,16 @@ class ClientRoster:
             time.sleep(1.0)
         for reply in self._ask(grid, node_ids, experiment_json, timeout):
             node_id = reply.metadata.src_node_id
-            if reply.has_error():
-                self.refused[f"node {node_id}"] = f"query failed: {reply.error.reason}"
-                log(WARNING, "query: node %d failed: %s", node_id, reply.error.reason)
+            profile = read_profile(reply)
+            if isinstance(profile, str):
+                self.refused[f"node {node_id}"] = profile
+                log(WARNING, "query: node %d: %s", node_id, profile)
                 continue
-            profile = ClientProfile.model_validate_json(str(reply.content.config_records["profile"]["json"]))
+            if profile.partition_id in self.profiles:  # a second node claiming a partition: the first keeps it
+                self.refused[f"node {node_id}"] = (f"claims partition {profile.partition_id}, already held by node "
+                                                   f"{self.node_of[profile.partition_id]}")
+                log(WARNING, "query: node %d: %s", node_id, self.refused[f"node {node_id}"])
+                continue
             problem = check_profile(profile)
             if problem:
                 self.refused[f"partition {profile.partition_id}"] = f"{profile.partition_id}: {problem}"
@@ -94,10 +103,10 @@ class ClientRoster:
         rebound = []
         for reply in self._ask(grid, new, experiment_json, timeout) if new else []:
             node_id = reply.metadata.src_node_id
-            if reply.has_error():
-                log(WARNING, "query: new node %d failed: %s", node_id, reply.error.reason)
+            profile = read_profile(reply)
+            if isinstance(profile, str):
+                log(WARNING, "query: new node %d: %s", node_id, profile)
                 continue
-            profile = ClientProfile.model_validate_json(str(reply.content.config_records["profile"]["json"]))
             partition = profile.partition_id
             if partition in self.profiles:
                 log(INFO, "query: client %d is back, as node %d (was %d)", partition, node_id, self.node_of[partition])
@@ -135,3 +144,18 @@ class ClientRoster:
         log(WARNING, "query: '%s' needs one rank, clients declared %s: every client trains at rank %d "
             "(clients.mixed_rank_policy=smallest)", method_name, ranks, ranks[0])
         return ranks[0]
+
+
+def read_profile(reply: Message) -> ClientProfile | str:
+    """The profile a query reply carries, or why there is none (an error reply, a missing record,
+    JSON that is not a profile): never an exception, whatever the node sent."""
+    if reply.has_error():
+        return f"query failed: {' '.join(str(reply.error.reason).split())[:300]}"
+    record = reply.content.config_records.get("profile")
+    text = record.get("json") if record is not None else None
+    if not isinstance(text, str):
+        return "its query reply carries no profile"
+    try:
+        return ClientProfile.model_validate_json(text)
+    except ValueError as error:  # pydantic's ValidationError is a ValueError
+        return f"its profile is not valid: {' '.join(str(error).split())[:300]}"

@@ -1,8 +1,10 @@
 """The server's defence against bad updates: malformed uploads and absurd norms are refused.
 
-An upload is checked against the shapes the method expects (keys, shapes, NaN / Inf), then the
-round's valid uploads against each other (``faults.norm_outlier_factor`` x the median norm) and
-an absolute bound (``faults.max_update_norm``).
+An upload is checked against the shapes the method expects (keys, shapes, NaN / Inf) and its norm
+against a reference the round's clients cannot move (``faults.max_update_ratio`` x the lower
+median of the norms accepted in the last aggregated round), then the round's valid uploads
+against each other (``faults.norm_outlier_factor`` x the median norm, with >= 3 updates) and an
+absolute bound (``faults.max_update_norm``).
 """
 
 from __future__ import annotations
@@ -43,3 +45,19 @@ def norm_outliers(payloads: Sequence[Payload], faults: FaultsConfig) -> dict[int
     if faults.norm_outlier_factor and len(payloads) >= 3:
         limit = min(limit, faults.norm_outlier_factor * float(np.median(norms)))
     return {i: f"update norm {n:.3g} above the bound {limit:.3g}" for i, n in enumerate(norms) if n > limit}
+
+
+def ratio_bound(norm: float, reference: float, ratio: float) -> str:
+    """Why an update of L2 norm ``norm`` is too large for ``faults.max_update_ratio = ratio`` x
+    the ``reference`` norm ('' if it is not, or if either is 0: no bound)."""
+    if ratio and reference > 0 and not norm <= ratio * reference:
+        return f"update norm {norm:.3g} above faults.max_update_ratio x the reference norm ({ratio:g} x {reference:.3g})"
+    return ""
+
+
+def reference_norm(norms: Sequence[float], previous: float) -> float:
+    """The next round's reference norm: the lower median of this round's accepted, non-zero update
+    norms (with two clients the smaller one, so no single client can raise it), or ``previous``
+    when there is none (a round of empty uploads, e.g. a warm-up)."""
+    positive = sorted(n for n in norms if n > 0)
+    return positive[(len(positive) - 1) // 2] if positive else previous

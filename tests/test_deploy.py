@@ -348,3 +348,51 @@ def test_soak_a_killed_supernode_and_a_killed_superlink(no_leftovers: Path) -> N
     kept = [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in before[:checkpointed]]
     assert kept == [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rounds[:checkpointed]]
     assert all(r["clients"] >= 2 for r in rounds)
+
+
+# ---------------------------------------------------------------- a hostile SuperNode
+@pytest.mark.slow
+def test_a_hostile_supernode_is_refused_and_the_run_completes_over_tls(no_leftovers: Path) -> None:
+    import json
+    import shutil
+
+    from fedlora.app.deploy.local import node_configs, write_run_config
+    from fedlora.app.runner import resolve
+
+    # Prepare: a copy of the app whose ClientApp is the test-only tests/hostile_clientapp.py (fedlora's
+    # own ClientApp except on a node with `hostile = true`); SuperNode 2 of 3 is hostile. Its replies:
+    # text arrays (round 1), a 1e30 update (round 2), an accuracy of 7 and a spoofed partition.
+    app = no_leftovers / "app"
+    for package in ("fedlora", "strategies", "clients", "simulations", "configs"):
+        shutil.copytree(REPO / package, app / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "tests" / "hostile_clientapp.py", app / "hostile_clientapp.py")
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    assert 'clientapp = "clients.app:app"' in pyproject
+    (app / "pyproject.toml").write_text(pyproject.replace('clientapp = "clients.app:app"',
+                                                          'clientapp = "hostile_clientapp:app"'), encoding="utf-8")
+    out = no_leftovers / "results"
+    config = resolve(REPO / "configs/smoke.toml", ["train.rounds=2", "train.max_steps=2", "output.save_adapters=false"])
+    config.output.dir = str(out)
+    nodes = node_configs(config, 3)
+    nodes[2]["hostile"] = True
+    deployment = LocalDeployment(no_leftovers / "fed", 3)
+    try:
+        deployment.start_superlink()
+        keys = list(deployment.require_certs().node_keys)
+        deployment.register(keys)
+        deployment.start_supernodes(nodes, keys)
+        # Execute
+        run = deployment.wait_run(deployment.submit(app, write_run_config(config, no_leftovers / "run.toml")),
+                                  timeout=1200)
+        over_tls = deployment.fleet_is_grpc_over_tls()
+    finally:
+        deployment.stop()
+    # Assert: completed over TLS; every round aggregated the two honest silos, and refused the hostile
+    # one's training and evaluation replies (counted, with its partition and node id)
+    assert run["status"] == "finished:completed" and over_tls
+    rounds = json.loads((out / "results.json").read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    for record in rounds:
+        assert record["clients"] == 2 and record["rejected"] == 2, record["rejections"]
+        assert all("client 2 (node " in line for line in record["rejections"]), record["rejections"]
+        assert set(record["per_client"]) == {"0", "1"}

@@ -33,7 +33,8 @@ def fedit_round(num_clients: int):
 
 
 def reply(msg: Message, payload: dict, num_examples: int) -> Message:
-    metrics = MetricRecord({"num-examples": num_examples, "train-loss": 1.0, "partition-id": 0})
+    partition = msg.metadata.dst_node_id - 1000  # InProcessGrid: node 1000 + k holds partition k
+    metrics = MetricRecord({"num-examples": num_examples, "train-loss": 1.0, "partition-id": partition})
     return Message(RecordDict({"arrays": to_array_record(payload), "metrics": metrics}), reply_to=msg)
 
 

@@ -6,8 +6,11 @@ nothing in this package knows about a particular method.
 
 from fedlora.lora.factors import (
     A_SUFFIX,
+    ADAPTER_DTYPE,
     B_SUFFIX,
     HEAD_PREFIX,
+    MEAN,
+    Combine,
     Factors,
     Payload,
     Weights,
@@ -45,7 +48,7 @@ from fedlora.lora.svd import (
 )
 
 __all__ = [
-    "A_SUFFIX", "B_SUFFIX", "HEAD_PREFIX", "STACK_PREFIX", "Factors", "LowRankSVD", "Payload", "Weights",
+    "ADAPTER_DTYPE", "A_SUFFIX", "B_SUFFIX", "HEAD_PREFIX", "MEAN", "STACK_PREFIX", "Combine", "Factors", "LowRankSVD", "Payload", "Weights",
     "average_factors", "batched_factor_svd", "concat_stacks", "dense_svd", "factor_svd", "fit_rank",
     "from_array_record", "head_only", "join_payload", "kaiming_bound", "kaiming_rows", "leading_factors",
     "lora_scale", "nested_A", "nested_A_payload", "normalise", "pad_rank", "padded_average",

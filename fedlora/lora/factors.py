@@ -10,6 +10,7 @@ one-to-one onto a Flower ``ArrayRecord``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -19,8 +20,14 @@ from fedlora import state
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord
 
+    from fedlora.schema import AggregationRule
+
 Payload = dict[str, np.ndarray]
 Weights = Sequence[float] | np.ndarray  # per-client aggregation weights (normalised where used)
+
+# The dtype of every adapter array the server holds, aggregates and sends: the models' trainable
+# parameters are float32 (fedlora.models.adapter_payload). An aggregate never takes a client's dtype.
+ADAPTER_DTYPE = np.float32
 
 A_SUFFIX = "::A"
 B_SUFFIX = "::B"
@@ -151,34 +158,76 @@ def normalise(weights: Weights) -> np.ndarray:
     return np.full(len(w), 1.0 / len(w)) if total <= 0 else w / total
 
 
-def weighted_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Weights) -> Payload:
+@dataclass(frozen=True)
+class Combine:
+    """How the clients' arrays of one key are combined: the weighted mean (FedAvg), or one of
+    Flower's robust rules, coordinate by coordinate and unweighted as Flower's own strategies
+    are: the median (``FedMedian``) or the mean after cutting the ``trim`` fraction of the values
+    at each end (``FedTrimmedAvg``, beta = ``trim``, its ``trim_mean``). With two clients both
+    equal the mean (nothing is cut from two values); they need three or more to resist one."""
+
+    rule: AggregationRule = "mean"
+    trim: float = 0.2  # trimmed_mean: fraction cut at each end, in [0, 0.5)
+
+    @property
+    def robust(self) -> bool:
+        return self.rule != "mean"
+
+    def __call__(self, arrays: Sequence[np.ndarray], weights: Weights) -> np.ndarray:
+        """(K arrays of one shape) -> the combined array (float64); ``weights`` count for the mean only."""
+        stacked = np.stack([np.asarray(a, dtype=np.float64) for a in arrays])  # (K, ...)
+        if self.rule == "median":
+            return np.asarray(np.median(stacked, axis=0))
+        if self.rule == "trimmed_mean":
+            from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+
+            return np.asarray(trim_mean(stacked, self.trim))
+        return np.asarray(np.tensordot(normalise(weights), stacked, axes=1))
+
+
+MEAN = Combine()
+
+
+def weighted_average(
+    payloads: Sequence[Mapping[str, np.ndarray]], weights: Weights, combine: Combine | None = None
+) -> Payload:
     """Key-wise weighted mean of payloads with identical keys and shapes: plain FedAvg, through
-    Flower's own ``strategy_utils.aggregate_arrayrecords``."""
+    Flower's own ``strategy_utils.aggregate_arrayrecords`` (or ``combine``'s robust rule). The
+    result has the adapters' dtype (:data:`ADAPTER_DTYPE`), whatever the uploads' dtypes."""
     from flwr.app import MetricRecord, RecordDict
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
     if not payloads:
         raise ValueError("weighted_average needs at least one payload")
+    if combine is not None and combine.robust:
+        return {key: combine([p[key] for p in payloads], weights).astype(ADAPTER_DTYPE) for key in payloads[0]}
     w = normalise(weights)
     records = [RecordDict({"arrays": to_array_record(p), "metrics": MetricRecord({"weight": float(wk)})})
                for p, wk in zip(payloads, w)]
     averaged = from_array_record(aggregate_arrayrecords(records, "weight"))
-    return {key: averaged[key].astype(np.asarray(payloads[0][key]).dtype) for key in payloads[0]}
+    return {key: averaged[key].astype(ADAPTER_DTYPE) for key in payloads[0]}
 
 
-def average_factors(factors: Sequence[Factors], weights: Weights, rank: int | None = None) -> Factors:
+def average_factors(
+    factors: Sequence[Factors], weights: Weights, rank: int | None = None, combine: Combine | None = None
+) -> Factors:
     """FedAvg of one module's factors: zero-pad every client to ``rank`` (default: the largest),
-    then A = sum_k w_k A_k and B = sum_k w_k B_k *separately* (weights normalised here).
+    then A = sum_k w_k A_k and B = sum_k w_k B_k *separately* (weights normalised here), or
+    ``combine``'s coordinate-wise robust rule over the padded factors.
 
     The one pad-then-average of the platform: FedIT over mixed ranks, HetLoRA's norm-weighted
     mean, FedTreeLoRA's experts. Note that mean(B) mean(A) != mean(B A) in general.
     """
     rank = rank if rank is not None else max(f.rank for f in factors)
     padded = [pad_rank(f, rank) for f in factors]
+    if combine is not None and combine.robust:
+        A_robust = combine([f.A for f in padded], weights)  # (rank, d_in)
+        B_robust = combine([f.B for f in padded], weights)  # (d_out, rank)
+        return Factors(A_robust.astype(ADAPTER_DTYPE), B_robust.astype(ADAPTER_DTYPE))
     w = normalise(weights)
     A = np.tensordot(w, np.stack([f.A.astype(np.float64) for f in padded]), axes=1)  # (rank, d_in)
     B = np.tensordot(w, np.stack([f.B.astype(np.float64) for f in padded]), axes=1)  # (d_out, rank)
-    return Factors(A.astype(np.float32), B.astype(np.float32))
+    return Factors(A.astype(ADAPTER_DTYPE), B.astype(ADAPTER_DTYPE))
 
 
 def truncate_payload(payload: Mapping[str, np.ndarray], rank: int) -> Payload:
@@ -192,15 +241,18 @@ def _has(payload: Mapping[str, np.ndarray], suffix: str) -> bool:
     return any(key.endswith(suffix) for key in payload)
 
 
-def padded_average(payloads: Sequence[Mapping[str, np.ndarray]], weights: Weights, rank: int) -> Payload:
+def padded_average(
+    payloads: Sequence[Mapping[str, np.ndarray]], weights: Weights, rank: int, combine: Combine | None = None
+) -> Payload:
     """FedIT's aggregate over mixed ranks: every module's factors zero-padded to ``rank`` and
     averaged with :func:`average_factors`, the head arrays with :func:`weighted_average` (the
     zero-padding extension FLoRA uses to compare FedIT under heterogeneous ranks). Each client
-    then takes the first r_k components (:func:`truncate_payload`)."""
+    then takes the first r_k components (:func:`truncate_payload`). ``combine``: a robust rule
+    instead of the weighted means."""
     split = [split_payload(p) for p in payloads]
-    factors = {m: average_factors([f[m] for f, _ in split], weights, rank) for m in split[0][0]}
+    factors = {m: average_factors([f[m] for f, _ in split], weights, rank, combine) for m in split[0][0]}
     heads = [head for _, head in split]
-    return join_payload(factors, weighted_average(heads, weights) if heads[0] else {})
+    return join_payload(factors, weighted_average(heads, weights, combine) if heads[0] else {})
 
 
 # --------------------------------------------------------------------------------------------

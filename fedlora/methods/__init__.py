@@ -72,6 +72,7 @@ def validate(config: ExperimentConfig) -> None:
     _check_rank_policy(declared, config)
     _check_privacy(declared, config)
     _check_causal_lm(declared, config)
+    _check_robust_aggregation(declared, config)
     if declared.check is not None:
         declared.check(config, options)
 
@@ -89,6 +90,16 @@ def _check_causal_lm(declared: Method, config: ExperimentConfig) -> None:
     if config.model.kind == "causal_lm" and declared.capabilities.causal_lm:
         raise ConfigError(f"strategy '{declared.name}' does not run with model.kind = 'causal_lm': "
                           f"{declared.capabilities.causal_lm}; use another strategy or model.kind = 'classification'")
+
+
+def _check_robust_aggregation(declared: Method, config: ExperimentConfig) -> None:
+    """``faults.aggregation`` other than 'mean' with a method whose aggregate is not a mean of arrays."""
+    if config.faults.aggregation == "mean" or declared.capabilities.robust_aggregation:
+        return
+    usable = ", ".join(n for n in method_names() if method(n).capabilities.robust_aggregation)
+    raise ConfigError(f"faults.aggregation = '{config.faults.aggregation}' is not supported by strategy "
+                      f"'{declared.name}': {declared.capabilities.not_robust}; use one of {usable}, or "
+                      "faults.aggregation = 'mean'")
 
 
 def _check_rank_policy(declared: Method, config: ExperimentConfig) -> None:

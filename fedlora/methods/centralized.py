@@ -22,5 +22,6 @@ METHOD = Method(
         partial_participation=False,
         dp_compatible=False,  # one trainer on pooled data, its own fit: no per-client DP-SGD
         paper="reference: centralised training on the pooled client data",
+        not_robust="one trainer: there is no second upload to combine",
     ),
 )

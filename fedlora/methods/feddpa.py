@@ -62,5 +62,6 @@ METHOD = Method(
         mixed_ranks=True,
         dp_compatible=False,  # two active peft adapters in one model: not verified with Opacus
         paper="Yang et al., NeurIPS 2024 (arXiv:2403.19211)",
+        robust_aggregation=True,
     ),
 )

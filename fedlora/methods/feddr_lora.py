@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from fedlora.lora import A_SUFFIX, Payload, Weights, weighted_average
+from fedlora.lora import A_SUFFIX, Combine, Payload, Weights, weighted_average
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 NOISE_METRIC_PREFIX = "noise-"  # train metrics: noise-precision, noise-recall, noise-flagged, ...
@@ -102,13 +102,16 @@ class FedDRLoRAOptions(MethodOptions):
     )
 
 
-def aggregate_robust_B(uploads: Sequence[Mapping[str, np.ndarray]], weights: Weights) -> Payload:
-    """B = sum_k p_k B_k^r per module (and the head averaged the same way); A must not be there."""
+def aggregate_robust_B(
+    uploads: Sequence[Mapping[str, np.ndarray]], weights: Weights, combine: Combine | None = None
+) -> Payload:
+    """B = sum_k p_k B_k^r per module (and the head averaged the same way); A must not be there.
+    ``combine`` (``faults.aggregation``): a coordinate-wise robust rule instead of the mean."""
     for upload in uploads:
         leaked = [key for key in upload if key.endswith(A_SUFFIX)]
         if leaked:
             raise ValueError(f"FedDR-LoRA keeps A local, but an upload carries {leaked[0]}")
-    return weighted_average(uploads, weights)  # each B^r (d_out, r), each head array
+    return weighted_average(uploads, weights, combine)  # each B^r (d_out, r), each head array
 
 
 def split_summary(per_client: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
@@ -244,6 +247,7 @@ METHOD = Method(
         mixed_ranks=False,
         dp_compatible=False,
         paper="FedDR-LoRA, 2026 (abstract; github.com/FangXiuwen/FedDR-LoRA announced, empty)",
+        robust_aggregation=True,
         causal_lm="its clean / noisy split and negative learning act on noisy class labels, which "
         "instruction tuning does not have",
     ),

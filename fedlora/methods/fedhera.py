@@ -430,6 +430,10 @@ METHOD = Method(
         mixed_ranks=True,
         dp_compatible=False,  # prefix gating edits p.grad; Opacus steps on per-example grads
         paper="FedHera, 2026 (official code: github.com/shock-xiaoke/FedHera)",
+        not_robust=(
+            "SVD-based: it allocates ranks from the spectrum of sum_k w_k s_k B_k A_k, a product of "
+            "factors, not a mean of arrays"
+        ),
     ),
     check=check,
 )

@@ -18,5 +18,6 @@ METHOD = Method(
         downloads="A, B, head",
         mixed_ranks=True,  # zero-padded to r_max, truncated to r_k
         paper="Zhang et al., ICASSP 2024 (arXiv:2305.05644)",
+        robust_aggregation=True,
     ),
 )

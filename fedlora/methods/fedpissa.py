@@ -269,6 +269,10 @@ METHOD = Method(
         downloads="B, head (selection = dynamics: A or B per module)",
         mixed_ranks=False,
         paper="FedPissa, 2026 (abstract and overview figure; docs/algorithms.md)",
+        not_robust=(
+            "its projection correction sum_k p_k (B_k - B_avg) P_k is a per-client term, not a mean of "
+            "arrays"
+        ),
     ),
     check=check,
 )

@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import Field
 
 from fedlora.errors import ConfigError
-from fedlora.lora import Weights
+from fedlora.lora import Combine, Weights
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 if TYPE_CHECKING:
@@ -29,14 +29,24 @@ class FedSALoRAOptions(MethodOptions):
     )
 
 
-def rowwise_average(As: Sequence[np.ndarray], weights: Weights, previous: np.ndarray) -> np.ndarray:
+def rowwise_average(
+    As: Sequence[np.ndarray], weights: Weights, previous: np.ndarray, combine: Combine | None = None
+) -> np.ndarray:
     """Row j of the result = sum_{k: r_k > j} p_k A_k[j] / sum_{k: r_k > j} p_k.
 
     ``As`` are the clients' A (r_k, d_in), ``previous`` the current global A (R, d_in): a row
     no client of this round holds keeps its previous value. With equal ranks this is FedSA-LoRA's
-    A = sum_k p_k A_k.
+    A = sum_k p_k A_k. ``combine`` (``faults.aggregation``): row j is instead the robust rule
+    over the rows j of the clients holding it.
     """
     p = np.asarray(weights, dtype=np.float64)
+    if combine is not None and combine.robust:
+        robust = np.array(previous, dtype=np.float64)  # (R, d_in)
+        for j in range(previous.shape[0]):
+            holders = [(p_k, A_k[j]) for p_k, A_k in zip(p, As) if A_k.shape[0] > j]
+            if holders:
+                robust[j] = combine([row for _, row in holders], [p_k for p_k, _ in holders])
+        return robust.astype(np.float32)
     total = np.zeros(previous.shape)  # (R, d_in)
     mass = np.zeros(previous.shape[0])  # (R,) weight of the clients holding each row
     for p_k, A_k in zip(p, As):
@@ -49,9 +59,12 @@ def rowwise_average(As: Sequence[np.ndarray], weights: Weights, previous: np.nda
     return out.astype(np.float32)
 
 
-def aggregate_A(client_A: Sequence[dict[str, np.ndarray]], weights: Weights, previous: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def aggregate_A(
+    client_A: Sequence[dict[str, np.ndarray]], weights: Weights, previous: dict[str, np.ndarray],
+    combine: Combine | None = None,
+) -> dict[str, np.ndarray]:
     """:func:`rowwise_average` for every module."""
-    return {m: rowwise_average([A[m] for A in client_A], weights, previous[m]) for m in previous}
+    return {m: rowwise_average([A[m] for A in client_A], weights, previous[m], combine) for m in previous}
 
 
 def check(experiment: ExperimentConfig, options: FedSALoRAOptions) -> None:
@@ -70,6 +83,7 @@ METHOD = Method(
         uploads="A, head",
         downloads="A, head",
         mixed_ranks=True,
+        robust_aggregation=True,  # A's rows by coordinate-wise median / trimmed mean over their holders
         paper="Guo et al., ICLR 2025 (arXiv:2410.01463)",
     ),
     check=check,

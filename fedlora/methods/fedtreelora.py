@@ -289,6 +289,10 @@ METHOD = Method(
         partial_participation=True,
         dp_compatible=False,  # two active peft adapters + a bare theta parameter: not verified with Opacus
         paper="FedTreeLoRA, 2026 (abstract and a detailed summary; docs/algorithms.md)",
+        not_robust=(
+            "its experts average the few clients of one cluster each (a median of one or two clients is "
+            "their mean)"
+        ),
     ),
     check=check,
 )

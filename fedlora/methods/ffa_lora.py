@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import Field
 
 from fedlora.errors import ConfigError
-from fedlora.lora import Weights
+from fedlora.lora import Combine, Weights
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 if TYPE_CHECKING:
@@ -29,18 +29,28 @@ class FFALoRAOptions(MethodOptions):
     )
 
 
-def aggregate_B(client_B: Sequence[Mapping[str, np.ndarray]], weights: Weights, rank: int) -> dict[str, np.ndarray]:
+def aggregate_B(
+    client_B: Sequence[Mapping[str, np.ndarray]], weights: Weights, rank: int, combine: Combine | None = None
+) -> dict[str, np.ndarray]:
     """B (d_out, rank) per module with s_R B A_R = sum_k p_k s_k B_k A_R[:r_k].
 
     With A shared and rank-nested (A_k = A_R[:r_k]) and s = alpha / r, this is the exact average
     of the clients' updates dW_k = s_k B_k A_k: B = sum_k p_k (R / r_k) pad(B_k, R). With equal
-    ranks it is FFA-LoRA's plain B = sum_k p_k B_k. ``weights`` are normalised here.
+    ranks it is FFA-LoRA's plain B = sum_k p_k B_k. ``weights`` are normalised here. ``combine``
+    (``faults.aggregation``): a robust rule over the padded, rescaled (R / r_k) pad(B_k, R) instead.
     """
     p = np.asarray(weights, dtype=np.float64)
     p = p / p.sum()
     out: dict[str, np.ndarray] = {}
     for module in client_B[0]:
         d_out = client_B[0][module].shape[0]
+        if combine is not None and combine.robust:
+            padded = []
+            for B_by_module in client_B:
+                B_k = np.asarray(B_by_module[module], dtype=np.float64)  # (d_out, r_k)
+                padded.append(np.pad((rank / B_k.shape[1]) * B_k, ((0, 0), (0, rank - B_k.shape[1]))))  # (d_out, R)
+            out[module] = combine(padded, p).astype(np.float32)
+            continue
         total = np.zeros((d_out, rank))  # (d_out, R)
         for p_k, B_by_module in zip(p, client_B):
             B_k = np.asarray(B_by_module[module], dtype=np.float64)  # (d_out, r_k)
@@ -73,6 +83,7 @@ METHOD = Method(
         uploads="B, head",
         downloads="B, head",
         mixed_ranks=True,
+        robust_aggregation=True,  # B's coordinate-wise median / trimmed mean (A is shared, not aggregated)
         paper="Sun et al., ICLR 2024 (arXiv:2403.12313)",
     ),
     check=check,

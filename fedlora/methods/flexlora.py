@@ -75,5 +75,9 @@ METHOD = Method(
         downloads="rank-r_k SVD truncation of sum p_k s_k B_k A_k, head",
         mixed_ranks=True,
         paper="Bai et al., NeurIPS 2024 (arXiv:2402.11505)",
+        not_robust=(
+            "SVD-based: its aggregate is the truncated SVD of sum_k p_k s_k B_k A_k, a product of "
+            "factors, not a mean of arrays"
+        ),
     ),
 )

@@ -33,6 +33,10 @@ METHOD = Method(
         downloads="unmerged stacks [p_k s_k A_k], [B_k] of past rounds, head",
         mixed_ranks=True,
         paper="Wang et al., NeurIPS 2024 (arXiv:2409.05976)",
+        not_robust=(
+            "stacking: the clients' factors are concatenated, not averaged, so no coordinate has several "
+            "values to take a median of"
+        ),
     ),
     check=check,
 )

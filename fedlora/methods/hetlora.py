@@ -74,5 +74,9 @@ METHOD = Method(
         downloads="global factors truncated to r_k, head",
         mixed_ranks=True,
         paper="Cho et al., EMNLP 2024 (arXiv:2401.06432)",
+        not_robust=(
+            "its aggregate is defined by its norm-based weights (||B_k A_k||_F), which an unweighted "
+            "median or trimmed mean drops"
+        ),
     ),
 )

@@ -17,5 +17,6 @@ METHOD = Method(
         downloads="nothing",
         mixed_ranks=True,
         paper="no-federation baseline (lower bound)",
+        not_robust="nothing is aggregated",
     ),
 )
