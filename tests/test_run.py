@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_helpers import fedlora_run
+from cli_helpers import assert_only_fedlora_lines, fedlora_run
 
 from fedlora.app.runner import run_inprocess
 from fedlora.config import load_config
@@ -67,6 +67,9 @@ def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
     assert_results_contract(results, 2)
     assert results["config"]["output"]["dir"] == str(tmp_path)
     assert "final global accuracy" in proc.stdout
+    # Assert: quiet on Ray too (actors included): fedlora's lines only, stderr empty (tests/test_quiet.py)
+    assert_only_fedlora_lines(proc.stdout, rounds=2)
+    assert proc.stderr == "", proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

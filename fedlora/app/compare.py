@@ -349,18 +349,11 @@ def run_one(config: ExperimentConfig, run_dir: Path, engine: Engine, verbose: bo
 
         run(config, out_dir=run_dir, verbose=verbose)
         return
-    from fedlora.app.runner import (
-        RunError,
-        check_inputs,
-        protocol_errors,
-        quiet_flower,
-        run_folder,
-        run_inprocess,
-    )
+    from fedlora.app.quiet import LOG_FILE, run_log
+    from fedlora.app.runner import RunError, check_inputs, protocol_errors, run_folder, run_inprocess
 
     check_inputs(config)
-    quiet_flower(verbose)
-    with run_folder(run_dir):
+    with run_folder(run_dir), run_log(run_dir / LOG_FILE):
         try:
             writer = run_inprocess(config, run_dir)
         except protocol_errors() as error:
@@ -412,14 +405,18 @@ def run_jobs(
             logger.info("compare: [%d/%d] %s seed %d: complete, skipped", index, len(planned), job.name, job.seed)
         else:
             todo.append((index, job, run_dir, cfg))
-    if workers == 1:
-        for index, job, run_dir, cfg in todo:
-            logger.info("compare: [%d/%d] %s seed %d -> %s (%s)", index, len(planned), job.name, job.seed, run_dir, engine)
-            started = time.perf_counter()
-            run_one(cfg, run_dir, engine, verbose)
-            logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
-    else:
-        _run_parallel(todo, len(planned), workers)
+    from fedlora.app.quiet import output
+
+    with output(verbose):
+        if workers == 1:
+            for index, job, run_dir, cfg in todo:
+                logger.info("compare: [%d/%d] %s seed %d -> %s (%s)", index, len(planned), job.name, job.seed, run_dir,
+                            engine)
+                started = time.perf_counter()
+                run_one(cfg, run_dir, engine, verbose)
+                logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
+        else:
+            _run_parallel(todo, len(planned), workers)
     return [run_dir for _, run_dir in planned]
 
 
@@ -450,25 +447,14 @@ def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig]], total: in
 
 def _worker_run(config_json: str, run_dir: str) -> float:
     """One job in a worker process: the in-process engine, its log in ``run_dir/run.log``."""
-    import logging as logging_module
-
     from fedlora.app import progress
+    from fedlora.app.quiet import output
     from fedlora.config import config_from_json
 
-    progress.LIVE = False  # workers share the terminal: plain lines, into run.log
-    folder = Path(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    handler = logging_module.FileHandler(folder / "run.log", mode="w")
-    handler.setFormatter(logging_module.Formatter("%(asctime)s %(message)s"))
-    root = logging_module.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging_module.INFO)
+    progress.LIVE = False  # workers share the terminal: plain lines, into run.log (run_one writes it)
     started = time.perf_counter()
-    try:
-        run_one(config_from_json(config_json), folder, "inprocess")
-    finally:  # a worker runs several jobs: each log only in its own run.log
-        root.removeHandler(handler)
-        handler.close()
+    with output(console=False):  # a worker runs several jobs: each log only in its own run.log
+        run_one(config_from_json(config_json), Path(run_dir), "inprocess")
     return time.perf_counter() - started
 
 

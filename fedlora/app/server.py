@@ -219,7 +219,7 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
     if first == 1:
         strategy.summary()
     for server_round in range(first, last + 1):
-        logger.info("[ROUND %s/%s]", server_round, last)
+        logger.debug("[ROUND %s/%s]", server_round, last)
         replies = grid.send_and_receive(
             messages=strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )
