@@ -74,6 +74,28 @@ def test_table_mean_std_over_seeds_and_legend_names_each_average() -> None:
     assert "<table" in html and "</table>" in html and table._repr_markdown_() == markdown
 
 
+def test_the_terminal_table_fits_100_columns_and_the_files_keep_every_column() -> None:
+    # Prepare: the acceptance comparison's five strategies, three seeds each
+    names = ("fedpissa", "fedhera", "feddr_lora", "fedtreelora", "fedit")
+    runs = [{"strategy": name, "seed": seed, "path": f"seed{seed}",
+             **run_row(fake_results(seed, 0.61 + 0.1 * seed + 0.01 * i, 0.5))}
+            for i, name in enumerate(names) for seed in range(3)]
+    table = ComparisonTable(runs, scale="model minilm, data wordnet/noun8 (max_examples 2000, dirichlet alpha 0.5, "
+                                        "data.seed 0), 4 clients, 5 rounds, 1 local epoch(s) capped at 8 steps")
+    # Execute
+    text, markdown = table.to_text(), table.to_markdown()
+    # Assert: within 100 columns, with the accuracies (mean ± std) and their legend; the wide form is wider
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "| global " in text and "| pers. (weighted) " in text and "0.7300 ± 0.1000" in text
+    assert "pers. (weighted): final round: each client's own model" in text.replace("\n  ", " ")
+    assert max(len(line) for line in markdown.splitlines()) > 100 and "wall s" in markdown
+    assert "mean ± std over 3 seed(s)" in text
+    # ... and a narrower terminal drops the lowest-priority columns first, never the accuracies
+    narrow = table.to_text(width=70)
+    assert max(len(line) for line in narrow.splitlines() if line.startswith("|")) <= 70
+    assert "| global " in narrow and "wall s" not in narrow
+
+
 # --------------------------------------------------------------------------- jobs
 def test_jobs_share_partitions_and_differ_only_in_train_seed(tmp_path: Path) -> None:
     # Prepare
@@ -192,7 +214,9 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
     assert second.stdout.count("complete, skipped") == 4
     for name in ("summary.csv", "summary.md", *COMPARISON_PLOTS):
         assert (tmp_path / name).stat().st_size > 0, name
-    assert "pers. acc (unweighted)" in first.stdout
+    assert "pers. (weighted)" in first.stdout and "every column:" in first.stdout
+    assert max(len(line) for line in first.stdout.splitlines() if not line.startswith("round ")) <= 100
+    assert "pers. acc (unweighted)" in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.slow

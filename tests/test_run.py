@@ -41,6 +41,10 @@ def test_inprocess_fedit_counts_exact_bytes(tmp_path: Path) -> None:
     assert adapter.bytes_up == adapter.bytes_down == 3 * per_client
     assert (tmp_path / "adapters/global/adapter_config.json").is_file()
     assert (tmp_path / "accuracy_vs_round.png").is_file()
+    # Assert: the classes by name, in the head's order (WordNet 3.0's 8 largest noun files, in file order)
+    assert results["id2label"] == {
+        "0": "noun.act", "1": "noun.animal", "2": "noun.artifact", "3": "noun.communication", "4": "noun.location",
+        "5": "noun.person", "6": "noun.plant", "7": "noun.state"}
 
 
 def test_received_accuracy_is_the_previous_aggregate_on_the_local_test_splits(tmp_path: Path) -> None:

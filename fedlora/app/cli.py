@@ -75,8 +75,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         workers=args.workers,
     )
-    print(table.to_markdown())
-    print(f"summary: {table.out_dir}/summary.md, {table.out_dir}/summary.csv   plots: {table.out_dir}/*.png")
+    print(table.to_text())
+    print(f"every column: {table.out_dir}/summary.md, {table.out_dir}/summary.csv   plots: {table.out_dir}/*.png")
     return 0
 
 
@@ -148,7 +148,10 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fedlora.version import __version__
+
     parser = argparse.ArgumentParser(prog="fedlora", description="Federated LoRA fine-tuning on Flower.")
+    parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one experiment in Flower's simulation engine")

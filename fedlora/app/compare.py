@@ -101,6 +101,16 @@ COLUMNS: tuple[Column, ...] = (
     Column("wall_seconds", "wall s", "wall time of the whole run (engine start excluded)", digits=1),
 )
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
+# The terminal's table (ComparisonTable.to_text): these columns, in this order of priority, as many
+# as fit the width; the files (summary.md / .csv) keep every column.
+TERMINAL_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("global_accuracy", "global"),
+    ("personalized_accuracy", "pers. (weighted)"),
+    ("received_accuracy", "received"),
+    ("bytes_total", "MB total"),
+    ("wall_seconds", "wall s"),
+    ("personalized_accuracy_unweighted", "pers. (unweighted)"),
+)
 
 
 def _number(value: Any) -> float:
@@ -194,6 +204,28 @@ class ComparisonTable:
         out += ["", *(f"- {line}" for line in self.legend())]
         return "\n".join(out) + "\n"
 
+    def to_text(self, width: int = 100) -> str:
+        """The table for a terminal of ``width`` columns: the :data:`TERMINAL_COLUMNS` that fit,
+        their legend and the scale wrapped to ``width`` (``to_markdown`` and the files are wide)."""
+        import textwrap
+
+        by_key = {c.key: c for c in COLUMNS}
+        seeds = sorted({int(row["seeds"]) for row in self.rows})
+        shown = list(TERMINAL_COLUMNS)
+        while True:
+            frame = [[row["strategy"], *(self._cell(row, by_key[key]) for key, _ in shown)] for row in self.rows]
+            table = _pipe_table(["strategy", *(header for _, header in shown)], frame)
+            if len(shown) == 1 or max(len(line) for line in table.splitlines()) <= width:
+                break
+            shown.pop()
+        average = "mean ± std over" if seeds[-1:] != [1] else "one run per strategy,"
+        notes = [f"{average} {'/'.join(map(str, seeds))} seed(s); the partitions are identical."]
+        notes += [f"{header}: {by_key[key].meaning}." for key, header in shown]
+        wrap = textwrap.TextWrapper(width=width, subsequent_indent="  ")
+        lines = wrap.wrap(f"Scale: {self.scale}") if self.scale else []
+        lines += [table, *(line for note in notes for line in wrap.wrap(f"- {note}"))]
+        return "\n".join(lines) + "\n"
+
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
 
@@ -223,6 +255,12 @@ class ComparisonTable:
         self.to_csv(folder / "summary.csv")
         (folder / "summary.md").write_text(self.to_markdown())
         return folder / "summary.csv", folder / "summary.md"
+
+
+def _pipe_table(headers: list[str], rows: list[list[str]]) -> str:
+    import tabulate
+
+    return str(tabulate.tabulate(rows, headers=headers, tablefmt="pipe", disable_numparse=True))
 
 
 # --------------------------------------------------------------------------- reading results

@@ -19,6 +19,8 @@ def plot_accuracy(results: dict[str, Any], path: str | Path):
     """Global and personalised accuracy per round of one run (a causal LM: ROUGE-L, round 0 being
     the zero-shot model); returns the figure."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     rounds = results["rounds"]
     causal = results.get("config", {}).get("model", {}).get("kind") == "causal_lm"
     metric, prefix = ("ROUGE-L", "rouge_l") if causal else ("accuracy", "accuracy")
@@ -28,6 +30,7 @@ def plot_accuracy(results: dict[str, Any], path: str | Path):
         if evaluated:
             ax.plot(*zip(*evaluated), marker="o", label=label)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.set_ylabel(metric)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

@@ -153,6 +153,8 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.paths.adapter_dir = str((out_dir / "adapters").resolve())
     writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
+    if config.model.kind != "causal_lm":  # the classes by name, as the model's head indexes them
+        writer.id2label = {str(i): name for i, name in enumerate(federated.label_names)}
     if client_checkpoints:  # simulation: every client's state lives in its checkpoint file between messages
         strategy.paths.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
         strategy.paths.state_on_disk = True
