@@ -510,6 +510,7 @@ def compare(
     plots: bool = True,
     verbose: bool = False,
     workers: int = 1,
+    strategy_overrides: dict[str, Sequence[str]] | None = None,
 ) -> ComparisonTable:
     """Run every strategy x seed on the same partitions, then summarise and plot.
 
@@ -529,6 +530,9 @@ def compare(
         ServerApp / ClientApp code without Ray (:func:`fedlora.app.runner.run_inprocess`).
     workers : int, default 1
         Runs at a time, each in its own process (in-process engine only; they share a GPU).
+    strategy_overrides : dict, optional
+        Strategy name -> overrides for that strategy's runs only (e.g. its own options:
+        ``{"fedtreelora": ["strategy.warmup_rounds=1"]}``), applied after ``overrides``.
 
     Runs whose results.json already holds every round of the same config are not run again.
     """
@@ -540,7 +544,8 @@ def compare(
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base)
     check_output_folder(out)
-    jobs = [Job(strategy, int(seed)) for strategy in strategies for seed in seeds]
+    own = strategy_overrides or {}
+    jobs = [Job(strategy, int(seed), tuple(own.get(strategy, ()))) for strategy in strategies for seed in seeds]
     run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers)
     table = summarize(out, labels=list(dict.fromkeys(strategies)))
     if base.output.tensorboard:

@@ -1,4 +1,5 @@
-"""Plots of results (matplotlib, Agg backend, PNG files)."""
+"""Plots of results (matplotlib figures, saved as PNG files; the Agg backend, except in a notebook,
+whose inline backend is kept)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")
+    if "inline" not in str(matplotlib.rcParams["backend"]):  # a notebook keeps its inline figures
+        matplotlib.use("Agg")  # files only: no window, safe in the ServerApp's thread
     import matplotlib.pyplot as plt
 
     return plt

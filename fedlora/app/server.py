@@ -1,7 +1,7 @@
 """fedlora's Flower ServerApp: runs the configured strategy and writes the results contract.
 
 The same app runs in simulation (:func:`fedlora.app.runner.run` builds it with the config in a
-closure, since ``run_simulation`` hands the ServerApp an empty run config) and in deployment
+closure, since Flower's simulation runtime hands the ServerApp an empty run config) and in deployment
 (``flwr run`` passes the config as the run-config entry ``experiment``, JSON, or ``config``, a
 TOML path readable on the server).
 """
