@@ -9,6 +9,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
+QUICK = ROOT / "configs/quick.toml"
+# The golden cut of configs/quick.toml (tests/test_golden.py, the notebook test): the same pretrained
+# MiniLM, task, label skew (Dirichlet 0.5) and learning rate; fewer clients, examples, rounds, steps
+# and tokens (the first 16 of each gloss, batches of 8), so that every strategy runs in seconds and
+# still learns (tests/test_golden.py checks that every pinned run beats the majority class).
+QUICK_CUT: tuple[str, ...] = (
+    "data.num_clients=3", "data.max_examples=360", "data.global_test_size=40", "train.rounds=2",
+    "train.max_steps=8", "train.batch_size=8", "train.max_length=16",
+)
+# A strategy's own options the cut needs (fedtreelora's warm-up must end before the last round).
+QUICK_CUT_OPTIONS: dict[str, list[str]] = {"fedtreelora": ["strategy.warmup_rounds=1"]}
 
 
 def fedlora_run(out: Path, *overrides: str, args: tuple[str, ...] = (), config: Path = SMOKE,

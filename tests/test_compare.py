@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import QUICK_CUT, QUICK_CUT_OPTIONS
 
 from fedlora.app.compare import ComparisonTable, Job, is_complete, job_config, run_row, summarize
 from fedlora.app.compare import compare as compare_strategies
@@ -222,7 +223,9 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
 @pytest.mark.slow
 def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: a kernelspec for this interpreter (works in a fresh clone, no `jupyter kernelspec
-    # install` needed), and the notebook's output folder in tmp
+    # install` needed); the parameters papermill-style (a cell after the one tagged `parameters`):
+    # the golden tests' cut of the quick config, output in tmp, the "open finished runs" section
+    # pointed at tmp (it must find the comparison one level down)
     import nbformat
     from nbclient import NotebookClient
 
@@ -232,14 +235,29 @@ def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             "display_name": "fedlora (test)", "language": "python"}
     (kernel_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("FEDLORA_NOTEBOOK_OUT", str(tmp_path / "out"))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
+    tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1
+    parameters = (f"OVERRIDES = {list(QUICK_CUT)!r}\nSTRATEGY_OPTIONS = {dict(QUICK_CUT_OPTIONS)!r}\n"
+                  f"OUT = {str(tmp_path / 'out')!r}\nFINISHED = {str(tmp_path)!r}")
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(parameters))
     # Execute
-    NotebookClient(notebook, timeout=600, kernel_name="fedlora-test",
+    NotebookClient(notebook, timeout=900, kernel_name="fedlora-test",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    # Assert: the table rendered, the four PNGs were displayed
+    # Assert: no error; the four methods and their baselines ran on the quick config's cut
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    assert any("pers. acc (unweighted)" in o.get("data", {}).get("text/html", "") for o in outputs)
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == len(COMPARISON_PLOTS)
-    assert (tmp_path / "out" / "summary.md").is_file()
+    runs = {p.parent.name for p in (tmp_path / "out").glob("*/seed0/results.json")}
+    assert {"fedpissa", "fedhera", "feddr_lora", "fedtreelora", "fedit"} <= runs
+    config = json.loads((tmp_path / "out" / "fedit" / "seed0" / "results.json").read_text())["config"]
+    assert config["model"]["path"] == "minilm"
+    # ... the table twice (after the runs, and reopened from the files), with its legend
+    tables = [o["data"]["text/html"] for o in outputs if "pers. acc (unweighted)" in o.get("data", {}).get("text/html", "")]
+    assert len(tables) == 2 and tables[0] == tables[1]
+    # ... progress lines while it ran; figures inline (label distribution, 4 methods, bytes,
+    # distribution, the reopened comparison), none read from a PNG file
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "round   2/2" in text
+    figures = [o for o in outputs if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})]
+    assert len(figures) == 8
+    assert not any("Image(" in cell.source for cell in notebook.cells)
