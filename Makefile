@@ -47,7 +47,7 @@ test-fast: install
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # mypy: strict on the core (fedlora/ without the application layer), checked on the rest
-CORE := fedlora/errors.py fedlora/causal_lm.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
+CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
 	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/models.py \
 	fedlora/training.py fedlora/privacy.py fedlora/data
 lint: install

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from fedlora.version import __version__
 
 
 def run(config: Any, overrides: list[str] | None = None, out_dir: Any = None, verbose: bool = False,

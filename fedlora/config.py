@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fedlora import methods
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, did_you_mean
 from fedlora.schema import (
     BudgetTier,
     ClientsConfig,
@@ -45,7 +45,9 @@ def _format_validation_error(error: ValidationError) -> str:
     location = ".".join(str(part) for part in first["loc"]) or "config"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        return f"unknown config key '{location}'"
+        section = "".join(f"{part}." for part in first["loc"][:-1])
+        known = _known_keys(first["loc"][:-1])
+        return f"unknown config key '{location}'{did_you_mean(str(first['loc'][-1]), known, section)}"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f", got {value!r}"
     return f"invalid config '{location}': {message}{shown}" if "got" not in message else (
@@ -68,6 +70,15 @@ def _non_finite(value: Any, where: str) -> str | None:
         if found is not None:
             return found
     return None
+def _known_keys(location: tuple[Any, ...]) -> list[str]:
+    """The keys the schema declares at ``location`` (() = the sections; ('data',) = data's keys)."""
+    model: Any = ExperimentConfig
+    for part in location:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None or not hasattr(field.annotation, "model_fields"):
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
 
 
 def build_config(raw: dict[str, Any]) -> ExperimentConfig:

@@ -116,6 +116,7 @@ class ResultsWriter:
         self.rounds: list[RoundRecord] = []
         self.strategy_info = strategy_info or {}
         self.privacy: dict[str, float] | None = None
+        self.id2label: dict[str, str] = {}  # classification: class index -> class name (written as "id2label")
         self.started = time.time()
 
     @property
@@ -163,6 +164,7 @@ class ResultsWriter:
             "config_hash": self.config.hash(),
             "versions": package_versions(),
             "strategy_info": self.strategy_info,
+            **({"id2label": self.id2label} if self.id2label else {}),
             "rounds": [asdict(r) for r in self.rounds],
             "final": self.final(),
             "wall_seconds": time.time() - self.started,

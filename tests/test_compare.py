@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import QUICK_CUT, QUICK_CUT_OPTIONS
 
 from fedlora.app.compare import ComparisonTable, Job, is_complete, job_config, run_row, summarize
 from fedlora.app.compare import compare as compare_strategies
@@ -76,6 +77,28 @@ def test_table_mean_std_over_seeds_and_legend_names_each_average() -> None:
     assert "held-out global test set" in markdown and "never used for selection" in markdown
     assert csv_text.splitlines()[0].startswith("strategy,seeds,global_accuracy_mean,global_accuracy_std")
     assert "<table" in html and "</table>" in html and table._repr_markdown_() == markdown
+
+
+def test_the_terminal_table_fits_100_columns_and_the_files_keep_every_column() -> None:
+    # Prepare: the acceptance comparison's five strategies, three seeds each
+    names = ("fedpissa", "fedhera", "feddr_lora", "fedtreelora", "fedit")
+    runs = [{"strategy": name, "seed": seed, "path": f"seed{seed}",
+             **run_row(fake_results(seed, 0.61 + 0.1 * seed + 0.01 * i, 0.5))}
+            for i, name in enumerate(names) for seed in range(3)]
+    table = ComparisonTable(runs, scale="model minilm, data wordnet/noun8 (max_examples 2000, dirichlet alpha 0.5, "
+                                        "data.seed 0), 4 clients, 5 rounds, 1 local epoch(s) capped at 8 steps")
+    # Execute
+    text, markdown = table.to_text(), table.to_markdown()
+    # Assert: within 100 columns, with the accuracies (mean ± std) and their legend; the wide form is wider
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "| global " in text and "| pers. (weighted) " in text and "0.7300 ± 0.1000" in text
+    assert "pers. (weighted): final round: each client's own model" in text.replace("\n  ", " ")
+    assert max(len(line) for line in markdown.splitlines()) > 100 and "wall s" in markdown
+    assert "mean ± std over 3 seed(s)" in text
+    # ... and a narrower terminal drops the lowest-priority columns first, never the accuracies
+    narrow = table.to_text(width=70)
+    assert max(len(line) for line in narrow.splitlines() if line.startswith("|")) <= 70
+    assert "| global " in narrow and "wall s" not in narrow
 
 
 # --------------------------------------------------------------------------- jobs
@@ -426,13 +449,17 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
     assert second.stdout.count("complete, skipped") == 4
     for name in ("summary.csv", "summary.md", *COMPARISON_PLOTS):
         assert (tmp_path / name).stat().st_size > 0, name
-    assert "pers. acc (unweighted)" in first.stdout
+    assert "pers. (weighted)" in first.stdout and "every column:" in first.stdout
+    assert max(len(line) for line in first.stdout.splitlines() if not line.startswith("round ")) <= 100
+    assert "pers. acc (unweighted)" in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.slow
 def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: a kernelspec for this interpreter (works in a fresh clone, no `jupyter kernelspec
-    # install` needed), and the notebook's output folder in tmp
+    # install` needed); the parameters papermill-style (a cell after the one tagged `parameters`):
+    # the golden tests' cut of the quick config, output in tmp, the "open finished runs" section
+    # pointed at tmp (it must find the comparison one level down)
     import nbformat
     from nbclient import NotebookClient
 
@@ -442,14 +469,30 @@ def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             "display_name": "fedlora (test)", "language": "python"}
     (kernel_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("FEDLORA_NOTEBOOK_OUT", str(tmp_path / "out"))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
+    tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1
+    parameters = (f"OVERRIDES = {list(QUICK_CUT)!r}\nSTRATEGY_OPTIONS = {dict(QUICK_CUT_OPTIONS)!r}\n"
+                  f"OUT = {str(tmp_path / 'out')!r}\nFINISHED = {str(tmp_path)!r}")
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(parameters))
     # Execute
-    NotebookClient(notebook, timeout=600, kernel_name="fedlora-test",
+    NotebookClient(notebook, timeout=900, kernel_name="fedlora-test",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    # Assert: the table rendered, the four PNGs were displayed
+    # Assert: no error; the four methods and their baselines ran on the quick config's cut
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    assert any("pers. acc (unweighted)" in o.get("data", {}).get("text/html", "") for o in outputs)
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == len(COMPARISON_PLOTS)
-    assert (tmp_path / "out" / "summary.md").is_file()
+    runs = {p.parent.parent.name for p in (tmp_path / "out").glob("*/seed0/results.json")}
+    assert {"fedpissa", "fedhera", "feddr_lora", "fedtreelora", "fedit"} <= runs
+    config = json.loads((tmp_path / "out" / "fedit" / "seed0" / "results.json").read_text())["config"]
+    assert config["model"]["path"] == "minilm"
+    # ... the table twice (after the runs, and reopened from the files), with its legend
+    tables = [o["data"]["text/html"] for o in outputs if "pers. acc (unweighted)" in o.get("data", {}).get("text/html", "")]
+    rows = [sorted(re.findall(r"<tr>.*?</tr>", table, flags=re.DOTALL)) for table in tables]
+    assert len(tables) == 2 and rows[0] == rows[1] and len(rows[0]) == 7  # 7 strategies, in any order
+    # ... progress lines while it ran; figures inline (label distribution, 4 methods, bytes,
+    # distribution, the reopened comparison), none read from a PNG file
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "round   2/2" in text
+    figures = [o for o in outputs if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})]
+    assert len(figures) == 8
+    assert not any("Image(" in cell.source for cell in notebook.cells)

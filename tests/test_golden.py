@@ -1,13 +1,19 @@
-"""Golden behaviour: every registered strategy on configs/smoke.toml (in process, fixed seeds)
-gives the same results and adapters as when ``tests/golden/smoke.json`` was written.
+"""Golden behaviour: every registered strategy, and one non-default option of each 2026 method, on
+the golden cut of configs/quick.toml (:data:`cli_helpers.QUICK_CUT`: the same pretrained MiniLM and
+label-skewed WordNet task, fewer examples, rounds and steps; in process, fixed seeds) gives the
+same results and adapters as when ``tests/golden/quick.json`` was written.
 
 It pins behaviour across refactors: metrics of every round (accuracies, loss, exact bytes, client
 counts, the strategy's ``extra`` facts) to 1e-6, and every saved adapter (global and per client)
 through its LoRA products s B A and head tensors, each summarised by its Frobenius norm and 8
 fixed random bilinear projections u^T M v (any change above 1e-6 shows in them; sign flips of
-SVD factors, which leave the model unchanged, do not). A deliberate behaviour change rewrites
-the file: ``FEDLORA_GOLDEN_WRITE=1 python -m pytest tests/test_golden.py``, and says why in the
-commit.
+SVD factors, which leave the model unchanged, do not). The cut learns, so the pinned runs differ
+from each other and beat the majority class (checked below from the file itself).
+
+A deliberate behaviour change rewrites the file: ``FEDLORA_GOLDEN_WRITE=1 python -m pytest
+tests/test_golden.py`` (all entries; ``-k NAME`` rewrites only those, keeping the others), and says
+why in the commit. The file records the cut it was written for; a test on another cut fails with
+"rewrite it".
 """
 
 from __future__ import annotations
@@ -19,17 +25,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import QUICK, QUICK_CUT, QUICK_CUT_OPTIONS
 
 from fedlora.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests/golden/smoke.json"
+GOLDEN = ROOT / "tests/golden/quick.json"
 METRICS = (
     "global_accuracy", "personalized_accuracy", "personalized_accuracy_unweighted", "personalized_accuracy_worst",
     "validation_accuracy", "received_accuracy", "train_loss", "bytes_up", "bytes_down", "bytes_eval_down",
     "clients", "failures", "rejected",
 )
-EXTRA = {"fedtreelora": ["strategy.warmup_rounds=1"]}  # smoke has 2 rounds; its default warm-up is 3
+# One option of each 2026 method that is not its default (today): an entry of its own.
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "fedpissa[correction=literal]": ("fedpissa", ["strategy.correction=literal"]),
+    "fedhera[aggregation=unbiased]": ("fedhera", ["strategy.aggregation=unbiased"]),
+    "feddr_lora[topology=two_lora]": ("feddr_lora", ["strategy.topology=two_lora"]),
+    "fedtreelora[fixed_c=2]": ("fedtreelora", ["strategy.fixed_c=2"]),
+}
 PROJECTIONS = 8
 TOLERANCE = 1e-6
 
@@ -66,16 +79,48 @@ def adapter_fingerprint(folder: Path) -> dict[str, list[float]]:
     return fingerprint
 
 
-def run_fingerprint(strategy: str, out: Path) -> dict:
+def entries() -> dict[str, tuple[str, list[str]]]:
+    """Entry name -> (strategy, its overrides): every strategy at its defaults, then the variants."""
+    return {name: (name, []) for name in strategy_names()} | VARIANTS
+
+
+def cut_overrides(strategy: str, extra: list[str]) -> list[str]:
+    return [*QUICK_CUT, f"strategy.name={strategy}", *QUICK_CUT_OPTIONS.get(strategy, []), *extra]
+
+
+def run_fingerprint(strategy: str, extra: list[str], out: Path) -> dict:
     from fedlora.app.runner import run_inprocess
 
-    config = load_config(ROOT / "configs/smoke.toml", [f"strategy.name={strategy}", *EXTRA.get(strategy, [])])
+    config = load_config(QUICK, cut_overrides(strategy, extra))
     run_inprocess(config, out)
     results = json.loads((out / "results.json").read_text())
     rounds = [{k: r.get(k) for k in METRICS} | {"extra": r.get("extra", {})} for r in results["rounds"]]
     root = out / "adapters"
     adapters = {str(p.parent.relative_to(root)): adapter_fingerprint(p.parent) for p in sorted(root.rglob("adapter_config.json"))}
     return {"rounds": rounds, "adapters": adapters}
+
+
+def cut_description() -> dict:
+    """What the file was written for: the cut (and each strategy's own cut options)."""
+    return {"config": "configs/quick.toml", "overrides": list(QUICK_CUT),
+            "strategy_options": {k: list(v) for k, v in sorted(QUICK_CUT_OPTIONS.items())}}
+
+
+def read_golden() -> dict:
+    return json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {"cut": cut_description(), "entries": {}}
+
+
+def write_entry(name: str, fingerprint: dict) -> None:
+    """Merge one entry into the file (atomic: another test never reads half a file); a file
+    written for another cut starts afresh."""
+    golden = read_golden()
+    if golden.get("cut") != cut_description():
+        golden = {"cut": cut_description(), "entries": {}}
+    golden["entries"][name] = fingerprint
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    tmp = GOLDEN.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, GOLDEN)
 
 
 def assert_close(actual, expected, where: str) -> None:
@@ -98,16 +143,57 @@ def assert_close(actual, expected, where: str) -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
-@pytest.mark.parametrize("strategy", strategy_names())
-def test_every_strategy_reproduces_its_golden_run(strategy: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("entry", list(entries()))
+def test_every_strategy_reproduces_its_golden_run(entry: str, tmp_path: Path) -> None:
+    strategy, extra = entries()[entry]
     # Execute
-    fingerprint = run_fingerprint(strategy, tmp_path)
+    fingerprint = json.loads(json.dumps(run_fingerprint(strategy, extra, tmp_path)))
     # Assert (or write, on request)
     if os.environ.get("FEDLORA_GOLDEN_WRITE") == "1":
-        golden = json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {}
-        golden[strategy] = fingerprint
-        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True))
-        pytest.skip("golden file written")
-    golden = json.loads(GOLDEN.read_text())
-    assert strategy in golden, f"no golden run for {strategy}: write it (see the module docstring)"
-    assert_close(json.loads(json.dumps(fingerprint)), golden[strategy], strategy)
+        write_entry(entry, fingerprint)
+        pytest.skip(f"golden entry {entry} written")
+    golden = read_golden()
+    assert golden.get("cut") == cut_description(), "tests/golden/quick.json was written for another cut: rewrite it"
+    assert entry in golden["entries"], f"no golden run for {entry}: write it (see the module docstring)"
+    assert_close(fingerprint, golden["entries"][entry], entry)
+
+
+def majority_rates() -> tuple[float, float]:
+    """The cut's majority-class accuracy: on the global test set, and each client predicting its own
+    training majority on its local test split (example-weighted), from the data alone."""
+    from collections import Counter
+
+    from fedlora.data import build_federated_data
+
+    data = build_federated_data(load_config(QUICK, QUICK_CUT).data)
+    labels = list(data.global_test["label"])
+    global_rate = Counter(labels).most_common(1)[0][1] / len(labels)
+    hits = total = 0
+    for client in data.clients:
+        majority = Counter(client.train["label"]).most_common(1)[0][0]
+        test = list(client.test["label"])
+        hits, total = hits + sum(label == majority for label in test), total + len(test)
+    return global_rate, hits / total
+
+
+def test_the_golden_runs_learn_and_differ_from_each_other() -> None:
+    # Prepare: the pinned file (every entry present)
+    golden = read_golden()
+    pinned = golden["entries"]
+    assert set(pinned) == set(entries()), sorted(set(entries()) ^ set(pinned))
+    global_majority, local_majority = majority_rates()
+    finals = {name: entry["rounds"][-1] for name, entry in pinned.items()}
+    # Assert: every strategy ends above the majority class (global or personalised, as it reports)
+    for name, final in finals.items():
+        if name == "local":
+            continue  # no federation: it reports only its clients' own models
+        assert (final["global_accuracy"] or 0.0) > global_majority + 0.05 or (
+            (final["personalized_accuracy"] or 0.0) > local_majority + 0.05), (name, final, global_majority, local_majority)
+    # ... and no two entries pin the same run (accuracies, loss and adapters)
+    signatures = {}
+    for name, entry in pinned.items():
+        final = finals[name]
+        signature = (final["global_accuracy"], final["personalized_accuracy"], round(final["train_loss"], 6),
+                     json.dumps(entry["adapters"], sort_keys=True))
+        assert signature not in signatures, f"{name} pins the same run as {signatures.get(signature)}"
+        signatures[signature] = name

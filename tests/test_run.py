@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_helpers import fedlora_run
+from cli_helpers import assert_only_fedlora_lines, fedlora_run
 
 from fedlora.app.runner import run_inprocess
 from fedlora.config import load_config
@@ -41,6 +41,10 @@ def test_inprocess_fedit_counts_exact_bytes(tmp_path: Path) -> None:
     assert adapter.bytes_up == adapter.bytes_down == 3 * per_client
     assert (tmp_path / "adapters/global/adapter_config.json").is_file()
     assert (tmp_path / "accuracy_vs_round.png").is_file()
+    # Assert: the classes by name, in the head's order (WordNet 3.0's 8 largest noun files, in file order)
+    assert results["id2label"] == {
+        "0": "noun.act", "1": "noun.animal", "2": "noun.artifact", "3": "noun.communication", "4": "noun.location",
+        "5": "noun.person", "6": "noun.plant", "7": "noun.state"}
 
 
 def test_received_accuracy_is_the_previous_aggregate_on_the_local_test_splits(tmp_path: Path) -> None:
@@ -67,6 +71,9 @@ def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
     assert_results_contract(results, 2)
     assert results["config"]["output"]["dir"] == str(tmp_path)
     assert "final global accuracy" in proc.stdout
+    # Assert: quiet on Ray too (actors included): fedlora's lines only, stderr empty (tests/test_quiet.py)
+    assert_only_fedlora_lines(proc.stdout, rounds=2)
+    assert proc.stderr == "", proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

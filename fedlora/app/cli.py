@@ -45,25 +45,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _final_scores(results: dict[str, Any]) -> str:
-    """The final scores line: accuracy, or for a causal LM ROUGE-L (against round 0, zero-shot)."""
-    final = results["final"]
-    if results["config"]["model"].get("kind") == "causal_lm":
-        zero_shot = results["rounds"][0].get("global_rouge_l") if results["rounds"] else None
-        return (f"final global ROUGE-L {_fmt(final.get('global_rouge_l'))} (zero-shot {_fmt(zero_shot)}), "
-                f"personalised {_fmt(final.get('personalized_rouge_l'))}, perplexity {_fmt(final.get('global_perplexity'))}")
-    return (f"final global accuracy {_fmt(final.get('global_accuracy'))}, personalised "
-            f"{_fmt(final.get('personalized_accuracy'))}")
+    from fedlora.app.runner import final_scores
+
+    return final_scores(results)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedlora.app.runner import run
 
-    results = run(args.config, overrides=args.set, out_dir=args.out, verbose=args.verbose, resume=args.resume,
-                  engine=args.engine, overwrite=args.overwrite)
-    final = results["final"]
-    out = results["config"]["output"]["dir"]
-    print(f"{_final_scores(results)}, {final.get('bytes_total', 0) / 1e6:.2f} MB in {results['wall_seconds']:.0f}s")
-    print(f"results: {out}/results.json   plot: {out}/accuracy_vs_round.png")
+    # the run itself says its final scores and where its files are (fedlora.app.runner.final_lines)
+    run(args.config, overrides=args.set, out_dir=args.out, verbose=args.verbose, resume=args.resume,
+        engine=args.engine, overwrite=args.overwrite)
     return 0
 
 
@@ -99,12 +91,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
     )
-    print(table.to_markdown())
+    print(table.to_text())
     paired = ""
     if table.paired_table is not None:
         print(table.paired_table.to_markdown())
         paired = f", {table.out_dir}/paired.csv"
-    print(f"summary: {table.out_dir}/summary.md, {table.out_dir}/summary.csv{paired}   plots: {table.out_dir}/*.png")
+    print(f"every column: {table.out_dir}/summary.md, {table.out_dir}/summary.csv{paired}   plots: {table.out_dir}/*.png")
     return 0
 
 
@@ -182,12 +174,11 @@ def one_line(text: str) -> str:
     return " ".join(text.split()) or "unknown error"
 
 
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from fedlora.version import __version__
+
     parser = argparse.ArgumentParser(prog="fedlora", description="Federated LoRA fine-tuning on Flower.")
+    parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one experiment in Flower's simulation engine")
@@ -285,10 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # stderr carries one thing: the one-line error of a failed command. Progress, logs (fedlora's,
-    # Flower's) and library warnings go to stdout; datasets' progress bars are off.
+    # stderr carries one thing: the one-line error of a failed command. fedlora's lines (and,
+    # with --verbose, everyone's) go to stdout (fedlora.app.quiet); datasets' progress bars are off.
+    from fedlora.app.quiet import console_handler
+
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger().addHandler(console_handler(getattr(args, "verbose", False)))
+    logging.getLogger("fedlora").setLevel(logging.INFO)
     logging.captureWarnings(True)
     _flower_logs_to_stdout()
     if getattr(args, "ray_address", None):  # --ray-address is federation.ray_address for every run

@@ -123,6 +123,16 @@ COLUMNS: tuple[Column, ...] = (
     Column("wall_seconds", "wall s", "wall time of the whole run (engine start excluded)", digits=1),
 )
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
+# The terminal's table (ComparisonTable.to_text): these columns, in this order of priority, as many
+# as fit the width; the files (summary.md / .csv) keep every column.
+TERMINAL_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("global_accuracy", "global"),
+    ("personalized_accuracy", "pers. (weighted)"),
+    ("received_accuracy", "received"),
+    ("bytes_total", "MB total"),
+    ("wall_seconds", "wall s"),
+    ("personalized_accuracy_unweighted", "pers. (unweighted)"),
+)
 
 
 def run_row(results: dict[str, Any]) -> dict[str, float]:
@@ -266,6 +276,28 @@ class ComparisonTable:
                     self.mechanisms().to_markdown(index=False, tablefmt="pipe", disable_numparse=True)]
         return "\n".join(out) + "\n"
 
+    def to_text(self, width: int = 100) -> str:
+        """The table for a terminal of ``width`` columns: the :data:`TERMINAL_COLUMNS` that fit,
+        their legend and the scale wrapped to ``width`` (``to_markdown`` and the files are wide)."""
+        import textwrap
+
+        by_key = {c.key: c for c in COLUMNS}
+        seeds = sorted({int(row["seeds"]) for row in self.rows})
+        shown = list(TERMINAL_COLUMNS)
+        while True:
+            frame = [[row["strategy"], *(self._cell(row, by_key[key]) for key, _ in shown)] for row in self.rows]
+            table = _pipe_table(["strategy", *(header for _, header in shown)], frame)
+            if len(shown) == 1 or max(len(line) for line in table.splitlines()) <= width:
+                break
+            shown.pop()
+        average = "mean ± std over" if seeds[-1:] != [1] else "one run per strategy,"
+        notes = [f"{average} {'/'.join(map(str, seeds))} seed(s); the partitions are identical."]
+        notes += [f"{header}: {by_key[key].meaning}." for key, header in shown]
+        wrap = textwrap.TextWrapper(width=width, subsequent_indent="  ")
+        lines = wrap.wrap(f"Scale: {self.scale}") if self.scale else []
+        lines += [table, *(line for note in notes for line in wrap.wrap(f"- {note}"))]
+        return "\n".join(lines) + "\n"
+
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
 
@@ -296,6 +328,12 @@ class ComparisonTable:
         self.to_csv(folder / "summary.csv")
         (folder / "summary.md").write_text(self.to_markdown())
         return folder / "summary.csv", folder / "summary.md"
+
+
+def _pipe_table(headers: list[str], rows: list[list[str]]) -> str:
+    import tabulate
+
+    return str(tabulate.tabulate(rows, headers=headers, tablefmt="pipe", disable_numparse=True))
 
 
 def scale_line(results: dict[str, Any], fresh_partitions: bool = False) -> str:
@@ -411,18 +449,11 @@ def run_one(config: ExperimentConfig, run_dir: Path, engine: Engine, verbose: bo
 
         run(config, out_dir=None if resume else run_dir, verbose=verbose, resume=run_dir if resume else None)
         return
-    from fedlora.app.runner import (
-        RunError,
-        check_inputs,
-        protocol_errors,
-        quiet_flower,
-        run_folder,
-        run_inprocess,
-    )
+    from fedlora.app.quiet import LOG_FILE, run_log
+    from fedlora.app.runner import RunError, check_inputs, protocol_errors, run_folder, run_inprocess
 
     check_inputs(config)
-    quiet_flower(verbose)
-    with run_folder(run_dir, fresh=not resume):
+    with run_folder(run_dir, fresh=not resume), run_log(run_dir / LOG_FILE):
         try:
             writer = run_inprocess(config, run_dir, resume=resume)
         except protocol_errors() as error:
@@ -486,15 +517,18 @@ def run_jobs(
             logger.info("compare: [%d/%d] %s seed %d: complete, skipped", index, len(planned), job.name, job.seed)
         else:
             todo.append((index, job, run_dir, cfg, resumable(run_dir, cfg)))
-    if workers == 1:
-        for index, job, run_dir, cfg, resume in todo:
-            logger.info("compare: [%d/%d] %s seed %d -> %s (%s%s)", index, len(planned), job.name, job.seed, run_dir,
-                        engine, ", resumed" if resume else "")
-            started = time.perf_counter()
-            run_one(cfg, run_dir, engine, verbose, resume)
-            logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
-    else:
-        _run_parallel(todo, len(planned), workers)
+    from fedlora.app.quiet import output
+
+    with output(verbose):
+        if workers == 1:
+            for index, job, run_dir, cfg, resume in todo:
+                logger.info("compare: [%d/%d] %s seed %d -> %s (%s%s)", index, len(planned), job.name, job.seed,
+                            run_dir, engine, ", resumed" if resume else "")
+                started = time.perf_counter()
+                run_one(cfg, run_dir, engine, verbose, resume)
+                logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
+        else:
+            _run_parallel(todo, len(planned), workers)
     return [run_dir for _, run_dir in planned]
 
 
@@ -550,25 +584,14 @@ def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig, bool]], tot
 def _worker_run(config_json: str, run_dir: str, resume: bool = False) -> float:
     """One job in a worker process: the in-process engine, its log in ``run_dir/run.log``
     (appended to when the job resumes)."""
-    import logging as logging_module
-
     from fedlora.app import progress
+    from fedlora.app.quiet import output
     from fedlora.config import config_from_json
 
-    progress.LIVE = False  # workers share the terminal: plain lines, into run.log
-    folder = Path(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    handler = logging_module.FileHandler(folder / "run.log", mode="a" if resume else "w")
-    handler.setFormatter(logging_module.Formatter("%(asctime)s %(message)s"))
-    root = logging_module.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging_module.INFO)
+    progress.LIVE = False  # workers share the terminal: plain lines, into run.log (run_one writes it)
     started = time.perf_counter()
-    try:
-        run_one(config_from_json(config_json), folder, "inprocess", resume=resume)
-    finally:  # a worker runs several jobs: each log only in its own run.log
-        root.removeHandler(handler)
-        handler.close()
+    with output(console=False):  # a worker runs several jobs: each log only in its own run.log
+        run_one(config_from_json(config_json), Path(run_dir), "inprocess", resume=resume)
     return time.perf_counter() - started
 
 
@@ -592,6 +615,7 @@ def compare(
     primary_metric: str = "personalized_accuracy",
     resume: bool = False,
     overwrite: bool = False,
+    strategy_overrides: dict[str, Sequence[str]] | None = None,
 ) -> ComparisonTable:
     """Run every strategy x seed, then summarise and plot.
 
@@ -621,6 +645,9 @@ def compare(
     primary, primary_metric : str, optional
         The declared primary comparison (``primary`` - ``paired`` on ``primary_metric``): reported
         uncorrected, outside the Holm family.
+    strategy_overrides : dict, optional
+        Strategy name -> overrides for that strategy's runs only (e.g. its own options:
+        ``{"fedtreelora": ["strategy.warmup_rounds=1"]}``), applied after ``overrides``.
 
     resume : bool, default False
         Continue the comparison in ``out_dir`` (:func:`run_jobs`): runs whose results.json holds
@@ -639,7 +666,9 @@ def compare(
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base)
     folder = claim_output(out, "comparison", resume, overwrite)
-    jobs = [Job(strategy, int(seed), fresh_partition=fresh_partitions) for strategy in strategies for seed in seeds]
+    own = strategy_overrides or {}
+    jobs = [Job(strategy, int(seed), tuple(own.get(strategy, ())), fresh_partition=fresh_partitions)
+            for strategy in strategies for seed in seeds]
     run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers, folder=folder)
     labels = list(dict.fromkeys(strategies))
     table = summarize(out, labels=labels, seeds=[int(s) for s in seeds])

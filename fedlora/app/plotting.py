@@ -1,4 +1,5 @@
-"""Plots of results (matplotlib, Agg backend, PNG files)."""
+"""Plots of results (matplotlib figures, saved as PNG files; the Agg backend, except in a notebook,
+whose inline backend is kept)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")
+    if "inline" not in str(matplotlib.rcParams["backend"]):  # a notebook keeps its inline figures
+        matplotlib.use("Agg")  # files only: no window, safe in the ServerApp's thread
     import matplotlib.pyplot as plt
 
     return plt
@@ -26,6 +28,7 @@ def plot_accuracy(results: dict[str, Any], path: str | Path):
     """Global and personalised accuracy per round of one run (a causal LM: ROUGE-L, round 0 being
     the zero-shot model); returns the figure."""
     plt = _pyplot()
+
     rounds = results["rounds"]
     causal = results.get("config", {}).get("model", {}).get("kind") == "causal_lm"
     metric, prefix = ("ROUGE-L", "rouge_l") if causal else ("accuracy", "accuracy")

@@ -13,12 +13,14 @@ import importlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fedlora.app.folders import check_writable, claim, same_folder
+from fedlora.app.folders import Claim, check_writable, claim, same_folder
+from fedlora.app.quiet import LOG_FILE, output, run_log
 from fedlora.config import ConfigError, ExperimentConfig, apply_overrides, build_config, load_config
 from fedlora.results import ResultsWriter
 
@@ -142,13 +144,24 @@ def run(
     ``out_dir`` aside (``DIR.old-<time>``, never deleted) and start afresh. ``engine``: ``ray``
     (Flower's simulation engine) or ``inprocess`` (the same apps in this process,
     simulations/inprocess.py). Every check (config, folder, checkpoint, model, data) runs before
-    anything is created or moved."""
+    anything is created or moved. Quiet unless ``verbose`` (fedlora.app.quiet): one line per
+    round, then the final scores and where the results are; everything else goes to
+    ``<out>/run.log``."""
     config = resolve(config, overrides)
     if resume and out_dir and not same_folder(resume, out_dir):
         raise ConfigError(f"--resume {resume} continues the run in {resume} and writes there, but --out names "
                           f"{out_dir}: drop --out, or copy {resume} to {out_dir} first and --resume {out_dir}")
     out = Path(resume or out_dir or config.output.dir)
     folder = claim(out, what="run", resume=bool(resume), overwrite=overwrite, resume_hint=f"--resume {out}")
+    with output(verbose):
+        results = _run(config, out, folder, verbose, resume, engine)
+        for line in final_lines(results):
+            logger.info(line)
+    return results
+
+
+def _run(config: ExperimentConfig, out: Path, folder: Claim, verbose: bool, resume: str | Path | None,
+         engine: str) -> dict[str, Any]:
     config.output.dir = str(out)
     if resume:
         from fedlora.checkpoint import load_server
@@ -158,33 +171,71 @@ def run(
         load_server(out, config)  # a missing, corrupt or tampered checkpoint or another config: one line
     check_inputs(config)
     folder.take()
-    with run_folder(out, fresh=not resume):
+    with run_folder(out, fresh=not resume), run_log(out / LOG_FILE):
         prepare_environment(out)
         if engine == "inprocess":
             return _run_inprocess(config, out, bool(resume), verbose)
         return _run_ray(config, out, bool(resume), verbose)
 
 
+def final_scores(results: dict[str, Any]) -> str:
+    """The final scores: accuracy, or for a causal LM ROUGE-L (against round 0, zero-shot)."""
+    final = results["final"]
+    if results["config"]["model"].get("kind") == "causal_lm":
+        zero_shot = results["rounds"][0].get("global_rouge_l") if results["rounds"] else None
+        return (f"final global ROUGE-L {_fmt(final.get('global_rouge_l'))} (zero-shot {_fmt(zero_shot)}), "
+                f"personalised {_fmt(final.get('personalized_rouge_l'))}, perplexity {_fmt(final.get('global_perplexity'))}")
+    return (f"final global accuracy {_fmt(final.get('global_accuracy'))}, personalised "
+            f"{_fmt(final.get('personalized_accuracy'))}")
+
+
+def final_lines(results: dict[str, Any]) -> list[str]:
+    """What a finished run says: its final scores, bytes and time; where its files are."""
+    out = results["config"]["output"]["dir"]
+    return [
+        f"{final_scores(results)}, {results['final'].get('bytes_total', 0) / 1e6:.2f} MB in {results['wall_seconds']:.0f}s",
+        f"results: {out}/results.json   plot: {out}/accuracy_vs_round.png   log: {out}/{LOG_FILE}",
+    ]
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
 def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -> dict[str, Any]:
-    """Flower's simulation engine (Ray) on ``config``; its results dict."""
-    from flwr.simulation import run_simulation
+    """Flower's simulation engine (Ray) on ``config``; its results dict.
+
+    Flower 1.39 deprecates ``flwr.simulation.run_simulation``; its supported path is ``flwr run``
+    against a SuperLink, whose simulation runtime (``flwr-simulation``,
+    flwr/simulation/app.py) runs the apps with ``_run_simulation`` (the same function, without
+    the deprecation). That path takes the apps by name and the settings from the SuperLink's
+    federation config only (no Ray cluster address, no temp folder, no config object), so fedlora
+    calls the runtime's own entry ``_run_simulation`` with the app objects. It starts Ray itself
+    first (Flower's backend then uses it and shuts it down): the worker setup hook carries
+    fedlora's quiet console into every actor (fedlora.app.quiet)."""
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
 
     from fedlora.app.server import make_server_app
     from fedlora.results import load_results
 
     module, attr = CLIENT_APP.split(":")
     client_app = getattr(importlib.import_module(module), attr)
-    quiet_flower(verbose)
+    backend = backend_config(config, out)
+    start_ray(backend["init_args"], out / LOG_FILE, verbose)
     try:
-        run_simulation(
+        _run_simulation(
             server_app=make_server_app(config, str(out), resume=bool(resume)),
             client_app=client_app,
             num_supernodes=config.data.num_clients,
-            backend_config=backend_config(config, out),
+            backend_config=backend,
             verbose_logging=verbose,
+            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
         )
     except RuntimeError as error:  # Flower wraps the ServerApp's exception: report its cause
         raise RunError(f"{root_cause(error)}{results_so_far(out)}") from None
+    finally:
+        stop_ray()
     results_path = out / "results.json"
     if not results_path.is_file():
         raise RunError(f"the simulation ended without writing {results_path}; rerun with --verbose")
@@ -192,6 +243,28 @@ def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -
     if not any(r["clients"] for r in results["rounds"]):
         raise RunError("every client update failed in every round; rerun with --verbose to see the client errors")
     return results
+
+
+def start_ray(init_args: dict[str, Any], log_path: Path, verbose: bool) -> None:
+    """``ray.init`` as Flower's Ray backend would call it (its PYTHONPATH in the job's runtime
+    environment, no dashboard), plus fedlora's worker setup hook (fedlora.app.quiet)."""
+    import ray
+
+    from fedlora.app.quiet import ray_runtime_env
+
+    pythonpath = os.pathsep.join(sys.path)  # the workers import this driver's modules (clients.app)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    ray.init(runtime_env=ray_runtime_env(log_path, verbose, {"PYTHONPATH": pythonpath}),
+             **{"include_dashboard": False, **init_args})
+
+
+def stop_ray() -> None:
+    """Shut Ray down if it is still up (Flower's backend stops it when it got that far)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[dict[str, Any]] | None = None,
@@ -209,7 +282,6 @@ def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[d
 def _run_inprocess(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -> dict[str, Any]:
     from fedlora.results import load_results
 
-    quiet_flower(verbose)
     try:
         writer = run_inprocess(config, out, resume=resume)
     except protocol_errors() as error:
@@ -233,6 +305,7 @@ def root_cause(error: BaseException) -> str:
 
 
 def quiet_flower(verbose: bool) -> None:
-    """Flower logs every message at INFO; keep our progress lines readable unless verbose."""
+    """Flower logs every message at INFO; keep our progress lines readable unless verbose (for
+    callers outside :func:`fedlora.app.quiet.output`, e.g. benchmarks/scale.py)."""
     if not verbose:
         logging.getLogger("flwr").setLevel(logging.WARNING)

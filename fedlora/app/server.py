@@ -1,7 +1,7 @@
 """fedlora's Flower ServerApp: runs the configured strategy and writes the results contract.
 
 The same app runs in simulation (:func:`fedlora.app.runner.run` builds it with the config in a
-closure, since ``run_simulation`` hands the ServerApp an empty run config) and in deployment
+closure, since Flower's simulation runtime hands the ServerApp an empty run config) and in deployment
 (``flwr run`` passes the config as the run-config entry ``experiment``, JSON, or ``config``, a
 TOML path readable on the server).
 """
@@ -153,6 +153,8 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.paths.adapter_dir = str((out_dir / "adapters").resolve())
     writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
+    if config.model.kind != "causal_lm":  # the classes by name, as the model's head indexes them
+        writer.id2label = {str(i): name for i, name in enumerate(federated.label_names)}
     if client_checkpoints:  # simulation: every client's state lives in its checkpoint file between messages
         strategy.paths.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
         strategy.paths.state_on_disk = True
@@ -221,7 +223,7 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
     if first == 1:
         strategy.summary()
     for server_round in range(first, last + 1):
-        logger.info("[ROUND %s/%s]", server_round, last)
+        logger.debug("[ROUND %s/%s]", server_round, last)
         replies = grid.send_and_receive(
             messages=strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )

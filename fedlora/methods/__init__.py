@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, did_you_mean
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ def method(name: str) -> Method:
     """The method declared under ``name`` (ConfigError listing the known names otherwise)."""
     known = _discover()
     if name not in known:
-        raise ConfigError(f"unknown strategy '{name}'; known: {', '.join(method_names())}")
+        raise ConfigError(f"unknown strategy '{name}'{did_you_mean(name, method_names())}; "
+                          f"known: {', '.join(method_names())}")
     return known[name]
 
 
@@ -58,13 +59,15 @@ def validate(config: ExperimentConfig) -> None:
     """Check ``[strategy]`` against its method's options model, fill in the defaults, and apply
     the method's and the platform's cross-section rules (ranks, privacy)."""
     declared = method(config.strategy.name)
+    given = set(config.strategy.options())  # the options the config sets (the rest are defaults)
     try:
         options = declared.parse(config)
     except ValidationError as error:
         first = error.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden":
-            raise ConfigError(f"unknown option 'strategy.{key}' for strategy '{declared.name}'") from None
+            known = did_you_mean(key, list(declared.options.model_fields), "strategy.")
+            raise ConfigError(f"unknown option 'strategy.{key}' for strategy '{declared.name}'{known}") from None
         message = first["msg"].removeprefix("Value error, ")
         raise ConfigError(f"invalid option 'strategy.{key}' for '{declared.name}': {message}, got {first.get('input')!r}") from None
     for key, value in options.model_dump().items():
@@ -74,7 +77,20 @@ def validate(config: ExperimentConfig) -> None:
     _check_causal_lm(declared, config)
     _check_robust_aggregation(declared, config)
     if declared.check is not None:
-        declared.check(config, options)
+        try:
+            declared.check(config, options)
+        except ConfigError as error:
+            raise ConfigError(_naming_the_strategy(str(error), declared.name, given, options)) from None
+
+
+def _naming_the_strategy(message: str, name: str, given: set[str], options: Any) -> str:
+    """A method's own check failed: say which strategy, and which of its defaults took part (an
+    option the user did not set, named in the message, e.g. fedtreelora's warm-up of 3 rounds
+    against a 2-round run)."""
+    defaults = [f"strategy.{key} = {value!r}" for key, value in options.model_dump().items()
+                if key not in given and f"strategy.{key}" in message]
+    default_note = f" ({', '.join(defaults)}: {name}'s default)" if defaults else ""
+    return f"strategy '{name}': {message}{default_note}"
 
 
 def _check_privacy(declared: Method, config: ExperimentConfig) -> None:
