@@ -38,10 +38,11 @@ demo: install
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 # Two pytest workers (pytest-xdist), a test module per worker at a time (module fixtures are built
 # once): the end-to-end tests spend much of their time waiting on subprocesses and timeouts.
-# `make test XDIST=` runs serially.
+# `make test XDIST=` runs serially. --durations=40: the slowest tests are listed (the suite must stay
+# under 30 minutes on 2 cores).
 XDIST ?= -n 2 --dist loadscope
 test: install
-	@$(PY) -m pytest -q -rs $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	@$(PY) -m pytest -q -rs --durations=40 $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: install
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
