@@ -39,7 +39,7 @@ FEDLORA_LINES = (
     r"build_federated_data: \d+ clients \(\w+\), pool \d+, global test \d+, [\d.]+ s",
     r"round +\d+/\d+  global (\d\.\d{3}|  -  )  personalised (\d\.\d{3}|  -  )  received .* clients \d+ failures \d+  [\d.]+s",
     r"final global accuracy \d\.\d{4}, personalised \d\.\d{4}, [\d.]+ MB in \d+s",
-    r"results: \S+/results\.json   plot: \S+/accuracy_vs_round\.png   log: \S+/run\.log",
+    r"results: \S+/ \(results\.json, accuracy_vs_round\.png, run\.log\)",
 )
 NOISE_SEEN_IN_A_RUN = "`is_gradient_checkpointing` is deprecated"  # peft's FutureWarning, every model build
 

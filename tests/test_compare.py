@@ -450,7 +450,8 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
     for name in ("summary.csv", "summary.md", *COMPARISON_PLOTS):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "pers. (weighted)" in first.stdout and "every column:" in first.stdout
-    assert max(len(line) for line in first.stdout.splitlines() if not line.startswith("round ")) <= 100
+    table = [line for line in first.stdout.splitlines() if line.startswith(("|", "- ", "  ", "Scale: "))]
+    assert len(table) >= 4 and max(len(line) for line in table) <= 100  # the table and its legend (paths are the user's)
     assert "pers. acc (unweighted)" in (tmp_path / "summary.md").read_text()
 
 
@@ -487,7 +488,8 @@ def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert config["model"]["path"] == "minilm"
     # ... the table twice (after the runs, and reopened from the files), with its legend
     tables = [o["data"]["text/html"] for o in outputs if "pers. acc (unweighted)" in o.get("data", {}).get("text/html", "")]
-    rows = [sorted(re.findall(r"<tr>.*?</tr>", table, flags=re.DOTALL)) for table in tables]
+    # (the first <table> of each: the summary; the mechanisms table's columns follow each table's label order)
+    rows = [sorted(re.findall(r"<tr>.*?</tr>", table.split("</table>")[0], flags=re.DOTALL)) for table in tables]
     assert len(tables) == 2 and rows[0] == rows[1] and len(rows[0]) == 7  # 7 strategies, in any order
     # ... progress lines while it ran; figures inline (label distribution, 4 methods, bytes,
     # distribution, the reopened comparison), none read from a PNG file

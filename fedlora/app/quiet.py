@@ -254,7 +254,11 @@ def output(verbose: bool = False, console: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def run_log(path: Path) -> Iterator[None]:
     """Every record (fedlora's, Flower's, the libraries', Python warnings) appended to ``path``
-    while the block runs."""
+    while the block runs. A block refused as a user error (ConfigError: a tampered checkpoint, a
+    bad value found late) leaves ``path`` as it was: a refusal changes nothing in the folder."""
+    from fedlora.errors import ConfigError
+
+    size = path.stat().st_size if path.is_file() else None
     handler = file_handler(path)
     if handler is None:
         yield
@@ -264,12 +268,20 @@ def run_log(path: Path) -> Iterator[None]:
     targets = _targets()
     for target in targets:
         target.addHandler(handler)
+    refused = False
     try:
         yield
+    except ConfigError:
+        refused = True
+        raise
     finally:
         for target in targets:
             target.removeHandler(handler)
         handler.close()
+        if refused and size is None:
+            path.unlink(missing_ok=True)
+        elif refused and size is not None:
+            os.truncate(path, size)
 
 
 def verbose_now() -> bool:

@@ -194,7 +194,7 @@ def final_lines(results: dict[str, Any]) -> list[str]:
     out = results["config"]["output"]["dir"]
     return [
         f"{final_scores(results)}, {results['final'].get('bytes_total', 0) / 1e6:.2f} MB in {results['wall_seconds']:.0f}s",
-        f"results: {out}/results.json   plot: {out}/accuracy_vs_round.png   log: {out}/{LOG_FILE}",
+        f"results: {out}/ (results.json, accuracy_vs_round.png, {LOG_FILE})",
     ]
 
 
