@@ -3,7 +3,7 @@
 malformed or adversarial reply to every training and evaluation message, a different one each
 round (the ``TRAIN_ATTACKS`` and ``EVALUATE_ATTACKS`` lists). It never trains.
 
-``tests/test_hostile_clients.py`` runs it in process, ``tests/test_deploy.py`` on one SuperNode of
+``tests/test_hostile_clients.py`` runs it in process, ``tests/test_deploy_faults.py`` on one SuperNode of
 a real TLS deployment (a copy of the app whose ``clientapp`` is this module); the product never
 ships it.
 """

@@ -1,0 +1,39 @@
+"""Every registered strategy over one real federation (TLS + SuperNode authentication, gRPC on
+127.0.0.1): a module of its own, so that pytest-xdist runs it beside the other deployment tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from deploy_helpers import REPO
+
+# Every registered strategy over one real federation (TLS + SuperNode auth): the capability
+# matrix's "deployment" column is this test's list (fedlora.app.capabilities.DEPLOYMENT_TESTED).
+EVERY_STRATEGY_BASE = ["data.num_clients=2", "clients.ranks=[2, 4]", "train.rounds=2", "train.max_steps=2",
+                       "federation.fraction_evaluate=0", "federation.min_clients=1"]
+PER_STRATEGY = {"fedtreelora": ["strategy.warmup_rounds=1"]}
+
+
+@pytest.mark.slow
+def test_every_strategy_runs_two_rounds_over_tls_grpc(no_leftovers: Path) -> None:
+    from fedlora.app.capabilities import DEPLOYMENT_TESTED
+    from fedlora.app.deploy.local import deploy_runs
+    from fedlora.app.runner import resolve
+    from strategies.registry import strategy_names
+
+    # Prepare: one experiment per registered strategy, all on the same two silos
+    configs = {name: resolve(REPO / "configs/smoke.toml", [*EVERY_STRATEGY_BASE, f"strategy.name={name}",
+                                                          *PER_STRATEGY.get(name, [])])
+               for name in strategy_names()}
+    # Execute: one SuperLink, two authenticated SuperNodes, all runs submitted at once
+    results = deploy_runs(configs, num_nodes=2, out_dir=no_leftovers / "fed", timeout=1500, side_by_side=True)
+    # Assert: every strategy completed both rounds over gRPC with TLS, no failure, a results contract
+    assert set(results) == set(strategy_names()) == set(DEPLOYMENT_TESTED)
+    for name, result in results.items():
+        assert result["deployment"]["tls"] and result["deployment"]["supernode_auth"], name
+        assert result["deployment"]["flower_run"]["status"] == "finished:completed", name
+        assert [r["round"] for r in result["rounds"]] == [1, 2], name
+        assert all(r["failures"] == 0 and r["clients"] >= 1 for r in result["rounds"]), name
+        assert result["final"]["wire_bytes_total"] >= result["final"]["bytes_total"], name
+        assert sum(r["bytes_up"] for r in result["rounds"]) > 0 or name == "local", name
