@@ -226,5 +226,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics |= startup  # per round and client in results.json (rounds[].per_client)
     save_dir = str(job.message_config.get(protocol.SAVE_ADAPTER_DIR, ""))
     if save_dir:
-        save_adapter(model, f"{save_dir}/client_{job.profile.partition_id}")
+        labels = None if trainer.causal else job.federated.label_names
+        save_adapter(model, f"{save_dir}/client_{job.profile.partition_id}", labels)
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

