@@ -199,7 +199,9 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
                evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]) -> None:
     """Flower's ``Strategy.start`` loop for rounds ``first``..``last`` (``start`` always begins at
     round 1; a resumed run continues at ``k + 1``): configure_train -> send_and_receive ->
-    aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate -> evaluate_fn."""
+    aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate -> evaluate_fn,
+    the arrays aggregate_train returns passed on to the next hooks as ``start`` does (the first
+    round, and a resumed run, start from an empty record: the strategy's own state)."""
     arrays, timeout = ArrayRecord(), strategy.experiment.federation.round_timeout
     if first == 1:
         strategy.summary()
@@ -208,7 +210,9 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
         replies = grid.send_and_receive(
             messages=strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )
-        strategy.aggregate_train(server_round, replies)
+        aggregated, _ = strategy.aggregate_train(server_round, replies)
+        if aggregated is not None:
+            arrays = aggregated
         replies = grid.send_and_receive(
             messages=strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )
