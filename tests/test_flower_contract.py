@@ -4,7 +4,7 @@
 their downloads from the ``arrays`` they are given (the ones returned change nothing, others of
 the same keys and shapes replace the global state, anything else is refused); a strategy is built
 from keywords (its options, Flower's sampling settings, the experiment sections the clients need);
-and Flower's own ``start`` runs it.
+and a user's own ServerApp (examples/flower_serverapp) runs one with fedlora's ClientApp.
 
 The unit tests build every strategy from keywords on the tiny random BERT of configs/smoke.toml
 and answer its messages here (a profile-only ClientApp on the in-process grid, honest random
@@ -13,6 +13,7 @@ uploads), without training.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -267,3 +268,33 @@ def test_flowers_start_runs_the_rounds_with_the_arrays_the_strategy_returns() ->
     # the clients were told the run has 3 rounds (start sets train.rounds)
     sent = [m for m in seen if m.metadata.message_type in ("train", "evaluate")]
     assert {config_from_json(str(m.content.config_records["config"]["experiment"])).train.rounds for m in sent} == {3}
+
+
+# ----------------------------------------------------------------------------- a user's ServerApp
+def test_a_users_serverapp_runs_a_fedlora_strategy_with_flowers_start(tmp_path: Path) -> None:
+    """examples/flower_serverapp: HetLoRA built from keywords, Flower's ``start``, fedlora's
+    ClientApp on three in-process nodes (2 rounds of 5 steps on the tiny BERT)."""
+    import torch
+
+    from clients.app import app as client_app
+
+    # Prepare: the app's module, its run config, three nodes
+    spec = importlib.util.spec_from_file_location("flower_serverapp", ROOT / "examples/flower_serverapp/server_app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import tomllib
+
+    run_config = tomllib.loads((ROOT / "examples/flower_serverapp/pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    run_config["out-dir"] = str(tmp_path)
+    grid = InProcessGrid(client_app, node_configs(int(run_config["num-clients"])))
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    # Execute
+    module.app(grid, context)
+    # Assert: the final global model is HetLoRA's rank-8 (r_max) adapter, trained (B starts at zero) and finite
+    final = torch.load(tmp_path / "final_model.pt")
+    factors, head = split_payload({k: v.numpy() for k, v in final.items()})
+    assert len(factors) == 4 and head
+    for module_name, f in factors.items():
+        assert f.A.shape == (8, 32) and f.B.shape == (32, 8), module_name
+        assert np.isfinite(f.B).all() and np.abs(f.B).max() > 0, module_name
