@@ -476,6 +476,34 @@ def build_model(
     return PeftModel(base, config)
 
 
+class SeededAdapters:
+    """What the server knows of the model without training it: the common seeded initial adapter
+    at any rank (LoRA factors + head, identical on every call and on every client, which builds
+    the same) and the (d_out, d_in) of every adapted module. Models are built on first use."""
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, seed: int = 0, init: str | None = None,
+                 device: str = "auto") -> None:
+        self.model_cfg = cfg
+        self.num_labels = num_labels
+        self.seed = seed
+        self.init = init  # a strategy's override of model.init (e.g. FedPissa's strategy.init)
+        self.device = device
+        self._initial: dict[int, Payload] = {}
+
+    def build(self, rank: int | dict[str, int]) -> PeftModel:
+        """A fresh peft model at ``rank`` (one rank, or per module), seeded as every client's."""
+        return build_model(self.model_cfg, self.num_labels, rank, seed=self.seed, init=self.init, device=self.device)
+
+    def initial_adapter(self, rank: int) -> Payload:
+        """The common starting adapter at ``rank`` (cached)."""
+        if rank not in self._initial:
+            self._initial[rank] = adapter_payload(self.build(rank))
+        return self._initial[rank]
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        return module_shapes(self.build(1))
+
+
 def module_name(peft_key: str) -> str:
     """``base_model.model.X.lora_A.weight`` -> ``X``."""
     return re.sub(r"\.lora_[AB](\.default)?\.weight$", "", peft_key.removeprefix(PEFT_PREFIX))

@@ -25,6 +25,10 @@ STATE_ON_DISK = "state-on-disk"  # simulation: the client's state lives in its c
 EVAL_RECEIVED = "eval-received"  # train: evaluate the received model before local training
 EVAL_GLOBAL = "eval-global"  # evaluate: also evaluate on the global test set (no global model)
 SAVE_ADAPTER_DIR = "save-adapter-dir"  # evaluate, last round: save the client's adapter there
+# fedlora's own message config keys: a config given to ``configure_*`` (Flower's ``train_config`` /
+# ``evaluate_config``) travels next to them, without these keys
+MESSAGE_KEYS = frozenset({SERVER_ROUND, EXPERIMENT, RANK, CHECKPOINT_DIR, RESUME_ROUND, STATE_ON_DISK, EVAL_RECEIVED,
+                          EVAL_GLOBAL, SAVE_ADAPTER_DIR})
 
 # reply records (client -> server)
 WORKER = "worker"  # train reply ConfigRecord: where the message ran (host, Ray node)

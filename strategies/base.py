@@ -9,6 +9,17 @@ model is (:meth:`global_payload`). Its options and capabilities come from its ho
 stay in :class:`~strategies.roster.ClientRoster`. Every message is built fresh per client, so
 per-client payloads (mixed ranks, personalised factors) never share a RecordDict.
 
+Flower's contract (``Strategy.start``): :meth:`aggregate_train` returns the new global arrays
+(:meth:`global_arrays`, an ``ArrayRecord``) and the round's metrics, as Flower's FedAvg does, and
+``configure_train`` / ``configure_evaluate`` build their downloads from the ``arrays`` they are
+given (:meth:`receive`): the ones the strategy returned change nothing, other arrays of the same
+keys and shapes replace its global state (:meth:`load_arrays`), an empty record means "the
+strategy's own state" (before round 1: the common seeded initial adapter, at ranks only the
+clients' profiles tell). A strategy is built from a whole fedlora experiment (the ServerApp) or
+from keywords (a Flower user's ServerApp): its method's options, Flower's ``fraction_train``,
+``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``, and
+the experiment sections the clients need (``model``, ``data``, ``train``, ...; docs/flower.md).
+
 A reply is read in steps (``replies.py``): parse -> validate -> weigh, then :meth:`aggregate`
 and the round's accounting; the server never raises on what a client sent. The parts that are not
 the protocol live beside it: who takes part (``roster.py``), the steps of reading a reply
@@ -25,13 +36,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
+from pydantic import BaseModel
 
 from fedlora import protocol
 from fedlora.lora import (
@@ -39,6 +51,7 @@ from fedlora.lora import (
     B_SUFFIX,
     Combine,
     Payload,
+    from_array_record,
     head_only,
     normalise,
     payload_bytes,
@@ -49,7 +62,7 @@ from fedlora.methods import Capabilities, Method
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
-from fedlora.schema import ExperimentConfig
+from fedlora.schema import ExperimentConfig, apply_overrides
 from strategies.ledger import EPSILON_KEY, PrivacyLedger
 from strategies.replies import (
     ClientUpload,
@@ -62,11 +75,20 @@ from strategies.replies import (
 from strategies.roster import ClientRoster
 from strategies.validation import norm_outliers, reference_norm, update_norm
 
+if TYPE_CHECKING:
+    from fedlora.models import SeededAdapters
+
 InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
+SECTIONS = tuple(name for name in ExperimentConfig.model_fields if name != "strategy")  # keyword settings
 
 
 class RoundFailedError(RuntimeError):
     """Too many consecutive rounds without enough valid updates (faults.max_failed_rounds)."""
+
+
+class ArraysError(ValueError):
+    """``configure_*`` was given arrays the strategy cannot continue from (other keys or shapes
+    than its global arrays, non-finite values, or a state the method cannot replace)."""
 
 
 @dataclass
@@ -82,14 +104,36 @@ class RunPaths:
 class LoRAStrategy(Strategy):
     """Base class of fedlora's aggregation strategies (see the module docstring).
 
+    Built either from a whole experiment (fedlora's ServerApp) or from keywords (a Flower user's
+    ServerApp, run by ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``).
+
     Parameters
     ----------
-    experiment : ExperimentConfig
-        The resolved experiment; ``experiment.strategy`` holds this method's options.
-    initial_adapter : Callable[[int], Payload]
-        Returns the common seeded initial adapter (LoRA factors + head) at a given rank.
-    module_shapes : dict[str, tuple[int, int]]
-        (d_out, d_in) of every adapted module, used to check ranks and upload shapes.
+    experiment : ExperimentConfig, optional
+        The resolved experiment; ``experiment.strategy`` holds this method's options. Without it
+        the keywords below build one (checked like a config file: ConfigError).
+    initial_adapter : Callable[[int], Payload], optional
+        Returns the common seeded initial adapter (LoRA factors + head) at a given rank. Default:
+        built from the experiment's model (:class:`fedlora.models.SeededAdapters`).
+    module_shapes : dict[str, tuple[int, int]], optional
+        (d_out, d_in) of every adapted module, used to check ranks and upload shapes (given with
+        ``initial_adapter``; default: read from the model).
+    fraction_train : float, optional
+        Fraction of the clients sampled per training round (``federation.fraction_train``).
+    fraction_evaluate : float, optional
+        Fraction of the clients asked for personalised evaluation (``federation.fraction_evaluate``).
+    min_train_nodes : int, optional
+        Fewest clients sampled per round and fewest valid updates a round needs to aggregate
+        (``federation.min_clients``).
+    min_evaluate_nodes : int, optional
+        Fewest clients asked for evaluation (default: ``min_train_nodes``).
+    min_available_nodes : int, optional
+        Nodes the strategy waits for (up to ``federation.round_timeout``) before its profile query
+        (default: ``data.num_clients``).
+    **settings
+        The method's options (its options model, ``fedlora/methods/<name>.py``) and experiment
+        sections as mappings or section models: ``model``, ``data``, ``train``, ``federation``,
+        ``clients``, ``faults``, ``privacy``, ``output`` (the clients read them from every message).
     """
 
     method: ClassVar[Method]  # the method's home declaration (name, options, capabilities)
@@ -99,19 +143,39 @@ class LoRAStrategy(Strategy):
     # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
-        "_awaiting", "_initial_norm",
+        "_awaiting", "_initial_norm", "min_evaluate_nodes", "min_available_nodes",
     })
 
     def __init__(
         self,
-        experiment: ExperimentConfig,
-        initial_adapter: InitialAdapter,
-        module_shapes: dict[str, tuple[int, int]],
+        experiment: ExperimentConfig | None = None,
+        initial_adapter: InitialAdapter | None = None,
+        module_shapes: dict[str, tuple[int, int]] | None = None,
+        *,
+        fraction_train: float | None = None,
+        fraction_evaluate: float | None = None,
+        min_train_nodes: int | None = None,
+        min_evaluate_nodes: int | None = None,
+        min_available_nodes: int | None = None,
+        **settings: Any,
     ) -> None:
+        federation = {"fraction_train": fraction_train, "fraction_evaluate": fraction_evaluate,
+                      "min_clients": min_train_nodes}
+        if experiment is None:
+            experiment = self.experiment_from(settings, federation)
+        elif settings or any(value is not None for value in federation.values()):
+            raise TypeError(f"{type(self).__name__}: give an experiment or keyword settings, not both")
+        if (initial_adapter is None) != (module_shapes is None):
+            raise TypeError(f"{type(self).__name__}: give initial_adapter and module_shapes together")
         self.experiment = experiment
         self.options = self.method.parse(experiment)
+        if initial_adapter is None or module_shapes is None:
+            adapters = self.seeded_adapters()
+            initial_adapter, module_shapes = adapters.initial_adapter, adapters.module_shapes()
         self.initial_adapter = initial_adapter
         self.module_shapes = module_shapes
+        self.min_evaluate_nodes = experiment.federation.min_clients if min_evaluate_nodes is None else min_evaluate_nodes
+        self.min_available_nodes = experiment.data.num_clients if min_available_nodes is None else min_available_nodes
         self.roster = ClientRoster()
         self.paths = RunPaths()
         self.ledger = PrivacyLedger()
@@ -130,6 +194,51 @@ class LoRAStrategy(Strategy):
         if "method" in cls.__dict__:
             cls.name = cls.method.name
             cls.capabilities = cls.method.capabilities
+
+    @classmethod
+    def experiment_from(cls, settings: Mapping[str, Any], federation: Mapping[str, Any]) -> ExperimentConfig:
+        """The experiment of a keyword-built strategy: section settings (mappings or section
+        models), the method's options, Flower's sampling keywords into ``[federation]``; checked
+        as a config file is (:func:`fedlora.config.build_config`, ConfigError)."""
+        from fedlora.config import build_config
+
+        raw: dict[str, Any] = {}
+        options: dict[str, Any] = {}
+        for key, value in settings.items():
+            if key in ("strategy", "name"):
+                raise TypeError(f"{cls.__name__}: the strategy is '{cls.name}'; give its options as keywords")
+            if key in SECTIONS:
+                raw[key] = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else dict(value)
+            else:
+                options[key] = value
+        given = {key: value for key, value in federation.items() if value is not None}
+        if given:
+            raw["federation"] = {**raw.get("federation", {}), **given}
+        raw["strategy"] = {"name": cls.name, **options}
+        return build_config(raw)
+
+    def seeded_adapters(self) -> SeededAdapters:
+        """The experiment's model as the server sees it (initial adapters, module shapes), built
+        with this method's LoRA init (:meth:`model_init`); the labels come from the data config."""
+        from fedlora.data import build_federated_data
+        from fedlora.models import SeededAdapters
+
+        labels = build_federated_data(self.experiment.data).label_names
+        train = self.experiment.train
+        return SeededAdapters(self.experiment.model, len(labels), train.seed, self.model_init(), train.device)
+
+    # ---------------------------------------------------------------- Flower's settings
+    @property
+    def fraction_train(self) -> float:
+        return self.experiment.federation.fraction_train
+
+    @property
+    def fraction_evaluate(self) -> float:
+        return self.experiment.federation.fraction_evaluate
+
+    @property
+    def min_train_nodes(self) -> int:
+        return self.experiment.federation.min_clients
 
     # ---------------------------------------------------------------- method interface
     def check_profile(self, profile: ClientProfile) -> str:
@@ -180,11 +289,23 @@ class LoRAStrategy(Strategy):
 
     def sample_train(self, server_round: int) -> list[int]:
         """The partitions that train in ``server_round`` (default: a seeded fraction_train sample)."""
-        return self.sample(self.experiment.federation.fraction_train)
+        return self.sample(self.fraction_train, self.min_train_nodes)
 
     def min_uploads(self) -> int:
         """Fewest valid uploads a round needs to aggregate (``federation.min_clients``)."""
-        return self.experiment.federation.min_clients
+        return self.min_train_nodes
+
+    def global_arrays(self) -> Payload:
+        """What :meth:`aggregate_train` returns and ``configure_*`` read back (Flower's
+        ``arrays``): by default the single global model (:meth:`global_payload`, nothing when
+        there is none). A method without one returns what every client downloads alike."""
+        payload = self.global_payload()
+        return {} if payload is None else dict(payload)
+
+    def load_arrays(self, payload: Payload) -> None:
+        """Continue from ``payload`` instead of :meth:`global_arrays` (same keys and shapes, checked
+        by :meth:`receive`): replace the state the downloads are built from. Default: refused."""
+        raise ArraysError(f"{type(self).__name__} cannot continue from other arrays than the ones it returned")
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
@@ -257,10 +378,10 @@ class LoRAStrategy(Strategy):
         than ``faults.max_client_share``: :func:`strategies.replies.capped_weights`)."""
         return normalise([u.weight for u in uploads])
 
-    def sample(self, fraction: float) -> list[int]:
-        """Seeded sample of accepted partitions (Flower's sample_nodes uses the global RNG)."""
+    def sample(self, fraction: float, minimum: int) -> list[int]:
+        """Seeded sample of accepted partitions, at least ``minimum`` (Flower's sample_nodes uses the global RNG)."""
         partitions = self.roster.partitions
-        size = min(len(partitions), max(self.experiment.federation.min_clients, round(fraction * len(partitions))))
+        size = min(len(partitions), max(minimum, round(fraction * len(partitions))))
         chosen = self.rng.choice(len(partitions), size=size, replace=False)
         return [partitions[i] for i in sorted(chosen)]
 
@@ -274,7 +395,7 @@ class LoRAStrategy(Strategy):
         """Query the clients' profiles once, settle one rank for a same-rank method, set up."""
         if self.roster:
             return
-        self.roster.query(grid, self._experiment_json, self.experiment.data.num_clients,
+        self.roster.query(grid, self._experiment_json, self.min_available_nodes,
                           self.experiment.federation.round_timeout, self.check_profile)
         if not self.capabilities.mixed_ranks:
             refuse = self.experiment.clients.mixed_rank_policy == "refuse"
@@ -285,13 +406,64 @@ class LoRAStrategy(Strategy):
         log(INFO, "\t├── %s (%s)", type(self).__name__, self.capabilities.paper)
         for key, value in self.options.model_dump().items():
             log(INFO, "\t├── %s: %s", key, value)
+        log(INFO, "\t├── sampling: fraction train %.2f, evaluate %.2f; minimum nodes: train %d, evaluate %d, "
+            "available %d", self.fraction_train, self.fraction_evaluate, self.min_train_nodes,
+            self.min_evaluate_nodes, self.min_available_nodes)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's loop (``Strategy.start``) with ``num_rounds`` as the experiment's
+        ``train.rounds`` (clients read it: the last round saves adapters, DP budgets span all
+        rounds). ``initial_arrays``: an empty ``ArrayRecord`` starts from the common seeded
+        initial adapter; arrays of :meth:`global_arrays`'s keys and shapes start from them."""
+        if num_rounds != self.experiment.train.rounds:
+            self.set_rounds(num_rounds)
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+
+    def set_rounds(self, num_rounds: int) -> None:
+        """Run for ``num_rounds`` rounds: ``train.rounds`` of the experiment the clients receive
+        (checked again, e.g. FedTreeLoRA's warm-up must end before the last round)."""
+        from fedlora.config import build_config
+
+        self.experiment = build_config(apply_overrides(self.experiment.model_dump(mode="json"),
+                                                       [f"train.rounds={int(num_rounds)}"]))
+        self.options = self.method.parse(self.experiment)
+        self._experiment_json = self.experiment.to_json()
+
+    def receive(self, arrays: ArrayRecord | None, hook: str) -> None:
+        """Flower's ``arrays`` into the strategy (``configure_*``, once the clients are known):
+        empty: the strategy's own state; equal to :meth:`global_arrays` (Flower's loop passes back
+        what :meth:`aggregate_train` returned): nothing to do; other finite arrays of the same
+        keys and shapes: :meth:`load_arrays`. Anything else is an :class:`ArraysError`."""
+        if arrays is None or len(arrays) == 0:
+            return
+        payload, current = from_array_record(arrays), self.global_arrays()
+        if payload.keys() == current.keys() and all(
+            payload[k].shape == current[k].shape and np.array_equal(payload[k], current[k], equal_nan=True) for k in current
+        ):
+            return
+        problem = _arrays_problem(payload, current)
+        if problem:
+            raise ArraysError(f"{hook}: {type(self).__name__} cannot continue from the arrays it was given: {problem}")
+        self.load_arrays({k: np.asarray(v, dtype=current[k].dtype) for k, v in payload.items()})
+        log(INFO, "%s: %s continues from the arrays it was given", hook, type(self).__name__)
 
     def configure_train(
-        self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Query profiles once, sample clients, build one message per client."""
+        """Query profiles once, take the ``arrays`` given (:meth:`receive`), sample clients, build
+        one message per client (``config``'s entries travel too, except fedlora's own keys)."""
         self.connect(grid)
         self.roster.refresh(grid, self._experiment_json, self.experiment.federation.round_timeout)
+        self.receive(arrays, "configure_train")
         record = self.record(server_round)
         record.refused = sorted(self.roster.refused_partitions)
         partitions = self.sample_train(server_round)
@@ -300,14 +472,18 @@ class LoRAStrategy(Strategy):
         for partition in partitions:
             payload = self.download(partition, server_round, "train")
             record.bytes_down += payload_bytes(payload)
-            messages.append(self._message(partition, server_round, payload, "train"))
+            messages.append(self._message(partition, server_round, payload, "train", config))
             record.wire_bytes_down += wire_size(messages[-1])
         record.sampled = len(messages)
         log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(partitions), len(self.roster.profiles))
         return messages
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[Any, MetricRecord | None]:
-        """Read the replies (parse -> validate -> weigh), aggregate the valid uploads, account."""
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Read the replies (parse -> validate -> weigh), aggregate the valid uploads, account.
+        Returns the new :meth:`global_arrays` and the round's train loss and client count; (None,
+        None) when too few updates were valid (the state is unchanged, as are Flower's arrays)."""
         record = self.record(server_round)
         replies = list(replies)
         record.wire_bytes_up += sum(_wire_size(reply) for reply in replies)
@@ -337,24 +513,26 @@ class LoRAStrategy(Strategy):
         self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
         record.extra.update(self.round_extra(server_round))
         metrics = MetricRecord({"train-loss": record.train_loss, "clients": len(uploads)})
-        return None, metrics  # state lives in the strategy; global_payload() exposes the model
+        return to_array_record(self.global_arrays()), metrics
 
     def configure_evaluate(
-        self, server_round: int, arrays: Any, config: ConfigRecord, grid: Grid
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Personalised evaluation: each sampled client tests its own model on its local split."""
-        fraction = self.experiment.federation.fraction_evaluate
-        if fraction == 0.0 or not self.roster or not self.evaluates(server_round):
+        """Personalised evaluation: each sampled client tests its own model (built from the
+        ``arrays`` given, :meth:`receive`) on its local split."""
+        if self.roster:
+            self.receive(arrays, "configure_evaluate")
+        if self.fraction_evaluate == 0.0 or not self.roster or not self.evaluates(server_round):
             self._awaiting["evaluate"] = set()
             return []
         record = self.record(server_round)
         messages = []
-        partitions = self.sample(fraction)
+        partitions = self.sample(self.fraction_evaluate, self.min_evaluate_nodes)
         self._awaiting["evaluate"] = set(partitions)
         for partition in partitions:
             payload = self.download(partition, server_round + 1, "evaluate")
             record.bytes_eval_down += payload_bytes(payload)
-            messages.append(self._message(partition, server_round, payload, "evaluate"))
+            messages.append(self._message(partition, server_round, payload, "evaluate", config))
             record.wire_bytes_eval += wire_size(messages[-1])
         return messages
 
@@ -443,8 +621,10 @@ class LoRAStrategy(Strategy):
         return self.ledger.report(self.experiment.privacy)
 
     # ---------------------------------------------------------------- internals
-    def _message(self, partition: int, server_round: int, payload: Payload, phase: Phase) -> Message:
+    def _message(self, partition: int, server_round: int, payload: Payload, phase: Phase,
+                 extra: ConfigRecord | None = None) -> Message:
         config = ConfigRecord({
+            **{key: value for key, value in (extra or {}).items() if key not in protocol.MESSAGE_KEYS},
             protocol.SERVER_ROUND: server_round,
             protocol.EXPERIMENT: self._experiment_json,
             protocol.RANK: self.rank_of(partition),
@@ -551,6 +731,20 @@ class LoRAStrategy(Strategy):
                 log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples "
                     "(faults.max_client_share = %g)", upload.partition_id, weight, upload.num_examples, max_share)
             upload.weight = float(weight)
+
+
+def _arrays_problem(payload: Payload, expected: Payload) -> str:
+    """Why ``payload`` cannot replace ``expected`` ('' if it can): keys, shapes, finite values."""
+    if payload.keys() != expected.keys():
+        missing, unexpected = sorted(expected.keys() - payload.keys()), sorted(payload.keys() - expected.keys())
+        return (f"expected the keys of its global arrays ({len(expected)}), missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}")
+    for key, value in payload.items():
+        if value.shape != expected[key].shape:
+            return f"{key!r} has shape {value.shape}, expected {expected[key].shape}"
+        if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
+            return f"{key!r} is not finite numbers"
+    return ""
 
 
 def _token_mean(rows: list[dict[str, float]], key: str, tokens: str) -> float:

@@ -30,6 +30,9 @@ class Centralized(LoRAStrategy):
     Download: the model, to the trainer and, for evaluation, to every client, which tests it on
     its own local split, so personalised accuracy is measured on exactly the same examples as
     for the federated methods. The bytes reported are those of this one trainer.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the model (A, B and head);
+    ``configure_*`` continue from the arrays given (the same keys and shapes) as the model.
     """
 
     method = centralized.METHOD
@@ -49,15 +52,17 @@ class Centralized(LoRAStrategy):
         return [self.roster.partitions[0]]
 
     def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
-        fed = self.experiment.federation
         clients = len(self.roster.partitions)
-        return {centralized.CLIENTS_KEY: min(clients, max(fed.min_clients, round(fed.fraction_train * clients)))}
+        return {centralized.CLIENTS_KEY: min(clients, max(self.min_train_nodes, round(self.fraction_train * clients)))}
 
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return self.model_adapter
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.model_adapter = uploads[0].payload
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.model_adapter = dict(payload)
 
     def global_payload(self) -> Payload:
         return self.model_adapter

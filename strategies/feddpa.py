@@ -47,6 +47,10 @@ class FedDPA(LoRAStrategy):
     Download: g and the head; the client keeps its l. Personalised accuracy: W0 + dW_g + dW_l on
     the client's local test split. Global accuracy: the global model W0 + dW_g (+ head), without
     any local branch, on the global test set.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns g (A, B at r_g, and the head);
+    ``configure_*`` continue from the arrays given (the same keys and shapes) as g. Each
+    client's l never leaves it, so no arrays hold it.
     """
 
     method = feddpa.METHOD
@@ -68,6 +72,9 @@ class FedDPA(LoRAStrategy):
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.global_adapter = weighted_average([u.payload for u in uploads], self.weights(uploads), self.combine)
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.global_adapter = dict(payload)
 
     def global_payload(self) -> Payload:
         return self.global_adapter

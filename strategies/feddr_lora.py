@@ -68,6 +68,11 @@ class FedDRLoRA(LoRAStrategy):
 
     Download: the global B (and head) to every sampled client, which sets B_k^r <- B and keeps
     its own A_k; inference uses the robust branch W0 + s B A_k only.
+
+    Arrays (Flower's ``start`` loop): no single global model, so ``aggregate_train`` returns
+    what every client downloads alike: the global B^r and the head; ``configure_*`` continue
+    from the arrays given (the same keys and shapes) as B^r and head. A_k and the noise branch
+    stay on the clients; no arrays hold them.
     """
 
     method = feddr_lora.METHOD
@@ -98,6 +103,14 @@ class FedDRLoRA(LoRAStrategy):
         self.split_metrics = {
             u.partition_id: {k: v for k, v in u.metrics.items() if k.startswith(NOISE_METRIC_PREFIX)} for u in uploads
         }
+
+    def global_arrays(self) -> Payload:
+        """The global B^r and the head (what every client downloads)."""
+        return {**self.global_B, **self.head}
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.global_B = {k: payload[k] for k in self.global_B}
+        self.head = {k: payload[k] for k in self.head}
 
     def global_payload(self) -> Payload | None:
         return None  # A is local: every client has its own model

@@ -126,6 +126,11 @@ class FedHera(LoRAStrategy):
     B = U_r sqrt(S_r / s), A = sqrt(S_r / s) V_r^T (s = alpha / r_tot^l), the head, and r_tot,
     r_main and lambda_k in its config. It scales the tail by sqrt(lambda_k) and trains only the
     prefix A[:r_main], B[:, :r_main]. Round 1: every module at the same initial rank, standard init.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the global model (G at its full
+    numerical rank per module, B = U sqrt(S / s), A = sqrt(S / s) V^T, s = alpha / rank, and the
+    head); ``configure_*`` continue from the arrays given (the same keys and shapes): G = s B A
+    (its thin SVD) and the head are taken from them, and the next pushes are allocated on it.
     """
 
     method = fedhera.METHOD
@@ -316,6 +321,14 @@ class FedHera(LoRAStrategy):
         factors = split_payload(self.initial_adapter(self.initial_rank))[0]
         alpha = self.experiment.model.lora_alpha
         return {m: trim(factor_svd([f.B * lora_scale(alpha, f.rank)], [f.A], [1.0])) for m, f in factors.items()}
+
+    def load_arrays(self, payload: Payload) -> None:
+        factors, head = split_payload(payload)
+        alpha = self.experiment.model.lora_alpha
+        self.G = {m: trim(factor_svd([f.B * lora_scale(alpha, f.rank)], [f.A], [1.0])) for m, f in factors.items()}
+        self.head = head
+        self._global = None
+        self.pushes = {}  # allocated on the old G
 
     def global_payload(self) -> Payload:
         """Round 0: the initial adapter; then G itself (its full numerical rank) and the head."""

@@ -30,6 +30,10 @@ class FedIT(LoRAStrategy):
     (the inexactness FLoRA and FlexLoRA address).
 
     Download: the global A and B (and head) to every sampled client.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the global adapter (A, B at
+    r_max, and the head); ``configure_*`` continue from the arrays given (the same keys and
+    shapes): they become the global adapter the downloads are cut from.
     """
 
     method = fedit.METHOD
@@ -44,6 +48,9 @@ class FedIT(LoRAStrategy):
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.global_adapter = padded_average([u.payload for u in uploads], self.weights(uploads), self.max_rank,
                                              self.combine)
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.global_adapter = dict(payload)
 
     def global_payload(self) -> Payload:
         return self.global_adapter

@@ -89,6 +89,12 @@ class FedPissa(LoRAStrategy):
     modules), ``interference``, ``delta``, ``lam``; with ``dynamics`` also ``consensus_A`` /
     ``consensus_B`` (means over modules) and ``aggregated_A_fraction`` (modules whose A was
     aggregated).
+
+    Arrays (Flower's ``start`` loop): no single global model (A_k stays on client k), so
+    ``aggregate_train`` returns what every client downloads alike: per module B_agg (or A_agg
+    where ``dynamics`` selected A) and the head; ``configure_*`` continue from the arrays given
+    (the same keys and shapes) as those aggregated factors and head. ``global_model = mean_A``
+    changes only what is evaluated as the global model, not these arrays.
     """
 
     method = fedpissa.METHOD
@@ -122,7 +128,7 @@ class FedPissa(LoRAStrategy):
         """``strategy.init``: the server's evaluator builds with it, as the client trainer does."""
         return self.options.init
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+    def global_arrays(self) -> Payload:
         """Per module the aggregated factor (B_agg, or A_agg where ``dynamics`` selected A) and the head."""
         payload: Payload = {}
         for module, factor in self.selected.items():
@@ -130,11 +136,24 @@ class FedPissa(LoRAStrategy):
                 payload[module + A_SUFFIX] = self.A_agg[module]
             else:
                 payload[module + B_SUFFIX] = self.B_agg[module]
+        return {**payload, **self.head}
+
+    def load_arrays(self, payload: Payload) -> None:
+        for module, factor in self.selected.items():  # the same keys: the same selection
+            if factor == "A":
+                self.A_agg[module] = payload[module + A_SUFFIX]
+            else:
+                self.B_agg[module] = payload[module + B_SUFFIX]
+        self.head = head_only(payload)
+
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+        """What every client gets alike (:meth:`global_arrays`)."""
+        payload = self.global_arrays()
         if phase == "train" and self.options.selection == "dynamics":
             self.sent[partition] = {
                 m: (f, payload[m + (A_SUFFIX if f == "A" else B_SUFFIX)]) for m, f in self.selected.items()
             }
-        return {**payload, **self.head}
+        return payload
 
     def starting_factors(self, partition: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The A and B client ``partition`` started this round from (``dynamics``): what was sent

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedlora.lora import A_SUFFIX, Payload, nested_A_payload, split_payload
+from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload, split_payload
 from fedlora.methods import fedsa_lora
 from fedlora.methods.fedsa_lora import aggregate_A
 from fedlora.protocol import Phase
@@ -34,6 +34,11 @@ class FedSALoRA(LoRAStrategy):
     own state, keeping its B_k. Personalised: each client's model is (global A, own B_k).
     There is no single global model (B is never uploaded), so the global-test accuracy reported
     is the example-weighted mean of the clients' own models on the global test set.
+
+    Arrays (Flower's ``start`` loop): no single global model, so ``aggregate_train`` returns
+    what every client downloads alike: the global A (R_max rows per module) and the head;
+    ``configure_*`` continue from the arrays given (the same keys and shapes) as the global A and
+    head. Each client's B stays on the client; no arrays hold it.
     """
 
     method = fedsa_lora.METHOD
@@ -62,6 +67,14 @@ class FedSALoRA(LoRAStrategy):
         client_A = [{m: f.A for m, f in split_payload(u.payload)[0].items()} for u in uploads]
         self.A = aggregate_A(client_A, weights, self.A, self.combine)
         self.head = self.averaged_head(uploads, weights, self.head)
+
+    def global_arrays(self) -> Payload:
+        """The global A (R_max rows per module) and the head."""
+        return {m + A_SUFFIX: A for m, A in self.A.items()} | self.head
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.A = {m: payload[m + A_SUFFIX] for m in self.A}
+        self.head = head_only(payload)
 
     def global_payload(self) -> None:
         """None: B never leaves the clients, so there is no global model to evaluate."""

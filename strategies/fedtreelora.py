@@ -89,6 +89,12 @@ class FedTreeLoRA(LoRAStrategy):
     Mixed ranks: averaging A and B within a cluster needs one rank, so FedTreeLoRA is a same-rank
     method (``clients.mixed_rank_policy``); if ranks still differ, factors are zero-padded to the
     largest rank and each client takes its first r_k components, as FedIT does.
+
+    Arrays (Flower's ``start`` loop): there is no single global model (each cluster has its own
+    expert), so ``aggregate_train`` returns the state every client shares: the last round's mean
+    over all uploaders (A, B; what a client the tree never saw downloads) and the head, nothing
+    during the warm-up; ``configure_*`` continue from the arrays given (the same keys and shapes)
+    as that mean and head. The cluster and external experts stay in the strategy.
     """
 
     method = fedtreelora.METHOD
@@ -188,6 +194,13 @@ class FedTreeLoRA(LoRAStrategy):
             self.cuts[layer] = int(c)
             self.membership[layer] = {p: int(cluster) for p, cluster in zip(partitions, labels_l)}
         log(INFO, "fedtreelora: tree over %d clients, cuts per block %s", n, list(self.cuts.values()))
+
+    def global_arrays(self) -> Payload:
+        """Everyone's mean of the last round (A, B) and the head: what all clients share."""
+        return join_payload(self.fallback, self.head)
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.fallback, self.head = split_payload(payload)
 
     def global_payload(self) -> Payload | None:
         return None  # personalised: global accuracy is the clients' models on the global test

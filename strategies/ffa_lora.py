@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.lora import B_SUFFIX, Payload, nested_A_payload, split_payload
+from fedlora.lora import B_SUFFIX, Payload, head_only, nested_A_payload, split_payload
 from fedlora.methods import ffa_lora
 from fedlora.methods.ffa_lora import aggregate_B, download_B
 from fedlora.protocol import Phase
-from strategies.base import ClientUpload, LoRAStrategy
+from strategies.base import ArraysError, ClientUpload, LoRAStrategy
 from strategies.roster import MixedRanksError
 
 
@@ -37,6 +37,10 @@ class FFALoRA(LoRAStrategy):
 
     Download: the global B (truncated to the client's rank) and the head. The global model is
     the shared A at R_max with the global B and head.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the global model (the shared A
+    at R_max, the global B, the head); ``configure_*`` continue from the B and head of the arrays
+    given (the same keys and shapes); their A must be the shared seeded A, which never changes.
     """
 
     method = ffa_lora.METHOD
@@ -66,6 +70,14 @@ class FFALoRA(LoRAStrategy):
         client_B = [{m: f.B for m, f in split_payload(u.payload)[0].items()} for u in uploads]
         self.B = aggregate_B(client_B, weights, self.rank_max, self.combine)
         self.head = self.averaged_head(uploads, weights, self.head)
+
+    def load_arrays(self, payload: Payload) -> None:
+        changed = sorted(k for k, A in self.shared_A.items() if not np.array_equal(payload[k], A))
+        if changed:
+            raise ArraysError(f"FFALoRA: A is frozen at the seeded init every client draws itself, the arrays "
+                              f"given change {changed[:3]}")
+        self.B = {m: payload[m + B_SUFFIX] for m in self.B}
+        self.head = head_only(payload)
 
     def global_payload(self) -> Payload:
         B = {m + B_SUFFIX: value for m, value in self.B.items()}

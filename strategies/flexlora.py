@@ -52,6 +52,10 @@ class FlexLoRA(LoRAStrategy):
     Download: client k gets B_k = U[:, :r_k] S[:r_k] / s_k and A_k = V[:, :r_k]^T, so
     s_k B_k A_k is the best rank-r_k approximation of G (and the averaged head). Before the first
     aggregation every client gets the common seeded initial adapter at its rank.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the global model (G as rank-R
+    factors, A divided by s_R, and the head); ``configure_*`` continue from the arrays given (the
+    same keys and shapes): G = s_R B A and its SVD are taken from them, the downloads cut from it.
     """
 
     method = flexlora.METHOD
@@ -81,6 +85,14 @@ class FlexLoRA(LoRAStrategy):
         self.spectrum = flexlora_aggregate(clients, self.weights(uploads), scales, dtype, rank=max_rank)
         self.aggregate_stack = concat_stacks([stack(clients, self.weights(uploads), scales)])
         self.head = self.averaged_head(uploads, self.weights(uploads), self.head)
+
+    def load_arrays(self, payload: Payload) -> None:
+        factors, self.head = split_payload(payload)
+        unit = {m: Factors((self.scale(f.rank) * f.A).astype(np.float32), f.B) for m, f in factors.items()}  # B (s_R A) = G
+        dtype = np.float32 if self.options.svd_dtype == "float32" else np.float64
+        max_rank = max(p.rank for p in self.roster.profiles.values())
+        self.spectrum = flexlora_aggregate([unit], [1.0], [1.0], dtype, rank=max_rank)
+        self.aggregate_stack = concat_stacks([unit])
 
     def global_payload(self) -> Payload:
         if not self.spectrum:

@@ -50,6 +50,11 @@ class FLoRA(LoRAStrategy):
     its frozen base weights (and keeps the merged sum locally), then re-initialises its rank-r_k
     LoRA with a fresh init seeded by (train.seed, round). Every client merges the same stacks,
     so the merged bases agree.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the global model (every stack
+    so far as one rank-R_total adapter, A divided by alpha / R_total, and the head);
+    ``configure_*`` accept those arrays back (or an empty record) and refuse others: the clients
+    have merged every stack into their frozen bases, so the server cannot replace the sum.
     """
 
     method = flora.METHOD

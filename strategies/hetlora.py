@@ -56,6 +56,11 @@ class HetLoRA(LoRAStrategy):
 
     Download: client k gets the first r_k components (rows of A, columns of B) of the global
     rank-r_max factors, and the head.
+
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the global rank-r_max factors
+    and the head; ``configure_*`` continue from the arrays given (the same keys and shapes): the
+    downloads are cut from them (before the first aggregation, arrays equal to the seeded
+    rank-r_max adapter keep the common seeded init at each client's own rank).
     """
 
     method = hetlora.METHOD
@@ -107,6 +112,10 @@ class HetLoRA(LoRAStrategy):
         if not self.options.self_prune:
             return {}
         return {"ranks": {str(p): rank for p, rank in sorted(self.ranks.items())}}
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.global_factors, self.head = split_payload(payload)
+        self.aggregated = True
 
     def global_payload(self) -> Payload:
         return join_payload(self.global_factors, self.head)

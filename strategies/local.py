@@ -28,6 +28,9 @@ class LocalOnly(LoRAStrategy):
     its rank and continues from its own state each round. Personalised accuracy is each
     client's model on its local test split; the global-test accuracy reported is the
     example-weighted mean of the clients' own models on the global test set.
+
+    Arrays (Flower's ``start`` loop): there is no server state; ``aggregate_train`` returns an
+    empty ArrayRecord and ``configure_*`` read nothing (non-empty arrays are refused).
     """
 
     method = local.METHOD

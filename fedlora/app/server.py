@@ -24,45 +24,26 @@ from fedlora.app.tracking import Tracker
 from fedlora.config import ExperimentConfig, config_from_json, load_config
 from fedlora.data import FederatedData, build_federated_data
 from fedlora.lora import A_SUFFIX, Payload
+from fedlora.models import SeededAdapters
 from fedlora.results import ResultsWriter, RoundRecord
 
 logger = logging.getLogger("fedlora")
 GENERATIONS_FILE = "generations.jsonl"  # causal LMs: sample generations of the global model per evaluation round
 
 
-class GlobalEvaluator:
-    """Server-side models: the seeded initial adapter, module shapes, global-test accuracy (a
-    causal LM: global-test ROUGE-L, loss and perplexity, and a few sample generations)."""
+class GlobalEvaluator(SeededAdapters):
+    """Server-side models: the seeded initial adapter, module shapes (:class:`fedlora.models.
+    SeededAdapters`), global-test accuracy (a causal LM: global-test ROUGE-L, loss and perplexity,
+    and a few sample generations)."""
 
     def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
         from fedlora.models import resolve_device
 
+        super().__init__(config.model, len(federated.label_names), seed=config.train.seed, device=config.train.device)
         self.config = config
         self.federated = federated
-        self.num_labels = len(federated.label_names)
-        self.device = resolve_device(config.train.device)
-        self._initial: dict[int, Payload] = {}
+        self.torch_device = resolve_device(config.train.device)
         self._loader: Any = None
-        self.init: str | None = None  # a strategy's override of model.init (LoRAStrategy.model_init)
-
-    def build(self, rank: int | dict[str, int]):
-        from fedlora.models import build_model
-
-        return build_model(self.config.model, self.num_labels, rank, seed=self.config.train.seed, init=self.init,
-                           device=self.config.train.device)
-
-    def initial_adapter(self, rank: int) -> Payload:
-        """The common starting adapter at ``rank`` (identical on every call and every client)."""
-        from fedlora.models import adapter_payload
-
-        if rank not in self._initial:
-            self._initial[rank] = adapter_payload(self.build(rank))
-        return self._initial[rank]
-
-    def module_shapes(self) -> dict[str, tuple[int, int]]:
-        from fedlora.models import module_shapes
-
-        return module_shapes(self.build(1))
 
     def model_for(self, payload: Payload):
         """A peft model whose per-module ranks match ``payload``, with the payload loaded."""
@@ -83,7 +64,7 @@ class GlobalEvaluator:
             self._loader = make_loader(
                 self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False
             )
-        return evaluate(self.model_for(payload), self._loader, self.device).accuracy
+        return evaluate(self.model_for(payload), self._loader, self.torch_device).accuracy
 
     def generation(self, payload: Payload) -> Any:
         """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
@@ -96,7 +77,7 @@ class GlobalEvaluator:
             self._loader = make_causal_loader(self.federated.global_test, tokenizer, cfg.eval_batch_size,
                                               cfg.max_length, shuffle=False)
         return evaluate_generation(self.model_for(payload), self.federated.global_test, self._loader, tokenizer,
-                                   self.device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
+                                   self.torch_device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
                                    samples=self.config.output.sample_generations)
 
     def evaluate_into(self, payload: Payload, record: RoundRecord, out_dir: Path) -> None:
@@ -218,7 +199,9 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
                evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]) -> None:
     """Flower's ``Strategy.start`` loop for rounds ``first``..``last`` (``start`` always begins at
     round 1; a resumed run continues at ``k + 1``): configure_train -> send_and_receive ->
-    aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate -> evaluate_fn."""
+    aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate -> evaluate_fn,
+    the arrays aggregate_train returns passed on to the next hooks as ``start`` does (the first
+    round, and a resumed run, start from an empty record: the strategy's own state)."""
     arrays, timeout = ArrayRecord(), strategy.experiment.federation.round_timeout
     if first == 1:
         strategy.summary()
@@ -227,7 +210,9 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
         replies = grid.send_and_receive(
             messages=strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )
-        strategy.aggregate_train(server_round, replies)
+        aggregated, _ = strategy.aggregate_train(server_round, replies)
+        if aggregated is not None:
+            arrays = aggregated
         replies = grid.send_and_receive(
             messages=strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )
