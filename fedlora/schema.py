@@ -204,6 +204,13 @@ class FederationConfig(_Section):
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs per simulated client (Ray resources).")
     num_gpus: float = Field(0.0, ge=0.0, description="GPU fraction per simulated client.")
     round_timeout: float = Field(3600.0, gt=0.0, description="Seconds to wait for replies.")
+    connect_timeout: float = Field(
+        10.0, gt=0.0, allow_inf_nan=False,
+        description="Seconds the server waits before round 1 for one SuperNode per client (data.num_clients) "
+        "to connect. Fewer by then stops the run with one line saying how many SuperNodes it needs and "
+        "how to set them (Flower's local simulation federation has 2 unless told otherwise). A "
+        "deployment whose SuperNodes start after the run is submitted raises it.",
+    )
     ray_address: str = Field(
         "",
         description="Flower's simulation engine joins this running Ray cluster (HOST:PORT of its head, as "

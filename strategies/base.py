@@ -395,8 +395,9 @@ class LoRAStrategy(Strategy):
         """Query the clients' profiles once, settle one rank for a same-rank method, set up."""
         if self.roster:
             return
-        self.roster.query(grid, self._experiment_json, self.min_available_nodes,
-                          self.experiment.federation.round_timeout, self.check_profile)
+        federation = self.experiment.federation
+        self.roster.query(grid, self._experiment_json, self.min_available_nodes, federation.round_timeout,
+                          self.check_profile, connect_timeout=federation.connect_timeout)
         if not self.capabilities.mixed_ranks:
             refuse = self.experiment.clients.mixed_rank_policy == "refuse"
             self.common_rank = self.roster.settle_common_rank(refuse, self.name)

@@ -27,6 +27,34 @@ class MixedRanksError(RuntimeError):
     """A same-rank method with mixed declared ranks under ``clients.mixed_rank_policy = refuse``."""
 
 
+class MissingClientsError(RuntimeError):
+    """Fewer SuperNodes than clients (``data.num_clients``) connected within ``federation.connect_timeout``."""
+
+
+def missing_clients_line(expected: int, connected: int, waited: float) -> str:
+    """One line: how many SuperNodes the experiment needs, how many came, and how to set them."""
+    return (f"the experiment needs {expected} SuperNodes, one per client (data.num_clients = {expected}); "
+            f"{connected} connected within {waited:g} s (federation.connect_timeout). Flower's local simulation: add "
+            f"--federation-config \"num-supernodes={expected}\" to flwr run (or once: flwr federation "
+            f"simulation-config --num-supernodes {expected}); a deployment: start the missing SuperNodes")
+
+
+def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
+    """The connected node ids once ``expected`` nodes are connected, polling every second for up to
+    ``timeout`` s (a line when the count changes); :class:`MissingClientsError` if fewer came."""
+    started = time.monotonic()
+    shown = -1
+    while len(node_ids := list(grid.get_node_ids())) < expected:
+        waited = time.monotonic() - started
+        if waited >= timeout:
+            raise MissingClientsError(missing_clients_line(expected, len(node_ids), timeout))
+        if len(node_ids) != shown:
+            log(INFO, "query: waiting for clients, %d of %d connected (up to %g s)", len(node_ids), expected, timeout)
+            shown = len(node_ids)
+        time.sleep(min(1.0, max(0.0, timeout - waited)))
+    return node_ids
+
+
 class ClientRoster:
     """The accepted clients (partition id -> profile, node id) and the refused ones."""
 
@@ -63,13 +91,11 @@ class ClientRoster:
         return self.profiles[partition].rank
 
     def query(self, grid: Grid, experiment_json: str, expected: int, timeout: float,
-              check_profile: Callable[[ClientProfile], str]) -> None:
-        """Wait for ``expected`` nodes (up to ``timeout`` s), ask each for its profile, keep the
-        ones ``check_profile`` accepts ('' = accepted)."""
-        deadline = time.monotonic() + timeout
-        while len(node_ids := list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
-            log(INFO, "query: waiting for clients, %d of %d connected", len(node_ids), expected)
-            time.sleep(1.0)
+              check_profile: Callable[[ClientProfile], str], connect_timeout: float) -> None:
+        """Wait for ``expected`` nodes (up to ``connect_timeout`` s: :class:`MissingClientsError`
+        with fewer), ask each for its profile (replies within ``timeout`` s), keep the ones
+        ``check_profile`` accepts ('' = accepted)."""
+        node_ids = wait_for_nodes(grid, expected, connect_timeout)
         for reply in self._ask(grid, node_ids, experiment_json, timeout):
             node_id = reply.metadata.src_node_id
             profile = read_profile(reply)

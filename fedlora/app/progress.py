@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("fedlora")
@@ -21,8 +22,10 @@ LIVE: bool | None = None
 class RoundProgress:
     """Report finished rounds ``first``..``total`` (see the module docstring)."""
 
-    def __init__(self, total: int, first: int = 1, live: bool | None = None) -> None:
+    def __init__(self, total: int, first: int = 1, live: bool | None = None,
+                 emit: Callable[[str], None] | None = None) -> None:
         self.total = total
+        self.emit = emit or logger.info  # where the plain lines go
         if live is None:
             live = sys.stdout.isatty() if LIVE is None else LIVE
         self.live = live
@@ -47,7 +50,7 @@ class RoundProgress:
 
     def round_done(self, server_round: int, line: str) -> None:
         if self._bar is None:
-            logger.info(line)
+            self.emit(line)
             return
         self._bar.console.print(line, highlight=False)
         self._bar.update(self._task, completed=server_round)

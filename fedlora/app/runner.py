@@ -122,9 +122,9 @@ def run_folder(out: Path, fresh: bool = True) -> Iterator[None]:
 def protocol_errors() -> tuple[type[BaseException], ...]:
     """What a strategy raises for a run that cannot go on (printed as one line by the CLI)."""
     from strategies.base import RoundFailedError
-    from strategies.roster import MixedRanksError, NoClientError
+    from strategies.roster import MissingClientsError, MixedRanksError, NoClientError
 
-    return (RoundFailedError, NoClientError, MixedRanksError)
+    return (RoundFailedError, NoClientError, MixedRanksError, MissingClientsError)
 
 
 def run(

@@ -3,7 +3,9 @@
 The same app runs in simulation (:func:`fedlora.app.runner.run` builds it with the config in a
 closure, since Flower's simulation runtime hands the ServerApp an empty run config) and in deployment
 (``flwr run`` passes the config as the run-config entry ``experiment``, JSON, or ``config``, a
-TOML path readable on the server).
+TOML path readable on the server, with overrides: ``set`` items and Flower-style dotted keys such as
+``train.rounds=5``). Under Flower's runtime (``flwr run``, a deployment) the ServerApp writes its
+round lines and a fedlora error through Flower's logger, which is what ``flwr log`` shows.
 """
 
 from __future__ import annotations
@@ -12,20 +14,25 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from logging import ERROR, INFO
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log as flower_log
 
 from fedlora.app.progress import RoundProgress
 from fedlora.app.tracking import Tracker
-from fedlora.config import ExperimentConfig, config_from_json, load_config
-from fedlora.data import FederatedData, build_federated_data
+from fedlora.config import ExperimentConfig, apply_overrides, build_config, config_from_json, load_config
 from fedlora.lora import A_SUFFIX, Payload
 from fedlora.models import SeededAdapters
 from fedlora.results import ResultsWriter, RoundRecord
+from strategies.roster import wait_for_nodes
+
+if TYPE_CHECKING:  # fedlora.data takes seconds to import: run_server imports it once the SuperNodes are there
+    from fedlora.data import FederatedData
 
 logger = logging.getLogger("fedlora")
 GENERATIONS_FILE = "generations.jsonl"  # causal LMs: sample generations of the global model per evaluation round
@@ -114,17 +121,29 @@ def progress_line(record: RoundRecord, rounds: int, causal: bool = False) -> str
 
 
 def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume: bool = False,
-               client_checkpoints: bool = True) -> ResultsWriter:
+               client_checkpoints: bool = True, flower_logger: bool = False) -> ResultsWriter:
     """Query, train and evaluate for ``config.train.rounds`` rounds; write results and a
     checkpoint (fedlora.checkpoint) each round. ``resume``: continue ``out_dir``'s run after its
     last complete round. ``client_checkpoints``: tell clients to keep their state under
     ``out_dir`` (simulation: one file system), and only there between messages, so that the
     engine holds no idle client's state in memory; in a deployment each silo names its own folder
-    (node config ``checkpoint-dir``) and its SuperNode keeps the state in ``context.state``."""
+    (node config ``checkpoint-dir``) and its SuperNode keeps the state in ``context.state``.
+    ``flower_logger``: the round lines (and where the results are) go through Flower's logger at
+    INFO, what ``flwr log`` shows (``flwr run``, deployments), not fedlora's console."""
+    # first the SuperNodes, one per client: too few within federation.connect_timeout stop the run in one
+    # line (strategies.roster.MissingClientsError), before the data, the models and any output
+    wait_for_nodes(grid, config.data.num_clients, config.federation.connect_timeout)
     import torch
 
     from fedlora import checkpoint
+    from fedlora.data import build_federated_data
     from strategies.registry import create_strategy
+
+    def say(line: str) -> None:  # fedlora's console, or what `flwr log` shows
+        if flower_logger:
+            flower_log(INFO, "%s", line)
+        else:
+            logger.info(line)
 
     torch.set_num_threads(max(1, int(config.federation.num_cpus)))
     out_dir = Path(out_dir)
@@ -133,16 +152,17 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.paths.adapter_dir = str((out_dir / "adapters").resolve())
-    writer = ResultsWriter(config, out_dir, strategy_info=strategy_info(strategy))
-    if config.model.kind != "causal_lm":  # the classes by name, as the model's head indexes them
-        writer.id2label = {str(i): name for i, name in enumerate(federated.label_names)}
+    info = strategy_info(strategy)
     if client_checkpoints:  # simulation: every client's state lives in its checkpoint file between messages
         strategy.paths.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
         strategy.paths.state_on_disk = True
+    saved = checkpoint.load_server(out_dir, config) if resume else None  # verified: files, structure, finite arrays
+    strategy.connect(grid)  # this run's clients (their node ids and profiles), before any output is written
+    writer = ResultsWriter(config, out_dir, strategy_info=info)
+    if config.model.kind != "causal_lm":  # the classes by name, as the model's head indexes them
+        writer.id2label = {str(i): name for i, name in enumerate(federated.label_names)}
     first = 1
-    if resume:
-        saved = checkpoint.load_server(out_dir, config)  # verified: files, structure, finite arrays
-        strategy.connect(grid)  # this run's clients (new node ids), then the state saved by partition
+    if saved is not None:  # then the state saved by partition
         missing = sorted(set(saved["partitions"]) - set(strategy.roster.partitions))
         if missing:
             raise checkpoint.CheckpointError(f"--resume {out_dir}: clients {missing} of the checkpoint did not "
@@ -155,7 +175,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         first += 1
         writer.rounds = list(saved["rounds"])
         writer.privacy = saved.get("privacy")
-        logger.info("resuming %s after round %d of %d", out_dir, saved["round"], config.train.rounds)
+        say(f"resuming {out_dir} after round {saved['round']} of {config.train.rounds}")
 
     def evaluate_fn(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0:
@@ -181,14 +201,17 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         zero_shot.seconds = time.perf_counter() - started
         writer.add(zero_shot)
         tracker.round(zero_shot)
-        logger.info(progress_line(zero_shot, config.train.rounds, causal))
-    progress = RoundProgress(config.train.rounds, first)
+        say(progress_line(zero_shot, config.train.rounds, causal))
+    progress = RoundProgress(config.train.rounds, first, live=False if flower_logger else None,
+                             emit=say if flower_logger else None)
     ok = False
     try:
         run_rounds(strategy, grid, first, config.train.rounds, evaluate_fn)
         progress.close()
         finish(writer, strategy, evaluator, out_dir)
         ok = True
+        if flower_logger:
+            say(f"results: {(out_dir / 'results.json').resolve()}")
     finally:
         progress.close()
         tracker.finish(ok)
@@ -249,33 +272,104 @@ def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out
 
 
 def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None = None, resume: bool = False) -> ServerApp:
-    """A ServerApp for ``config`` (simulation) or for the run config (deployment; run-config
-    ``resume = true`` continues the checkpoint in the output folder)."""
+    """A ServerApp for ``config`` (fedlora's simulation: it reports errors itself) or for the run
+    config (``flwr run``, deployments; run-config ``resume = true`` continues the checkpoint in the
+    output folder): there a fedlora error (a bad config, too few SuperNodes, no client) is one
+    ERROR line on Flower's logger (:func:`report_error`) before the run fails."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        cfg = config or config_from_run_config(dict(context.run_config))
-        again = resume or str(context.run_config.get("resume", "")).lower() in ("1", "true")
-        run_server(grid, cfg, out_dir or cfg.output.dir, resume=again, client_checkpoints=config is not None)
+        if config is not None:
+            run_server(grid, config, out_dir or config.output.dir, resume=resume)
+            return
+        try:
+            cfg = config_from_run_config(dict(context.run_config))
+            again = resume or str(context.run_config.get("resume", "")).lower() in ("1", "true")
+            run_server(grid, cfg, out_dir or cfg.output.dir, resume=again, client_checkpoints=False,
+                       flower_logger=True)
+        except user_errors() as error:
+            report_error(error)
+            raise
 
     return server_app
 
 
+# ---------------------------------------------------------------- the run config (flwr run, deployments)
+RUN_CONFIG_ENTRIES = ("config", "experiment", "resume", "set")
+"""fedlora's own run-config entries (pyproject ``[tool.flwr.app.config]``); every other entry there is
+a dotted config key (``train.rounds``), declared with the value "" (= the config's own value)."""
+
+
+def flat_overrides(run_config: Mapping[str, Any]) -> list[str]:
+    """Flower's habit, ``flwr run . --run-config "train.rounds=5 strategy.name='fedhera'"``: every
+    dotted run-config key with a value other than "" as a ``section.key=value`` override (the value
+    as a TOML literal, so that it keeps the type Flower parsed: 5, 'fedhera', true, 1e-3)."""
+    return [f"{key}={_toml_literal(value)}" for key, value in run_config.items()
+            if key not in RUN_CONFIG_ENTRIES and "." in key and value != ""]
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if math.isfinite(value) else str(value)  # inf, -inf, nan: TOML's spelling
+    return json.dumps(str(value))  # a JSON string is a TOML basic string
+
+
 def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
     """Deployment and ``flwr run .``: the config arrives as JSON (``experiment``, what ``fedlora
-    deploy`` sends) or as a TOML path (``config``) with optional overrides (``set``:
-    ``section.key=value`` items separated by ``;``). A relative ``config`` path is looked up in the
-    working directory, then in the app's own folder (the installed FAB or the repository), so
-    ``flwr run . --run-config 'config="configs/smoke.toml"'`` works from anywhere."""
+    deploy`` sends) or as a TOML path (``config``), with overrides: the dotted keys
+    (:func:`flat_overrides`), then ``set`` (``section.key=value`` items separated by ``;``; the
+    later wins). A relative ``config`` path is looked up in the working directory, then in the
+    app's own folder (the installed FAB or the repository), so ``flwr run . --run-config
+    'config="configs/smoke.toml"'`` works from anywhere."""
+    overrides = [*flat_overrides(run_config),
+                 *(item.strip() for item in str(run_config.get("set", "")).split(";") if item.strip())]
     if run_config.get("experiment"):
-        return config_from_json(str(run_config["experiment"]))
+        text = str(run_config["experiment"])
+        return build_config(apply_overrides(json.loads(text), overrides)) if overrides else config_from_json(text)
     path = Path(str(run_config.get("config") or "configs/quickstart.toml"))
     app_root = Path(__file__).resolve().parents[2]
     if not path.is_absolute() and not path.is_file() and (app_root / path).is_file():
         path = app_root / path
-    overrides = [item.strip() for item in str(run_config.get("set", "")).split(";") if item.strip()]
     return load_config(path, overrides)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a user can fix: a config, data or checkpoint error, and a run the strategy cannot go on
+    with (too few SuperNodes, no client accepted, too many failed rounds)."""
+    from fedlora.data.sources import DataError
+    from fedlora.errors import ConfigError  # CheckpointError, ModelError: subclasses
+    from strategies.base import RoundFailedError
+    from strategies.roster import MissingClientsError, MixedRanksError, NoClientError
+
+    return (ConfigError, DataError, RoundFailedError, NoClientError, MixedRanksError, MissingClientsError)
+
+
+REPORTED = "fedlora_reported"  # set on an exception report_error has logged
+
+
+class ReportedErrorFilter(logging.Filter):
+    """On Flower's logger, once :func:`report_error` has logged: drops Flower's own report of that
+    error (the "ServerApp / Simulation raised an exception" traceback, then its "Exit Code" notice),
+    so that ``flwr log`` shows it as fedlora's one line. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and getattr(error, REPORTED, False):
+            return False
+        return not str(record.msg).startswith("Exit Code:")
+
+
+def report_error(error: BaseException) -> None:
+    """``error`` as one ERROR line on Flower's logger; Flower's traceback of it is dropped from then
+    on (:class:`ReportedErrorFilter`); the run still ends as failed, with the message as its details."""
+    flower = logging.getLogger("flwr")
+    if not any(isinstance(f, ReportedErrorFilter) for f in flower.filters):
+        flower.addFilter(ReportedErrorFilter())
+    setattr(error, REPORTED, True)
+    flower_log(ERROR, "fedlora: error: %s", " ".join(str(error).split()) or type(error).__name__)
 
 
 app = make_server_app()
