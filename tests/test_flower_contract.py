@@ -274,7 +274,7 @@ def test_flowers_start_runs_the_rounds_with_the_arrays_the_strategy_returns() ->
 def test_a_users_serverapp_runs_a_fedlora_strategy_with_flowers_start(tmp_path: Path) -> None:
     """examples/flower_serverapp: HetLoRA built from keywords, Flower's ``start``, fedlora's
     ClientApp on three in-process nodes (2 rounds of 5 steps on the tiny BERT)."""
-    import torch
+    from safetensors.torch import load_file
 
     from clients.app import app as client_app
 
@@ -292,7 +292,7 @@ def test_a_users_serverapp_runs_a_fedlora_strategy_with_flowers_start(tmp_path: 
     # Execute
     module.app(grid, context)
     # Assert: the final global model is HetLoRA's rank-8 (r_max) adapter, trained (B starts at zero) and finite
-    final = torch.load(tmp_path / "final_model.pt")
+    final = load_file(tmp_path / "final_model.safetensors")
     factors, head = split_payload({k: v.numpy() for k, v in final.items()})
     assert len(factors) == 4 and head
     for module_name, f in factors.items():

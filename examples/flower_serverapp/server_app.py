@@ -17,10 +17,10 @@ from __future__ import annotations
 from logging import INFO
 from pathlib import Path
 
-import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
+from safetensors.torch import save_file
 
 from strategies.hetlora import HetLoRA
 
@@ -49,5 +49,7 @@ def main(grid: Grid, context: Context) -> None:
     out = str(cfg.get("out-dir", ""))
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        torch.save(result.arrays.to_torch_state_dict(), Path(out) / "final_model.pt")
-        log(INFO, "saved the final global model (%d arrays) to %s", len(result.arrays), Path(out) / "final_model.pt")
+        # safetensors, not torch.save: a pickle-free file anyone can load safely
+        save_file(result.arrays.to_torch_state_dict(), str(Path(out) / "final_model.safetensors"))
+        log(INFO, "saved the final global model (%d arrays) to %s", len(result.arrays),
+            Path(out) / "final_model.safetensors")
