@@ -17,7 +17,7 @@ def _every_method() -> tuple[str, ...]:
 
 
 # Strategies run over a real gRPC federation (TLS + SuperNode auth) by the test suite:
-# tests/test_deploy_strategies.py::test_every_strategy_runs_two_rounds_over_tls_grpc runs every registered
+# tests/test_deploy_strategies.py::test_every_strategy_runs_over_tls_grpc runs every registered
 # strategy and asserts it equals this list, so a new strategy is deployment-tested when added.
 DEPLOYMENT_TESTED: tuple[str, ...] = _every_method()
 
