@@ -514,7 +514,7 @@ def adapter_payload(model: PeftModel) -> Payload:
     from peft import get_peft_model_state_dict
 
     payload: Payload = {}
-    for key, tensor in get_peft_model_state_dict(model).items():
+    for key, tensor in get_peft_model_state_dict(model, save_embedding_layers=False).items():
         array = tensor.detach().float().cpu().numpy()
         if ".lora_A." in key:
             payload[module_name(key) + A_SUFFIX] = array

@@ -29,7 +29,7 @@ def branch_payload(model: PeftModel, adapter: str) -> Payload:
     from peft import get_peft_model_state_dict
 
     payload: Payload = {}
-    for key, tensor in get_peft_model_state_dict(model, adapter_name=adapter).items():
+    for key, tensor in get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False).items():
         suffix = A_SUFFIX if ".lora_A." in key else B_SUFFIX
         payload[module_name(key) + suffix] = tensor.detach().float().cpu().numpy()
     return payload

@@ -501,25 +501,24 @@ def run_jobs(
 
         raise ConfigError("parallel workers need the in-process engine (--engine inprocess); Ray already "
                           "runs the clients of one experiment in parallel")
+    from fedlora.app.quiet import output
     from fedlora.app.runner import check_inputs
 
-    base = resolve_base(config, overrides)
-    out = Path(out_dir)
-    planned = [(job, job.run_dir(out)) for job in jobs]
-    configs = [job_config(base, job, run_dir) for job, run_dir in planned]
-    for cfg in configs:
-        check_inputs(cfg)
-    if folder is not None:
-        folder.take()
-    todo = []
-    for index, ((job, run_dir), cfg) in enumerate(zip(planned, configs, strict=True), start=1):
-        if is_complete(run_dir, cfg):
-            logger.info("compare: [%d/%d] %s seed %d: complete, skipped", index, len(planned), job.name, job.seed)
-        else:
-            todo.append((index, job, run_dir, cfg, resumable(run_dir, cfg)))
-    from fedlora.app.quiet import output
-
-    with output(verbose):
+    with output(verbose):  # the checks build models too: their load reports stay in the logs
+        base = resolve_base(config, overrides)
+        out = Path(out_dir)
+        planned = [(job, job.run_dir(out)) for job in jobs]
+        configs = [job_config(base, job, run_dir) for job, run_dir in planned]
+        for cfg in configs:
+            check_inputs(cfg)
+        if folder is not None:
+            folder.take()
+        todo = []
+        for index, ((job, run_dir), cfg) in enumerate(zip(planned, configs, strict=True), start=1):
+            if is_complete(run_dir, cfg):
+                logger.info("compare: [%d/%d] %s seed %d: complete, skipped", index, len(planned), job.name, job.seed)
+            else:
+                todo.append((index, job, run_dir, cfg, resumable(run_dir, cfg)))
         if workers == 1:
             for index, job, run_dir, cfg, resume in todo:
                 logger.info("compare: [%d/%d] %s seed %d -> %s (%s%s)", index, len(planned), job.name, job.seed,
