@@ -36,14 +36,15 @@ demo: install
 	$(VENV)/bin/fedlora run configs/quickstart.toml
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
-# Four pytest workers on two cores (pytest-xdist), a test module per worker at a time (module
-# fixtures are built once): the deployment tests spend most of their time waiting on Flower's
-# processes (a deploy run measured 45 CPU-s in 165 s of wall time), so they overlap with the rest.
-# `make test XDIST=` runs serially. --durations=40: the slowest tests are listed (the suite must stay
-# under 30 minutes on 2 cores).
-XDIST ?= -n 4 --dist loadscope
+# Four pytest workers on two cores (pytest-xdist); tests/conftest.py hands out a test module as one
+# unit (its module fixtures are built once) and runs the modules that start real Flower deployments in
+# two lanes (at most two deployments at once): a deployment spends most of its time waiting on Flower's
+# processes (45 CPU-s in 165 s of wall time), so it overlaps with the rest. Every process gets one
+# BLAS / OpenMP thread. `make test XDIST=` runs serially. The run ends with the 15 slowest tests and
+# the seconds per module (the suite must stay under 30 minutes on 2 cores).
+XDIST ?= -n 4
 test: install
-	@$(PY) -m pytest -q -rs --durations=40 $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	@$(PY) -m pytest -q -rfEs --durations=15 $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: install
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -1,12 +1,21 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules, and how `make test` spreads the modules over its workers."""
 
 from __future__ import annotations
 
+import os
+import time
+from collections import defaultdict
 from pathlib import Path
 
-import psutil
-import pytest
-from deploy_helpers import processes_of
+# One BLAS / OpenMP thread per process, set before anything imports torch: `make test` runs four
+# pytest-xdist workers on two cores and the deployment tests start further Flower processes; more
+# threads than cores only wait on each other. Subprocesses (CLI, SuperLink, SuperNodes) inherit it.
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+from deploy_helpers import processes_of  # noqa: E402
 
 
 @pytest.fixture
@@ -21,12 +30,22 @@ def no_leftovers(tmp_path: Path):
     assert names == [], f"processes left behind: {names}"
 
 
-# The longest modules first (pytest-xdist --dist loadscope hands out modules in collection order, so a
-# long module collected last would run alone at the end): module sums measured with
-# `make test` (--durations), longest first. Modules not listed keep their order after these.
+# Modules that start real Flower deployments (SuperLink, SuperNodes, a process per message) run in two
+# lanes: the modules of a lane run one after the other on one worker, so at most two deployments
+# run at once. A Flower task process that starts more than 30 s after the SuperLink handed it its task
+# is declared dead ("No heartbeat received from the task"); four deployments starting together on
+# two cores, next to the in-process tests, got there (CI, 4 runs failed).
+DEPLOYMENT_LANES = {
+    "test_deploy_strategies.py": "deployments-1", "test_deploy.py": "deployments-1",
+    "test_deploy_faults.py": "deployments-2", "test_output_folders.py": "deployments-2",
+    "test_flwr_run.py": "deployments-2",
+}
+# The lanes first, then the longest modules (pytest-xdist hands out work units in collection order, so a
+# long module collected last would run alone at the end): module sums measured with `make test`
+# (it prints them at the end). Modules not listed keep their order after these.
 LONGEST_FIRST = (
-    "test_deploy_strategies.py", "test_deploy_faults.py", "test_output_folders.py", "test_deploy.py",
-    "test_resume.py", "test_compare.py", "test_golden.py", "test_flwr_run.py", "test_ray_cluster.py",
+    "test_deploy_strategies.py", "test_deploy.py", "test_deploy_faults.py", "test_output_folders.py",
+    "test_flwr_run.py", "test_resume.py", "test_compare.py", "test_golden.py", "test_ray_cluster.py",
     "test_bad_input.py", "test_quiet.py", "test_causal_lm.py", "test_protocol.py", "test_run.py",
 )
 
@@ -34,3 +53,41 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order is kept
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``loadscope`` (a module is one work unit, its module fixtures are built once),
+    with each deployment lane as one work unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndDeploymentLanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return DEPLOYMENT_LANES.get(Path(module).name, module)
+
+    return ModulesAndDeploymentLanes(config, log)
+
+
+# Wall time per module (setup + call + teardown of its tests), printed at the end of the run so CI's
+# tail shows where the time went.
+_MODULE_SECONDS: dict[str, float] = defaultdict(float)
+_STARTED = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _MODULE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _MODULE_SECONDS:
+        return
+    lanes: dict[str, float] = defaultdict(float)
+    for module, seconds in _MODULE_SECONDS.items():
+        lanes[DEPLOYMENT_LANES.get(Path(module).name, "")] += seconds
+    terminalreporter.section("seconds per test module (summed over its tests)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {module}")
+    for lane, seconds in sorted(lanes.items()):
+        if lane:
+            terminalreporter.write_line(f"{seconds:8.1f}  lane {lane}")
+    terminalreporter.write_line(f"{time.monotonic() - _STARTED:8.1f}  wall clock of the whole session")
