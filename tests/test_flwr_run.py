@@ -1,19 +1,25 @@
 """The Flower way: ``flwr run .`` as the README writes it, on a fresh Flower home.
 
 Flower 1.39's default local simulation federation has 2 SuperNodes; ``configs/smoke.toml`` needs 3.
-End to end (one test, its own ``FLWR_HOME`` and ports; ``flwr`` starts its managed local SuperLink,
-which the test stops): on the default federation the run stops within 60 s with one line naming the
+End to end (a fresh ``FLWR_HOME`` with its own ports; ``flwr`` starts its managed local SuperLink,
+which the module stops): on the default federation the run stops within 60 s with one line naming the
 SuperNodes it needs and how to set them; the README's command (``--federation-config
 "num-supernodes=3"``) runs the ServerApp and ClientApp, logs every round through Flower's logger
 (what ``flwr log`` shows) and gives the results of the same config on the in-process engine (FedIT)
-to 1e-6. No run leaves a process behind. The unit tests: Flower's flat run-config keys
-(``train.rounds=5``), the wait for SuperNodes, and a fedlora error as one line on Flower's logger.
+to 1e-6. A user's own ServerApp (examples/flower_serverapp: a fedlora strategy in Flower's ``start``,
+fedlora's ClientApp) runs under ``flwr run`` as docs/flower.md writes it: both rounds, its final model
+saved as safetensors, trained. Both end-to-end tests use one Flower home and the local SuperLink
+the first ``flwr run`` starts there (stopped at the end). No run leaves a process behind. The unit
+tests: Flower's flat run-config keys (``train.rounds=5``), the wait for SuperNodes, and a fedlora
+error as one line on Flower's logger.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -23,11 +29,15 @@ import time
 import tomllib
 import types
 import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
 from logging import ERROR, INFO
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
+from deploy_helpers import processes_of
 from flwr.supercore import log as flower_log
 
 from fedlora import methods
@@ -41,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("global_accuracy", "personalized_accuracy", "received_accuracy", "train_loss", "bytes_up", "bytes_down",
            "clients", "failures")
 SMOKE = "configs/smoke.toml"
+USER_APP = ROOT / "examples/flower_serverapp"
 
 
 def free_port() -> int:
@@ -52,21 +63,6 @@ def free_port() -> int:
 def plain(text: str) -> str:
     """``text`` without the terminal colour codes of Flower's log lines."""
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
-
-
-def processes_of(home: Path) -> list[psutil.Process]:
-    """Live processes whose FLWR_HOME or command line points into ``home``: the local SuperLink, its
-    SuperExec, a run's flwr-simulation and the Ray processes it starts (they inherit FLWR_HOME)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if proc.environ().get("FLWR_HOME", "").startswith(str(home)) or str(home) in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 def names(procs: list[psutil.Process]) -> list[str]:
@@ -205,11 +201,28 @@ def test_a_fedlora_error_under_flowers_runtime_is_one_line_without_flowers_trace
     assert records[0].levelno == ERROR
 
 
-# ---------------------------------------------------------------- end to end: flwr run . on a fresh Flower home
-@pytest.mark.slow
-def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_readme_command(tmp_path: Path) -> None:
-    # Prepare: a fresh Flower home (no config.toml: Flower's default local federation, 2 SuperNodes)
-    home = tmp_path / "flwr-home"
+# ---------------------------------------------------------------- end to end: flwr run on a fresh Flower home
+@dataclass
+class FlowerHome:
+    """A fresh Flower home with its own ports; the local SuperLink the module's first ``flwr run``
+    starts in it serves the module's later ones (as it serves a user's)."""
+
+    home: Path
+    cwd: Path
+    env: dict[str, str]
+
+    def run(self, app: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        """``flwr run <app> --stream <args>`` from another folder than the app's."""
+        return subprocess.run(["flwr", "run", str(app), "--stream", *args], cwd=self.cwd, env=self.env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def flower_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowerHome]:
+    """No config.toml (Flower's default local federation, 2 SuperNodes); at the end the local SuperLink
+    is stopped and no process may be left that points into the home."""
+    cwd = tmp_path_factory.mktemp("flwr")
+    home = cwd / "flwr-home"
     env = {
         **os.environ,
         "FLWR_HOME": str(home),
@@ -220,28 +233,30 @@ def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_rea
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # the README's export: use this environment
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
-    out = tmp_path / "out"
-    refused_out = tmp_path / "refused"
-
-    def flwr_run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-        # from another folder: the config path is found in the app
-        return subprocess.run(["flwr", "run", str(ROOT), "--stream", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=timeout, check=False)
-
     try:
-        # Execute 1: smoke.toml (3 clients) on the default federation; a flat key shortens the wait
-        started = time.monotonic()
-        refused = flwr_run("--run-config", f'config="{SMOKE}" federation.connect_timeout=2 '
-                                           f'output.dir="{refused_out}"', timeout=120)
-        refused_seconds = time.monotonic() - started
-        left_by_refused = run_processes(home)
-        # Execute 2: the README's command
-        proc = flwr_run("--federation-config", "num-supernodes=3",
-                        "--run-config", f'config="{SMOKE}" set="output.dir={out}"', timeout=900)
-        left_by_run = run_processes(home)
+        yield FlowerHome(home, cwd, env)
     finally:
         stop_local_superlink(home)
-    left_at_all = names(processes_of(home))
+    assert names(processes_of(home)) == []
+
+
+@pytest.mark.slow
+def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_readme_command(
+        flower_home: FlowerHome, tmp_path: Path) -> None:
+    # Prepare: the module's fresh Flower home (Flower's default local federation, 2 SuperNodes)
+    home = flower_home.home
+    out = tmp_path / "out"
+    refused_out = tmp_path / "refused"
+    # Execute 1: smoke.toml (3 clients) on the default federation; a flat key shortens the wait
+    started = time.monotonic()
+    refused = flower_home.run(ROOT, "--run-config", f'config="{SMOKE}" federation.connect_timeout=2 '
+                                                    f'output.dir="{refused_out}"', timeout=120)
+    refused_seconds = time.monotonic() - started
+    left_by_refused = run_processes(home)
+    # Execute 2: the README's command
+    proc = flower_home.run(ROOT, "--federation-config", "num-supernodes=3",
+                           "--run-config", f'config="{SMOKE}" set="output.dir={out}"', timeout=900)
+    left_by_run = run_processes(home)
 
     # Assert: the refusal is one line, with the SuperNodes it needs and Flower's setting, within 60 s
     refusal = plain(refused.stdout + refused.stderr)
@@ -272,5 +287,48 @@ def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_rea
                    rf"up {record['bytes_up'] / 1e6:.2f} MB  down {record['bytes_down'] / 1e6:.2f} MB")
         assert re.search(pattern, streamed), (pattern, streamed[-3000:])
     assert f"results: {out / 'results.json'}" in streamed
-    # Assert: no run left a process behind (the SuperLink and its SuperExec stay until stopped)
-    assert left_by_refused == [] and left_by_run == [] and left_at_all == []
+    # Assert: no run left a process behind (the SuperLink and its SuperExec stay until the module ends)
+    assert left_by_refused == [] and left_by_run == []
+
+
+@pytest.mark.slow
+def test_a_users_serverapp_under_flwr_run_trains_and_saves_the_final_model(flower_home: FlowerHome,
+                                                                          tmp_path: Path) -> None:
+    """examples/flower_serverapp (HetLoRA through Flower's ``start``, fedlora's ClientApp) as its
+    FAB, on the module's local SuperLink, with docs/flower.md's command (2 rounds, 3 SuperNodes)."""
+    from safetensors.numpy import load_file
+
+    # Prepare: the app's run config and the strategy its ServerApp builds (for the initial adapter)
+    out = tmp_path / "out"
+    run_config = tomllib.loads((USER_APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    spec = importlib.util.spec_from_file_location("flower_serverapp", USER_APP / "server_app.py")
+    assert spec is not None and spec.loader is not None
+    user_app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user_app)
+    initial = user_app.build_strategy(run_config).initial_adapter(8)  # r_max: the largest client rank
+    # Execute
+    proc = flower_home.run(USER_APP, "--federation-config", "num-supernodes=3",
+                           "--run-config", f'num-server-rounds=2 out-dir="{out}"', timeout=600)
+    left_by_run = run_processes(flower_home.home)
+    # Assert: the run finished, both rounds trained on all 3 clients, and the app saved the final model
+    log = plain(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, log[-3000:]
+    assert "Successfully installed fedlora-flower-serverapp" in log  # the example's FAB, not the repository
+    assert re.findall(r"\[ROUND (\d+)/(\d+)\]", log) == [("1", "2"), ("2", "2")], log[-3000:]
+    assert log.count("aggregate_train: 3 replies, 0 failures") == 2, log[-3000:]
+    train = log[log.index("Aggregated ClientApp-side Train Metrics:"):]
+    losses = [float(x) for x in re.findall(r"\d: \{'clients': '3', 'train-loss': '([-+.e\d]+)'\}", train)]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), train[:500]
+    saved = out / "final_model.safetensors"
+    assert f"saved the final global model (10 arrays) to {saved}" in log
+    # Assert: the file loads; HetLoRA's rank-8 global adapter (4 modules: A, B) and head, every tensor
+    # finite and moved from the seeded initial adapter (whose B and head bias start at zero)
+    final = load_file(saved)
+    assert sorted(final) == sorted(initial) and len(final) == 10
+    for key, value in final.items():
+        assert value.shape == initial[key].shape and value.dtype == np.float32, key
+        assert np.isfinite(value).all(), key
+        assert np.abs(value - initial[key]).max() > 1e-4, f"{key} did not move"
+    assert {final[k].shape for k in final if k.endswith("::A")} == {(8, 32)}
+    # Assert: the run left no process (the SuperLink stays until the module ends)
+    assert left_by_run == []

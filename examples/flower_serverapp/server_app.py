@@ -9,7 +9,9 @@ factors and head), the metrics are the clients' training loss and personalised a
 
 Run it with ``flwr run`` on a local simulation federation of 3 SuperNodes (docs/flower.md)::
 
-    flwr run examples/flower_serverapp --stream --run-config 'num-server-rounds=2 out-dir="runs/flower"'
+    export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1   # this environment: fedlora installed
+    flwr run examples/flower_serverapp --stream --federation-config "num-supernodes=3" \
+      --run-config "num-server-rounds=2 out-dir=\"$PWD/runs/flower\""
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from logging import INFO
 from pathlib import Path
 
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord, Context, UserConfig
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from safetensors.torch import save_file
@@ -27,10 +29,9 @@ from strategies.hetlora import HetLoRA
 app = ServerApp()
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = context.run_config
-    strategy = HetLoRA(
+def build_strategy(cfg: UserConfig) -> HetLoRA:
+    """HetLoRA from keywords and this app's run config (``[tool.flwr.app.config]``)."""
+    return HetLoRA(
         weighting="norm",  # HetLoRA's own option (fedlora/methods/hetlora.py)
         fraction_train=float(cfg["fraction-train"]),
         fraction_evaluate=float(cfg["fraction-evaluate"]),
@@ -42,6 +43,12 @@ def main(grid: Grid, context: Context) -> None:
         train={"max_steps": 5, "batch_size": 16, "lr": 1e-3, "max_length": 32},
         clients={"ranks": [2, 4, 8]},  # each client's LoRA rank (a silo's node config may override it)
     )
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = context.run_config
+    strategy = build_strategy(cfg)
     # An empty ArrayRecord starts from the common seeded initial adapter (its rank r_max is the
     # largest client rank, which the strategy learns from the clients' profiles in round 1).
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=int(cfg["num-server-rounds"]))
