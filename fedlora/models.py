@@ -437,7 +437,8 @@ def build_causal_model(cfg: ModelConfig, rank: int | dict[str, int], seed: int, 
                     shared.pristine[module] = shared.model.get_submodule(module).weight.detach().to("cpu", copy=True)
         shared.edited = True
     torch.manual_seed(seed)
-    model: PeftModel = get_peft_model(shared.model, lora_config(cfg, rank, init))
+    with _peft_deprecation_quiet():
+        model: PeftModel = get_peft_model(shared.model, lora_config(cfg, rank, init))
     model.peft_config["default"].base_model_name_or_path = public_model_name(cfg.path)
     shared.active = model
     return model
@@ -473,7 +474,21 @@ def build_model(
     config = lora_config(cfg, rank, init or cfg.init, head_modules(base))
     config.base_model_name_or_path = public_model_name(cfg.path)
     torch.manual_seed(seed)
-    return PeftModel(base, config)
+    with _peft_deprecation_quiet():
+        return PeftModel(base, config)
+
+
+@contextlib.contextmanager
+def _peft_deprecation_quiet() -> Iterator[None]:
+    """peft's ``PeftModel`` reads ``model.is_gradient_checkpointing``, which this transformers
+    release deprecates with a FutureWarning on every wrap; fedlora never uses gradient
+    checkpointing, so that one warning is dropped here (in every process: CLI, Ray workers,
+    Flower's per-message ClientApps), and nothing else."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 class SeededAdapters:

@@ -41,7 +41,7 @@ FEDLORA_LINES = (
     r"final global accuracy \d\.\d{4}, personalised \d\.\d{4}, [\d.]+ MB in \d+s",
     r"results: \S+/ \(results\.json, accuracy_vs_round\.png, run\.log\)",
 )
-NOISE_SEEN_IN_A_RUN = "`is_gradient_checkpointing` is deprecated"  # peft's FutureWarning, every model build
+NOISE_SEEN_IN_A_RUN = "`is_gradient_checkpointing` is deprecated"  # peft's FutureWarning (fedlora.models silences it at the source)
 
 
 def foreign_lines(stdout: str) -> list[str]:

@@ -55,6 +55,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order is kept
 
 
+@pytest.hookimpl(optionalhook=True)  # a plain `pytest -p no:xdist` run has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's ``loadscope`` (a module is one work unit, its module fixtures are built once),
     with each deployment lane as one work unit."""
