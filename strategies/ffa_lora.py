@@ -43,6 +43,9 @@ class FFALoRA(LoRAStrategy):
     and shapes) as B and head. A is no array: it is the constant every party draws from
     ``train.seed``, so an array-level wrapper (Flower's DP noise) never touches it; the whole global
     model (A, B, head) is :meth:`global_payload`.
+
+    Flower's client-side fixed-clipping DP (``capabilities.flower_dp``): with one rank the aggregate
+    is the weighted mean of the B_k; mixed ranks are refused (B_k enters as (R / r_k) B_k).
     """
 
     method = ffa_lora.METHOD
@@ -83,3 +86,11 @@ class FFALoRA(LoRAStrategy):
 
     def global_payload(self) -> Payload:
         return self.shared_A | self.global_arrays()
+
+    def flower_dp_problem(self) -> str:
+        ranks = sorted({self.rank_of(p) for p in self.roster.partitions})
+        if len(ranks) > 1:
+            return (f"clients train ranks {ranks}: a rank-r_k client's B_k enters the average as (R / r_k) B_k, so "
+                    "its clipped update moves the aggregate by more than the noise assumes; give every client "
+                    "one rank")
+        return super().flower_dp_problem()
