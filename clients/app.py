@@ -12,7 +12,10 @@ from logging import DEBUG, WARNING
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
+from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore import log
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedlora import protocol
 
@@ -155,6 +158,13 @@ def _limit_threads(num_cpus: float) -> None:
     torch.set_num_threads(max(1, int(num_cpus)))
 
 
+def _in_received_order(upload: dict, received) -> dict:
+    """The upload with the keys it shares with the download first, in the download's order (Flower's
+    ``fixedclipping_mod`` pairs a reply's arrays with the received ones by position)."""
+    received = [key for key in received if key in upload]
+    return {key: upload[key] for key in received} | {key: value for key, value in upload.items() if key not in received}
+
+
 def _trainer(job):
     from clients.trainers import trainer_class
 
@@ -174,7 +184,22 @@ def query(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-@app.train()
+def clipping_when_asked(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's ``fixedclipping_mod`` when the server asks for it, else nothing.
+
+    Flower's ``DifferentialPrivacyClientSideFixedClipping`` wrapper puts its clipping norm in every
+    training message's config; the mod then clips this client's update (the reply's arrays minus
+    the arrays received) to that L2 norm before the reply leaves. Without the key (every run that is
+    not wrapped) the reply passes unchanged: Flower's mod alone would answer such a message with an
+    error. Only training messages pass through it (``@app.train(mods=...)``).
+    """
+    config = msg.content.config_records.get("config")
+    if config is not None and KEY_CLIPPING_NORM in config:
+        return fixedclipping_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+@app.train(mods=[clipping_when_asked])
 def train(msg: Message, context: Context) -> Message:
     """Merge the download with local state, train locally, upload what the method uploads."""
     from clients.faults import maybe_corrupt, maybe_fail
@@ -189,6 +214,7 @@ def train(msg: Message, context: Context) -> Message:
     received = trainer.received_metrics(model) if job.message_config.get(protocol.EVAL_RECEIVED) else {}
     stats = trainer.fit(model)
     upload, _ = maybe_corrupt(faults, job.server_round, job.profile.partition_id, trainer.upload(model))
+    upload = _in_received_order(upload, msg.content.array_records["arrays"].keys())
     trainer.save_state(trainer.keep(model))
     if _save_state(job, context):
         _release_state(job, context)

@@ -43,9 +43,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from pydantic import BaseModel
 
 from fedlora import protocol
+from fedlora.errors import ConfigError
 from fedlora.lora import (
     A_SUFFIX,
     B_SUFFIX,
@@ -307,6 +309,19 @@ class LoRAStrategy(Strategy):
         by :meth:`receive`): replace the state the downloads are built from. Default: refused."""
         raise ArraysError(f"{type(self).__name__} cannot continue from other arrays than the ones it returned")
 
+    def flower_dp_problem(self) -> str:
+        """Why Flower's ``DifferentialPrivacyClientSideFixedClipping`` cannot wrap this strategy in
+        this run ('' if it can): the method's ``capabilities.not_flower_dp``, or a robust
+        ``faults.aggregation`` (a median is not the mean the noise is calibrated for). Checked by
+        :meth:`configure_train` once the clients are known, when the train config carries the
+        wrapper's clipping norm."""
+        if not self.capabilities.flower_dp:
+            return self.capabilities.not_flower_dp
+        if self.combine.robust:
+            return (f"faults.aggregation = '{self.experiment.faults.aggregation}' replaces the weighted mean the "
+                    "noise is calibrated for; use faults.aggregation = 'mean'")
+        return ""
+
     def round_extra(self, server_round: int) -> dict[str, Any]:
         """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
         return {}
@@ -463,6 +478,11 @@ class LoRAStrategy(Strategy):
         """Query profiles once, take the ``arrays`` given (:meth:`receive`), sample clients, build
         one message per client (``config``'s entries travel too, except fedlora's own keys)."""
         self.connect(grid)
+        if KEY_CLIPPING_NORM in config:  # Flower's client-side fixed-clipping DP wrapper asks the clients to clip
+            problem = self.flower_dp_problem()
+            if problem:
+                raise ConfigError(f"strategy '{self.name}' cannot run under Flower's "
+                                  f"DifferentialPrivacyClientSideFixedClipping: {problem}")
         self.roster.refresh(grid, self._experiment_json, self.experiment.federation.round_timeout)
         self.receive(arrays, "configure_train")
         record = self.record(server_round)

@@ -39,6 +39,9 @@ class FedSALoRA(LoRAStrategy):
     what every client downloads alike: the global A (R_max rows per module) and the head;
     ``configure_*`` continue from the arrays given (the same keys and shapes) as the global A and
     head. Each client's B stays on the client; no arrays hold it.
+
+    Flower's client-side fixed-clipping DP (``capabilities.flower_dp``): with one rank the aggregate
+    is the weighted mean of the A_k; mixed ranks are refused (rows averaged over their holders).
     """
 
     method = fedsa_lora.METHOD
@@ -75,6 +78,14 @@ class FedSALoRA(LoRAStrategy):
     def load_arrays(self, payload: Payload) -> None:
         self.A = {m: payload[m + A_SUFFIX] for m in self.A}
         self.head = head_only(payload)
+
+    def flower_dp_problem(self) -> str:
+        ranks = sorted({self.rank_of(p) for p in self.roster.partitions})
+        if len(ranks) > 1:
+            return (f"clients train ranks {ranks}: row j of A is averaged over the clients holding it only, so a "
+                    "client weighs more in the rows few clients hold than the noise assumes; give every client "
+                    "one rank")
+        return super().flower_dp_problem()
 
     def global_payload(self) -> None:
         """None: B never leaves the clients, so there is no global model to evaluate."""

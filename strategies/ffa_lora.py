@@ -8,7 +8,7 @@ from fedlora.lora import B_SUFFIX, Payload, head_only, nested_A_payload, split_p
 from fedlora.methods import ffa_lora
 from fedlora.methods.ffa_lora import aggregate_B, download_B
 from fedlora.protocol import Phase
-from strategies.base import ArraysError, ClientUpload, LoRAStrategy
+from strategies.base import ClientUpload, LoRAStrategy
 from strategies.roster import MixedRanksError
 
 
@@ -38,9 +38,14 @@ class FFALoRA(LoRAStrategy):
     Download: the global B (truncated to the client's rank) and the head. The global model is
     the shared A at R_max with the global B and head.
 
-    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns the global model (the shared A
-    at R_max, the global B, the head); ``configure_*`` continue from the B and head of the arrays
-    given (the same keys and shapes); their A must be the shared seeded A, which never changes.
+    Arrays (Flower's ``start`` loop): ``aggregate_train`` returns what the federation learns, the
+    global B at R_max and the head; ``configure_*`` continue from the arrays given (the same keys
+    and shapes) as B and head. A is no array: it is the constant every party draws from
+    ``train.seed``, so an array-level wrapper (Flower's DP noise) never touches it; the whole global
+    model (A, B, head) is :meth:`global_payload`.
+
+    Flower's client-side fixed-clipping DP (``capabilities.flower_dp``): with one rank the aggregate
+    is the weighted mean of the B_k; mixed ranks are refused (B_k enters as (R / r_k) B_k).
     """
 
     method = ffa_lora.METHOD
@@ -71,14 +76,21 @@ class FFALoRA(LoRAStrategy):
         self.B = aggregate_B(client_B, weights, self.rank_max, self.combine)
         self.head = self.averaged_head(uploads, weights, self.head)
 
+    def global_arrays(self) -> Payload:
+        """The global B (R_max columns per module) and the head; A is the seeded constant."""
+        return {m + B_SUFFIX: value for m, value in self.B.items()} | self.head
+
     def load_arrays(self, payload: Payload) -> None:
-        changed = sorted(k for k, A in self.shared_A.items() if not np.array_equal(payload[k], A))
-        if changed:
-            raise ArraysError(f"FFALoRA: A is frozen at the seeded init every client draws itself, the arrays "
-                              f"given change {changed[:3]}")
         self.B = {m: payload[m + B_SUFFIX] for m in self.B}
         self.head = head_only(payload)
 
     def global_payload(self) -> Payload:
-        B = {m + B_SUFFIX: value for m, value in self.B.items()}
-        return self.shared_A | B | self.head
+        return self.shared_A | self.global_arrays()
+
+    def flower_dp_problem(self) -> str:
+        ranks = sorted({self.rank_of(p) for p in self.roster.partitions})
+        if len(ranks) > 1:
+            return (f"clients train ranks {ranks}: a rank-r_k client's B_k enters the average as (R / r_k) B_k, so "
+                    "its clipped update moves the aggregate by more than the noise assumes; give every client "
+                    "one rank")
+        return super().flower_dp_problem()

@@ -4,16 +4,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedlora.app.capabilities import readme_block, render_matrix
+from fedlora.app.capabilities import (
+    FLOWER_DP_END,
+    FLOWER_DP_START,
+    readme_block,
+    render_flower_dp,
+    render_matrix,
+)
 from strategies.registry import strategy_names
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+FLOWER_DOC = README.parent / "docs" / "flower.md"
 
 
 def test_readme_capability_matrix_is_current() -> None:
     block = readme_block(README.read_text())
     assert block is not None, "README.md lacks the capability matrix markers"
     assert block == render_matrix(), "README capability matrix is stale: run `fedlora capabilities --write`"
+
+
+def test_flower_docs_flower_dp_table_is_current() -> None:
+    block = readme_block(FLOWER_DOC.read_text(), FLOWER_DP_START, FLOWER_DP_END)
+    assert block is not None, "docs/flower.md lacks the Flower DP table markers"
+    assert block == render_flower_dp(), "docs/flower.md's Flower DP table is stale: run `fedlora capabilities --write`"
 
 
 def test_matrix_lists_every_registered_strategy() -> None:

@@ -153,8 +153,9 @@ def test_aggregate_train_returns_the_global_arrays_and_configure_takes_them_back
     returned, current = from_array_record(arrays), strategy.global_arrays()
     assert returned.keys() == current.keys() and all(np.array_equal(returned[k], current[k]) for k in current)
     global_model = strategy.global_payload()
-    if global_model is not None:
-        assert returned.keys() == global_model.keys()
+    if global_model is not None:  # FFA-LoRA's frozen A is no array: a constant every party draws from train.seed
+        frozen = {k for k in global_model if name == "ffa_lora" and k.endswith(A_SUFFIX)}
+        assert returned.keys() == global_model.keys() - frozen
         assert all(np.array_equal(returned[k], global_model[k]) for k in returned)
     assert metrics["clients"] == (1 if name == "centralized" else 3)  # every client (Centralized: its one trainer)
     assert math.isclose(float(metrics["train-loss"]), strategy.records[1].train_loss)
@@ -178,7 +179,6 @@ def test_configure_train_continues_from_other_arrays_it_is_given(name: str) -> N
     twin.configure_evaluate(1, arrays, ConfigRecord(), twin_grid)
     rng = np.random.default_rng(0)
     given = {key: (value + 0.05 * rng.standard_normal(value.shape)).astype(value.dtype)
-             if not (name == "ffa_lora" and key.endswith(A_SUFFIX)) else value  # FFA-LoRA's A is frozen
              for key, value in from_array_record(arrays).items()}
     # Execute
     train = list(strategy.configure_train(2, to_array_record(given), ConfigRecord(), grid))
@@ -233,8 +233,8 @@ def test_arrays_a_strategy_cannot_continue_from_are_refused(name: str) -> None:
                 ({**given, key: np.full_like(given[key], np.nan)}, "not finite")]
     if name == "flora":
         bad.append(({k: 2 * v for k, v in given.items()}, "cannot continue from other arrays than the ones it returned"))
-    if name == "ffa_lora":
-        bad.append(({k: v + 1 if k.endswith(A_SUFFIX) else v for k, v in given.items()}, "A is frozen"))
+    if name == "ffa_lora":  # its frozen A is no array: arrays that carry one are refused
+        bad.append(({**given, **strategy.shared_A}, "unexpected"))
     for payload, message in bad:
         with pytest.raises(ArraysError, match=message):
             strategy.configure_train(2, to_array_record(payload), ConfigRecord(), grid)

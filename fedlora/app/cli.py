@@ -130,11 +130,13 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
 
 
 def _cmd_capabilities(args: argparse.Namespace) -> int:
-    from fedlora.app.capabilities import render_matrix, write_readme
+    from fedlora.app.capabilities import render_matrix, write_flower_doc, write_readme
 
     if args.write:
         changed = write_readme(args.readme)
         print(f"{args.readme}: capability matrix {'updated' if changed else 'already current'}")
+        changed = write_flower_doc(args.flower_doc)
+        print(f"{args.flower_doc}: Flower DP table {'updated' if changed else 'already current'}")
     else:
         print(render_matrix())
     return 0
@@ -270,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     caps = sub.add_parser("capabilities", help="print (or --write into the README) the capability matrix")
     caps.add_argument("--write", action="store_true", help="regenerate the README's matrix in place")
     caps.add_argument("--readme", default="README.md", help="README to update (default: README.md)")
+    caps.add_argument("--flower-doc", default="docs/flower.md",
+                      help="Flower guide whose Flower DP table --write updates (default: docs/flower.md)")
     caps.set_defaults(func=_cmd_capabilities)
     return parser
 

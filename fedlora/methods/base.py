@@ -42,6 +42,11 @@ class Capabilities:
     # arrays coordinate by coordinate (a linear method only); False: the method refuses it, saying why
     robust_aggregation: bool = False
     not_robust: str = ""  # why a method refuses faults.aggregation other than 'mean' (robust_aggregation False)
+    # Flower's DifferentialPrivacyClientSideFixedClipping can wrap the strategy (with fixedclipping_mod on
+    # the clients): its aggregate is a fixed-weight mean of the uploads, each upload is the download
+    # plus the client's update, and it continues from the noised arrays it is given (docs/flower.md)
+    flower_dp: bool = False
+    not_flower_dp: str = ""  # why the wrapper cannot wrap the method (flower_dp False)
 
 
 @dataclass(frozen=True)

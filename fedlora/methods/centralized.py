@@ -23,5 +23,6 @@ METHOD = Method(
         dp_compatible=False,  # one trainer on pooled data, its own fit: no per-client DP-SGD
         paper="reference: centralised training on the pooled client data",
         not_robust="one trainer: there is no second upload to combine",
+        not_flower_dp="one trainer on the pooled data of every client: there are no per-client updates to clip",
     ),
 )

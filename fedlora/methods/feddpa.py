@@ -63,5 +63,6 @@ METHOD = Method(
         dp_compatible=False,  # two active peft adapters in one model: not verified with Opacus
         paper="Yang et al., NeurIPS 2024 (arXiv:2403.19211)",
         robust_aggregation=True,
+        flower_dp=True,  # the weighted mean of g (l never leaves the client)
     ),
 )

@@ -250,5 +250,6 @@ METHOD = Method(
         robust_aggregation=True,
         causal_lm="its clean / noisy split and negative learning act on noisy class labels, which "
         "instruction tuning does not have",
+        flower_dp=True,  # the weighted mean of B^r (A and the noise branch never leave the client)
     ),
 )

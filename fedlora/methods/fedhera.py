@@ -434,6 +434,10 @@ METHOD = Method(
             "SVD-based: it allocates ranks from the spectrum of sum_k w_k s_k B_k A_k, a product of "
             "factors, not a mean of arrays"
         ),
+        not_flower_dp=(
+            "SVD-based: its arrays are the SVD factors of sum_k w_k s_k B_k A_k, a product of factors and not a "
+            "mean of the uploads, so noise on them is not noise on a mean of clipped updates"
+        ),
     ),
     check=check,
 )

@@ -19,5 +19,6 @@ METHOD = Method(
         mixed_ranks=True,  # zero-padded to r_max, truncated to r_k
         paper="Zhang et al., ICASSP 2024 (arXiv:2305.05644)",
         robust_aggregation=True,
+        flower_dp=True,  # the weighted means of A and B (zero-padded to r_max)
     ),
 )

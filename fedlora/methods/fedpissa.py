@@ -273,6 +273,10 @@ METHOD = Method(
             "its projection correction sum_k p_k (B_k - B_avg) P_k is a per-client term, not a mean of "
             "arrays"
         ),
+        not_flower_dp=(
+            "clients upload A and B but download only B (A stays local), so a reply is not the download plus "
+            "an update (Flower's mod needs the same keys), and the projectors come from the unclipped A"
+        ),
     ),
     check=check,
 )

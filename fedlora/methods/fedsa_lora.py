@@ -85,6 +85,7 @@ METHOD = Method(
         mixed_ranks=True,
         robust_aggregation=True,  # A's rows by coordinate-wise median / trimmed mean over their holders
         paper="Guo et al., ICLR 2025 (arXiv:2410.01463)",
+        flower_dp=True,  # the weighted mean of A with one rank (mixed ranks average rows over their holders: refused)
     ),
     check=check,
 )

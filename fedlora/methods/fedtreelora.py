@@ -293,6 +293,10 @@ METHOD = Method(
             "its experts average the few clients of one cluster each (a median of one or two clients is "
             "their mean)"
         ),
+        not_flower_dp=(
+            "clients download their cluster's and an external expert, which stay in the strategy un-noised "
+            "(Flower's arrays are only the all-client mean), and the tree is built from the raw B"
+        ),
     ),
     check=check,
 )

@@ -85,6 +85,7 @@ METHOD = Method(
         mixed_ranks=True,
         robust_aggregation=True,  # B's coordinate-wise median / trimmed mean (A is shared, not aggregated)
         paper="Sun et al., ICLR 2024 (arXiv:2403.12313)",
+        flower_dp=True,  # the weighted mean of B with one rank (mixed ranks rescale B_k by R / r_k: refused)
     ),
     check=check,
 )

@@ -79,5 +79,9 @@ METHOD = Method(
             "SVD-based: its aggregate is the truncated SVD of sum_k p_k s_k B_k A_k, a product of "
             "factors, not a mean of arrays"
         ),
+        not_flower_dp=(
+            "SVD-based: its arrays are factors of G = sum_k p_k s_k B_k A_k, a mean of factor products, so a "
+            "clipped factor update does not bound a client's change of G and noise on them is not noise on a mean"
+        ),
     ),
 )

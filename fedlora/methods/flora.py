@@ -37,6 +37,10 @@ METHOD = Method(
             "stacking: the clients' factors are concatenated, not averaged, so no coordinate has several "
             "values to take a median of"
         ),
+        not_flower_dp=(
+            "stacking: clients merge every stack into their bases and upload a fresh LoRA, not the download "
+            "plus an update, and the strategy cannot continue from noised arrays"
+        ),
     ),
     check=check,
 )

@@ -78,5 +78,9 @@ METHOD = Method(
             "its aggregate is defined by its norm-based weights (||B_k A_k||_F), which an unweighted "
             "median or trimmed mean drops"
         ),
+        not_flower_dp=(
+            "weighting = 'norm' weighs each upload by the Frobenius norm of its own B_k A_k, so a client's weight "
+            "depends on its data and the noise is not calibrated to the clipped updates"
+        ),
     ),
 )

@@ -18,5 +18,6 @@ METHOD = Method(
         mixed_ranks=True,
         paper="no-federation baseline (lower bound)",
         not_robust="nothing is aggregated",
+        not_flower_dp="nothing is uploaded or aggregated: no update to clip, no aggregate to noise",
     ),
 )
