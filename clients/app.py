@@ -8,13 +8,14 @@ cheap. Within one process (a simulation actor) data, tokenisation and the backbo
 from __future__ import annotations
 
 import time
-from logging import DEBUG, WARNING
+from logging import DEBUG, WARNING, getLogger
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.supercore import log
 
 from fedlora import protocol
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
 def _process_age() -> float:
