@@ -8,16 +8,17 @@ cheap. Within one process (a simulation actor) data, tokenisation and the backbo
 from __future__ import annotations
 
 import time
-from logging import DEBUG, WARNING
+from collections.abc import Callable
+from logging import DEBUG, WARNING, getLogger
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
-from flwr.clientapp.typing import ClientAppCallable
-from flwr.supercore import log
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedlora import protocol
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
 def _process_age() -> float:
@@ -184,7 +185,7 @@ def query(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-def clipping_when_asked(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+def clipping_when_asked(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
     """Flower's ``fixedclipping_mod`` when the server asks for it, else nothing.
 
     Flower's ``DifferentialPrivacyClientSideFixedClipping`` wrapper puts its clipping norm in every

@@ -34,7 +34,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import INFO, WARNING, getLogger
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,7 +42,6 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
-from flwr.supercore import log
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from pydantic import BaseModel
 
@@ -76,6 +75,8 @@ from strategies.replies import (
 )
 from strategies.roster import ClientRoster
 from strategies.validation import norm_outliers, reference_norm, update_norm
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 if TYPE_CHECKING:
     from fedlora.models import SeededAdapters

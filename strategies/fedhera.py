@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import INFO, WARNING, getLogger
 from typing import Any
 
 import numpy as np
-from flwr.supercore import log
 
 from fedlora import state
 from fedlora.lora import (
@@ -50,6 +49,8 @@ from fedlora.methods.fedhera import (
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
 @state.register

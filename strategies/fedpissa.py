@@ -4,11 +4,10 @@ projection; the other stays local (``fedlora/methods/fedpissa.py``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from logging import INFO
+from logging import INFO, getLogger
 from typing import Any
 
 import numpy as np
-from flwr.supercore import log
 
 from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, normalise, split_payload
 from fedlora.methods import fedpissa
@@ -24,6 +23,8 @@ from fedlora.methods.fedpissa import (
 )
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
 class FedPissa(LoRAStrategy):

@@ -4,12 +4,11 @@ options are ``fedlora/methods/fedtreelora.py``)."""
 from __future__ import annotations
 
 import json
-from logging import INFO, WARNING
+from logging import INFO, WARNING, getLogger
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.supercore import log
 
 from fedlora.lora import (
     Factors,
@@ -36,6 +35,8 @@ from fedlora.methods.fedtreelora import (
 )
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
 class FedTreeLoRA(LoRAStrategy):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from logging import INFO, WARNING
+from logging import INFO, WARNING, getLogger
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore import log
 
 from fedlora.profile import ClientProfile
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
 class NoClientError(RuntimeError):

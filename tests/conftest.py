@@ -13,9 +13,9 @@ from pathlib import Path
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
 
-import psutil  # noqa: E402
-import pytest  # noqa: E402
-from deploy_helpers import processes_of  # noqa: E402
+import psutil
+import pytest
+from deploy_helpers import processes_of
 
 
 @pytest.fixture

@@ -4,12 +4,14 @@ Layers, bottom to top (docs/design.md): the core (``fedlora/`` except ``fedlora/
 package facade ``fedlora/__init__.py``), the protocol (``strategies/``, ``clients/``), the engines
 (``simulations/``), the application (``fedlora/app/``), and the facade on top. Every import counts,
 including those inside functions and under ``TYPE_CHECKING``: a cycle through a lazy import is
-still a cycle for the reader.
+still a cycle for the reader. And Flower's code is used through its public API, or at a place
+docs/design.md's table of Flower internals names, with the reason.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -114,8 +116,6 @@ def test_no_file_refers_to_a_document_outside_the_repository() -> None:
     import subprocess
 
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    import re
-
     outside = re.compile(r"\.\./shared|~/shared|(?:^|[\s\"'`(=])(?:/work|/home|/tmp/deploy)/")
     found = []
     for name in tracked:
@@ -126,3 +126,86 @@ def test_no_file_refers_to_a_document_outside_the_repository() -> None:
         if name != "tests/test_architecture.py":
             found += [f"{name}: {m.group(0).strip()}" for m in outside.finditer(text)]
     assert found == []
+
+
+# ------------------------------------------------------------------ Flower's internals (docs/design.md)
+FLOWER_SCANNED = ("fedlora", "strategies", "clients", "simulations", "examples", "benchmarks")
+FLOWER_PUBLIC = ("flwr", "flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp",
+                 "flwr.clientapp.mod", "flwr.simulation")  # their __all__ is Flower's API reference
+FLOWER_TABLE = "## Flower's internals: every use, and why"
+FLOWER_MODULE = re.compile(r"(flwr(?:\.[A-Za-z_]\w*)+)(?::\w+)?")  # a whole string naming a module (prose is not)
+
+
+def flower_all(module: str) -> set[str]:
+    """The names ``module`` (a package of the installed Flower) lists in ``__all__``, read from its
+    source without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("flwr")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations)), *module.split(".")[1:], "__init__.py")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def flower_uses_in(node: ast.AST, where: str, function: str | None = None) -> set[tuple[str, str]]:
+    """(Flower name, place) for every import of Flower's code in ``node`` and every string that
+    names one of its modules (for a subprocess or importlib); place = ``where`` at module level,
+    else ``where:function`` (the innermost function around it)."""
+    place = f"{where}:{function}" if function else where
+    uses = set()
+    if isinstance(node, ast.Import):
+        uses = {(alias.name, place) for alias in node.names if alias.name.split(".")[0] == "flwr"}
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "flwr":
+        uses = {(f"{node.module}.{alias.name}", place) for alias in node.names}
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+            match := FLOWER_MODULE.fullmatch(node.value.strip())):
+        uses = {(match.group(1), place)}
+    for child in ast.iter_child_nodes(node):
+        inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+        uses |= flower_uses_in(child, where, inner)
+    return uses
+
+
+def flower_uses() -> set[tuple[str, str]]:
+    """Every use of Flower's code in the scanned folders (:func:`flower_uses_in`)."""
+    return {use for package in FLOWER_SCANNED for path in sorted((ROOT / package).rglob("*.py"))
+            for use in flower_uses_in(ast.parse(path.read_text()), str(path.relative_to(ROOT)))}
+
+
+def is_public(name: str) -> bool:
+    module, _, attr = name.rpartition(".")
+    return name in FLOWER_PUBLIC or (module in FLOWER_PUBLIC and attr in flower_all(module))
+
+
+def documented_flower_internals() -> list[tuple[set[str], set[str]]]:
+    """The rows of docs/design.md's table: (Flower names, places), each cell's `code` items."""
+    lines = (ROOT / "docs/design.md").read_text().splitlines()
+    start = lines.index(FLOWER_TABLE)
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        if not line.startswith("|") or line.startswith(("|---", "| Flower name")):
+            continue
+        names, places = line.split("|")[1:3]
+        rows.append((set(re.findall(r"`([^`]+)`", names)), set(re.findall(r"`([^`]+)`", places))))
+    assert rows, f"no table under {FLOWER_TABLE!r} in docs/design.md"
+    return rows
+
+
+def test_every_use_of_a_flower_internal_is_documented_and_every_documented_one_is_used() -> None:
+    # Prepare
+    internal = {(name, place) for name, place in flower_uses() if not is_public(name)}
+    rows = documented_flower_internals()
+    # Execute
+    undocumented = sorted(f"{name} in {place}" for name, place in internal
+                          if not any(name in names and place in places for names, places in rows))
+    stale = sorted(f"{name} in {place}" for names, places in rows for name in names for place in places
+                   if not any((name, p) in internal for p in places) or not any((n, place) in internal for n in names))
+    # Assert
+    assert not undocumented, ("Flower internals used but not in docs/design.md's table (use the public API, or add "
+                              "a row: where, why, what breaks): " + "; ".join(undocumented))
+    assert not stale, "rows of docs/design.md's Flower table that the code no longer uses: " + "; ".join(sorted(set(stale)))

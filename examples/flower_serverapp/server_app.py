@@ -16,15 +16,16 @@ Run it with ``flwr run`` on a local simulation federation of 3 SuperNodes (docs/
 
 from __future__ import annotations
 
-from logging import INFO
+from logging import INFO, getLogger
 from pathlib import Path
 
 from flwr.app import ArrayRecord, Context, UserConfig
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore import log
 from safetensors.torch import save_file
 
 from strategies.hetlora import HetLoRA
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 app = ServerApp()
 

@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _flower_logs_to_stdout() -> None:
     """Flower's logger has its own console handler on stderr: point it at stdout."""
-    import flwr.common.logger  # noqa: F401 - creates Flower's handler, so that it can be redirected
+    import flwr  # noqa: F401 - importing Flower attaches its handler to the logger "flwr": redirect that one
 
     logging.getLogger("flwr").propagate = False  # its own handler prints it: not a second time via the root
     for handler in logging.getLogger("flwr").handlers:

@@ -177,8 +177,8 @@ def _install(verbose: bool, console: bool, own_console: bool = False) -> _Sessio
     keep getting every record instead, and ours is not added (nothing prints twice), unless
     ``own_console`` (a Ray worker, whose root handlers are Ray's)."""
     # Both libraries attach their console handler when first imported: import them now, so that
-    # we can set it aside.
-    import flwr.supercore.logger  # noqa: F401
+    # we can set it aside (Flower's package import attaches its handler to the logger "flwr").
+    import flwr  # noqa: F401
     import transformers.utils.logging as hf_logging
 
     root = logging.getLogger()

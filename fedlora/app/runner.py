@@ -205,16 +205,14 @@ def _fmt(value: float | None) -> str:
 def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -> dict[str, Any]:
     """Flower's simulation engine (Ray) on ``config``; its results dict.
 
-    Flower 1.39 deprecates ``flwr.simulation.run_simulation``; its supported path is ``flwr run``
-    against a SuperLink, whose simulation runtime (``flwr-simulation``,
-    flwr/simulation/app.py) runs the apps with ``_run_simulation`` (the same function, without
-    the deprecation). That path takes the apps by name and the settings from the SuperLink's
-    federation config only (no Ray cluster address, no temp folder, no config object), so fedlora
-    calls the runtime's own entry ``_run_simulation`` with the app objects. It starts Ray itself
-    first (Flower's backend then uses it and shuts it down): the worker setup hook carries
-    fedlora's quiet console into every actor (fedlora.app.quiet)."""
-    from flwr.simulation.run_simulation import _run_simulation
-    from flwr.supercore.telemetry import EventType
+    Through Flower's public ``flwr.simulation.run_simulation`` with the app objects. Flower 1.39
+    deprecates it (one warning in Flower's log, so in the run's log file) in favour of ``flwr run``
+    against a SuperLink, which takes the apps by name and the settings from the SuperLink's
+    federation config only (no Ray cluster address, no temp folder, no config object); the
+    function itself calls the same runtime entry as that path. It starts Ray itself first
+    (Flower's backend then uses it and shuts it down): the worker setup hook carries fedlora's
+    quiet console into every actor (fedlora.app.quiet)."""
+    from flwr.simulation import run_simulation
 
     from fedlora.app.server import make_server_app
     from fedlora.results import load_results
@@ -224,13 +222,12 @@ def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -
     backend = backend_config(config, out)
     start_ray(backend["init_args"], out / LOG_FILE, verbose)
     try:
-        _run_simulation(
+        run_simulation(
             server_app=make_server_app(config, str(out), resume=bool(resume)),
             client_app=client_app,
             num_supernodes=config.data.num_clients,
             backend_config=backend,
             verbose_logging=verbose,
-            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
         )
     except RuntimeError as error:  # Flower wraps the ServerApp's exception: report its cause
         raise RunError(f"{root_cause(error)}{results_so_far(out)}") from None

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore import log as flower_log
 
 from fedlora.app.progress import RoundProgress
 from fedlora.app.tracking import Tracker
@@ -35,6 +34,7 @@ if TYPE_CHECKING:  # fedlora.data takes seconds to import: run_server imports it
     from fedlora.data import FederatedData
 
 logger = logging.getLogger("fedlora")
+flower_log = logging.getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` shows
 GENERATIONS_FILE = "generations.jsonl"  # causal LMs: sample generations of the global model per evaluation round
 
 

@@ -163,8 +163,9 @@ class Combine:
     """How the clients' arrays of one key are combined: the weighted mean (FedAvg), or one of
     Flower's robust rules, coordinate by coordinate and unweighted as Flower's own strategies
     are: the median (``FedMedian``) or the mean after cutting the ``trim`` fraction of the values
-    at each end (``FedTrimmedAvg``, beta = ``trim``, its ``trim_mean``). With two clients both
-    equal the mean (nothing is cut from two values); they need three or more to resist one."""
+    at each end (``FedTrimmedAvg``, beta = ``trim``: scipy's ``trim_mean``, which Flower's own
+    ``trim_mean`` copies line for line). With two clients both equal the mean (nothing is cut from
+    two values); they need three or more to resist one."""
 
     rule: AggregationRule = "mean"
     trim: float = 0.2  # trimmed_mean: fraction cut at each end, in [0, 0.5)
@@ -179,9 +180,9 @@ class Combine:
         if self.rule == "median":
             return np.asarray(np.median(stacked, axis=0))
         if self.rule == "trimmed_mean":
-            from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+            from scipy.stats import trim_mean
 
-            return np.asarray(trim_mean(stacked, self.trim))
+            return np.asarray(trim_mean(stacked, self.trim, axis=0))
         return np.asarray(np.tensordot(normalise(weights), stacked, axes=1))
 
 
