@@ -38,7 +38,7 @@ demo: install
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 # Four pytest workers on two cores (pytest-xdist); tests/conftest.py hands out a test module as one
 # unit (its module fixtures are built once) and runs the modules that start real Flower deployments in
-# two lanes (at most two deployments at once): a deployment spends most of its time waiting on Flower's
+# one lane (one deployment at a time): a deployment spends most of its time waiting on Flower's
 # processes (45 CPU-s in 165 s of wall time), so it overlaps with the rest. Every process gets one
 # BLAS / OpenMP thread. `make test XDIST=` runs serially. The run ends with the 15 slowest tests and
 # the seconds per module (the suite must stay under 30 minutes on 2 cores).

@@ -13,9 +13,14 @@ included) and imports lazily, so that importing a core module (``fedlora.lora``,
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fedlora.version import __version__
+
+# Flower's usage telemetry is read once, when Flower is first imported: off unless the user set it
+# (fedlora runs offline and its users' silos should not call out). Set before anything imports flwr.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 
 def run(config: Any, overrides: list[str] | None = None, out_dir: Any = None, verbose: bool = False,

@@ -30,18 +30,19 @@ def no_leftovers(tmp_path: Path):
     assert names == [], f"processes left behind: {names}"
 
 
-# Modules that start real Flower deployments (SuperLink, SuperNodes, a process per message) run in two
-# lanes: the modules of a lane run one after the other on one worker, so at most two deployments
-# run at once. A Flower task process that starts more than 30 s after the SuperLink handed it its task
-# is declared dead ("No heartbeat received from the task"); four deployments starting together on
-# two cores, next to the in-process tests, got there (CI, 4 runs failed).
+# Modules that start real Flower deployments (SuperLink, SuperNodes, a process per message) share one
+# lane: they run one after the other on one worker, so one deployment runs at a time, beside three
+# workers of in-process tests. Flower declares a task whose process has not reported within 30 s of
+# being handed it dead and hands the task out again (to a new process, the old one still starting):
+# on an overloaded machine that feeds itself (CI: four deployments at once failed; a run with two
+# lanes grew to 268 ServerApp processes and a load of 200).
 DEPLOYMENT_LANES = {
-    "test_deploy_strategies.py": "deployments-1", "test_deploy.py": "deployments-1",
-    "test_deploy_faults.py": "deployments-2", "test_output_folders.py": "deployments-2",
-    "test_flwr_run.py": "deployments-2",
+    "test_deploy_strategies.py": "deployments", "test_deploy.py": "deployments",
+    "test_deploy_faults.py": "deployments", "test_output_folders.py": "deployments",
+    "test_flwr_run.py": "deployments",
 }
-# The lanes first, then the longest modules (pytest-xdist hands out work units in collection order, so a
-# long module collected last would run alone at the end): module sums measured with `make test`
+# The lane first, then the longest modules (work units are handed out in collection order, see
+# pytest_xdist_make_scheduler, so a long module collected last would run alone at the end): module sums measured with `make test`
 # (it prints them at the end). Modules not listed keep their order after these.
 LONGEST_FIRST = (
     "test_deploy_strategies.py", "test_deploy.py", "test_deploy_faults.py", "test_output_folders.py",
@@ -58,8 +59,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(optionalhook=True)  # a plain `pytest -p no:xdist` run has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's ``loadscope`` (a module is one work unit, its module fixtures are built once),
-    with each deployment lane as one work unit."""
+    with each deployment lane as one work unit, handed out in collection order (loadscope's default
+    reorders the units by their number of tests, which started the long deployment lanes last)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ModulesAndDeploymentLanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -31,8 +31,8 @@ def test_every_strategy_runs_over_tls_grpc(no_leftovers: Path) -> None:
     configs = {name: resolve(REPO / "configs/smoke.toml", [*EVERY_STRATEGY_BASE, f"strategy.name={name}",
                                                           *PER_STRATEGY.get(name, [])])
                for name in strategy_names()}
-    # Execute: one SuperLink, two authenticated SuperNodes, all runs submitted at once
-    results = deploy_runs(configs, num_nodes=2, out_dir=no_leftovers / "fed", timeout=1500, side_by_side=True)
+    # Execute: one SuperLink, two authenticated SuperNodes, three runs at a time
+    results = deploy_runs(configs, num_nodes=2, out_dir=no_leftovers / "fed", timeout=1500, side_by_side=3)
     # Assert: every strategy completed its rounds over gRPC with TLS, no failure, a results contract
     assert set(results) == set(strategy_names()) == set(DEPLOYMENT_TESTED)
     for name, result in results.items():

@@ -585,9 +585,9 @@ def test_inprocess_noisy_smoke_ledger_is_B_r_only(
 
 
 @pytest.mark.slow
-def test_ray_noisy_smoke_run(tmp_path: Path) -> None:
-    # Execute: the CLI on Flower's simulation engine
-    proc = fedlora_run(tmp_path, *NOISY_SMOKE, *ONE_RANK)
+def test_cli_noisy_smoke_run(tmp_path: Path) -> None:
+    # Execute: the CLI, in process (Ray: tests/test_run.py, tests/test_ray_cluster.py; gRPC: tests/test_deploy_strategies.py)
+    proc = fedlora_run(tmp_path, *NOISY_SMOKE, *ONE_RANK, args=("--engine", "inprocess"))
     # Assert
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

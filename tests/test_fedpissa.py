@@ -564,9 +564,9 @@ def test_inprocess_dynamics_selection_runs_and_clients_share_the_aggregated_fact
 
 
 @pytest.mark.slow
-def test_ray_smoke_run(tmp_path: Path) -> None:
-    # Execute: the CLI on Flower's simulation engine
-    proc = fedlora_run(tmp_path, "strategy.name=fedpissa", "clients.ranks=[4, 4, 4]")
+def test_cli_smoke_run(tmp_path: Path) -> None:
+    # Execute: the CLI, in process (Ray: tests/test_run.py, tests/test_ray_cluster.py; gRPC: tests/test_deploy_strategies.py)
+    proc = fedlora_run(tmp_path, "strategy.name=fedpissa", "clients.ranks=[4, 4, 4]", args=("--engine", "inprocess"))
     # Assert
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

@@ -568,9 +568,10 @@ def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_ray_run(tmp_path: Path) -> None:
-    # Prepare / Execute: the real simulation engine, through the CLI
-    proc = fedlora_run(tmp_path, *SMOKE)
+def test_cli_run(tmp_path: Path) -> None:
+    # Prepare / Execute: the CLI, in process (Ray: tests/test_run.py, tests/test_ray_cluster.py; gRPC:
+    # tests/test_deploy_strategies.py)
+    proc = fedlora_run(tmp_path, *SMOKE, args=("--engine", "inprocess"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Assert
     results = json.loads((tmp_path / "results.json").read_text())

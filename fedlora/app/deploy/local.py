@@ -573,14 +573,25 @@ class LocalDeployment:
         self.timings["run_seconds"] = round(time.monotonic() - started, 2)
         return run
 
-    def wait_runs(self, run_ids: Sequence[int], timeout: float, poll: float = 3.0) -> dict[int, dict[str, Any]]:
+    def wait_runs(
+        self, run_ids: Sequence[int], timeout: float, poll: float = 3.0, until_running: int | None = None
+    ) -> dict[int, dict[str, Any]]:
         """Wait until every run of ``run_ids`` (running side by side) is finished; their ``flwr ls``
-        rows. Fails fast if a SuperNode or the SuperLink dies, stops the runs after ``timeout``."""
+        rows. Fails fast if a SuperNode or the SuperLink dies, stops the runs after ``timeout``.
+        With ``until_running = K``: wait only until no run is still starting (pending or
+        starting) and at most K are running."""
         started = time.monotonic()
         deadline = started + timeout
         while True:
+            if not run_ids:
+                return {}
             rows = {int(r.get("run-id", 0)): r for r in self.flwr("ls", CONNECTION).get("runs", [])}
-            if all(str(rows.get(run_id, {}).get("status", "")).startswith("finished") for run_id in run_ids):
+            status = [str(rows.get(run_id, {}).get("status", "")) for run_id in run_ids]
+            if until_running is not None:
+                started_all = all(s == "running" or s.startswith("finished") for s in status)
+                if started_all and status.count("running") <= until_running:
+                    return {run_id: rows[run_id] for run_id in run_ids}
+            elif all(s.startswith("finished") for s in status):
                 self.timings["run_seconds"] = round(time.monotonic() - started, 2)
                 return {run_id: rows[run_id] for run_id in run_ids}
             for daemon in [self.superlink, *self.supernodes]:
@@ -673,13 +684,16 @@ def deploy_runs(
     insecure: bool = False,
     timeout: float = 3600.0,
     on_ready: Callable[[LocalDeployment], None] | None = None,
-    side_by_side: bool = False,
+    side_by_side: int = 0,
     overwrite: bool = False,
     resume: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Run several experiments on ONE local federation (a SuperLink and ``num_nodes`` SuperNodes
-    started once), one after the other or, with ``side_by_side``, all submitted at once (Flower
-    runs them concurrently: their message latencies overlap); label -> its results dict. Run
+    started once), one after the other or, with ``side_by_side = K`` (K > 0), up to K at a time
+    (Flower runs them concurrently: their message latencies overlap; a run is submitted once its
+    predecessor's ServerApp has started, because Flower declares a task dead whose process has not
+    reported within 30 s of being handed it, and many ServerApps importing at once on a small
+    machine got there); label -> its results dict. Run
     ``label`` writes into ``OUT/<label>`` (``OUT`` itself for the label ''). The silos' node
     configs come from the first experiment, so the experiments must share their data and
     clients sections. ``OUT`` must be new or empty: an earlier deployment there (its results,
@@ -739,6 +753,8 @@ def deploy_runs(
         finished: dict[str, dict[str, Any]] = {}
         for label, config in configs.items():
             run_config = write_run_config(config, out / f"run_config{'-' + label if label else ''}.toml", resume=resume)
+            if side_by_side:
+                deployment.wait_runs(list(submitted.values()), timeout, until_running=side_by_side - 1)
             submitted[label] = deployment.submit(app, run_config)
             if not side_by_side:
                 finished[label] = deployment.wait_run(submitted[label], timeout)
