@@ -439,7 +439,7 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
     command = [sys.executable, "-m", "fedlora.app.cli", "compare", str(SMOKE), "--strategies", ",".join(STRATEGIES),
                "--seeds", "0,1", "--out", str(tmp_path)]
     # Execute
-    first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900)
+    first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=1500)  # 4 Ray starts, loaded CI
     mtimes = results_mtimes(tmp_path)
     second = subprocess.run([*command, "--resume"], check=False, capture_output=True, text=True, timeout=300)
     # Assert

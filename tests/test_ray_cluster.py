@@ -8,6 +8,8 @@ of a local Ray run with the same seeds.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,13 +22,22 @@ METRICS = ("global_accuracy", "personalized_accuracy", "received_accuracy", "tra
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
+    import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
+    # Its own Ray temp folder, and no "current cluster" pointer: a Ray started without an address
+    # (Flower's simulation under `flwr run`, in another test at the same time) connects to the cluster
+    # named in /tmp/ray/ray_current_cluster, which Cluster writes "for convenience in unit testing";
+    # this test passes the address explicitly
+    temp_dir = tempfile.mkdtemp(prefix="fl-raycl-")  # short: Ray's socket paths must stay < 108 chars
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "temp_dir": temp_dir})
+    ray._common.utils.reset_ray_address()
+    cluster.add_node(num_cpus=1, temp_dir=temp_dir)
     cluster.wait_for_nodes()
     yield cluster
     cluster.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow
