@@ -12,6 +12,11 @@ from pathlib import Path
 # threads than cores only wait on each other. Subprocesses (CLI, SuperLink, SuperNodes) inherit it.
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+# Ray's workers at normal priority (Ray's default is nice 15: next to the other workers' processes
+# they starved, 24 s Ray runs took 5-20 min). fedlora's runner sets the same for its own Ray
+# starts; this covers the Ray the tests start directly (the two-node cluster, Flower's simulation
+# under `flwr run`).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import psutil
 import pytest
