@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -78,10 +80,45 @@ def pytest_xdist_make_scheduler(config, log):
     return ModulesAndDeploymentLanes(config, log)
 
 
+# The deployment lane at normal priority, the other workers at nice 5 (their subprocesses, Ray
+# included, inherit it): a deployment mostly waits on Flower starting a process per task within its
+# 30-s window, the in-process tests only need the CPU the lane leaves. Lowering a worker's niceness
+# again (after an in-process module, for the lane) needs root or CAP_SYS_NICE; without it the lane
+# keeps the worker's priority, as before.
+OTHERS_NICENESS = 5
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    wanted = 0 if item.path.name in DEPLOYMENT_LANES else OTHERS_NICENESS
+    if os.getpriority(os.PRIO_PROCESS, 0) != wanted:
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
+
+
 # Wall time per module (setup + call + teardown of its tests), printed at the end of the run so CI's
 # tail shows where the time went.
 _MODULE_SECONDS: dict[str, float] = defaultdict(float)
 _STARTED = time.monotonic()
+
+
+_WORKER_CPU: list[float] = []
+
+
+def _cpu_seconds() -> float:
+    used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return sum(usage.ru_utime + usage.ru_stime for usage in used)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: report to the controller
+        session.config.workeroutput["cpu_seconds"] = _cpu_seconds()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _WORKER_CPU.append(getattr(node, "workeroutput", {}).get("cpu_seconds", 0.0))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -101,3 +138,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
         if lane:
             terminalreporter.write_line(f"{seconds:8.1f}  lane {lane}")
     terminalreporter.write_line(f"{time.monotonic() - _STARTED:8.1f}  wall clock of the whole session")
+    if _WORKER_CPU:
+        terminalreporter.write_line(f"{sum(_WORKER_CPU):8.1f}  CPU seconds of the workers and the processes they "
+                                    "waited for (2 cores: the wall clock cannot go below half of it)")
