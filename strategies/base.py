@@ -64,7 +64,7 @@ from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig, apply_overrides
-from strategies.ledger import EPSILON_KEY, PrivacyLedger
+from strategies.ledger import PrivacyLedger
 from strategies.replies import (
     ClientUpload,
     Expectation,
@@ -534,7 +534,7 @@ class LoRAStrategy(Strategy):
         record.aggregation_seconds = time.perf_counter() - started
         self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
         record.extra.update(self.round_extra(server_round))
-        metrics = MetricRecord({"train-loss": record.train_loss, "clients": len(uploads)})
+        metrics = MetricRecord({protocol.TRAIN_LOSS: record.train_loss, protocol.CLIENTS: len(uploads)})
         return to_array_record(self.global_arrays()), metrics
 
     def configure_evaluate(
@@ -586,18 +586,19 @@ class LoRAStrategy(Strategy):
         rows.sort(key=lambda r: r[protocol.PARTITION_ID])  # the result does not depend on the replies' arrival order
         if self.experiment.model.kind == "causal_lm":
             return self._aggregate_generation(record, rows)
-        accuracy = np.array([r["accuracy"] for r in rows])
+        accuracy = np.array([r[protocol.ACCURACY] for r in rows])
         examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
         record.personalized_accuracy = float(np.average(accuracy, weights=examples))
         record.personalized_accuracy_unweighted = float(accuracy.mean())
         record.personalized_accuracy_worst = float(accuracy.min())
         record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
-        if all("val-accuracy" in r for r in rows):
-            val_examples = self._evaluation_weights([max(r.get("val-examples", 1.0), 1.0) for r in rows])
-            record.validation_accuracy = float(np.average([r["val-accuracy"] for r in rows], weights=val_examples))
-        if all("global-accuracy" in r for r in rows) and self.global_payload() is None:
-            record.global_accuracy = float(np.average([r["global-accuracy"] for r in rows], weights=examples))
-        return MetricRecord({"personalized-accuracy": record.personalized_accuracy})
+        if all(protocol.VAL_ACCURACY in r for r in rows):
+            val_examples = self._evaluation_weights([max(r.get(protocol.VAL_EXAMPLES, 1.0), 1.0) for r in rows])
+            record.validation_accuracy = float(np.average([r[protocol.VAL_ACCURACY] for r in rows],
+                                                          weights=val_examples))
+        if all(protocol.GLOBAL_ACCURACY in r for r in rows) and self.global_payload() is None:
+            record.global_accuracy = float(np.average([r[protocol.GLOBAL_ACCURACY] for r in rows], weights=examples))
+        return MetricRecord({protocol.PERSONALIZED_ACCURACY: record.personalized_accuracy})
 
     def _evaluation_weights(self, counts: list[float]) -> np.ndarray:
         """Evaluation example counts as weights: no client above ``faults.max_client_share``, and
@@ -608,22 +609,22 @@ class LoRAStrategy(Strategy):
     def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
         """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
         client scored) and unweighted, worst, p10; loss and perplexity token-weighted."""
-        rouge = np.array([r["rouge-l"] for r in rows])
-        scored = self._evaluation_weights([max(r.get("rouge-examples", 1.0), 1.0) for r in rows])
+        rouge = np.array([r[protocol.ROUGE_L] for r in rows])
+        scored = self._evaluation_weights([max(r.get(protocol.ROUGE_EXAMPLES, 1.0), 1.0) for r in rows])
         record.personalized_rouge_l = float(np.average(rouge, weights=scored))
         record.personalized_rouge_l_unweighted = float(rouge.mean())
         record.personalized_rouge_l_worst = float(rouge.min())
         record.personalized_rouge_l_p10 = float(np.percentile(rouge, 10))
-        record.personalized_loss = _token_mean(rows, "loss", "tokens")
+        record.personalized_loss = _token_mean(rows, protocol.LOSS, protocol.TOKENS)
         record.personalized_perplexity = math.exp(min(record.personalized_loss, 700.0))
-        if all("val-loss" in r for r in rows):
-            record.validation_loss = _token_mean(rows, "val-loss", "val-tokens")
-        if all("global-rouge-l" in r for r in rows) and self.global_payload() is None:
+        if all(protocol.VAL_LOSS in r for r in rows):
+            record.validation_loss = _token_mean(rows, protocol.VAL_LOSS, protocol.VAL_TOKENS)
+        if all(protocol.GLOBAL_ROUGE_L in r for r in rows) and self.global_payload() is None:
             examples = self._evaluation_weights([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
-            record.global_rouge_l = float(np.average([r["global-rouge-l"] for r in rows], weights=examples))
-            record.global_loss = float(np.average([r["global-loss"] for r in rows], weights=examples))
+            record.global_rouge_l = float(np.average([r[protocol.GLOBAL_ROUGE_L] for r in rows], weights=examples))
+            record.global_loss = float(np.average([r[protocol.GLOBAL_LOSS] for r in rows], weights=examples))
             record.global_perplexity = math.exp(min(record.global_loss, 700.0))
-        return MetricRecord({"personalized-rouge-l": record.personalized_rouge_l})
+        return MetricRecord({protocol.PERSONALIZED_ROUGE_L: record.personalized_rouge_l})
 
     # ---------------------------------------------------------------- results
     def record(self, server_round: int) -> RoundRecord:
@@ -665,7 +666,7 @@ class LoRAStrategy(Strategy):
             if self.paths.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:
                 config[protocol.SAVE_ADAPTER_DIR] = self.paths.adapter_dir
         message_type = MessageType.TRAIN if phase == "train" else MessageType.EVALUATE
-        content = RecordDict({"arrays": to_array_record(payload), "config": config})
+        content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(payload), protocol.CONFIG_RECORD: config})
         return Message(content=content, dst_node_id=self.roster.node_of[partition], message_type=message_type)
 
     def _sender(self, msg: Message, phase: Phase, seen: set[int]) -> int | Rejection:
@@ -720,8 +721,8 @@ class LoRAStrategy(Strategy):
                 return self.expected_upload(partition, server_round)
 
             parsed = parse_train_reply(msg, self._expectation(partition), expected)
-            if parsed.metrics is not None and EPSILON_KEY in parsed.metrics:
-                spent[partition] = parsed.metrics[EPSILON_KEY]  # spent even if the update is refused
+            if parsed.metrics is not None and protocol.DP_EPSILON in parsed.metrics:
+                spent[partition] = parsed.metrics[protocol.DP_EPSILON]  # spent even if the update is refused
             if isinstance(parsed, Rejection):
                 _reject(record, partition, node, parsed.reason)
                 continue
