@@ -33,7 +33,6 @@ def _process_age() -> float:
 
 app = ClientApp()
 
-IMPORT_SECONDS_KEY = "import-seconds"
 # Process start -> this module imported (interpreter, flwr and this module): the cold-start cost of
 # every message in a deployment, where each message gets a fresh ClientApp process.
 IMPORT_SECONDS = _process_age()
@@ -43,10 +42,10 @@ _FIRST_MESSAGE = [True]
 def _startup_metrics(setup_seconds: float) -> dict[str, float]:
     """``import-seconds``, ``setup-seconds`` and, for a process's first message, ``start-seconds``
     (process start -> local training / evaluation starts; in a deployment: message arrival)."""
-    metrics = {IMPORT_SECONDS_KEY: IMPORT_SECONDS, "setup-seconds": setup_seconds}
+    metrics = {protocol.IMPORT_SECONDS: IMPORT_SECONDS, protocol.SETUP_SECONDS: setup_seconds}
     if _FIRST_MESSAGE[0]:
         _FIRST_MESSAGE[0] = False
-        metrics["start-seconds"] = _process_age()
+        metrics[protocol.START_SECONDS] = _process_age()
     return metrics
 
 
@@ -56,7 +55,7 @@ def _setup(msg: Message, context: Context):
     from fedlora.profile import resolve_profile
     from fedlora.schema import config_from_json
 
-    message_config = dict(msg.content.config_records["config"])
+    message_config = dict(msg.content.config_records[protocol.CONFIG_RECORD])
     config = config_from_json(str(message_config[protocol.EXPERIMENT]))
     _limit_threads(config.federation.num_cpus)
     profile = resolve_profile(config, context.node_config)
@@ -90,7 +89,7 @@ def _job(msg: Message, context: Context, phase: str):
 def _checkpoint_root(message_config: dict, context: Context) -> str:
     """Where this client checkpoints its kept state: the node config's ``checkpoint-dir`` (a
     silo's own folder in a deployment), else the folder the server names (simulation)."""
-    return str(context.node_config.get(protocol.CHECKPOINT_DIR, "") or message_config.get(protocol.CHECKPOINT_DIR, ""))
+    return str(context.node_config.get(protocol.NODE_CHECKPOINT_DIR, "") or message_config.get(protocol.CHECKPOINT_DIR, ""))
 
 
 def _state_on_disk(message_config: dict, context: Context) -> bool:
@@ -144,12 +143,12 @@ def _worker() -> ConfigRecord:
     import socket
     import sys
 
-    where = ConfigRecord({"host": socket.gethostname()})
+    where = ConfigRecord({protocol.WORKER_HOST: socket.gethostname()})
     if "ray" in sys.modules:  # inside a Ray actor (never imported otherwise)
         import ray
 
         if ray.is_initialized():
-            where["ray-node"] = str(ray.get_runtime_context().get_node_id())
+            where[protocol.WORKER_RAY_NODE] = str(ray.get_runtime_context().get_node_id())
     return where
 
 
@@ -181,7 +180,7 @@ def query(msg: Message, context: Context) -> Message:
         profile.num_train_examples = len(_client_data(profile, config, federated).train)
     else:
         profile.num_train_examples = federated.num_train_examples(profile.partition_id)
-    content = RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})})
+    content = RecordDict({protocol.PROFILE_RECORD: ConfigRecord({protocol.PROFILE_JSON: profile.model_dump_json()})})
     return Message(content=content, reply_to=msg)
 
 
@@ -194,7 +193,7 @@ def clipping_when_asked(msg: Message, context: Context, call_next: Callable[[Mes
     not wrapped) the reply passes unchanged: Flower's mod alone would answer such a message with an
     error. Only training messages pass through it (``@app.train(mods=...)``).
     """
-    config = msg.content.config_records.get("config")
+    config = msg.content.config_records.get(protocol.CONFIG_RECORD)
     if config is not None and KEY_CLIPPING_NORM in config:
         return fixedclipping_mod(msg, context, call_next)
     return call_next(msg, context)
@@ -210,12 +209,12 @@ def train(msg: Message, context: Context) -> Message:
     faults = job.config.faults
     maybe_fail(faults, job.server_round, job.profile.partition_id)  # simulated crash ([faults])
     trainer = _trainer(job)
-    model = trainer.prepare(from_array_record(msg.content.array_records["arrays"]))
+    model = trainer.prepare(from_array_record(msg.content.array_records[protocol.ARRAYS_RECORD]))
     startup = _startup_metrics(setup_seconds)
     received = trainer.received_metrics(model) if job.message_config.get(protocol.EVAL_RECEIVED) else {}
     stats = trainer.fit(model)
     upload, _ = maybe_corrupt(faults, job.server_round, job.profile.partition_id, trainer.upload(model))
-    upload = _in_received_order(upload, msg.content.array_records["arrays"].keys())
+    upload = _in_received_order(upload, msg.content.array_records[protocol.ARRAYS_RECORD].keys())
     trainer.save_state(trainer.keep(model))
     if _save_state(job, context):
         _release_state(job, context)
@@ -223,7 +222,7 @@ def train(msg: Message, context: Context) -> Message:
         protocol.NUM_EXAMPLES: len(job.data.train),
         protocol.PARTITION_ID: job.profile.partition_id,
         protocol.TRAIN_LOSS: stats.loss,
-        "train-steps": stats.steps,
+        protocol.TRAIN_STEPS: stats.steps,
         protocol.TRAIN_EXAMPLES: stats.examples,
         protocol.TRAIN_SECONDS: stats.seconds,
         **startup,
@@ -232,8 +231,8 @@ def train(msg: Message, context: Context) -> Message:
         **trainer.privacy_metrics(),
     }
     log(DEBUG, "client %d round %d: loss %.4f in %.1fs", job.profile.partition_id, job.server_round, stats.loss, stats.seconds)
-    content = RecordDict({"arrays": to_array_record(upload), "metrics": MetricRecord(metrics),
-                          protocol.WORKER: _worker()})
+    content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(upload),
+                          protocol.METRICS_RECORD: MetricRecord(metrics), protocol.WORKER_RECORD: _worker()})
     return Message(content=content, reply_to=msg)
 
 
@@ -245,7 +244,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
     job, setup_seconds = _job(msg, context, "evaluate")
     trainer = _trainer(job)
-    model = trainer.prepare(from_array_record(msg.content.array_records["arrays"]))
+    model = trainer.prepare(from_array_record(msg.content.array_records[protocol.ARRAYS_RECORD]))
     startup = _startup_metrics(setup_seconds)
     metrics = trainer.evaluate(model, with_global=bool(job.message_config.get(protocol.EVAL_GLOBAL, False)))
     _release_state(job, context)  # evaluation only reads the state: its file is unchanged
@@ -255,4 +254,4 @@ def evaluate(msg: Message, context: Context) -> Message:
     if save_dir:
         labels = None if trainer.causal else job.federated.label_names
         save_adapter(model, f"{save_dir}/client_{job.profile.partition_id}", labels)
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    return Message(content=RecordDict({protocol.METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)

@@ -39,10 +39,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from fedlora.errors import ConfigError
-from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX, Payload
+from fedlora.lora import Payload, from_peft_state, payload_module, peft_key, peft_module, to_peft_state
 from fedlora.schema import ExperimentConfig, ModelConfig
 
 if TYPE_CHECKING:
@@ -51,7 +49,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PEFT_PREFIX = "base_model.model."
 TINY_BERT: dict[str, Any] = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 TINY_LLAMA: dict[str, Any] = {
     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -375,7 +372,7 @@ def protect_base_weights(model: PeftModel, modules: Iterable[str]) -> None:
         return
     for module in modules:
         if module not in shared.pristine:
-            layer: Any = model.get_submodule(PEFT_PREFIX + module)
+            layer: Any = model.get_submodule(peft_module(module))
             weight = layer.base_layer.weight if hasattr(layer, "base_layer") else layer.weight
             shared.pristine[module] = weight.detach().to("cpu", copy=True)
     shared.edited = True
@@ -519,54 +516,30 @@ class SeededAdapters:
         return module_shapes(self.build(1))
 
 
-def module_name(peft_key: str) -> str:
-    """``base_model.model.X.lora_A.weight`` -> ``X``."""
-    return re.sub(r"\.lora_[AB](\.default)?\.weight$", "", peft_key.removeprefix(PEFT_PREFIX))
-
-
 def adapter_payload(model: PeftModel) -> Payload:
     """The model's trainable adapter (LoRA factors + head) as a payload of float32 arrays."""
     from peft import get_peft_model_state_dict
 
-    payload: Payload = {}
-    for key, tensor in get_peft_model_state_dict(model, save_embedding_layers=False).items():
-        array = tensor.detach().float().cpu().numpy()
-        if ".lora_A." in key:
-            payload[module_name(key) + A_SUFFIX] = array
-        elif ".lora_B." in key:
-            payload[module_name(key) + B_SUFFIX] = array
-        else:
-            payload[HEAD_PREFIX + key.removeprefix(PEFT_PREFIX)] = array
-    return payload
-
-
-def _peft_key(payload_key: str) -> str:
-    if payload_key.endswith(A_SUFFIX):
-        return f"{PEFT_PREFIX}{payload_key[: -len(A_SUFFIX)]}.lora_A.weight"
-    if payload_key.endswith(B_SUFFIX):
-        return f"{PEFT_PREFIX}{payload_key[: -len(B_SUFFIX)]}.lora_B.weight"
-    return PEFT_PREFIX + payload_key.removeprefix(HEAD_PREFIX)
+    return from_peft_state(get_peft_model_state_dict(model, save_embedding_layers=False))
 
 
 def load_payload(model: PeftModel, payload: Payload) -> None:
     """Copy the arrays of ``payload`` into the model (a subset is fine; shapes must match)."""
-    import torch
     from peft import set_peft_model_state_dict
 
-    current = {_peft_key(k): v for k, v in adapter_payload(model).items()}
     # start from the current values: peft's loader looks up the head (modules_to_save) keys even
     # when the payload is a subset without them (KeyError 'base_model.model.classifier.weight')
-    state: dict[str, Any] = {k: torch.from_numpy(v.copy()) for k, v in current.items()}
+    state = to_peft_state(adapter_payload(model))
     for key, array in payload.items():
-        peft_key = _peft_key(key)
-        if peft_key not in current:
+        current = state.get(peft_key(key))
+        if current is None:
             raise ValueError(f"payload key {key!r} is not a parameter of this adapter")
-        if tuple(current[peft_key].shape) != tuple(array.shape):
+        if tuple(current.shape) != tuple(array.shape):
             raise ValueError(
                 f"payload key {key!r} has shape {tuple(array.shape)}, adapter expects "
-                f"{tuple(current[peft_key].shape)}"
+                f"{tuple(current.shape)}"
             )
-        state[peft_key] = torch.from_numpy(np.asarray(array, dtype=np.float32).copy())
+    state |= to_peft_state(payload)
     set_peft_model_state_dict(model, state)
 
 
@@ -575,7 +548,7 @@ def module_shapes(model: PeftModel) -> dict[str, tuple[int, int]]:
     from peft.tuners.lora import LoraLayer
 
     return {
-        name.removeprefix(PEFT_PREFIX): (int(layer.out_features or 0), int(layer.in_features or 0))
+        payload_module(name): (int(layer.out_features or 0), int(layer.in_features or 0))
         for name, layer in model.named_modules()
         if isinstance(layer, LoraLayer)
     }

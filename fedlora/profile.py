@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedlora import protocol
 from fedlora.schema import ClientsConfig, ExperimentConfig
 
 
@@ -76,22 +77,22 @@ def _number(value: Any) -> float:
 
 def resolve_profile(config: ExperimentConfig, node_config: Mapping[str, Any]) -> ClientProfile:
     """Profile of this node: config defaults by partition id, overridden by the node config."""
-    partition_id = int(node_config.get("partition-id", 0))
+    partition_id = int(node_config.get(protocol.NODE_PARTITION_ID, 0))
     num_clients = config.data.num_clients
     if not 0 <= partition_id < num_clients:
-        raise ValueError(f"partition-id {partition_id} outside [0, {num_clients})")
+        raise ValueError(f"{protocol.NODE_PARTITION_ID} {partition_id} outside [0, {num_clients})")
     rank = configured_rank(config.clients, config.model.lora_rank, partition_id, num_clients)
-    if "rank" in node_config:
-        rank = int(_number(node_config["rank"]))
+    if protocol.NODE_RANK in node_config:
+        rank = int(_number(node_config[protocol.NODE_RANK]))
     budgets = configured_budgets(config.clients, partition_id, num_clients)
     budgets |= {
-        key.removeprefix("budget-"): _number(value)
+        key.removeprefix(protocol.NODE_BUDGET_PREFIX): _number(value)
         for key, value in node_config.items()
-        if str(key).startswith("budget-")
+        if str(key).startswith(protocol.NODE_BUDGET_PREFIX)
     }
     return ClientProfile(
         partition_id=partition_id,
         rank=rank,
         budgets=budgets,
-        data_path=str(node_config.get("data-path", "")),
+        data_path=str(node_config.get(protocol.NODE_DATA_PATH, "")),
     )

@@ -27,6 +27,8 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedlora import protocol
+
 RUN_ID = 1
 SERVER_NODE_ID = 0
 
@@ -117,4 +119,4 @@ def over_the_wire(message: Message) -> Message:
 
 def node_configs(num_clients: int) -> list[dict[str, Any]]:
     """The node configs Flower's simulation engine gives its virtual SuperNodes."""
-    return [{"partition-id": i, "num-partitions": num_clients} for i in range(num_clients)]
+    return [{protocol.NODE_PARTITION_ID: i, protocol.NODE_NUM_PARTITIONS: num_clients} for i in range(num_clients)]

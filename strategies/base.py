@@ -20,8 +20,10 @@ from keywords (a Flower user's ServerApp): its method's options, Flower's ``frac
 ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``, and
 the experiment sections the clients need (``model``, ``data``, ``train``, ...; docs/flower.md).
 
-A reply is read in steps (``replies.py``): parse -> validate -> weigh, then :meth:`aggregate`
-and the round's accounting; the server never raises on what a client sent. The parts that are not
+A reply is read in steps, each a method of its own ("reading replies" below; what they check is in
+``replies.py``): parse -> validate -> weigh -> aggregate (:meth:`aggregate`) -> account; the
+server never raises on what a client sent. Every key a message carries is declared in
+``fedlora/protocol.py``. The parts that are not
 the protocol live beside it: who takes part (``roster.py``), the steps of reading a reply
 (``replies.py``), the defence against bad updates (``validation.py``), the privacy ledger
 (``ledger.py``).
@@ -64,7 +66,7 @@ from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig, apply_overrides
-from strategies.ledger import EPSILON_KEY, PrivacyLedger
+from strategies.ledger import PrivacyLedger
 from strategies.replies import (
     ClientUpload,
     Expectation,
@@ -503,38 +505,29 @@ class LoRAStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Read the replies (parse -> validate -> weigh), aggregate the valid uploads, account.
+        """Read the round's training replies and aggregate the valid uploads, in steps (each its own
+        method, below under "reading replies"):
+
+        1. **parse** and **validate** each reply (:meth:`_read_train_replies`), then the round's norm
+           outliers (:meth:`_drop_outliers`);
+        2. **weigh** the valid uploads (:meth:`_weigh`);
+        3. **account** what arrived (:meth:`_account_train`);
+        4. the failure policy (:meth:`_too_few_uploads`);
+        5. **aggregate** them (:meth:`aggregate`, the method's; :meth:`_aggregate_round`).
+
         Returns the new :meth:`global_arrays` and the round's train loss and client count; (None,
         None) when too few updates were valid (the state is unchanged, as are Flower's arrays)."""
         record = self.record(server_round)
         replies = list(replies)
         record.wire_bytes_up += sum(_wire_size(reply) for reply in replies)
-        uploads = self._valid_uploads(replies, server_round, record)  # parse + validate
+        uploads = self._read_train_replies(replies, server_round, record)  # parse -> validate
+        uploads = self._drop_outliers(uploads, record)  # validate (the round)
         self._weigh(uploads)  # weigh
-        record.clients = len(uploads)
-        record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
-        if uploads:
-            _note_received(uploads, record)
-            record.train_loss = float(np.average([u.metrics.get(protocol.TRAIN_LOSS, math.nan) for u in uploads],
-                                                 weights=self.weights(uploads)))
-            record.client_train_seconds = float(sum(u.metrics.get(protocol.TRAIN_SECONDS, 0.0) for u in uploads))
-            record.train_examples = int(sum(u.metrics.get(protocol.TRAIN_EXAMPLES, 0.0) for u in uploads))
-        log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), record.failures)
-        if len(uploads) < self.min_uploads():
-            self.failed_rounds += 1
-            message = f"round {server_round}: {len(uploads)} valid updates < federation.min_clients={self.min_uploads()}"
-            if self.failed_rounds >= self.experiment.faults.max_failed_rounds:
-                raise RoundFailedError(f"{message}, {self.failed_rounds} rounds in a row "
-                                       f"(faults.max_failed_rounds); stopping the run")
-            log(WARNING, "aggregate_train: %s: state unchanged, the next round retries", message)
+        self._account_train(uploads, record)  # account
+        if self._too_few_uploads(uploads, server_round):
             return None, None
-        self.failed_rounds = 0
-        started = time.perf_counter()
-        self.aggregate(server_round, uploads)  # aggregate
-        record.aggregation_seconds = time.perf_counter() - started
-        self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
-        record.extra.update(self.round_extra(server_round))
-        metrics = MetricRecord({"train-loss": record.train_loss, "clients": len(uploads)})
+        self._aggregate_round(server_round, uploads, record)  # aggregate
+        metrics = MetricRecord({protocol.TRAIN_LOSS: record.train_loss, protocol.CLIENTS: len(uploads)})
         return to_array_record(self.global_arrays()), metrics
 
     def configure_evaluate(
@@ -559,71 +552,20 @@ class LoRAStrategy(Strategy):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Example-weighted (no client above ``faults.max_client_share``) and unweighted means,
-        worst client and 10th percentile, over the valid replies (parse -> validate -> weigh)."""
+        """Personalised evaluation over the round's valid replies: **parse** and **validate** each
+        (:meth:`_read_evaluate_replies`), then **weigh** and **aggregate**: a classifier's accuracy
+        (:meth:`_aggregate_accuracy`), a causal LM's ROUGE-L and loss (:meth:`_aggregate_generation`),
+        example-weighted (no client above ``faults.max_client_share``) and unweighted, worst client
+        and 10th percentile. None when no reply was valid."""
         record = self.record(server_round)
-        rows = []
         replies = list(replies)
         record.wire_bytes_eval += sum(_wire_size(reply) for reply in replies)
-        seen: set[int] = set()
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            partition = self._sender(msg, "evaluate", seen)
-            if msg.has_error():  # the client's evaluation failed: nothing to count (or a stray error)
-                log(WARNING, "aggregate_evaluate: node %d failed: %s", node, _short(msg.error.reason))
-                continue
-            if isinstance(partition, Rejection):
-                _reject(record, self._known(node), node, partition.reason, "aggregate_evaluate", failure=False)
-                continue
-            parsed = parse_evaluate_reply(msg, partition, self.experiment.model.kind)
-            if isinstance(parsed, Rejection):
-                _reject(record, partition, node, parsed.reason, "aggregate_evaluate", failure=False)
-                continue
-            rows.append(parsed)
-            record.per_client[str(partition)] = dict(parsed)
+        rows = self._read_evaluate_replies(replies, record)  # parse -> validate
         if not rows:
             return None
-        rows.sort(key=lambda r: r[protocol.PARTITION_ID])  # the result does not depend on the replies' arrival order
         if self.experiment.model.kind == "causal_lm":
-            return self._aggregate_generation(record, rows)
-        accuracy = np.array([r["accuracy"] for r in rows])
-        examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
-        record.personalized_accuracy = float(np.average(accuracy, weights=examples))
-        record.personalized_accuracy_unweighted = float(accuracy.mean())
-        record.personalized_accuracy_worst = float(accuracy.min())
-        record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
-        if all("val-accuracy" in r for r in rows):
-            val_examples = self._evaluation_weights([max(r.get("val-examples", 1.0), 1.0) for r in rows])
-            record.validation_accuracy = float(np.average([r["val-accuracy"] for r in rows], weights=val_examples))
-        if all("global-accuracy" in r for r in rows) and self.global_payload() is None:
-            record.global_accuracy = float(np.average([r["global-accuracy"] for r in rows], weights=examples))
-        return MetricRecord({"personalized-accuracy": record.personalized_accuracy})
-
-    def _evaluation_weights(self, counts: list[float]) -> np.ndarray:
-        """Evaluation example counts as weights: no client above ``faults.max_client_share``, and
-        uniform when every count is zero (a weighted mean needs a positive total)."""
-        weights = capped_weights(counts, self.experiment.faults.max_client_share)
-        return weights if weights.sum() > 0 else np.ones(len(counts))
-
-    def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
-        """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
-        client scored) and unweighted, worst, p10; loss and perplexity token-weighted."""
-        rouge = np.array([r["rouge-l"] for r in rows])
-        scored = self._evaluation_weights([max(r.get("rouge-examples", 1.0), 1.0) for r in rows])
-        record.personalized_rouge_l = float(np.average(rouge, weights=scored))
-        record.personalized_rouge_l_unweighted = float(rouge.mean())
-        record.personalized_rouge_l_worst = float(rouge.min())
-        record.personalized_rouge_l_p10 = float(np.percentile(rouge, 10))
-        record.personalized_loss = _token_mean(rows, "loss", "tokens")
-        record.personalized_perplexity = math.exp(min(record.personalized_loss, 700.0))
-        if all("val-loss" in r for r in rows):
-            record.validation_loss = _token_mean(rows, "val-loss", "val-tokens")
-        if all("global-rouge-l" in r for r in rows) and self.global_payload() is None:
-            examples = self._evaluation_weights([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
-            record.global_rouge_l = float(np.average([r["global-rouge-l"] for r in rows], weights=examples))
-            record.global_loss = float(np.average([r["global-loss"] for r in rows], weights=examples))
-            record.global_perplexity = math.exp(min(record.global_loss, 700.0))
-        return MetricRecord({"personalized-rouge-l": record.personalized_rouge_l})
+            return self._aggregate_generation(record, rows)  # weigh -> aggregate -> account
+        return self._aggregate_accuracy(record, rows)  # weigh -> aggregate -> account
 
     # ---------------------------------------------------------------- results
     def record(self, server_round: int) -> RoundRecord:
@@ -665,9 +607,11 @@ class LoRAStrategy(Strategy):
             if self.paths.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:
                 config[protocol.SAVE_ADAPTER_DIR] = self.paths.adapter_dir
         message_type = MessageType.TRAIN if phase == "train" else MessageType.EVALUATE
-        content = RecordDict({"arrays": to_array_record(payload), "config": config})
+        content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(payload), protocol.CONFIG_RECORD: config})
         return Message(content=content, dst_node_id=self.roster.node_of[partition], message_type=message_type)
 
+    # ---------------------------------------------------------------- reading replies
+    # parse -> validate -> weigh -> aggregate -> account; what the steps check is in replies.py
     def _sender(self, msg: Message, phase: Phase, seen: set[int]) -> int | Rejection:
         """The partition of the reply's sender (the roster's map, never what the reply claims), if it
         was sent a message of ``phase`` this round and has not replied yet (then added to ``seen``)."""
@@ -698,49 +642,61 @@ class LoRAStrategy(Strategy):
         return Expectation(partition, self.roster.profiles[partition].num_train_examples, faults.max_examples,
                            reference, faults.max_update_ratio)
 
-    def _valid_uploads(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
-        """Parse and validate every reply (:func:`strategies.replies.parse_train_reply`); count the
-        errors, the missing replies and the rejections; note the DP epsilon each client reported."""
+    def _read_train_reply(self, msg: Message, server_round: int, seen: set[int],
+                          record: RoundRecord) -> tuple[int, ClientUpload | Rejection] | None:
+        """Parse and validate one training reply: the sender's partition and its upload or the
+        :class:`Rejection` of the reply's first problem (:func:`strategies.replies.parse_train_reply`,
+        against :meth:`_expectation` and, once its metrics are known, :meth:`expected_upload`).
+        None for a reply there is nothing to read in: an error reply (a sampled client's is a
+        failure of the round, a stray one is only logged) or one from a sender that was not
+        waited for (:meth:`_sender`: counted as rejected, not as a failure)."""
+        node = msg.metadata.src_node_id
+        partition = self._sender(msg, "train", seen)
+        if msg.has_error():
+            log(WARNING, "aggregate_train: node %d failed: %s", node, _short(msg.error.reason))
+            record.failures += not isinstance(partition, Rejection)
+            return None
+        if isinstance(partition, Rejection):
+            _reject(record, self._known(node), node, partition.reason, failure=False)
+            return None
+
+        def expected(metrics: Mapping[str, float], partition: int = partition) -> dict[str, tuple[int, ...]]:
+            self.observe_reply(partition, metrics)
+            return self.expected_upload(partition, server_round)
+
+        return partition, parse_train_reply(msg, self._expectation(partition), expected)
+
+    def _read_train_replies(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
+        """Parse and validate every training reply (:meth:`_read_train_reply`); count the
+        rejections and the sampled clients that did not reply; note in the privacy ledger the DP
+        epsilon each client reported (spent even when its update is refused). Returns the valid
+        uploads by partition (the result does not depend on the replies' arrival order)."""
         uploads: list[ClientUpload] = []
         seen: set[int] = set()  # sampled partitions that replied (an error reply too)
         spent: dict[int, float] = {}
         for msg in replies:
-            node = msg.metadata.src_node_id
-            partition = self._sender(msg, "train", seen)
-            if msg.has_error():  # a crashed client: a failure of the round (a stray error is only logged)
-                log(WARNING, "aggregate_train: node %d failed: %s", node, _short(msg.error.reason))
-                record.failures += not isinstance(partition, Rejection)
+            read = self._read_train_reply(msg, server_round, seen, record)
+            if read is None:
                 continue
-            if isinstance(partition, Rejection):
-                _reject(record, self._known(node), node, partition.reason, failure=False)
-                continue
-
-            def expected(metrics: Mapping[str, float], partition: int = partition) -> dict[str, tuple[int, ...]]:
-                self.observe_reply(partition, metrics)
-                return self.expected_upload(partition, server_round)
-
-            parsed = parse_train_reply(msg, self._expectation(partition), expected)
-            if parsed.metrics is not None and EPSILON_KEY in parsed.metrics:
-                spent[partition] = parsed.metrics[EPSILON_KEY]  # spent even if the update is refused
+            partition, parsed = read
+            if parsed.metrics is not None and protocol.DP_EPSILON in parsed.metrics:
+                spent[partition] = parsed.metrics[protocol.DP_EPSILON]
             if isinstance(parsed, Rejection):
-                _reject(record, partition, node, parsed.reason)
+                _reject(record, partition, msg.metadata.src_node_id, parsed.reason)
                 continue
             uploads.append(parsed)
-            metrics = parsed.metrics
-            record.per_client_train[str(partition)] = {
-                "train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
-                "examples": metrics.get(protocol.TRAIN_EXAMPLES), **parsed.worker,
-            }
-        missing = max(record.sampled - len(seen), 0)  # no reply before federation.round_timeout
-        if missing:
-            record.failures += missing
-            log(WARNING, "aggregate_train: %d of %d sampled clients did not reply within federation.round_timeout",
-                missing, record.sampled)
+            record.per_client_train[str(partition)] = _client_train(parsed)
+        _count_missing(record, replied=len(seen))
         self.ledger.note(spent, record)
-        uploads.sort(key=lambda u: u.partition_id)
+        return sorted(uploads, key=lambda u: u.partition_id)
+
+    def _drop_outliers(self, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
+        """Validate over the round: reject the uploads whose norm is an outlier among this round's
+        (:func:`strategies.validation.norm_outliers`, ``faults``); the others, in order."""
         outliers = norm_outliers([u.payload for u in uploads], self.experiment.faults)
         for index, reason in outliers.items():
-            _reject(record, uploads[index].partition_id, self.roster.node_of.get(uploads[index].partition_id), reason)
+            partition = uploads[index].partition_id
+            _reject(record, partition, self.roster.node_of.get(partition), reason)
         return [u for i, u in enumerate(uploads) if i not in outliers]
 
     def _weigh(self, uploads: list[ClientUpload]) -> None:
@@ -753,6 +709,111 @@ class LoRAStrategy(Strategy):
                 log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples "
                     "(faults.max_client_share = %g)", upload.partition_id, weight, upload.num_examples, max_share)
             upload.weight = float(weight)
+
+    def _account_train(self, uploads: list[ClientUpload], record: RoundRecord) -> None:
+        """The round's record of what arrived: clients, upload bytes, the received accuracy
+        (:func:`_note_received`), the weighted train loss, the clients' training time and examples."""
+        record.clients = len(uploads)
+        record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
+        if uploads:
+            _note_received(uploads, record)
+            record.train_loss = float(np.average([u.metrics.get(protocol.TRAIN_LOSS, math.nan) for u in uploads],
+                                                 weights=self.weights(uploads)))
+            record.client_train_seconds = float(sum(u.metrics.get(protocol.TRAIN_SECONDS, 0.0) for u in uploads))
+            record.train_examples = int(sum(u.metrics.get(protocol.TRAIN_EXAMPLES, 0.0) for u in uploads))
+        log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), record.failures)
+
+    def _too_few_uploads(self, uploads: list[ClientUpload], server_round: int) -> bool:
+        """The failure policy: fewer valid uploads than :meth:`min_uploads` leave the state as it
+        is (the next round retries); ``faults.max_failed_rounds`` such rounds in a row end the run
+        (:class:`RoundFailedError`)."""
+        if len(uploads) >= self.min_uploads():
+            self.failed_rounds = 0
+            return False
+        self.failed_rounds += 1
+        message = f"round {server_round}: {len(uploads)} valid updates < federation.min_clients={self.min_uploads()}"
+        if self.failed_rounds >= self.experiment.faults.max_failed_rounds:
+            raise RoundFailedError(f"{message}, {self.failed_rounds} rounds in a row "
+                                   f"(faults.max_failed_rounds); stopping the run")
+        log(WARNING, "aggregate_train: %s: state unchanged, the next round retries", message)
+        return True
+
+    def _aggregate_round(self, server_round: int, uploads: list[ClientUpload], record: RoundRecord) -> None:
+        """Aggregate (:meth:`aggregate`) and account for it: its time, the next round's reference
+        norm (``faults.max_update_ratio``), the method's facts of the round (:meth:`round_extra`)."""
+        started = time.perf_counter()
+        self.aggregate(server_round, uploads)
+        record.aggregation_seconds = time.perf_counter() - started
+        self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
+        record.extra.update(self.round_extra(server_round))
+
+    def _read_evaluate_replies(self, replies: list[Message], record: RoundRecord) -> list[dict[str, float]]:
+        """Parse and validate every evaluation reply (:func:`strategies.replies.parse_evaluate_reply`,
+        from a client sent an evaluation message this round, once: :meth:`_sender`); a failed or
+        refused evaluation is no failure of the round. Returns the valid metrics by partition (each
+        also the round's per-client entry)."""
+        rows: list[dict[str, float]] = []
+        seen: set[int] = set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            partition = self._sender(msg, "evaluate", seen)
+            if msg.has_error():  # the client's evaluation failed: nothing to count (or a stray error)
+                log(WARNING, "aggregate_evaluate: node %d failed: %s", node, _short(msg.error.reason))
+                continue
+            if isinstance(partition, Rejection):
+                _reject(record, self._known(node), node, partition.reason, "aggregate_evaluate", failure=False)
+                continue
+            parsed = parse_evaluate_reply(msg, partition, self.experiment.model.kind)
+            if isinstance(parsed, Rejection):
+                _reject(record, partition, node, parsed.reason, "aggregate_evaluate", failure=False)
+                continue
+            rows.append(parsed)
+            record.per_client[str(partition)] = dict(parsed)
+        return sorted(rows, key=lambda r: r[protocol.PARTITION_ID])  # independent of the arrival order
+
+    def _evaluation_weights(self, counts: list[float]) -> np.ndarray:
+        """Evaluation example counts as weights: no client above ``faults.max_client_share``, and
+        uniform when every count is zero (a weighted mean needs a positive total)."""
+        weights = capped_weights(counts, self.experiment.faults.max_client_share)
+        return weights if weights.sum() > 0 else np.ones(len(counts))
+
+    def _aggregate_accuracy(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
+        """A classifier's personalised evaluation: accuracy example-weighted and unweighted, worst,
+        p10; validation accuracy weighted by the validation examples; the global-test accuracy of a
+        method without a global model (each client's own model on the global test set)."""
+        accuracy = np.array([r[protocol.ACCURACY] for r in rows])
+        examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
+        record.personalized_accuracy = float(np.average(accuracy, weights=examples))
+        record.personalized_accuracy_unweighted = float(accuracy.mean())
+        record.personalized_accuracy_worst = float(accuracy.min())
+        record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
+        if all(protocol.VAL_ACCURACY in r for r in rows):
+            val_examples = self._evaluation_weights([max(r.get(protocol.VAL_EXAMPLES, 1.0), 1.0) for r in rows])
+            record.validation_accuracy = float(np.average([r[protocol.VAL_ACCURACY] for r in rows],
+                                                          weights=val_examples))
+        if all(protocol.GLOBAL_ACCURACY in r for r in rows) and self.global_payload() is None:
+            record.global_accuracy = float(np.average([r[protocol.GLOBAL_ACCURACY] for r in rows], weights=examples))
+        return MetricRecord({protocol.PERSONALIZED_ACCURACY: record.personalized_accuracy})
+
+    def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
+        """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
+        client scored) and unweighted, worst, p10; loss and perplexity token-weighted."""
+        rouge = np.array([r[protocol.ROUGE_L] for r in rows])
+        scored = self._evaluation_weights([max(r.get(protocol.ROUGE_EXAMPLES, 1.0), 1.0) for r in rows])
+        record.personalized_rouge_l = float(np.average(rouge, weights=scored))
+        record.personalized_rouge_l_unweighted = float(rouge.mean())
+        record.personalized_rouge_l_worst = float(rouge.min())
+        record.personalized_rouge_l_p10 = float(np.percentile(rouge, 10))
+        record.personalized_loss = _token_mean(rows, protocol.LOSS, protocol.TOKENS)
+        record.personalized_perplexity = math.exp(min(record.personalized_loss, 700.0))
+        if all(protocol.VAL_LOSS in r for r in rows):
+            record.validation_loss = _token_mean(rows, protocol.VAL_LOSS, protocol.VAL_TOKENS)
+        if all(protocol.GLOBAL_ROUGE_L in r for r in rows) and self.global_payload() is None:
+            examples = self._evaluation_weights([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
+            record.global_rouge_l = float(np.average([r[protocol.GLOBAL_ROUGE_L] for r in rows], weights=examples))
+            record.global_loss = float(np.average([r[protocol.GLOBAL_LOSS] for r in rows], weights=examples))
+            record.global_perplexity = math.exp(min(record.global_loss, 700.0))
+        return MetricRecord({protocol.PERSONALIZED_ROUGE_L: record.personalized_rouge_l})
 
 
 def _arrays_problem(payload: Payload, expected: Payload) -> str:
@@ -788,6 +849,22 @@ def _reject(record: RoundRecord, partition: int | None, node: int | None, reason
     phase = "" if hook == "aggregate_train" else "evaluation: "
     record.rejections.append(f"{phase}{who} (node {node}): {reason}")
     log(WARNING, "%s: rejecting the reply of %s (node %s): %s", hook, who, node, reason)
+
+
+def _client_train(upload: ClientUpload) -> dict[str, Any]:
+    """An upload's per-client entry of the round (results.json ``per_client_train``)."""
+    metrics = upload.metrics
+    return {"train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
+            "examples": metrics.get(protocol.TRAIN_EXAMPLES), **upload.worker}
+
+
+def _count_missing(record: RoundRecord, replied: int) -> None:
+    """Count the sampled clients that did not reply before ``federation.round_timeout`` as failures."""
+    missing = max(record.sampled - replied, 0)
+    if missing:
+        record.failures += missing
+        log(WARNING, "aggregate_train: %d of %d sampled clients did not reply within federation.round_timeout",
+            missing, record.sampled)
 
 
 def _short(text: object, limit: int = 300) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedlora import protocol
 from fedlora.lora import Payload
 from fedlora.methods import centralized
 from fedlora.protocol import Phase
@@ -53,7 +54,7 @@ class Centralized(LoRAStrategy):
 
     def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
         clients = len(self.roster.partitions)
-        return {centralized.CLIENTS_KEY: min(clients, max(self.min_train_nodes, round(self.fraction_train * clients)))}
+        return {protocol.CENTRALIZED_CLIENTS: min(clients, max(self.min_train_nodes, round(self.fraction_train * clients)))}
 
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return self.model_adapter

@@ -6,9 +6,10 @@ from typing import Any
 
 import numpy as np
 
+from fedlora import protocol
 from fedlora.lora import Payload, head_only, normalise, split_payload
 from fedlora.methods import feddr_lora
-from fedlora.methods.feddr_lora import NOISE_METRIC_PREFIX, aggregate_robust_B, split_summary
+from fedlora.methods.feddr_lora import aggregate_robust_B, split_summary
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
@@ -101,7 +102,7 @@ class FedDRLoRA(LoRAStrategy):
         self.global_B = {k: v for k, v in averaged.items() if k in self.global_B}
         self.head = {k: v for k, v in averaged.items() if k in self.head}
         self.split_metrics = {
-            u.partition_id: {k: v for k, v in u.metrics.items() if k.startswith(NOISE_METRIC_PREFIX)} for u in uploads
+            u.partition_id: {k: v for k, v in u.metrics.items() if k.startswith(protocol.FEDDR_NOISE_PREFIX)} for u in uploads
         }
 
     def global_arrays(self) -> Payload:

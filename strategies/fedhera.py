@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora import state
+from fedlora import protocol, state
 from fedlora.lora import (
     A_SUFFIX,
     B_SUFFIX,
@@ -29,10 +29,7 @@ from fedlora.methods import fedhera
 from fedlora.methods.fedhera import (
     BUDGET_KEYS,
     BYTES_PER_PARAM,
-    LAMBDA_KEY,
     NEVER_SCORED,
-    R_MAIN_KEY,
-    R_TOT_KEY,
     aggregate_original,
     aggregate_unbiased,
     alignment_score,
@@ -276,9 +273,9 @@ class FedHera(LoRAStrategy):
     def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
         push = self.pushes[(partition, server_round + (phase == "evaluate"))]  # evaluation: next round's push
         return {
-            R_TOT_KEY: json.dumps(push.r_tot),
-            R_MAIN_KEY: json.dumps(push.r_main),
-            LAMBDA_KEY: push.lam if phase == "train" else 1.0,
+            protocol.FEDHERA_R_TOT: json.dumps(push.r_tot),
+            protocol.FEDHERA_R_MAIN: json.dumps(push.r_main),
+            protocol.FEDHERA_LAMBDA: push.lam if phase == "train" else 1.0,
         }
 
     def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:

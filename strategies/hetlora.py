@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fedlora import protocol
 from fedlora.lora import (
     Factors,
     Payload,
@@ -14,7 +15,7 @@ from fedlora.lora import (
     truncate_rank,
 )
 from fedlora.methods import hetlora
-from fedlora.methods.hetlora import UPLOAD_RANK_KEY, hetlora_aggregate, pruned_rank
+from fedlora.methods.hetlora import hetlora_aggregate, pruned_rank
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
@@ -99,7 +100,7 @@ class HetLoRA(LoRAStrategy):
 
     def observe_reply(self, partition: int, metrics: Mapping[str, float]) -> None:
         """A self-pruning client reports the rank of its upload: its current rank or the pruned one."""
-        reported = metrics.get(UPLOAD_RANK_KEY, float(self.ranks[partition]))
+        reported = metrics.get(protocol.HETLORA_UPLOAD_RANK, float(self.ranks[partition]))
         allowed = {self.ranks[partition], pruned_rank(self.ranks[partition], self.options.prune_decay)}
         # anything else (NaN, 2.5, another rank) keeps the current rank: the upload's shapes are refused
         self.upload_rank[partition] = int(reported) if self.options.self_prune and reported in allowed else self.ranks[partition]

@@ -1,4 +1,4 @@
-"""The privacy ledger: each client's DP epsilon as its training replies report it."""
+"""The privacy ledger: each client's DP epsilon as its training replies report it (``protocol.DP_EPSILON``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from fedlora import state
 from fedlora.results import RoundRecord
 from fedlora.schema import PrivacyConfig
 
-EPSILON_KEY = "dp-epsilon"  # train metric: the client's epsilon over all its rounds so far
 NOISE_SEED_SECRET = "fresh operating-system entropy on each client, every round; never sent or stored"
 NOISE_SEED_REPRODUCIBLE = ("train.seed, round and partition (privacy.reproducible_noise): NO privacy against the "
                            "server, which can regenerate the noise")

@@ -31,7 +31,6 @@ from flwr.app import Message
 from fedlora import protocol
 from fedlora.lora import ADAPTER_DTYPE, Payload
 from fedlora.schema import ModelKind
-from strategies.ledger import EPSILON_KEY
 from strategies.validation import check_upload, ratio_bound, update_norm
 
 MAX_METRICS = 256  # more metrics than any honest reply carries (about 20): the reply is refused
@@ -76,21 +75,23 @@ TRAIN_METRICS: dict[str, MetricRule] = {
     protocol.TRAIN_EXAMPLES: COUNT,
     protocol.RECEIVED_ACCURACY: FRACTION,
     protocol.RECEIVED_EXAMPLES: COUNT,
-    EPSILON_KEY: MetricRule(low=0.0, infinite=True),  # epsilon is infinite without noise
+    protocol.DP_EPSILON: MetricRule(low=0.0, infinite=True),  # epsilon is infinite without noise
 }
 TRAIN_REQUIRED = (protocol.NUM_EXAMPLES, protocol.PARTITION_ID)
 
 EVALUATE_METRICS: dict[str, MetricRule] = {
     protocol.NUM_EXAMPLES: COUNT,
     protocol.PARTITION_ID: COUNT,
-    "accuracy": FRACTION, "val-accuracy": FRACTION, "global-accuracy": FRACTION,
-    "rouge-l": FRACTION, "global-rouge-l": FRACTION,
-    "loss": NON_NEGATIVE, "val-loss": NON_NEGATIVE, "global-loss": NON_NEGATIVE, "perplexity": NON_NEGATIVE,
-    "val-examples": COUNT, "rouge-examples": COUNT, "tokens": COUNT, "val-tokens": COUNT, "global-tokens": COUNT,
+    protocol.ACCURACY: FRACTION, protocol.VAL_ACCURACY: FRACTION, protocol.GLOBAL_ACCURACY: FRACTION,
+    protocol.ROUGE_L: FRACTION, protocol.GLOBAL_ROUGE_L: FRACTION,
+    protocol.LOSS: NON_NEGATIVE, protocol.VAL_LOSS: NON_NEGATIVE, protocol.GLOBAL_LOSS: NON_NEGATIVE,
+    protocol.PERPLEXITY: NON_NEGATIVE,
+    protocol.VAL_EXAMPLES: COUNT, protocol.ROUGE_EXAMPLES: COUNT, protocol.TOKENS: COUNT, protocol.VAL_TOKENS: COUNT,
+    protocol.GLOBAL_TOKENS: COUNT,
 }
 EVALUATE_REQUIRED: dict[str, tuple[str, ...]] = {  # by model.kind: what aggregate_evaluate reads
-    "classification": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, "accuracy"),
-    "causal_lm": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, "rouge-l", "loss"),
+    "classification": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, protocol.ACCURACY),
+    "causal_lm": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, protocol.ROUGE_L, protocol.LOSS),
 }
 
 
@@ -137,9 +138,9 @@ class Expectation:
 # ---------------------------------------------------------------------------------------- parse
 def parse_metrics(message: Message, rules: Mapping[str, MetricRule], required: tuple[str, ...]) -> dict[str, float] | str:
     """The reply's ``metrics`` record as floats, every value a number within its rule, or why not."""
-    record = message.content.metric_records.get("metrics")
+    record = message.content.metric_records.get(protocol.METRICS_RECORD)
     if record is None:
-        return "no 'metrics' record"
+        return f"no {protocol.METRICS_RECORD!r} record"
     if len(record) > MAX_METRICS:
         return f"{len(record)} metrics (at most {MAX_METRICS})"
     metrics: dict[str, float] = {}
@@ -175,9 +176,9 @@ def parse_arrays(message: Message, expected: Mapping[str, tuple[int, ...]]) -> P
     not: keys, declared shapes (checked before anything is deserialised), float dtypes, the
     deserialised arrays' own shapes and dtypes, NaN / Inf (after the cast: 1e300 in float64 is
     Inf in float32)."""
-    record = message.content.array_records.get("arrays")
+    record = message.content.array_records.get(protocol.ARRAYS_RECORD)
     if record is None:
-        return "no 'arrays' record"
+        return f"no {protocol.ARRAYS_RECORD!r} record"
     missing = sorted(set(expected) - set(record))
     unexpected = sorted(set(record) - set(expected))
     if missing or unexpected:
@@ -250,7 +251,7 @@ def parse_evaluate_reply(message: Message, partition: int, kind: ModelKind) -> d
 
 def _worker(message: Message) -> dict[str, str]:
     """Where the message ran (the reply's ``worker`` config record), as short texts."""
-    record = message.content.config_records.get(protocol.WORKER)
+    record = message.content.config_records.get(protocol.WORKER_RECORD)
     if record is None:
         return {}
     return {str(k)[:40]: str(v)[:MAX_WORKER_TEXT] for k, v in list(record.items())[:8]}

@@ -15,6 +15,7 @@ from logging import INFO, WARNING, getLogger
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedlora import protocol
 from fedlora.profile import ClientProfile
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
@@ -149,7 +150,7 @@ class ClientRoster:
         """One QUERY message per node (carrying the experiment); the replies."""
         self.seen_nodes.update(node_ids)
         queries = [
-            Message(content=RecordDict({"config": ConfigRecord({"experiment": experiment_json})}),
+            Message(content=RecordDict({protocol.CONFIG_RECORD: ConfigRecord({protocol.EXPERIMENT: experiment_json})}),
                     dst_node_id=node_id, message_type=MessageType.QUERY)
             for node_id in node_ids
         ]
@@ -178,8 +179,8 @@ def read_profile(reply: Message) -> ClientProfile | str:
     JSON that is not a profile): never an exception, whatever the node sent."""
     if reply.has_error():
         return f"query failed: {' '.join(str(reply.error.reason).split())[:300]}"
-    record = reply.content.config_records.get("profile")
-    text = record.get("json") if record is not None else None
+    record = reply.content.config_records.get(protocol.PROFILE_RECORD)
+    text = record.get(protocol.PROFILE_JSON) if record is not None else None
     if not isinstance(text, str):
         return "its query reply carries no profile"
     try:

@@ -193,7 +193,8 @@ def test_target_modules_default_to_the_attention_projections_of_the_model_kind()
 def test_one_base_model_per_process_and_edited_weights_come_back() -> None:
     import torch
 
-    from fedlora.models import PEFT_PREFIX, adapter_payload, build_model, protect_base_weights
+    from fedlora.lora import peft_module
+    from fedlora.models import adapter_payload, build_model, protect_base_weights
 
     # Prepare
     cfg = load_config(SMOKE).model
@@ -204,12 +205,12 @@ def test_one_base_model_per_process_and_edited_weights_come_back() -> None:
     # Execute: a method edits W0 (FLoRA's merge), then the next message builds its model
     protect_base_weights(first, [module])
     with torch.no_grad():
-        first.get_submodule(PEFT_PREFIX + module).base_layer.weight += 1.0
+        first.get_submodule(peft_module(module)).base_layer.weight += 1.0
     second = build_model(cfg, 8, 2, seed=0, init="pissa", device="cpu")
     third = build_model(cfg, 8, 4, seed=0, device="cpu")
     # Assert: the same base object every time (no copy), W0 restored, the seeded adapter identical
     assert second.get_base_model() is base and third.get_base_model() is base
-    assert torch.equal(third.get_submodule(PEFT_PREFIX + module).base_layer.weight, original)
+    assert torch.equal(third.get_submodule(peft_module(module)).base_layer.weight, original)
     before, after = adapter_payload(first), adapter_payload(third)
     assert all(np.array_equal(before[k], after[k]) for k in before)
 

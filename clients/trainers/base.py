@@ -166,8 +166,8 @@ class LocalTrainer:
             "noise": [float(h[0]) for h in result.history], "rate": [float(h[1]) for h in result.history],
             "steps": [int(h[2]) for h in result.history],
         })
-        self.privacy = {"dp-epsilon": result.epsilon, "dp-noise-multiplier": result.noise_multiplier,
-                        "dp-sample-rate": result.sample_rate}
+        self.privacy = {protocol.DP_EPSILON: result.epsilon, protocol.DP_NOISE_MULTIPLIER: result.noise_multiplier,
+                        protocol.DP_SAMPLE_RATE: result.sample_rate}
         return result.stats
 
     def _privacy_history(self) -> History:
@@ -235,13 +235,13 @@ class LocalTrainer:
         if self.causal:
             return self.evaluate_generation(model, with_global)
         test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
-        metrics = {"accuracy": test.accuracy, "loss": test.loss, "num-examples": float(test.examples)}
+        metrics = {protocol.ACCURACY: test.accuracy, protocol.LOSS: test.loss, protocol.NUM_EXAMPLES: float(test.examples)}
         if len(self.job.data.val):
             val = evaluate(model, self.loader(self.job.data.val, "val"), self.device)
-            metrics |= {"val-accuracy": val.accuracy, "val-examples": float(val.examples)}
+            metrics |= {protocol.VAL_ACCURACY: val.accuracy, protocol.VAL_EXAMPLES: float(val.examples)}
         if with_global:
             glob = evaluate(model, self.loader(self.job.federated.global_test, "global"), self.device)
-            metrics["global-accuracy"] = glob.accuracy
+            metrics[protocol.GLOBAL_ACCURACY] = glob.accuracy
         return {k: (v if math.isfinite(v) else 0.0) for k, v in metrics.items()}
 
     def evaluate_generation(self, model: PeftModel, with_global: bool) -> dict[str, float]:
@@ -254,14 +254,17 @@ class LocalTrainer:
                                        cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size)
 
         test = scores(self.job.data.test, "test")
-        metrics = {"rouge-l": test.rouge_l, "loss": test.loss, "perplexity": test.perplexity, "tokens": float(test.tokens),
-                   "num-examples": float(test.examples), "rouge-examples": float(test.rouge_examples)}
+        metrics = {protocol.ROUGE_L: test.rouge_l, protocol.LOSS: test.loss, protocol.PERPLEXITY: test.perplexity,
+                   protocol.TOKENS: float(test.tokens), protocol.NUM_EXAMPLES: float(test.examples),
+                   protocol.ROUGE_EXAMPLES: float(test.rouge_examples)}
         if len(self.job.data.val):
             val_loss, val_tokens = response_loss(model, self.loader(self.job.data.val, "val"), self.device)
-            metrics |= {"val-loss": val_loss, "val-tokens": float(val_tokens), "val-examples": float(len(self.job.data.val))}
+            metrics |= {protocol.VAL_LOSS: val_loss, protocol.VAL_TOKENS: float(val_tokens),
+                        protocol.VAL_EXAMPLES: float(len(self.job.data.val))}
         if with_global:
             glob = scores(self.job.federated.global_test, "global")
-            metrics |= {"global-rouge-l": glob.rouge_l, "global-loss": glob.loss, "global-tokens": float(glob.tokens)}
+            metrics |= {protocol.GLOBAL_ROUGE_L: glob.rouge_l, protocol.GLOBAL_LOSS: glob.loss,
+                        protocol.GLOBAL_TOKENS: float(glob.tokens)}
         return {k: (v if math.isfinite(v) else 0.0) for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ state

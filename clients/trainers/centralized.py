@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, ClassVar
 
 from clients.trainers.base import LocalTrainer
-from fedlora.methods.centralized import CLIENTS_KEY
+from fedlora import protocol
 from fedlora.training import TrainStats, train
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ class CentralizedTrainer(LocalTrainer):
 
         cfg = self.config.train
         pooled = datasets.concatenate_datasets([client.train for client in self.job.federated.clients])
-        clients = int(self.job.message_config.get(CLIENTS_KEY, 1))
+        clients = int(self.job.message_config.get(protocol.CENTRALIZED_CLIENTS, 1))
         if cfg.max_steps:
             steps, epochs = cfg.max_steps * clients, math.ceil(cfg.max_steps * clients * cfg.batch_size / len(pooled))
         else:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload
-from fedlora.models import PEFT_PREFIX, adapter_payload, load_payload, module_name
+from fedlora import protocol
+from fedlora.lora import Payload, from_peft_state, to_peft_state
+from fedlora.models import adapter_payload, load_payload
 
 if TYPE_CHECKING:
     import torch
@@ -28,24 +29,14 @@ def branch_payload(model: PeftModel, adapter: str) -> Payload:
     """The LoRA factors of one named peft adapter as a payload (``<module>::A`` / ``::B``)."""
     from peft import get_peft_model_state_dict
 
-    payload: Payload = {}
-    for key, tensor in get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False).items():
-        suffix = A_SUFFIX if ".lora_A." in key else B_SUFFIX
-        payload[module_name(key) + suffix] = tensor.detach().float().cpu().numpy()
-    return payload
+    return from_peft_state(get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False))
 
 
 def load_branch(model: PeftModel, adapter: str, payload: Payload) -> None:
     """Inverse of :func:`branch_payload` (shapes must match the adapter)."""
-    import numpy as np
-    import torch
     from peft import set_peft_model_state_dict
 
-    state = {}
-    for key, array in payload.items():
-        factor = "lora_A" if key.endswith(A_SUFFIX) else "lora_B"
-        state[f"{PEFT_PREFIX}{key[:-3]}.{factor}.weight"] = torch.from_numpy(np.asarray(array, np.float32).copy())
-    set_peft_model_state_dict(model, state, adapter_name=adapter)
+    set_peft_model_state_dict(model, to_peft_state(payload), adapter_name=adapter)
 
 
 def branch_scale_hooks(model: PeftModel, scales: dict[str, torch.Tensor]) -> list[Any]:
@@ -155,7 +146,7 @@ class FedDPATrainer(LocalTrainer):
 
         wrapper = instance_weighted(model, self.reference_embeddings(model), self.options.weight_max)
         metrics = super().evaluate(wrapper, with_global)
-        metrics["dpa-mean-weight"] = float(torch.cat(wrapper.weights).mean()) if wrapper.weights else 0.0
+        metrics[protocol.FEDDPA_MEAN_WEIGHT] = float(torch.cat(wrapper.weights).mean()) if wrapper.weights else 0.0
         return metrics
 
     def reference_embeddings(self, model: PeftModel) -> torch.Tensor:

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import B_SUFFIX, HEAD_PREFIX, Payload, from_array_record, to_array_record
+from fedlora import protocol
+from fedlora.lora import B_SUFFIX, HEAD_PREFIX, Payload, from_array_record, payload_key, to_array_record
 from fedlora.methods.feddr_lora import (
-    NOISE_METRIC_PREFIX,
     WEIGHT_FLOOR,
     robust_weights,
     split_counts,
@@ -47,7 +47,7 @@ from fedlora.methods.feddr_lora import (
     split_quality,
     weight_sums,
 )
-from fedlora.models import PEFT_PREFIX, adapter_payload
+from fedlora.models import adapter_payload
 from fedlora.training import TrainStats, model_inputs, predict_logits, train
 
 if TYPE_CHECKING:
@@ -57,8 +57,7 @@ if TYPE_CHECKING:
 Batch = dict[str, "torch.Tensor"]
 
 NOISE_STATE_KEY = "fedlora.feddr_lora.noise"  # context.state entry holding B^n (and A^n)
-NOISE_B_SUFFIX = "::B_noise"
-NOISE_A_SUFFIX = "::A_noise"
+NOISE_SUFFIX = "_noise"  # state keys <module>::B_noise (B^n), <module>::A_noise (A^n): the factor's payload key + it
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,11 +260,11 @@ class FedDRLoRATrainer(LocalTrainer):
     def train_metrics(self) -> dict[str, float]:
         """Robust-CE weight sums per group (every round) and, after the warm-up, the split's
         counts and quality against the injected noise (``is_noisy``)."""
-        metrics = {NOISE_METRIC_PREFIX + key: value for key, value in self.weights.items()}
+        metrics = {protocol.FEDDR_NOISE_PREFIX + key: value for key, value in self.weights.items()}
         if self.splits:
             if "noisy" in self.counts:
-                metrics |= {NOISE_METRIC_PREFIX + key: value for key, value in split_quality(self.counts).items()}
-            metrics |= {NOISE_METRIC_PREFIX + key: value for key, value in self.counts.items()}
+                metrics |= {protocol.FEDDR_NOISE_PREFIX + key: value for key, value in split_quality(self.counts).items()}
+            metrics |= {protocol.FEDDR_NOISE_PREFIX + key: value for key, value in self.counts.items()}
         return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
     # ------------------------------------------------------------------ internals
@@ -332,9 +331,9 @@ class FedDRLoRATrainer(LocalTrainer):
 
 
 def _state_key(peft_name: str) -> str:
-    """``base_model.model.X.lora_B.default.weight`` -> ``X::B_noise`` (A^n: ``X::A_noise``)."""
-    module = peft_name.removeprefix(PEFT_PREFIX).split(".lora_")[0]
-    return module + (NOISE_B_SUFFIX if ".lora_B." in peft_name else NOISE_A_SUFFIX)
+    """``base_model.model.X.lora_B.default.weight`` -> ``X::B_noise`` (A^n: ``X::A_noise``): the
+    factor's payload key (:func:`fedlora.lora.payload_key`) and :data:`NOISE_SUFFIX`."""
+    return payload_key(peft_name) + NOISE_SUFFIX
 
 
 def _noise_parameter(stored: np.ndarray | None, initial: torch.Tensor) -> torch.nn.Parameter:

@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar, cast
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, join_payload, split_payload
-from fedlora.methods.fedhera import LAMBDA_KEY, R_MAIN_KEY, R_TOT_KEY, scale_tail
-from fedlora.models import PEFT_PREFIX, load_payload
+from fedlora import protocol
+from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, join_payload, payload_module, split_payload
+from fedlora.methods.fedhera import scale_tail
+from fedlora.models import load_payload
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +36,7 @@ def prefix_parameters(model: PeftModel) -> dict[str, tuple[torch.nn.Parameter, t
     from peft.tuners.lora import LoraLayer
 
     return {
-        name.removeprefix(PEFT_PREFIX): cast(
+        payload_module(name): cast(
             "tuple[torch.nn.Parameter, torch.nn.Parameter]",
             (layer.lora_A["default"].weight, layer.lora_B["default"].weight),
         )
@@ -68,12 +69,12 @@ class FedHeraTrainer(LocalTrainer):
         factors, extras = split_payload(download)
         received = {m: f.rank for m, f in factors.items()}
         config = self.job.message_config
-        declared: dict[str, int] = json.loads(str(config.get(R_TOT_KEY, "{}"))) or dict(received)
+        declared: dict[str, int] = json.loads(str(config.get(protocol.FEDHERA_R_TOT, "{}"))) or dict(received)
         if {m: r for m, r in declared.items() if r > 0} != received:
             raise ValueError(f"fedhera: download ranks {received} differ from the announced r_tot {declared}")
         self.r_tot = declared
-        self.r_main: dict[str, int] = json.loads(str(config.get(R_MAIN_KEY, "{}"))) or dict(self.r_tot)
-        lam = float(config.get(LAMBDA_KEY, 1.0))
+        self.r_main: dict[str, int] = json.loads(str(config.get(protocol.FEDHERA_R_MAIN, "{}"))) or dict(self.r_tot)
+        lam = float(config.get(protocol.FEDHERA_LAMBDA, 1.0))
         model = self.build()
         local_head = head_only(self.local_state())
         if local_head and self.config.model.head == "local":
@@ -105,4 +106,6 @@ class FedHeraTrainer(LocalTrainer):
         return head_only(super().keep(model))
 
     def train_metrics(self) -> dict[str, float]:
-        return {"fedhera-r-main": float(sum(self.r_main.values())), "fedhera-r-tot": float(sum(self.r_tot.values()))}
+        """The ranks this round trained at: sum of r_main and of r_tot over the modules."""
+        return {protocol.FEDHERA_R_MAIN: float(sum(self.r_main.values())),
+                protocol.FEDHERA_R_TOT: float(sum(self.r_tot.values()))}

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import numpy as np
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import A_SUFFIX, Payload
-from fedlora.methods.fedtreelora import EXTERNAL_PREFIX, LAM_METRIC
-from fedlora.models import PEFT_PREFIX, adapter_payload, layer_index, load_payload
+from fedlora import protocol
+from fedlora.lora import A_SUFFIX, Payload, payload_module, peft_module, to_peft_state
+from fedlora.methods.fedtreelora import EXTERNAL_PREFIX
+from fedlora.models import adapter_payload, layer_index, load_payload
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +41,8 @@ def initial_theta(blocks: int, lam0: float) -> np.ndarray:
 
 def add_external_expert(model: PeftModel, external: Payload, lora_alpha: float, dropout: float) -> list[str]:
     """Add the frozen ``external`` adapter on the modules that ``external`` names and load it;
-    both adapters are then active on those modules. Returns the modules."""
-    import torch
+    both adapters are then active on those modules (each layer's ``set_adapter``: the other
+    modules keep ``default`` alone). Returns the modules."""
     from peft import LoraConfig, set_peft_model_state_dict
     from peft.tuners.lora import LoraLayer
 
@@ -49,15 +50,10 @@ def add_external_expert(model: PeftModel, external: Payload, lora_alpha: float, 
     rank = int(external[modules[0] + A_SUFFIX].shape[0])
     config = LoraConfig(r=rank, lora_alpha=lora_alpha, lora_dropout=dropout, target_modules=modules)  # type: ignore[arg-type]
     model.add_adapter(EXTERNAL_ADAPTER, config)
-    state = {}
-    for key, array in external.items():
-        module, factor = key.rsplit("::", 1)
-        tensor = torch.from_numpy(np.asarray(array, np.float32).copy())
-        state[f"{PEFT_PREFIX}{module}.lora_{factor}.weight"] = tensor
-    set_peft_model_state_dict(model, state, adapter_name=EXTERNAL_ADAPTER)
-    for name, layer in model.named_modules():
+    set_peft_model_state_dict(model, to_peft_state(external), adapter_name=EXTERNAL_ADAPTER)
+    for layer in model.modules():
         if isinstance(layer, LoraLayer) and EXTERNAL_ADAPTER in layer.lora_A:
-            layer._active_adapter = ["default", EXTERNAL_ADAPTER]  # both experts in the forward
+            layer.set_adapter(["default", EXTERNAL_ADAPTER])  # both experts in the forward (both trainable)
             for parameter in (layer.lora_A[EXTERNAL_ADAPTER].weight, layer.lora_B[EXTERNAL_ADAPTER].weight):
                 parameter.requires_grad_(False)  # the external expert is frozen
     return modules
@@ -70,11 +66,11 @@ def attach_mixer(model: PeftModel, theta: torch.nn.Parameter, mixed_modules: lis
     from peft.tuners.lora import LoraLayer
 
     model.mixing_logits = theta  # registered parameter: model.parameters() yields it
-    wanted = {PEFT_PREFIX + m for m in mixed_modules}
+    wanted = {peft_module(m) for m in mixed_modules}
     for name, layer in model.named_modules():
         if not (isinstance(layer, LoraLayer) and name in wanted):
             continue
-        block = layer_index(name.removeprefix(PEFT_PREFIX))
+        block = layer_index(payload_module(name))
         scale = {adapter: float(layer.scaling[adapter]) for adapter in ("default", EXTERNAL_ADAPTER)}
 
         def mix(module, args, block=block, scale=scale):
@@ -141,4 +137,4 @@ class FedTreeLoRATrainer(LocalTrainer):
     def train_metrics(self) -> dict[str, float]:
         """lam = sigmoid(theta_l) after training, for every block this round mixed."""
         lam = self.theta.detach().sigmoid().cpu().numpy()
-        return {f"{LAM_METRIC}{block}": float(lam[block]) for block in self.mixed_blocks}
+        return {f"{protocol.FEDTREELORA_LAM_PREFIX}{block}": float(lam[block]) for block in self.mixed_blocks}

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import numpy as np
 
 from clients.trainers.base import LocalTrainer
-from fedlora.lora import Payload, head_only, kaiming_bound, read_stacks
-from fedlora.models import PEFT_PREFIX, adapter_payload, load_payload, protect_base_weights
+from fedlora.lora import Payload, head_only, kaiming_bound, peft_module, read_stacks
+from fedlora.models import adapter_payload, load_payload, protect_base_weights
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -56,7 +56,7 @@ class FLoRATrainer(LocalTrainer):
         protect_base_weights(model, merged)
         with torch.no_grad():
             for module, delta in merged.items():
-                layer: Any = model.get_submodule(PEFT_PREFIX + module).base_layer
+                layer: Any = model.get_submodule(peft_module(module)).base_layer
                 layer.weight += torch.from_numpy(delta).to(layer.weight.dtype)
 
     def _fresh_lora(self, model: PeftModel) -> None:

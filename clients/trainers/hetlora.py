@@ -13,8 +13,9 @@ import math
 from typing import TYPE_CHECKING, ClassVar
 
 from clients.trainers.base import ClientJob, LocalTrainer
+from fedlora import protocol
 from fedlora.lora import Payload, join_payload, split_payload, truncate_rank
-from fedlora.methods.hetlora import TAIL_NORM_KEY, UPLOAD_RANK_KEY, HetLoRAOptions, pruned_rank
+from fedlora.methods.hetlora import HetLoRAOptions, pruned_rank
 from fedlora.models import adapter_payload
 from fedlora.protocol import number
 
@@ -99,9 +100,9 @@ class HetLoRATrainer(LocalTrainer):
         """``upload-rank``: the rank of this round's upload (the server checks the upload against it)."""
         if not self.options.self_prune:
             return {}
-        metrics = {UPLOAD_RANK_KEY: float(self.upload_rank)}
+        metrics = {protocol.HETLORA_UPLOAD_RANK: float(self.upload_rank)}
         if self.tail_norm is not None:
-            metrics[TAIL_NORM_KEY] = self.tail_norm
+            metrics[protocol.HETLORA_TAIL_NORM] = self.tail_norm
         return metrics
 
     def _remember(self, rank: int, tail: float) -> None:

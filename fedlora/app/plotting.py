@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fedlora import protocol
+
 
 def _pyplot():
     import matplotlib
@@ -154,7 +156,7 @@ def plot_personalized_distribution(runs: Runs, path: str | Path | None = None):
     colors = _colors(labels)
     fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(labels) + 2), 4))
     values = [
-        [float(m["accuracy"]) for r in runs[label] for m in (r["rounds"][-1].get("per_client") or {}).values()]
+        [float(m[protocol.ACCURACY]) for r in runs[label] for m in (r["rounds"][-1].get("per_client") or {}).values()]
         for label in labels
     ]
     ax.boxplot(values, positions=range(1, len(labels) + 1), widths=0.5, showfliers=False)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedlora import protocol
 from fedlora.app.progress import RoundProgress
 from fedlora.app.tracking import Tracker
 from fedlora.config import ExperimentConfig, apply_overrides, build_config, config_from_json, load_config
@@ -190,7 +191,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
                                partitions=strategy.roster.partitions)
         tracker.round(record)
         progress.round_done(server_round, progress_line(record, config.train.rounds, causal))
-        return MetricRecord({"global-accuracy": record.global_accuracy})
+        return MetricRecord({protocol.GLOBAL_ACCURACY: record.global_accuracy})
 
     tracker = Tracker(config, out_dir, first)
     causal = config.model.kind == "causal_lm"

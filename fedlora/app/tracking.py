@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fedlora import protocol
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig
 
@@ -88,7 +89,7 @@ def round_metrics(record: RoundRecord) -> Iterator[tuple[str, float]]:
             yield name, value
     yield from extra_metrics(record.extra).items()
     for partition, metrics in sorted(record.per_client.items(), key=lambda kv: int(kv[0])):
-        for key in ("accuracy", "rouge-l"):
+        for key in (protocol.ACCURACY, protocol.ROUGE_L):
             value = float(metrics.get(key, math.nan))
             if math.isfinite(value):
                 yield f"client/{partition}/{key.replace('-', '_')}", value

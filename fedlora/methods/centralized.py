@@ -2,14 +2,13 @@
 
 The upper reference a comparison puts next to the federated rows, with the same model, the same
 LoRA rank and the same total number of optimiser steps per round as the federation it is compared
-with. Wire key: the trainer is told how many clients a federated round samples (its step budget).
+with. Wire key (``protocol.CENTRALIZED_CLIENTS``): the trainer is told how many clients a federated
+round samples (its step budget).
 """
 
 from __future__ import annotations
 
 from fedlora.methods.base import Capabilities, Method, NoOptions
-
-CLIENTS_KEY = "centralized-clients"  # train config: clients a federated round samples (step budget)
 
 METHOD = Method(
     name="centralized",

@@ -17,10 +17,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
+from fedlora import protocol
 from fedlora.lora import A_SUFFIX, Combine, Payload, Weights, weighted_average
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
-NOISE_METRIC_PREFIX = "noise-"  # train metrics: noise-precision, noise-recall, noise-flagged, ...
 # groups of trained samples whose robust-CE weights a client sums: truly noisy / clean (the injected
 # noise), flagged / unflagged by the split. Train metrics noise-weight-sum-<g>, noise-weight-n-<g>.
 WEIGHT_GROUPS = ("noisy", "clean", "flagged", "unflagged")
@@ -126,10 +126,10 @@ def split_summary(per_client: Mapping[int, Mapping[str, float]]) -> dict[str, An
     - ``feddr_split_active``: 1 once the split runs (after the warm-up), else 0.
     """
     def total(key: str, rows: Sequence[Mapping[str, float]]) -> float:
-        return float(sum(m.get(NOISE_METRIC_PREFIX + key, 0.0) for m in rows))
+        return float(sum(m.get(protocol.FEDDR_NOISE_PREFIX + key, 0.0) for m in rows))
 
     every = list(per_client.values())
-    knowing = [m for m in every if NOISE_METRIC_PREFIX + "noisy" in m]  # clients that know the injected noise
+    knowing = [m for m in every if protocol.FEDDR_NOISE_PREFIX + "noisy" in m]  # clients that know the injected noise
     flagged, samples = total("flagged", every), total("samples", every)
     flagged_known, hits, noisy = (total(key, knowing) for key in ("flagged", "true-positives", "noisy"))
     summary: dict[str, Any] = {EXTRA_PREFIX + "split_active": 1.0 if samples else 0.0}
@@ -146,7 +146,8 @@ def split_summary(per_client: Mapping[int, Mapping[str, float]]) -> dict[str, An
         if count:
             summary[f"{EXTRA_PREFIX}weight_{group}"] = total(f"weight-sum-{group}", every) / count
     summary[EXTRA_PREFIX + "split_per_client"] = {
-        str(pid): {k.removeprefix(NOISE_METRIC_PREFIX): v for k, v in m.items() if k.startswith(NOISE_METRIC_PREFIX)}
+        str(pid): {k.removeprefix(protocol.FEDDR_NOISE_PREFIX): v for k, v in m.items()
+                   if k.startswith(protocol.FEDDR_NOISE_PREFIX)}
         for pid, m in per_client.items()
     }
     return summary

@@ -30,11 +30,6 @@ NEVER_SCORED = (0.0, -1)  # official default (s, t_hat) of a client with no scor
 NO_TAIL_SCALING = 0.999  # official: lambda at or above this leaves the tail as it is
 Allocation = Literal["greedy", "uniform", "random"]
 
-# wire keys (train / evaluate config of a message)
-R_TOT_KEY = "fedhera-r-tot"  # JSON {module: r_tot}
-R_MAIN_KEY = "fedhera-r-main"  # JSON {module: r_main}
-LAMBDA_KEY = "fedhera-lambda"  # the tail warm-up lambda_k (1.0 in evaluation messages)
-
 
 class FedHeraOptions(MethodOptions):
     """FedHera's options. Defaults follow the official code (github.com/shock-xiaoke/FedHera,

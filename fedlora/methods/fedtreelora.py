@@ -16,6 +16,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from fedlora import protocol
 from fedlora.errors import ConfigError
 from fedlora.lora import Factors, Weights, average_factors
 from fedlora.methods.base import Capabilities, Method, MethodOptions
@@ -23,7 +24,6 @@ from fedlora.models import layer_index
 from fedlora.schema import ExperimentConfig
 
 EXTERNAL_PREFIX = "external::"  # download keys of the frozen external expert: external::<module>::A
-LAM_METRIC = "fedtreelora-lam-"  # reply metric fedtreelora-lam-<block>: the client's lam after training
 NO_CLUSTER = -1
 
 
@@ -219,8 +219,8 @@ def lam_by_block(metrics: Sequence[Mapping[str, float]]) -> dict[int, list[float
     blocks: dict[int, list[float]] = {}
     for client in metrics:
         for key, value in client.items():
-            if key.startswith(LAM_METRIC):
-                blocks.setdefault(int(key[len(LAM_METRIC) :]), []).append(float(value))
+            if key.startswith(protocol.FEDTREELORA_LAM_PREFIX):
+                blocks.setdefault(int(key.removeprefix(protocol.FEDTREELORA_LAM_PREFIX)), []).append(float(value))
     return dict(sorted(blocks.items()))
 
 

@@ -18,9 +18,6 @@ from pydantic import Field
 from fedlora.lora import Factors, average_factors, normalise, product_norm
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 
-UPLOAD_RANK_KEY = "upload-rank"  # train metric: the rank of a self-pruning client's upload
-TAIL_NORM_KEY = "tail-norm"  # train metric: the tail norm a pruning client measured
-
 
 class HetLoRAOptions(MethodOptions):
     weighting: Literal["norm", "examples"] = Field(

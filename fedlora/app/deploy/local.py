@@ -37,6 +37,7 @@ from typing import Any, Self
 import psutil
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
+from fedlora import protocol
 from fedlora.app.deploy.certs import CertPaths, public_key_path, write_certs
 from fedlora.config import ConfigError, ExperimentConfig
 
@@ -267,12 +268,12 @@ def node_configs(config: ExperimentConfig, num_nodes: int) -> list[dict[str, Any
     configs = []
     for partition_id in range(num_nodes):
         values: dict[str, Any] = {
-            "partition-id": partition_id,
-            "num-partitions": num_nodes,
-            "rank": configured_rank(config.clients, config.model.lora_rank, partition_id, num_nodes),
+            protocol.NODE_PARTITION_ID: partition_id,
+            protocol.NODE_NUM_PARTITIONS: num_nodes,
+            protocol.NODE_RANK: configured_rank(config.clients, config.model.lora_rank, partition_id, num_nodes),
         }
         budgets = configured_budgets(config.clients, partition_id, num_nodes)
-        values |= {f"budget-{key}": float(value) for key, value in budgets.items()}
+        values |= {f"{protocol.NODE_BUDGET_PREFIX}{key}": float(value) for key, value in budgets.items()}
         configs.append(values)
     return configs
 
@@ -504,7 +505,7 @@ class LocalDeployment:
         Bounded: ``--max-retries`` makes a SuperNode that cannot connect exit; ``timeout`` stops
         one that neither connects nor exits.
         """
-        config = {"partition-id": 0, "num-partitions": max(1, self.num_nodes)}
+        config = {protocol.NODE_PARTITION_ID: 0, protocol.NODE_NUM_PARTITIONS: max(1, self.num_nodes)}
         daemon = self.spawn_supernode(name, config, key, tls)
         accepted = daemon.wait_for(SUPERNODE_READY, timeout)
         seconds = time.monotonic() - daemon.started
