@@ -9,7 +9,7 @@ from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class FedDPA(LoRAStrategy):
+class FedDPA(LoRAStrategy[feddpa.FedDPAOptions]):
     """FedDPA: every client holds a global LoRA g (federated) and a local LoRA l (private) on the
     same modules; the model is W0 + dW_g + dW_l.
 
@@ -54,7 +54,6 @@ class FedDPA(LoRAStrategy):
     """
 
     method = feddpa.METHOD
-    options: feddpa.FedDPAOptions
 
     def setup(self) -> None:
         self.rank_g = self.options.rank_of_g(self.experiment.model.lora_rank)

@@ -13,7 +13,7 @@ from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class FedDRLoRA(LoRAStrategy):
+class FedDRLoRA(LoRAStrategy[feddr_lora.FedDRLoRAOptions]):
     """FedDR-LoRA: decoupled robust LoRA; the server averages the robust B, A stays local.
 
     Paper: "Federated Decoupled Robust LoRA (FedDR-LoRA)", 2026; only the abstract is available
@@ -76,7 +76,6 @@ class FedDRLoRA(LoRAStrategy):
     """
 
     method = feddr_lora.METHOD
-    options: feddr_lora.FedDRLoRAOptions
 
     def setup(self) -> None:
         self.rank = min(p.rank for p in self.roster.profiles.values())  # one rank, settled by the roster

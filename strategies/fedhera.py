@@ -74,7 +74,7 @@ class Push:
     budget_applies: bool = True  # False for round 1 under initial_budget = 'ignore' (official)
 
 
-class FedHera(LoRAStrategy):
+class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     """FedHera: each client downloads as much of the global spectrum as its bandwidth allows
     (r_tot per module) and trains only what its compute allows (r_main <= r_tot).
 
@@ -135,7 +135,6 @@ class FedHera(LoRAStrategy):
     """
 
     method = fedhera.METHOD
-    options: fedhera.FedHeraOptions
 
     # ---------------------------------------------------------------- budgets
     @property

@@ -27,7 +27,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
-class FedPissa(LoRAStrategy):
+class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
     """FedPissa: one LoRA per module; B aggregated with decorrelated projections, A kept local.
 
     Paper: "FedPissa: rethinking single-LoRA personalised federated fine-tuning via selective
@@ -99,7 +99,6 @@ class FedPissa(LoRAStrategy):
     """
 
     method = fedpissa.METHOD
-    options: fedpissa.FedPissaOptions
 
     def setup(self) -> None:
         # after the roster settled mixed ranks (clients.mixed_rank_policy), every profile has one rank

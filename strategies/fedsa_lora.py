@@ -10,7 +10,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 from strategies.roster import MixedRanksError
 
 
-class FedSALoRA(LoRAStrategy):
+class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
     """FedSA-LoRA: A learns what clients share and is averaged; B learns client-specific
     knowledge and never leaves the client.
 
@@ -45,7 +45,6 @@ class FedSALoRA(LoRAStrategy):
     """
 
     method = fedsa_lora.METHOD
-    options: fedsa_lora.FedSALoRAOptions
 
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})

@@ -39,7 +39,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
-class FedTreeLoRA(LoRAStrategy):
+class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     """FedTreeLoRA: clients share a trunk in shallow blocks and branch into clusters in deep ones.
 
     Paper: FedTreeLoRA (2026; only its abstract is public: "tree-structured aggregation for
@@ -99,7 +99,6 @@ class FedTreeLoRA(LoRAStrategy):
     """
 
     method = fedtreelora.METHOD
-    options: fedtreelora.FedTreeLoRAOptions
 
     # ---------------------------------------------------------------- state
     def setup(self) -> None:

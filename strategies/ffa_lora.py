@@ -12,7 +12,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 from strategies.roster import MixedRanksError
 
 
-class FFALoRA(LoRAStrategy):
+class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
     """FFA-LoRA: clients train only B; A stays frozen at a seeded init every party draws itself.
 
     Paper: Sun, Li, Li, Ding, "Improving LoRA in Privacy-preserving Federated Learning",
@@ -49,7 +49,6 @@ class FFALoRA(LoRAStrategy):
     """
 
     method = ffa_lora.METHOD
-    options: ffa_lora.FFALoRAOptions
 
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})

@@ -24,7 +24,7 @@ from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class FlexLoRA(LoRAStrategy):
+class FlexLoRA(LoRAStrategy[flexlora.FlexLoRAOptions]):
     """FlexLoRA: each client trains its own rank; the server averages the full-size updates and
     hands every client the best rank-r_k approximation of the average.
 
@@ -59,7 +59,6 @@ class FlexLoRA(LoRAStrategy):
     """
 
     method = flexlora.METHOD
-    options: flexlora.FlexLoRAOptions
 
     def setup(self) -> None:
         self.spectrum: dict[str, LowRankSVD] = {}  # module -> leading r_max SVD of the last G

@@ -18,11 +18,12 @@ from fedlora.lora import (
     stack_payload,
 )
 from fedlora.methods import flora
+from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class FLoRA(LoRAStrategy):
+class FLoRA(LoRAStrategy[NoOptions]):
     """FLoRA: stack the clients' LoRA factors so the aggregate is exactly the average update;
     every client merges it into its frozen base and restarts a fresh LoRA.
 

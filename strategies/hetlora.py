@@ -19,7 +19,7 @@ from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class HetLoRA(LoRAStrategy):
+class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     """HetLoRA: clients train LoRA at their own rank; the server zero-pads to the largest rank,
     averages with weights proportional to each client's update norm, and truncates back.
 
@@ -64,7 +64,6 @@ class HetLoRA(LoRAStrategy):
     """
 
     method = hetlora.METHOD
-    options: hetlora.HetLoRAOptions
     # the rank each reply reports, read only while its upload is checked: never state
     NOT_STATE = LoRAStrategy.NOT_STATE | {"upload_rank"}
 

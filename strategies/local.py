@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fedlora.lora import Payload
 from fedlora.methods import local
+from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class LocalOnly(LoRAStrategy):
+class LocalOnly(LoRAStrategy[NoOptions]):
     """Local-only training: no aggregation, no communication of parameters.
 
     Paper: none (the standard no-federation baseline of personalised FL; e.g. the "Local"
