@@ -20,14 +20,13 @@ class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
 
     Parameters
     ----------
-    mixed_ranks : {"pad", "refuse"}, default "pad"
-        Clients with different ranks. ``pad`` [RECON, the paper has one rank]: A is drawn
-        rank-nested (:func:`fedlora.lora.nested_A`), so a rank-r_k client's A is the first
-        r_k rows of the rank-R_max A; the server averages s_k B_k zero-padded to R_max (the exact
-        average of the updates dW_k), and client k gets the first r_k columns rescaled by
-        s_R / s_k; a column no client of the round holds is zero (the global update is the
-        average of this round's updates). ``refuse``: stop at setup unless every client has the
-        same rank.
+    mixed_ranks : {'pad', 'refuse'}, default 'pad'
+        Clients with different ranks: 'pad' [RECON, the paper has one rank]: A is drawn rank-nested
+        (fedlora.lora.nested_A), so a rank-r_k client's A is the first r_k rows of the rank-R_max A; the
+        server averages s_k B_k zero-padded to R_max (the exact average of the updates dW_k), and client k
+        gets the first r_k columns rescaled by s_R / s_k; a column no client of the round holds is zero
+        (the global update is the average of this round's updates). 'refuse': stop at setup unless every
+        client has the same rank.
 
     Upload: B_k of every module (d_out x r_k), and the head when ``model.head = global``. A never
     travels: every client and the server draw the same A from ``train.seed``.

@@ -32,9 +32,10 @@ class FLoRA(LoRAStrategy[NoOptions]):
 
     Parameters
     ----------
-    (none beyond the experiment config) Each client trains at its own rank r_k (profile), scale
-    s_k = model.lora_alpha / r_k. ``model.init = pissa`` is refused (it rewrites the base that
-    FLoRA merges into).
+    (none beyond the experiment config)
+
+    Each client trains at its own rank r_k (profile), scale s_k = model.lora_alpha / r_k.
+    ``model.init = pissa`` is refused (it rewrites the base that FLoRA merges into).
 
     Upload: A_k (r_k, d_in), B_k (d_out, r_k) of every module (and the head when
     ``model.head = global``).

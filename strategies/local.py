@@ -17,8 +17,10 @@ class LocalOnly(LoRAStrategy[NoOptions]):
 
     Parameters
     ----------
-    (none beyond the experiment config) Each client trains at its own declared rank; mixed
-    ranks need nothing special. The head is always local, whatever ``model.head`` says.
+    (none beyond the experiment config)
+
+    Each client trains at its own declared rank; mixed ranks need nothing special.
+    The head is always local, whatever ``model.head`` says.
 
     Upload: nothing (an empty record: 0 bytes). The reply still carries the metrics (examples,
     training loss) so the round is accounted for.

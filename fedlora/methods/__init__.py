@@ -27,7 +27,7 @@ __all__ = ["Capabilities", "Method", "MethodOptions", "NoOptions", "OptionsT", "
 def _discover() -> dict[str, Method[Any]]:
     found: dict[str, Method[Any]] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name == "base":
+        if info.name in ("base", "docs"):
             continue
         declared = getattr(importlib.import_module(f"{__name__}.{info.name}"), "METHOD", None)
         if isinstance(declared, Method):
