@@ -76,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from fedlora.app.compare import compare, summarize
+    from fedlora.app.compare import compare
+    from fedlora.app.summary import summarize
 
     settings = [s for s in args.settings.split(",") if s]
     strategies = [s for s in args.strategies.split(",") if s]

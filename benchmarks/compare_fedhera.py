@@ -7,7 +7,7 @@ vintage tables of docs/results/fedhera.md were measured with it and name this co
     python benchmarks/compare_fedhera.py --seeds 0,1,2
 
 Runs every job of :data:`JOBS` x seeds on ``configs/fedhera.toml`` (6 MiniLM clients in three
-budget tiers, Dirichlet label skew) with :func:`fedlora.app.compare.run_jobs` (in-process engine by
+budget tiers, Dirichlet label skew) with :func:`fedlora.app.jobs.run_jobs` (in-process engine by
 default: the real ServerApp / ClientApp without Ray), so every run trains on identical
 partitions; complete runs are skipped when rerun. The mixed-rank baselines train each client at
 its tier's r_main (2 / 4 / 8), FedIT every client at the smallest rank, 2. Writes
@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.app.compare import Job, run_jobs, summarize
+from fedlora.app.jobs import Job, run_jobs
+from fedlora.app.summary import summarize
 
 # label -> (strategy, overrides)
 JOBS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -7,7 +7,7 @@ vintage tables of docs/results/fedtreelora.md were measured with it and name thi
     python benchmarks/compare_fedtree.py --seeds 0,1,2
 
 Runs every job of :data:`JOBS` x seeds on ``configs/fedtreelora.toml`` (client groups with
-disjoint label sets, Dirichlet skew inside a group) with :func:`fedlora.app.compare.run_jobs`
+disjoint label sets, Dirichlet skew inside a group) with :func:`fedlora.app.jobs.run_jobs`
 (in-process engine by default: the real ServerApp / ClientApp without Ray), so every run trains on
 identical partitions; complete runs are skipped when rerun. Writes ``OUT/summary.md`` /
 ``summary.csv`` (mean +- std over seeds) and ``OUT/cuts.md``: the cuts FedTreeLoRA chose per
@@ -27,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.app.compare import Job, run_jobs, summarize
+from fedlora.app.jobs import Job, run_jobs
+from fedlora.app.summary import summarize
 from fedlora.config import load_config
 
 # label -> (strategy, overrides)

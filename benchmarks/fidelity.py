@@ -49,8 +49,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedlora.app.compare import Job, is_complete, job_config, load_runs, resolve_base, run_jobs, summarize
+from fedlora.app.jobs import Job, is_complete, job_config, resolve_base, run_jobs
 from fedlora.app.paired import METRIC_NAMES, Pair, PairedTable, paired_comparisons
+from fedlora.app.runs import load_runs
+from fedlora.app.summary import summarize
 from fedlora.app.tune import Budget, Knob, Point, TunePlan, plan, point_label, validation_score
 
 logger = logging.getLogger("fedlora")

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING, getLogger
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -61,7 +61,7 @@ from fedlora.lora import (
     to_array_record,
     weighted_average,
 )
-from fedlora.methods import Capabilities, Method
+from fedlora.methods import Capabilities, Method, OptionsT
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
@@ -106,7 +106,7 @@ class RunPaths:
     resumed_from: int = 0  # > 0: a resumed run, clients restore their state of this round
 
 
-class LoRAStrategy(Strategy):
+class LoRAStrategy(Strategy, Generic[OptionsT]):
     """Base class of fedlora's aggregation strategies (see the module docstring).
 
     Built either from a whole experiment (fedlora's ServerApp) or from keywords (a Flower user's
@@ -141,7 +141,11 @@ class LoRAStrategy(Strategy):
         ``clients``, ``faults``, ``privacy``, ``output`` (the clients read them from every message).
     """
 
-    method: ClassVar[Method]  # the method's home declaration (name, options, capabilities)
+    # The method's home declaration (name, options, capabilities): ``class FedHera(LoRAStrategy[
+    # FedHeraOptions])`` with ``method = fedhera.METHOD`` (a ``Method[FedHeraOptions]``) types
+    # ``self.options``; a class attribute in effect (a ClassVar cannot hold a type variable).
+    method: Method[OptionsT]
+    options: OptionsT  # ``method.parse(experiment)``: the options model with its defaults filled in
     name: ClassVar[str] = ""  # set from ``method`` by __init_subclass__
     capabilities: ClassVar[Capabilities]
 

@@ -7,11 +7,12 @@ from typing import Any
 from fedlora import protocol
 from fedlora.lora import Payload
 from fedlora.methods import centralized
+from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class Centralized(LoRAStrategy):
+class Centralized(LoRAStrategy[NoOptions]):
     """Centralised training on the pooled training data of all clients (a reference run).
 
     Paper: none (the standard centralised upper reference of federated learning papers).

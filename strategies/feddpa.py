@@ -9,7 +9,7 @@ from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class FedDPA(LoRAStrategy):
+class FedDPA(LoRAStrategy[feddpa.FedDPAOptions]):
     """FedDPA: every client holds a global LoRA g (federated) and a local LoRA l (private) on the
     same modules; the model is W0 + dW_g + dW_l.
 
@@ -18,22 +18,20 @@ class FedDPA(LoRAStrategy):
 
     Parameters
     ----------
-    global_rank : int, default 0
-        Rank of the global LoRA g, the same on every client so that FedAvg(g) is defined;
-        0 means ``model.lora_rank``. [RECON for mixed ranks, the paper has one rank] the local
-        LoRA l of client k has the client's own declared rank r_k, so heterogeneous ranks only
-        change the private branch.
+    global_rank : int >= 0, default 0
+        Rank of the global LoRA g on every client (FedAvg needs one shape); 0 = model.lora_rank. [RECON
+        for mixed ranks, the paper has one rank] The local LoRA l uses each client's own declared rank, so
+        heterogeneous ranks only change the private branch.
     instance_weighting : bool, default False
-        The paper's test-time instance-wise dynamic weighting (FedDPA's official code,
-        ``get_weight``): for a test input x, w(x) = weight_max * mean_j cos(e(x), e(x_j)) over
-        ``reference_examples`` of the client's training inputs x_j, e = the mean-pooled last
-        hidden state of the client's model. [RECON: training uses the plain sum] evaluation
-        then uses W0 + 2 (1 - w) dW_g + 2 w dW_l, so w = 1/2 is exactly the trained model.
-        Off: every evaluation is the plain sum.
-    weight_max : float, default 0.5
-        Upper bound of w(x) (the official code's 0.5 / 1.0 ``half`` switch); in (0, 1].
-    reference_examples : int, default 5
-        Number of local training inputs x_j (seeded sample) the weight compares against.
+        FedDPA's test-time instance-wise weighting of the branches (official code, get_weight): W0 +
+        2(1-w(x)) dW_g + 2 w(x) dW_l, w(x) = weight_max * mean_j cos(e(x), e(x_j)) over reference_examples
+        local training inputs x_j, e = the mean-pooled last hidden state of the client's model; w = 1/2 is
+        exactly the trained model. Off = every evaluation is the plain sum [RECON: training uses the plain
+        sum].
+    weight_max : float in (0, 1], default 0.5
+        Upper bound of w(x) (the official code's 0.5 / 1.0 'half' switch).
+    reference_examples : int >= 1, default 5
+        Local training inputs x_j (a seeded sample) the instance weight compares against.
 
     Clients train g and l jointly (both peft adapters active and trainable, ``set_adapter(
     ["default", "local"])``), with the plain sum W0 + dW_g + dW_l.
@@ -54,7 +52,6 @@ class FedDPA(LoRAStrategy):
     """
 
     method = feddpa.METHOD
-    options: feddpa.FedDPAOptions
 
     def setup(self) -> None:
         self.rank_g = self.options.rank_of_g(self.experiment.model.lora_rank)

@@ -71,7 +71,7 @@ class Push:
     budget_applies: bool = True  # False for round 1 under initial_budget = 'ignore' (official)
 
 
-class FedHera(LoRAStrategy):
+class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     """FedHera: each client downloads as much of the global spectrum as its bandwidth allows
     (r_tot per module) and trains only what its compute allows (r_main <= r_tot).
 
@@ -80,31 +80,50 @@ class FedHera(LoRAStrategy):
     Parameters
     ----------
     aggregation : {'original', 'unbiased'}, default 'original'
-        'original': G = sum_i w_i s_i B_i A_i; 'unbiased': G = G_prev + sum_i w_i (dW_i - dW_i,init).
+        'original' (official default, --fedhera_server_agg original): G = sum_i w_i s_i B_i A_i over this
+        round's uploads; 'unbiased' (the README's 'paper-style' example): G = G_prev + sum_i w_i (dW_i -
+        dW_i,init), dW_i,init = what was pushed to client i.
     unbiased_reference : {'push', 'start'}, default 'push'
-        dW_i,init of 'unbiased': the push as sent (official) or [RECON] the client's start (tail
-        scaled by lambda).
+        dW_i,init of 'unbiased': 'push' = the push as sent (official: read back from the saved push file,
+        tail not scaled by lambda); [RECON] 'start' = the push with its tail scaled by lambda_i, the
+        client's real starting point.
     allocation : {'greedy', 'uniform', 'random'}, default 'greedy'
-        Water-filling of the budgets on sigma^2 / cost (paper), or the ablations.
+        How budgets become ranks (official --ablation): 'greedy' water-filling on sigma^2 / cost
+        (rank_allocator.py); ablations 'uniform' (every module at the largest affordable common rank,
+        r_main capped by T and M alike) and 'random' (columns to uniformly drawn affordable modules,
+        seeded by train.seed here, unseeded there; r_main as in 'uniform').
     coupled : bool, default False
-        Ablation: r_tot = r_main (no frozen tail).
+        Ablation: r_tot = r_main (download only what is trained, no frozen tail).
     atw : bool, default False
-        Adaptive tail warm-up (lambda schedule); off as in the official code's default.
-    atw_horizon : float, default 2.0
-        T_atw of the lambda schedule.
-    atw_decay : float, default 0.9
-        Per-round decay of a client's remembered alignment score.
-    time_unit, memory_unit : float, default 1.0
-        t_unit and m_unit: a column of module l costs (d_out + d_in) * unit.
-    min_rank : int, default 0
-        Smallest r_tot / r_main of any module: 0 official (r_main = 0: frozen on that client;
-        r_tot = 0: not adapted there, nothing sent); [RECON] 1 the earlier floor.
-    initial_rank : int, default 0
-        Round-1 rank of every module of every client; 0 = model.lora_rank (official).
+        Adaptive tail warm-up: scale the frozen tail by lambda_k. Off by default as in the official code
+        (--use_atw is store_true) and as in the abstract, which names the allocation and prefix gating but
+        not ATW; the official README examples turn it on (the fidelity benchmark runs both).
+    atw_horizon : float > 0, default 2.0
+        T_atw of the lambda schedule (official --atw_temperature 2.0).
+    atw_decay : float in (0, 1], default 0.9
+        Per-round decay of a client's remembered score (official: beta = 0.9).
+    time_unit : float > 0, default 1.0
+        t_unit: time units per trained parameter.
+    memory_unit : float > 0, default 1.0
+        m_unit: memory units per trained parameter.
+    min_rank : int >= 0, default 0
+        Smallest r_tot and r_main of any module. 0 (official rank_allocator.py: both greedy passes start
+        every module at 0): a module with r_main = 0 is frozen on that client (its downloaded columns act
+        in the forward pass, untrained, and go back up unchanged), one with r_tot = 0 is not adapted there
+        (nothing downloaded or uploaded; peft cannot build a rank-0 layer, so the client holds a zero
+        rank-1 placeholder, A = B = 0, frozen, never sent). [RECON] 1: every module downloaded and trained
+        at rank >= 1 (fedlora's earlier default).
+    initial_rank : int >= 0, default 0
+        Rank of every module of every client in round 1 (standard init, every column trainable); 0 =
+        model.lora_rank (official main.py: every client trains lora_r = 8 in its first round, whatever its
+        tier).
     initial_budget : {'ignore', 'fit'}, default 'ignore'
-        Round 1 ignores the budgets (official) or [RECON] fits the initial rank to them.
+        Budgets in round 1: 'ignore' (official: budgets apply from the first push on; round-1 downloads
+        are not counted as violations); [RECON] 'fit': lower the round-1 rank to the largest rank <= the
+        initial rank that every client's budgets afford.
     fresh_components : bool, default False
-        [RECON] Columns past the spectrum's rank start as standard init instead of zero.
+        [RECON] Columns past the numerical rank of G start as standard LoRA init (A kaiming, B = 0)
+        instead of the official near-zero columns (sigma ~ 0: A = B = 0, which receive no gradient).
 
     Budgets: a client declares ``download`` (bytes per round, LoRA factors + head), ``time`` and
     ``memory`` (units) in its profile (``clients.budget_tiers`` or node config ``budget-*``);
@@ -132,7 +151,6 @@ class FedHera(LoRAStrategy):
     """
 
     method = fedhera.METHOD
-    options: fedhera.FedHeraOptions
 
     # ---------------------------------------------------------------- budgets
     @property

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fedlora.lora import Payload, padded_average, truncate_payload
 from fedlora.methods import fedit
+from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class FedIT(LoRAStrategy):
+class FedIT(LoRAStrategy[NoOptions]):
     """FedIT (FedAvg-LoRA): every client trains A and B; the server averages each separately.
 
     Paper: Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning",

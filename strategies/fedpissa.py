@@ -27,7 +27,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
-class FedPissa(LoRAStrategy):
+class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
     """FedPissa: one LoRA per module; B aggregated with decorrelated projections, A kept local.
 
     Paper: "FedPissa: rethinking single-LoRA personalised federated fine-tuning via selective
@@ -35,33 +35,39 @@ class FedPissa(LoRAStrategy):
 
     Parameters
     ----------
-    lam : float, default 1.0
-        lambda of Eq. 4; 0 reduces the server to plain (weighted) averaging of B.
-    delta : int or None, default None (= r // 2)
-        Tail rank of the projection, 1 <= delta < r.
-    correction : {"bounded", "literal"}, default "bounded"
-        [RECON] Deviation weights in Eq. 4: p_k (bounded; identical projectors give B_avg) or 1
-        (literal, as drawn in the figure; extrapolates under skewed sample weights).
-    weights : {"samples", "uniform"}, default "samples"
-        p_k for B_avg (and for the head's FedAvg when ``model.head = global``).
-    init : {"pissa", "kaiming"}, default "pissa"
-        [RECON] LoRA init. 'pissa' takes A, B from the exact top-r SVD of W0 and freezes the
-        residual W0 - s B A; the SVD is deterministic, so clients and server share one residual
-        base. It overrides ``model.init`` for this method only (the client trainer builds with it,
-        and :meth:`model_init` gives it to the server's evaluator); the config's ``model.init``
-        is left as is, so a comparison's other strategies keep their own init.
-    global_model : {"clients", "mean_A"}, default "clients"
-        [RECON] definition of the reported global accuracy (FedPissa is personalised and has
-        no global model): 'clients' has each client evaluate its own W0 + s B_agg A_k on the
-        global test set (example-weighted mean); 'mean_A' evaluates B_agg with the
-        example-weighted mean of the clients' last A on the server (with ``selection =
-        dynamics``: per module the aggregated factor with the mean of the kept one).
-    selection : {"fixed", "dynamics"}, default "fixed"
-        [RECON] 'fixed': B aggregated, A local in every module (the figure). 'dynamics': per
-        module and round, the factor whose client updates agree more (consensus
-        ||sum_k p_k dX_k||^2 / sum_k p_k ||dX_k||^2, dX_k = uploaded minus the client's starting
-        factor) is aggregated by Eq. 4 (for A in its mirror form, with projectors from the other
-        clients' B), the other stays local; the next download carries that factor per module.
+    lam : float >= 0, default 1.0
+        lambda of Eq. 4: strength of the projected client deviations added to the average of B; any value
+        >= 0 (above 1 amplifies the projected deviations); 0 = plain averaging of B, the ablation 'without
+        the projection'.
+    delta : int or None, default None
+        Tail rank: P_k projects onto the eigenvectors of the delta smallest eigenvalues of C_k; 1 <= delta
+        < r (a one-line error otherwise). Unset = r // 2 [RECON].
+    correction : {'bounded', 'literal'}, default 'bounded'
+        [RECON] How the projected deviations enter Eq. 4: 'bounded' = lam * sum_k p_k (B_k - B_avg) P_k
+        (identical projectors give exactly B_avg; a convex mix per direction for lam <= 1); 'literal' =
+        lam * sum_k (B_k - B_avg) P_k as the figure draws it, which extrapolates under sample weights (10
+        clients, one holding 43 % of the data: a coefficient near -2.8 on the others' deviations).
+    weights : {'samples', 'uniform'}, default 'samples'
+        p_k in B_avg = sum_k p_k B_k (and in the head's average): 'samples' (n_k / sum n, FedAvg) or
+        'uniform' (1 / K).
+    init : {'pissa', 'kaiming'}, default 'pissa'
+        [RECON] LoRA init: 'pissa' (A = S_r^1/2 V_r^T, B = U_r S_r^1/2 from the exact top-r SVD of W0,
+        frozen residual W0 - s B A, identical on every client and the server) or 'kaiming' (standard LoRA,
+        B = 0). Overrides model.init for fedpissa only: the client trainer builds with it and the
+        strategy's model_init gives it to the server's evaluator; the config's model.init is left as is,
+        so a comparison's other strategies keep their own init.
+    global_model : {'clients', 'mean_A'}, default 'clients'
+        [RECON] what 'global accuracy' means (the paper has no global model): 'clients' = every client's
+        personalised model W0 + s B_agg A_k on the global test set, example-weighted; 'mean_A' = one model
+        B_agg with the example-weighted mean of the clients' last A, evaluated by the server (with
+        selection = 'dynamics': per module the aggregated factor with the mean of the kept one).
+    selection : {'fixed', 'dynamics'}, default 'fixed'
+        [RECON] Which factor is aggregated (the abstract: 'selectively aggregate LoRA components based on
+        their aggregation dynamics'): 'fixed' = B in every module, A local (the figure); 'dynamics' = per
+        module and round the factor whose client updates agree more (higher consensus ||sum_k p_k dX_k||^2
+        / sum_k p_k ||dX_k||^2, dX_k = uploaded minus the client's starting factor) is aggregated by Eq. 4
+        (for A in its mirror form, with projectors from the other clients' B) and the other kept local;
+        the download then carries A or B per module.
 
     One rank only (``capabilities.mixed_ranks = False``): Eq. 4 adds B_k (d_out, r) times P_k
     (r, r) across clients, and under PiSSA the frozen residual itself depends on r, so clients of
@@ -99,7 +105,6 @@ class FedPissa(LoRAStrategy):
     """
 
     method = fedpissa.METHOD
-    options: fedpissa.FedPissaOptions
 
     def setup(self) -> None:
         # after the roster settled mixed ranks (clients.mixed_rank_policy), every profile has one rank

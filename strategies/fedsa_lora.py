@@ -10,7 +10,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 from strategies.roster import MixedRanksError
 
 
-class FedSALoRA(LoRAStrategy):
+class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
     """FedSA-LoRA: A learns what clients share and is averaged; B learns client-specific
     knowledge and never leaves the client.
 
@@ -19,12 +19,11 @@ class FedSALoRA(LoRAStrategy):
 
     Parameters
     ----------
-    mixed_ranks : {"nested", "refuse"}, default "nested"
-        Clients with different ranks. ``nested`` [RECON, the paper has one rank]: the initial A
-        is drawn rank-nested (:func:`fedlora.lora.nested_A`), so row j means the same on every
-        client; row j of the global A is the example-weighted mean over the clients holding
-        it (rank > j), and client k receives the first r_k rows. ``refuse``: stop at setup
-        unless every client has the same rank.
+    mixed_ranks : {'nested', 'refuse'}, default 'nested'
+        Clients with different ranks: 'nested' [RECON, the paper has one rank]: the initial A is drawn
+        rank-nested (fedlora.lora.nested_A), so row j means the same on every client; row j of the global
+        A is the example-weighted mean over the clients holding it (rank > j), and client k receives the
+        first r_k rows. 'refuse': stop at setup unless every client has the same rank.
 
     Upload: A_k of every module (r_k x d_in), and the head when ``model.head = global``.
 
@@ -45,7 +44,6 @@ class FedSALoRA(LoRAStrategy):
     """
 
     method = fedsa_lora.METHOD
-    options: fedsa_lora.FedSALoRAOptions
 
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})

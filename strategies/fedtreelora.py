@@ -39,7 +39,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
-class FedTreeLoRA(LoRAStrategy):
+class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     """FedTreeLoRA: clients share a trunk in shallow blocks and branch into clusters in deep ones.
 
     Paper: FedTreeLoRA (2026; only its abstract is public: "tree-structured aggregation for
@@ -48,24 +48,32 @@ class FedTreeLoRA(LoRAStrategy):
 
     Parameters
     ----------
-    warmup_rounds : int, default 3
-        Rounds of local-only training; the last one's B factors build the tree (once).
+    warmup_rounds : int >= 1, default 3
+        Rounds of local-only training before the tree is built (once) from the clients' B factors of the
+        last warm-up round (must be < train.rounds).
     tau : float, default 0.1
-        phi(c = 1): the silhouette a finer cut must beat to split a block.
-    K : int, default 2
-        Window of candidate cuts per block, Omega_l = [c*_(l-1), min(N, c*_(l-1) + K)).
-    fixed_c : int or None, default None
-        Ablation: the same number of clusters in every block (1 = FedIT).
+        Score phi of the single-cluster cut c = 1: the silhouette a finer cut must beat to split a block
+        (bias toward sharing).
+    K : int >= 1, default 2
+        Window of candidate cuts per block: block l may use c in [c*_(l-1), min(N, c*_(l-1) + K)).
+    fixed_c : int >= 1 or None, default None
+        Ablation: cut every block into this many clusters (None = choose by silhouette; capped at the
+        number of clients). fixed_c = 1 is FedIT after the warm-up.
     independent_layers : bool, default False
-        Ablation: per-block trees and cuts, no global tree, cuts may decrease with depth.
-    weights : {"samples", "uniform"}, default "samples"
-        Weights of the expert means.
-    layer_distance : {"module_mean", "stacked"}, default "module_mean"
-        D^(l)_ij as the mean of per-module norms (spec) or one norm of the stacked block.
-    lam0 : float, default 0.5
-        [RECON] Initial lam = sigmoid(theta_l) of every block (theta_l = logit(lam0)).
-    mixing_lr : float, default 0.1
-        [RECON] Learning rate of theta (own AdamW group, no weight decay); 0 keeps lam at lam0.
+        Ablation: cluster every block on its own D^(l) (own tree, c in [1, N)) without the global tree or
+        the never-coarser constraint.
+    weights : {'samples', 'uniform'}, default 'samples'
+        Expert averaging weights: 'samples' (p_k = n_k / sum n) or 'uniform'.
+    layer_distance : {'module_mean', 'stacked'}, default 'module_mean'
+        D^(l)_ij: 'module_mean' = mean over the block's adapted modules of ||B_m,i - B_m,j||_F (the spec);
+        'stacked' = one norm of the block's B factors stacked together.
+    lam0 : float in (0, 1), default 0.5
+        [RECON] Initial mixing weight lam = sigmoid(theta_l) of the cluster expert in every block (theta_l
+        starts at logit(lam0)); the papers do not give it.
+    mixing_lr : float >= 0, default 0.1
+        [RECON] Learning rate of the mixing logits theta (their own AdamW parameter group, no weight
+        decay); the LoRA factors keep train.lr. 0 freezes lam at lam0 (ablation: fixed mixing).
+        Provisional default, to be chosen on validation in the method's scenario.
 
     Warm-up (rounds 1..W): nothing goes down (every client builds the same seeded initial
     adapter); clients train locally. Only round W's upload (A, B, and the head when
@@ -99,7 +107,6 @@ class FedTreeLoRA(LoRAStrategy):
     """
 
     method = fedtreelora.METHOD
-    options: fedtreelora.FedTreeLoRAOptions
 
     # ---------------------------------------------------------------- state
     def setup(self) -> None:

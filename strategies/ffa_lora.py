@@ -12,7 +12,7 @@ from strategies.base import ClientUpload, LoRAStrategy
 from strategies.roster import MixedRanksError
 
 
-class FFALoRA(LoRAStrategy):
+class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
     """FFA-LoRA: clients train only B; A stays frozen at a seeded init every party draws itself.
 
     Paper: Sun, Li, Li, Ding, "Improving LoRA in Privacy-preserving Federated Learning",
@@ -20,14 +20,13 @@ class FFALoRA(LoRAStrategy):
 
     Parameters
     ----------
-    mixed_ranks : {"pad", "refuse"}, default "pad"
-        Clients with different ranks. ``pad`` [RECON, the paper has one rank]: A is drawn
-        rank-nested (:func:`fedlora.lora.nested_A`), so a rank-r_k client's A is the first
-        r_k rows of the rank-R_max A; the server averages s_k B_k zero-padded to R_max (the exact
-        average of the updates dW_k), and client k gets the first r_k columns rescaled by
-        s_R / s_k; a column no client of the round holds is zero (the global update is the
-        average of this round's updates). ``refuse``: stop at setup unless every client has the
-        same rank.
+    mixed_ranks : {'pad', 'refuse'}, default 'pad'
+        Clients with different ranks: 'pad' [RECON, the paper has one rank]: A is drawn rank-nested
+        (fedlora.lora.nested_A), so a rank-r_k client's A is the first r_k rows of the rank-R_max A; the
+        server averages s_k B_k zero-padded to R_max (the exact average of the updates dW_k), and client k
+        gets the first r_k columns rescaled by s_R / s_k; a column no client of the round holds is zero
+        (the global update is the average of this round's updates). 'refuse': stop at setup unless every
+        client has the same rank.
 
     Upload: B_k of every module (d_out x r_k), and the head when ``model.head = global``. A never
     travels: every client and the server draw the same A from ``train.seed``.
@@ -49,7 +48,6 @@ class FFALoRA(LoRAStrategy):
     """
 
     method = ffa_lora.METHOD
-    options: ffa_lora.FFALoRAOptions
 
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})

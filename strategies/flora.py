@@ -18,11 +18,12 @@ from fedlora.lora import (
     stack_payload,
 )
 from fedlora.methods import flora
+from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class FLoRA(LoRAStrategy):
+class FLoRA(LoRAStrategy[NoOptions]):
     """FLoRA: stack the clients' LoRA factors so the aggregate is exactly the average update;
     every client merges it into its frozen base and restarts a fresh LoRA.
 
@@ -31,9 +32,10 @@ class FLoRA(LoRAStrategy):
 
     Parameters
     ----------
-    (none beyond the experiment config) Each client trains at its own rank r_k (profile), scale
-    s_k = model.lora_alpha / r_k. ``model.init = pissa`` is refused (it rewrites the base that
-    FLoRA merges into).
+    (none beyond the experiment config)
+
+    Each client trains at its own rank r_k (profile), scale s_k = model.lora_alpha / r_k.
+    ``model.init = pissa`` is refused (it rewrites the base that FLoRA merges into).
 
     Upload: A_k (r_k, d_in), B_k (d_out, r_k) of every module (and the head when
     ``model.head = global``).

@@ -20,7 +20,7 @@ from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class HetLoRA(LoRAStrategy):
+class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     """HetLoRA: clients train LoRA at their own rank; the server zero-pads to the largest rank,
     averages with weights proportional to each client's update norm, and truncates back.
 
@@ -29,20 +29,20 @@ class HetLoRA(LoRAStrategy):
 
     Parameters
     ----------
-    weighting : {"norm", "examples"}, default "norm"
-        'norm': w_k = ||B_k A_k||_F / sum_j ||B_j A_j||_F per module, the norm computed in factor
-        space (trace((B^T B)(A A^T))); 'examples': w_k = n_k / sum n.
+    weighting : {'norm', 'examples'}, default 'norm'
+        Aggregation weights: 'norm' = w_k proportional to ||B_k A_k||_F per module (HetLoRA's
+        sparsity-weighted aggregation, Cho et al. 2024, Sec. 3), the norm computed in factor space
+        (trace((B^T B)(A A^T))); 'examples' = n_k / sum n (plain zero-padding FedAvg, an ablation).
     self_prune : bool, default False
-        Local rank self-pruning (client side, ``clients/trainers/hetlora.py``): the local loss adds
-        lambda * sum_modules ||B_k[:, t:]||_F ||A_k[t:, :]||_F with t = floor(gamma r_k); after
-        training, when that tail norm is below the client's previous round's, the client drops
-        the tail, uploads rank t and keeps rank t from then on. The reconstruction of the
-        paper's rule compares with the previous round at the same rank (a fresh rank needs two
-        rounds of evidence).
-    prune_decay : float, default 0.75
-        gamma in (0, 1): the rank a pruning client keeps, floor(gamma r_k), at least 1.
-    prune_lambda : float, default 0.01
-        lambda >= 0: weight of the tail-norm regulariser.
+        Local rank self-pruning (Cho et al. 2024, Sec. 3; client side, clients/trainers/hetlora.py): each
+        client adds prune_lambda * sum_modules ||B_tail||_F ||A_tail||_F (the components beyond
+        floor(prune_decay * r_k)) to its loss and, when that tail norm is smaller than in its previous
+        round at the same rank, drops them: it uploads rank floor(prune_decay * r_k) and keeps it from
+        then on [RECON: the comparison rule; a fresh rank needs two rounds of evidence].
+    prune_decay : float in (0, 1), default 0.75
+        gamma: a pruning client keeps floor(gamma * r_k) components (at least 1).
+    prune_lambda : float >= 0, default 0.01
+        lambda: weight of the tail-norm regulariser in the local loss.
 
     Upload: A_k (r_k, d_in), B_k (d_out, r_k) of every module (and the head when
     ``model.head = global``).
@@ -65,7 +65,6 @@ class HetLoRA(LoRAStrategy):
     """
 
     method = hetlora.METHOD
-    options: hetlora.HetLoRAOptions
     # the rank each reply reports, read only while its upload is checked: never state
     NOT_STATE = LoRAStrategy.NOT_STATE | {"upload_rank"}
 

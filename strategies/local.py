@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fedlora.lora import Payload
 from fedlora.methods import local
+from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
 
 
-class LocalOnly(LoRAStrategy):
+class LocalOnly(LoRAStrategy[NoOptions]):
     """Local-only training: no aggregation, no communication of parameters.
 
     Paper: none (the standard no-federation baseline of personalised FL; e.g. the "Local"
@@ -16,8 +17,10 @@ class LocalOnly(LoRAStrategy):
 
     Parameters
     ----------
-    (none beyond the experiment config) Each client trains at its own declared rank; mixed
-    ranks need nothing special. The head is always local, whatever ``model.head`` says.
+    (none beyond the experiment config)
+
+    Each client trains at its own declared rank; mixed ranks need nothing special.
+    The head is always local, whatever ``model.head`` says.
 
     Upload: nothing (an empty record: 0 bytes). The reply still carries the metrics (examples,
     training loss) so the round is accounted for.

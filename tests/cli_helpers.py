@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from strategy_helpers import short_run_override_map
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
 QUICK = ROOT / "configs/quick.toml"
@@ -18,8 +20,9 @@ QUICK_CUT: tuple[str, ...] = (
     "data.num_clients=3", "data.max_examples=360", "data.global_test_size=40", "train.rounds=2",
     "train.max_steps=8", "train.batch_size=8", "train.max_length=16",
 )
-# A strategy's own options the cut needs (fedtreelora's warm-up must end before the last round).
-QUICK_CUT_OPTIONS: dict[str, list[str]] = {"fedtreelora": ["strategy.warmup_rounds=1"]}
+# A strategy's own options the cut needs (tests/strategy_helpers.py: fedtreelora's warm-up must end
+# before the last round).
+QUICK_CUT_OPTIONS: dict[str, list[str]] = short_run_override_map()
 
 
 def fedlora_run(out: Path, *overrides: str, args: tuple[str, ...] = (), config: Path = SMOKE,

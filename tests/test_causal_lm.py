@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from strategy_helpers import short_run_overrides
 
 from fedlora.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/llm_smoke.toml"
-EXTRA = {"fedtreelora": ["strategy.warmup_rounds=1"]}  # smoke has 2 rounds; its default warm-up is 3
 
 
 def strategy_names() -> list[str]:
@@ -42,7 +42,7 @@ def tokenizer():
 def test_every_strategy_runs_on_the_causal_lm_smoke_or_refuses_in_one_line(strategy: str, tmp_path: Path) -> None:
     from fedlora.app.runner import run_inprocess
 
-    overrides = [f"strategy.name={strategy}", *EXTRA.get(strategy, [])]
+    overrides = [f"strategy.name={strategy}", *short_run_overrides(strategy)]
     if refusal(strategy):
         # Execute / Assert: a method without a meaning for generation says so in one line
         with pytest.raises(ConfigError, match=f"strategy '{strategy}' does not run with model.kind") as error:

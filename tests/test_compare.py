@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from cli_helpers import QUICK_CUT, QUICK_CUT_OPTIONS
 
-from fedlora.app.compare import ComparisonTable, Job, is_complete, job_config, run_row, summarize
 from fedlora.app.compare import compare as compare_strategies
+from fedlora.app.jobs import Job, is_complete, job_config
 from fedlora.app.paired import Pair, PairingError, bootstrap_ci, holm, paired_comparisons, paired_t_pvalue
 from fedlora.app.plotting import COMPARISON_PLOTS, MECHANISMS_PLOT, plot_mechanisms
+from fedlora.app.summary import ComparisonTable, run_row, summarize
 from fedlora.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

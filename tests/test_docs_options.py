@@ -1,121 +1,101 @@
-"""The option tables of the per-method result pages match the methods' options models.
-
-Each page names its method (``strategy.name = "<name>"``) and documents its options in markdown
-rows ``| `strategy.a`, `b` | `1.0`, `false` | meaning |``: the first cell lists option names (the
-``strategy.`` prefix on the first), the second as many defaults in the same order. A default may
-carry a parenthetical explanation (``unset (r // 2)``); an option whose code default is ``None``
-is documented as ``unset``. Every documented default must equal the ``Field`` default of the
-method's options class, and every field of that class must be in the table, once.
-"""
+"""Options are described once, in their pydantic fields; the docs' option tables and the strategies'
+``Parameters`` sections are generated from them (``python -m fedlora.methods.docs --write``) and
+must stay in step: a changed description, default, bound or option fails here until regenerated."""
 
 from __future__ import annotations
 
-import re
+import inspect
+import shutil
+import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import pytest
+from pydantic import Field
 
-from fedlora.methods import method
+from fedlora.methods import Capabilities, Method, MethodOptions, method, method_names
+from fedlora.methods.docs import drift, main, markdown_table, option_docs, parameters_section, regions
+from strategies.registry import strategy_class, strategy_names
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-PAGES = ["fedhera.md", "fedpissa.md", "feddr_lora.md", "fedtreelora.md"]
-NAME_LINE = re.compile(r'`strategy\.name = "(\w+)"`')
-
-
-def split_top_level(cell: str) -> list[str]:
-    """``cell`` split at the commas outside backticks and parentheses, each part stripped."""
-    parts, current, depth, in_code = [], "", 0, False
-    for char in cell:
-        if char == "`":
-            in_code = not in_code
-        elif not in_code and char == "(":
-            depth += 1
-        elif not in_code and char == ")":
-            depth -= 1
-        if char == "," and depth == 0 and not in_code:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += char
-    parts.append(current.strip())
-    return parts
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def option_rows(text: str) -> tuple[list[tuple[str, str]], list[str]]:
-    """(option name, documented default) of every table row whose first cell names ``strategy.<x>``,
-    and the rows whose number of defaults differs from their number of names."""
-    rows, malformed = [], []
-    for line in text.splitlines():
-        if not line.startswith("|"):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 2 or not cells[0].startswith("`strategy."):
-            continue
-        names = [n.strip("` ").removeprefix("strategy.") for n in split_top_level(cells[0])]
-        defaults = split_top_level(cells[1])
-        if len(names) != len(defaults):
-            malformed.append(line)
-        rows.extend(zip(names, defaults))
-    return rows, malformed
+class HandOptions(MethodOptions):
+    mode: Literal["a", "b"] = Field("a", description="Which | way.")
+    rate: float = Field(0.5, gt=0.0, le=1.0, description="A rate,   with  spaces.")
+    cut: int | None = Field(None, ge=1, description="A cut; unset = none.")
+    on: bool = Field(False, description="A switch.")
 
 
-def normalise_doc(value: str) -> Any:
-    """A documented default as a comparable value: float for numbers, lower-case words otherwise."""
-    value = re.sub(r"\s*\(.*\)\s*$", "", value).strip().strip("`").strip().strip("'\"")
-    try:
-        return float(value)
-    except ValueError:
-        return value.lower() if value.lower() in ("true", "false", "unset") else value
+HAND = Method(name="hand", options=HandOptions, capabilities=Capabilities(personalized=False, uploads="", downloads=""))
 
 
-def normalise_code(value: Any) -> Any:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return float(value)
-    return str(value)
+def test_the_table_and_the_parameters_of_a_hand_made_options_model() -> None:
+    # Execute
+    table, parameters = markdown_table(HAND), parameters_section(HAND, "    ")
+    # Assert: by hand (a '|' in a description is escaped, whitespace folded, bounds and unset said)
+    assert table == (
+        "| option | values | default | meaning |\n"
+        "|---|---|---|---|\n"
+        "| `strategy.mode` | `a`, `b` | `a` | Which \\| way. |\n"
+        "| `strategy.rate` | float in (0, 1] | `0.5` | A rate, with spaces. |\n"
+        "| `strategy.cut` | int >= 1 or unset | unset | A cut; unset = none. |\n"
+        "| `strategy.on` | bool | `false` | A switch. |\n"
+    )
+    assert parameters == (
+        "    Parameters\n"
+        "    ----------\n"
+        "    mode : {'a', 'b'}, default 'a'\n"
+        "        Which | way.\n"
+        "    rate : float in (0, 1], default 0.5\n"
+        "        A rate, with spaces.\n"
+        "    cut : int >= 1 or None, default None\n"
+        "        A cut; unset = none.\n"
+        "    on : bool, default False\n"
+        "        A switch."
+    )
 
 
-def page_method(page: str) -> tuple[str, dict[str, Any]]:
-    text = (RESULTS / page).read_text()
-    found = NAME_LINE.search(text)
-    assert found, f"{page} does not name its strategy (`strategy.name = \"...\"`)"
-    options = method(found.group(1)).options
-    return text, {name: info.default for name, info in options.model_fields.items()}
+def test_an_option_without_a_description_is_refused() -> None:
+    class Bare(MethodOptions):
+        knob: int = 1
+
+    with pytest.raises(ValueError, match="Bare.knob has no description"):
+        option_docs(Bare)
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_documented_defaults_match_the_code(page: str) -> None:
-    text, defaults = page_method(page)
-    rows, malformed = option_rows(text)
-    problems = [f"defaults do not pair with the options: {line}" for line in malformed]
-    problems += [f"unknown option '{name}'" for name, _ in rows if name not in defaults]
-    problems += [
-        f"'{name}': documented {documented}, code default {defaults[name]!r}"
-        for name, documented in rows
-        if name in defaults and normalise_doc(documented) != normalise_code(defaults[name])
-    ]
-    assert not problems, f"{page}:\n" + "\n".join(problems)
+def test_every_registered_strategy_docstring_carries_its_generated_parameters() -> None:
+    # Every strategy of the registry (not only those the generator's file scan finds)
+    for name in strategy_names():
+        cls = strategy_class(name)
+        generated = textwrap.dedent(parameters_section(cls.method, "    "))  # as wrapped in a class docstring
+        assert f"\n{generated}\n\n" in inspect.getdoc(cls), name
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_every_option_is_documented_once(page: str) -> None:
-    text, defaults = page_method(page)
-    names = [name for name, _ in option_rows(text)[0]]
-    missing = sorted(set(defaults) - set(names))
-    assert not missing, f"{page}: options missing from the option table: {missing}"
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    assert not repeated, f"{page}: options documented more than once: {repeated}"
+def test_every_method_with_options_has_its_table_in_algorithms_md() -> None:
+    listed = regions((ROOT / "docs" / "algorithms.md").read_text())
+    with_options = [name for name in method_names() if method(name).options.model_fields]
+    assert sorted(listed) == sorted(with_options)  # each once, none for a method without options
 
 
-def test_option_rows_parse_lists_and_explanations() -> None:
-    table = "| `strategy.atw`, `atw_horizon` | `true`, `2.0` | x |\n| `strategy.d` | unset (r // 2) | y |"
-    rows, malformed = option_rows(table)
-    assert not malformed and rows == [("atw", "`true`"), ("atw_horizon", "`2.0`"), ("d", "unset (r // 2)")]
-    assert [normalise_doc(d) for _, d in rows] == ["true", 2.0, "unset"]
-    assert normalise_code(True) == "true" and normalise_code(2) == 2.0 and normalise_code(None) == "unset"
-    assert normalise_doc("`push`") == normalise_code("push")
-    assert option_rows("| `strategy.a`, `b` | `1.0` | z |")[1], "two names with one default must be flagged"
+def test_docs_and_docstrings_are_in_step_with_the_options_models() -> None:
+    assert drift(ROOT) == [], "run `python -m fedlora.methods.docs --write`"
+
+
+def test_a_drifted_table_or_docstring_is_found_and_rewritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: a copy of the docs and strategies with a hand-edited fedhera row and docstring
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png", "*.csv", "img"))
+    (tmp_path / "strategies").mkdir()
+    shutil.copy(ROOT / "strategies" / "fedhera.py", tmp_path / "strategies" / "fedhera.py")
+    page, source = tmp_path / "docs" / "results" / "fedhera.md", tmp_path / "strategies" / "fedhera.py"
+    page.write_text(page.read_text().replace("| `strategy.coupled` | bool | `false` |", "| `strategy.coupled` | bool | `true` |"))
+    source.write_text(source.read_text().replace("coupled : bool, default False", "coupled : bool, default True"))
+    # Execute / Assert: reported (exit 1), then rewritten to the repository's text
+    assert main(["--root", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "docs/results/fedhera.md: the options table of 'fedhera'" in out
+    assert "strategies/fedhera.py: the Parameters section" in out
+    assert main(["--root", str(tmp_path), "--write"]) == 0
+    assert page.read_text() == (ROOT / "docs" / "results" / "fedhera.md").read_text()
+    assert source.read_text() == (ROOT / "strategies" / "fedhera.py").read_text()
+    assert drift(tmp_path) == []

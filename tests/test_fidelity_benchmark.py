@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_benchmark_harness import load
 
-from fedlora.app.compare import Job, job_config, resolve_base
+from fedlora.app.jobs import Job, job_config, resolve_base
 from fedlora.app.paired import METRIC_NAMES
 from fedlora.app.tune import Budget, Knob, plan, point_label, point_value
 from fedlora.methods import method
@@ -248,7 +248,7 @@ def fake_training(monkeypatch: pytest.MonkeyPatch) -> list[Job]:
         for job in jobs:
             run_dir = job.run_dir(out)
             cfg = job_config(base, job, run_dir)
-            from fedlora.app.compare import is_complete
+            from fedlora.app.jobs import is_complete
 
             if is_complete(run_dir, cfg):
                 continue

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from strategy_helpers import short_run_options
 
 from fedlora.app.server import GlobalEvaluator
 from fedlora.config import ConfigError, config_from_json, load_config
@@ -44,7 +45,6 @@ SETTINGS: dict[str, Any] = {
 }
 RANKS = [2, 4, 8]
 DECLARED = [100, 110, 120]  # training examples each client declares
-OPTIONS = {"fedtreelora": {"warmup_rounds": 1}}  # its tree is built in round 1
 NODE = 1000  # InProcessGrid: node 1000 + k holds partition k
 
 
@@ -56,7 +56,7 @@ def profile_app(msg: Message, context: Context) -> Message:
 
 
 def keyword_strategy(name: str) -> LoRAStrategy:
-    return strategy_class(name)(**OPTIONS.get(name, {}), **SETTINGS)
+    return strategy_class(name)(**short_run_options(name), **SETTINGS)
 
 
 def honest_reply(strategy: LoRAStrategy, msg: Message, server_round: int) -> Message:

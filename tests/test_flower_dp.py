@@ -19,6 +19,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+from strategy_helpers import short_run_options
 
 from clients.app import clipping_when_asked
 from fedlora.config import ConfigError, config_from_json
@@ -189,7 +190,7 @@ def test_a_strategy_the_wrapper_cannot_wrap_refuses_it_in_one_line_saying_why(
     caps = method(name).capabilities
     assert bool(caps.not_flower_dp) != caps.flower_dp, "say why not, exactly when it is not allowed"
     assert reason and "|" not in reason  # the reason is a cell of docs/flower.md's table
-    _, dp, grid = wrapped(name, 1.0, 0.05, **({"warmup_rounds": 1} if name == "fedtreelora" else {}), **settings)
+    _, dp, grid = wrapped(name, 1.0, 0.05, **short_run_options(name), **settings)
     with pytest.raises(ConfigError) as refused:
         dp.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
     message = str(refused.value)

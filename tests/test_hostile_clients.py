@@ -32,6 +32,7 @@ from flwr.app import (
 from flwr.common.constant import ErrorCode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategy_helpers import short_run_overrides
 
 from fedlora.app.server import GlobalEvaluator, run_server
 from fedlora.config import ConfigError, load_config
@@ -50,7 +51,6 @@ SMOKE = ROOT / "configs/smoke.toml"
 RANKS = [2, 4, 8, 2, 4, 8]  # configs/smoke.toml's clients.ranks (3 clients), twice for the property test's 6
 DECLARED = [100, 110, 120, 100, 110, 120]  # training examples each client declares (no honest share reaches 0.6)
 SIX = ("data.num_clients=6", "clients.ranks=[2, 4, 8, 2, 4, 8]", "federation.min_clients=1")
-PER_STRATEGY = {"fedtreelora": ["strategy.warmup_rounds=1"]}  # its tree is built in round 1
 NODE = 1000  # InProcessGrid: node 1000 + k holds partition k
 
 
@@ -63,7 +63,7 @@ def federated() -> Any:
 @cache
 def evaluator(name: str) -> tuple[GlobalEvaluator, dict[str, tuple[int, int]]]:
     """The server's models for strategy ``name`` (its init, e.g. FedPissa's PiSSA) and the module shapes."""
-    config = load_config(SMOKE, [f"strategy.name={name}", *PER_STRATEGY.get(name, [])])
+    config = load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name)])
     server = GlobalEvaluator(config, federated())
     server.init = create_strategy(config, server.initial_adapter, {"m": (4, 4)}).model_init()
     return server, server.module_shapes()
@@ -81,7 +81,7 @@ def profile_app(msg: Message, context: Context) -> Message:
 def connected(name: str, overrides: tuple[str, ...] = (), nodes: list[dict[str, Any]] | None = None
               ) -> tuple[LoRAStrategy, InProcessGrid]:
     """Strategy ``name`` on the smoke experiment and a grid of profile-only clients."""
-    config = load_config(SMOKE, [f"strategy.name={name}", *PER_STRATEGY.get(name, []), *overrides])
+    config = load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name), *overrides])
     server, shapes = evaluator(name)
     nodes = nodes or [{"partition-id": k} for k in range(config.data.num_clients)]
     return create_strategy(config, server.initial_adapter, shapes), InProcessGrid(profile_app, nodes)
@@ -545,7 +545,7 @@ def test_robust_aggregation_is_refused_in_one_line_where_the_method_cannot_take_
         assert load_config(SMOKE, [f"strategy.name={name}", "faults.aggregation=trimmed_mean"]).faults.aggregation
         return
     with pytest.raises(ConfigError) as refused:
-        load_config(SMOKE, [f"strategy.name={name}", *PER_STRATEGY.get(name, []), "faults.aggregation=median"])
+        load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name), "faults.aggregation=median"])
     assert caps.not_robust in str(refused.value) and "\n" not in str(refused.value)
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from strategy_helpers import SHORT_RUN_ROUNDS, short_run_overrides
 
-from fedlora.config import load_config
-from fedlora.methods import method
+from fedlora.config import ConfigError, load_config
+from fedlora.methods import method, method_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,3 +62,15 @@ def test_per_method_config_carries_its_scenarios_method_relevant_choices(name: s
         if option in method(name).options.model_fields:
             warmup = getattr(method(name).options.model_validate(mine.strategy.options()), option)
             assert 1 <= warmup < mine.train.rounds, (option, warmup, mine.train.rounds)
+
+
+def test_the_shared_short_run_options_fit_every_method_and_each_is_needed() -> None:
+    # tests/strategy_helpers.py: every registered method validates a short smoke run with its
+    # short-run options, and leaving any one of them out is refused (none is superfluous)
+    smoke = ROOT / "configs" / "smoke.toml"
+    for name in method_names():
+        base, extra = [f"strategy.name={name}", f"train.rounds={SHORT_RUN_ROUNDS}"], short_run_overrides(name)
+        load_config(smoke, [*base, *extra])
+        for left_out in extra:
+            with pytest.raises(ConfigError, match=left_out.split("=")[0]):
+                load_config(smoke, [*base, *(o for o in extra if o != left_out)])

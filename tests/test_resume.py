@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from strategy_helpers import short_run_overrides
 from test_golden import assert_close
 
 from fedlora.checkpoint import (
@@ -198,9 +199,6 @@ def _grid(config, id_offset: int, crash_round: int = 0):
     return grid
 
 
-STRATEGY_OVERRIDES = {"fedtreelora": ["strategy.warmup_rounds=1"]}
-
-
 def _all_strategies() -> list[str]:
     from strategies.registry import strategy_names
 
@@ -214,7 +212,7 @@ def test_every_strategy_resumes_with_new_node_ids(tmp_path, strategy):
 
     # Prepare: the reference run, and a run that stops when round 3's training is sent
     config = load_config(SMOKE, [f"strategy.name={strategy}", "train.rounds=3", "train.max_steps=2",
-                                 *STRATEGY_OVERRIDES.get(strategy, [])])
+                                 *short_run_overrides(strategy)])
     reference, resumed = tmp_path / "a" / "run", tmp_path / "b" / "run"  # paths of one length: they travel in messages
     run_server(_grid(config, 1000), config, reference)
     with pytest.raises(_Interrupted):

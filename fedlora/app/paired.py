@@ -172,7 +172,7 @@ def paired_comparisons(
     resamples: int = RESAMPLES,
 ) -> PairedTable:
     """The paired table of ``pairs`` over the run rows ``runs`` (``strategy``, ``seed``,
-    ``data_seed`` and the metric columns, as :func:`fedlora.app.compare.run_row` gives them).
+    ``data_seed`` and the metric columns, as :func:`fedlora.app.summary.run_row` gives them).
 
     ``primary`` = (label, baseline) of the declared primary comparison, on ``primary_metric``:
     uncorrected, out of the Holm family of that metric. A metric a side lacks on any of the paired

@@ -53,7 +53,7 @@ def plot_accuracy(results: dict[str, Any], path: str | Path):
 
 
 # --------------------------------------------------------------------------- comparisons
-# ``runs`` maps a label (strategy) to the results dicts of its seeds (fedlora.app.compare.load_runs).
+# ``runs`` maps a label (strategy) to the results dicts of its seeds (fedlora.app.runs.load_runs).
 Runs = dict[str, list[dict[str, Any]]]
 
 ACCURACY_PANELS = (
@@ -264,7 +264,7 @@ COMPARISON_PLOTS = (
 
 def plot_comparison(out_dir: str | Path, runs: Runs, data_config: Any = None) -> dict[str, Any]:
     """Write the four comparison PNGs of ``runs`` (label -> its seeds' results, as
-    :func:`fedlora.app.compare.load_runs` reads them) into ``out_dir``; returns file name -> figure.
+    :func:`fedlora.app.runs.load_runs` reads them) into ``out_dir``; returns file name -> figure.
 
     ``data_config`` (a DataConfig) gives the partition for the heat map; default: the data
     section of the first run's resolved config.

@@ -161,14 +161,21 @@ def run(
     out = Path(resume or out_dir or config.output.dir)
     folder = claim(out, what="run", resume=bool(resume), overwrite=overwrite, resume_hint=f"--resume {out}")
     with output(verbose):
-        results = _run(config, out, folder, verbose, resume, engine)
+        results = execute(config, out, resume=bool(resume), engine=engine, verbose=verbose, folder=folder)
         for line in final_lines(results):
             logger.info(line)
     return results
 
 
-def _run(config: ExperimentConfig, out: Path, folder: Claim, verbose: bool, resume: str | Path | None,
-         engine: str) -> dict[str, Any]:
+def execute(config: ExperimentConfig, out: Path, *, resume: bool = False, engine: str = "ray", verbose: bool = False,
+            folder: Claim | None = None) -> dict[str, Any]:
+    """Run the resolved ``config`` into the folder ``out`` on ``engine`` and return its results dict:
+    the one path every run takes (:func:`run`, and each run of a comparison or tuning,
+    :func:`fedlora.app.jobs.run_jobs`). The caller has claimed ``out`` (``folder``: its claim, taken
+    here once the checks passed; a comparison claims its whole folder and passes none). ``resume``:
+    continue the checkpointed run in ``out`` (checked first: a missing, corrupt or tampered
+    checkpoint or another config is one line). Everything logged goes to ``out/run.log`` too; a
+    run that fails before writing results leaves no folder behind (:func:`run_folder`)."""
     config.output.dir = str(out)
     if resume:
         from fedlora.checkpoint import load_server
@@ -177,12 +184,13 @@ def _run(config: ExperimentConfig, out: Path, folder: Claim, verbose: bool, resu
         strategy_class(config.strategy.name)  # imports the strategies: their state types decode
         load_server(out, config)  # a missing, corrupt or tampered checkpoint or another config: one line
     check_inputs(config)
-    folder.take()
+    if folder is not None:
+        folder.take()
     with run_folder(out, fresh=not resume), run_log(out / LOG_FILE):
         prepare_environment(out)
         if engine == "inprocess":
-            return _run_inprocess(config, out, bool(resume), verbose)
-        return _run_ray(config, out, bool(resume), verbose)
+            return _run_inprocess(config, out, resume, verbose)
+        return _run_ray(config, out, resume, verbose)
 
 
 def final_scores(results: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ number of configurations, a method's own knob counted inside it, and a learning-
 widened where the choice sits at its edge (see :func:`plan`).
 
 Every strategy runs every grid point (cartesian product of the ``--grid`` keys) for every seed,
-through the comparison harness (:func:`fedlora.app.compare.run_jobs`). A setting's score is its
+through the comparison harness (:func:`fedlora.app.jobs.run_jobs`). A setting's score is its
 best *validation* accuracy over the rounds (each client's validation split, example-weighted),
 averaged over seeds: the test splits are never used to choose. The chosen setting per strategy
 and the whole grid go to ``OUT/tuning.json``; the table of the chosen runs (test scores, costs) to
@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedlora.app.compare import ComparisonTable, Job, load_runs, run_jobs, summarize
+from fedlora.app.jobs import Job, run_jobs
+from fedlora.app.runs import load_runs
+from fedlora.app.summary import ComparisonTable, summarize
 
 
 def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
@@ -100,7 +102,7 @@ def tune(
     ``out_dir`` (default ``<output.dir>/tune``) must be new or empty unless ``resume`` (continue the
     tuning there: finished runs are kept, interrupted ones resumed) or ``overwrite`` (move the
     earlier tuning aside, ``OUT.old-<time>``; nothing is deleted)."""
-    from fedlora.app.compare import claim_output, default_out_dir, resolve_base
+    from fedlora.app.jobs import claim_output, default_out_dir, resolve_base
 
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base).with_name("tune")

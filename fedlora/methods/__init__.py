@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from fedlora.errors import ConfigError, did_you_mean
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Capabilities, Method, MethodOptions, NoOptions, OptionsT
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
 
-__all__ = ["Capabilities", "Method", "MethodOptions", "method", "method_names", "options_of", "validate"]
+__all__ = ["Capabilities", "Method", "MethodOptions", "NoOptions", "OptionsT", "method", "method_names", "options_of", "validate"]
 
 
 @cache
-def _discover() -> dict[str, Method]:
-    found: dict[str, Method] = {}
+def _discover() -> dict[str, Method[Any]]:
+    found: dict[str, Method[Any]] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name == "base":
+        if info.name in ("base", "docs"):
             continue
         declared = getattr(importlib.import_module(f"{__name__}.{info.name}"), "METHOD", None)
         if isinstance(declared, Method):
@@ -41,7 +41,7 @@ def method_names() -> list[str]:
     return sorted(_discover())
 
 
-def method(name: str) -> Method:
+def method(name: str) -> Method[Any]:
     """The method declared under ``name`` (ConfigError listing the known names otherwise)."""
     known = _discover()
     if name not in known:
@@ -51,7 +51,8 @@ def method(name: str) -> Method:
 
 
 def options_of(experiment: ExperimentConfig) -> Any:
-    """The typed options of the experiment's method."""
+    """The options of the experiment's method, looked up by name (so their type is known at run
+    time only; a strategy gets them typed from its own ``Method[OptionsT]``)."""
     return method(experiment.strategy.name).parse(experiment)
 
 
@@ -83,7 +84,7 @@ def validate(config: ExperimentConfig) -> None:
             raise ConfigError(_naming_the_strategy(str(error), declared.name, given, options)) from None
 
 
-def _naming_the_strategy(message: str, name: str, given: set[str], options: Any) -> str:
+def _naming_the_strategy(message: str, name: str, given: set[str], options: MethodOptions) -> str:
     """A method's own check failed: say which strategy, and which of its defaults took part (an
     option the user did not set, named in the message, e.g. fedtreelora's warm-up of 3 rounds
     against a 2-round run)."""
@@ -93,7 +94,7 @@ def _naming_the_strategy(message: str, name: str, given: set[str], options: Any)
     return f"strategy '{name}': {message}{default_note}"
 
 
-def _check_privacy(declared: Method, config: ExperimentConfig) -> None:
+def _check_privacy(declared: Method[Any], config: ExperimentConfig) -> None:
     """``privacy.dp`` with a method whose client step Opacus cannot make private."""
     if config.privacy.dp and not declared.capabilities.dp_compatible:
         usable = ", ".join(n for n in method_names() if method(n).capabilities.dp_compatible)
@@ -101,14 +102,14 @@ def _check_privacy(declared: Method, config: ExperimentConfig) -> None:
                           f"not DP-SGD compatible); use one of {usable}, or set privacy.dp = false")
 
 
-def _check_causal_lm(declared: Method, config: ExperimentConfig) -> None:
+def _check_causal_lm(declared: Method[Any], config: ExperimentConfig) -> None:
     """``model.kind = 'causal_lm'`` with a method that has no meaning for generation."""
     if config.model.kind == "causal_lm" and declared.capabilities.causal_lm:
         raise ConfigError(f"strategy '{declared.name}' does not run with model.kind = 'causal_lm': "
                           f"{declared.capabilities.causal_lm}; use another strategy or model.kind = 'classification'")
 
 
-def _check_robust_aggregation(declared: Method, config: ExperimentConfig) -> None:
+def _check_robust_aggregation(declared: Method[Any], config: ExperimentConfig) -> None:
     """``faults.aggregation`` other than 'mean' with a method whose aggregate is not a mean of arrays."""
     if config.faults.aggregation == "mean" or declared.capabilities.robust_aggregation:
         return
@@ -118,7 +119,7 @@ def _check_robust_aggregation(declared: Method, config: ExperimentConfig) -> Non
                       "faults.aggregation = 'mean'")
 
 
-def _check_rank_policy(declared: Method, config: ExperimentConfig) -> None:
+def _check_rank_policy(declared: Method[Any], config: ExperimentConfig) -> None:
     """A same-rank method with ``clients.mixed_rank_policy = refuse`` and mixed configured ranks."""
     ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
     if declared.capabilities.mixed_ranks or config.clients.mixed_rank_policy != "refuse" or len(ranks) < 2:

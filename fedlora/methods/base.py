@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -49,20 +49,27 @@ class Capabilities:
     not_flower_dp: str = ""  # why the wrapper cannot wrap the method (flower_dp False)
 
 
+OptionsT = TypeVar("OptionsT", bound=MethodOptions)
+
+
 @dataclass(frozen=True)
-class Method:
+class Method(Generic[OptionsT]):
     """A method home's declaration: ``METHOD = Method(...)`` at the bottom of its module.
 
-    ``check(experiment, options)`` raises :class:`fedlora.errors.ConfigError` for experiments the
-    method cannot run (cross-section rules its options model cannot see on its own).
+    Generic over its options model: ``Method(options=FedHeraOptions, ...)`` is a
+    ``Method[FedHeraOptions]``, so :meth:`parse` and ``check`` see the method's own options type
+    (a strategy declared ``LoRAStrategy[FedHeraOptions]`` with ``method = fedhera.METHOD`` gets
+    ``self.options: FedHeraOptions``, checked by mypy). ``check(experiment, options)`` raises
+    :class:`fedlora.errors.ConfigError` for experiments the method cannot run (cross-section
+    rules its options model cannot see on its own).
     """
 
     name: str
-    options: type[MethodOptions]
+    options: type[OptionsT]
     capabilities: Capabilities
-    check: Callable[[ExperimentConfig, Any], None] | None = None
+    check: Callable[[ExperimentConfig, OptionsT], None] | None = None
 
-    def parse(self, experiment: ExperimentConfig) -> Any:
+    def parse(self, experiment: ExperimentConfig) -> OptionsT:
         """This method's typed options from ``experiment.strategy`` (defaults filled in)."""
         return self.options(**experiment.strategy.options())
 

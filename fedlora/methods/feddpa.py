@@ -24,18 +24,19 @@ class FedDPAOptions(MethodOptions):
         ge=0,
         description="Rank of the global LoRA g on every client (FedAvg needs one shape); "
         "0 = model.lora_rank. [RECON for mixed ranks, the paper has one rank] The local LoRA l "
-        "uses each client's own rank.",
+        "uses each client's own declared rank, so heterogeneous ranks only change the private branch.",
     )
     instance_weighting: bool = Field(
         False,
         description="FedDPA's test-time instance-wise weighting of the branches (official code, "
-        "get_weight): W0 + 2(1-w(x)) dW_g + 2 w(x) dW_l, w(x) = weight_max * mean cosine similarity "
-        "to reference_examples local training inputs; off = the plain sum [RECON: training uses the "
-        "plain sum].",
+        "get_weight): W0 + 2(1-w(x)) dW_g + 2 w(x) dW_l, w(x) = weight_max * mean_j cos(e(x), e(x_j)) "
+        "over reference_examples local training inputs x_j, e = the mean-pooled last hidden state of "
+        "the client's model; w = 1/2 is exactly the trained model. Off = every evaluation is the "
+        "plain sum [RECON: training uses the plain sum].",
     )
-    weight_max: float = Field(0.5, gt=0.0, le=1.0, description="Upper bound of w(x), in (0, 1].")
+    weight_max: float = Field(0.5, gt=0.0, le=1.0, description="Upper bound of w(x) (the official code's 0.5 / 1.0 'half' switch).")
     reference_examples: int = Field(
-        5, ge=1, description="Local training inputs the instance weight compares against."
+        5, ge=1, description="Local training inputs x_j (a seeded sample) the instance weight compares against."
     )
 
     def rank_of_g(self, lora_rank: int) -> int:

@@ -49,7 +49,8 @@ class FedDRLoRAOptions(MethodOptions):
     warmup_rounds: int = Field(
         1, ge=0, description="[RECON] Rounds of plain cross-entropy on the robust branch before the split starts."
     )
-    beta: float = Field(1.0, ge=0.0, description="[RECON] Weight of the negative-learning loss of the noise branch.")
+    beta: float = Field(1.0, ge=0.0, description="[RECON] Weight of the negative-learning loss NL(p, y) = -log(1 - p_y) of the "
+                       "noise branch.")
     nl_target: Literal["complementary", "given"] = Field(
         "complementary",
         description="[RECON] Negative-learning target of the noise branch: 'complementary' = a random "

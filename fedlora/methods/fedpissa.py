@@ -35,12 +35,13 @@ class FedPissaOptions(MethodOptions):
         1.0,
         ge=0.0,
         description="lambda of Eq. 4: strength of the projected client deviations added to "
-        "the average of B (0 = plain averaging of B).",
+        "the average of B; any value >= 0 (above 1 amplifies the projected deviations); 0 = plain "
+        "averaging of B, the ablation 'without the projection'.",
     )
     delta: int | None = Field(
         None,
         description="Tail rank: P_k projects onto the eigenvectors of the delta smallest "
-        "eigenvalues of C_k; 1 <= delta < r. Empty = r // 2 [RECON].",
+        "eigenvalues of C_k; 1 <= delta < r (a one-line error otherwise). Unset = r // 2 [RECON].",
     )
     correction: Literal["bounded", "literal"] = Field(
         "bounded",
@@ -59,22 +60,28 @@ class FedPissaOptions(MethodOptions):
         "pissa",
         description="[RECON] LoRA init: 'pissa' (A = S_r^1/2 V_r^T, B = U_r S_r^1/2 from the "
         "exact top-r SVD of W0, frozen residual W0 - s B A, identical on every client and the "
-        "server) or 'kaiming' (standard LoRA, B = 0). Overrides model.init for fedpissa only.",
+        "server) or 'kaiming' (standard LoRA, B = 0). Overrides model.init for fedpissa only: the "
+        "client trainer builds with it and the strategy's model_init gives it to the server's "
+        "evaluator; the config's model.init is left as is, so a comparison's other strategies keep "
+        "their own init.",
     )
     global_model: Literal["clients", "mean_A"] = Field(
         "clients",
         description="[RECON] what 'global accuracy' means (the paper has no global model): "
         "'clients' = every client's personalised model W0 + s B_agg A_k on the global test "
         "set, example-weighted; 'mean_A' = one model B_agg with the example-weighted mean of "
-        "the clients' last A, evaluated by the server.",
+        "the clients' last A, evaluated by the server (with selection = 'dynamics': per module the "
+        "aggregated factor with the mean of the kept one).",
     )
     selection: Literal["fixed", "dynamics"] = Field(
         "fixed",
         description="[RECON] Which factor is aggregated (the abstract: 'selectively aggregate LoRA "
         "components based on their aggregation dynamics'): 'fixed' = B in every module, A local "
         "(the figure); 'dynamics' = per module and round the factor whose client updates agree "
-        "more (higher consensus ||sum_k p_k dX_k||^2 / sum_k p_k ||dX_k||^2) is aggregated by Eq. 4 "
-        "and the other kept local; the download then carries A or B per module.",
+        "more (higher consensus ||sum_k p_k dX_k||^2 / sum_k p_k ||dX_k||^2, dX_k = uploaded minus "
+        "the client's starting factor) is aggregated by Eq. 4 (for A in its mirror form, with "
+        "projectors from the other clients' B) and the other kept local; the download then carries "
+        "A or B per module.",
     )
 
 

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 class FedSALoRAOptions(MethodOptions):
     mixed_ranks: Literal["nested", "refuse"] = Field(
         "nested",
-        description="Mixed client ranks: 'nested' [RECON, the paper has one rank] (rank-nested initial A, "
-        "row-wise average over the clients holding each row, truncate back) or 'refuse' (one rank for all).",
+        description="Clients with different ranks: 'nested' [RECON, the paper has one rank]: the initial "
+        "A is drawn rank-nested (fedlora.lora.nested_A), so row j means the same on every client; row j "
+        "of the global A is the example-weighted mean over the clients holding it (rank > j), and client "
+        "k receives the first r_k rows. 'refuse': stop at setup unless every client has the same rank.",
     )
 
 

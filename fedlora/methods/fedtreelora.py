@@ -31,14 +31,16 @@ class FedTreeLoRAOptions(MethodOptions):
     """Options of FedTreeLoRA (hyper-parameters tau, K, warm-up; the ablations; the [RECON] choices)."""
 
     warmup_rounds: int = Field(
-        3, ge=1, description="Rounds of local-only training before the tree is built from the clients' B "
-        "(must be < train.rounds)."
+        3, ge=1, description="Rounds of local-only training before the tree is built (once) from the "
+        "clients' B factors of the last warm-up round (must be < train.rounds)."
     )
-    tau: float = Field(0.1, description="Score phi of the single-cluster cut c = 1 (bias toward sharing).")
-    K: int = Field(2, ge=1, description="Window: block l may use c in [c*_(l-1), c*_(l-1) + K).")
+    tau: float = Field(0.1, description="Score phi of the single-cluster cut c = 1: the silhouette a finer cut must "
+                     "beat to split a block (bias toward sharing).")
+    K: int = Field(2, ge=1, description="Window of candidate cuts per block: block l may use c in "
+                 "[c*_(l-1), min(N, c*_(l-1) + K)).")
     fixed_c: int | None = Field(
         None, ge=1, description="Ablation: cut every block into this many clusters (None = choose by "
-        "silhouette). fixed_c = 1 is FedIT.",
+        "silhouette; capped at the number of clients). fixed_c = 1 is FedIT after the warm-up.",
     )
     independent_layers: bool = Field(
         False, description="Ablation: cluster every block on its own D^(l) (own tree, c in [1, N)) "

@@ -24,8 +24,12 @@ if TYPE_CHECKING:
 class FFALoRAOptions(MethodOptions):
     mixed_ranks: Literal["pad", "refuse"] = Field(
         "pad",
-        description="Mixed client ranks: 'pad' [RECON, the paper has one rank] (rank-nested shared A, "
-        "scale-aware zero-padded average of B, truncate back) or 'refuse' (one rank for every client).",
+        description="Clients with different ranks: 'pad' [RECON, the paper has one rank]: A is drawn "
+        "rank-nested (fedlora.lora.nested_A), so a rank-r_k client's A is the first r_k rows of the "
+        "rank-R_max A; the server averages s_k B_k zero-padded to R_max (the exact average of the "
+        "updates dW_k), and client k gets the first r_k columns rescaled by s_R / s_k; a column no "
+        "client of the round holds is zero (the global update is the average of this round's updates). "
+        "'refuse': stop at setup unless every client has the same rank.",
     )
 
 

@@ -23,15 +23,18 @@ class HetLoRAOptions(MethodOptions):
     weighting: Literal["norm", "examples"] = Field(
         "norm",
         description="Aggregation weights: 'norm' = w_k proportional to ||B_k A_k||_F per module "
-        "(HetLoRA's sparsity-weighted aggregation, Cho et al. 2024, Sec. 3); 'examples' = "
+        "(HetLoRA's sparsity-weighted aggregation, Cho et al. 2024, Sec. 3), the norm computed in "
+        "factor space (trace((B^T B)(A A^T))); 'examples' = "
         "n_k / sum n (plain zero-padding FedAvg, an ablation).",
     )
     self_prune: bool = Field(
         False,
-        description="Local rank self-pruning (Cho et al. 2024, Sec. 3): each client adds "
-        "prune_lambda * sum_modules ||B_tail||_F ||A_tail||_F (the components beyond "
-        "floor(prune_decay * r_k)) to its loss and drops them, shrinking its rank for good, when "
-        "that tail norm is smaller than in its previous round [RECON: the comparison rule].",
+        description="Local rank self-pruning (Cho et al. 2024, Sec. 3; client side, "
+        "clients/trainers/hetlora.py): each client adds prune_lambda * sum_modules ||B_tail||_F "
+        "||A_tail||_F (the components beyond floor(prune_decay * r_k)) to its loss and, when that "
+        "tail norm is smaller than in its previous round at the same rank, drops them: it uploads "
+        "rank floor(prune_decay * r_k) and keeps it from then on [RECON: the comparison rule; a "
+        "fresh rank needs two rounds of evidence].",
     )
     prune_decay: float = Field(
         0.75, gt=0.0, lt=1.0, description="gamma: a pruning client keeps floor(gamma * r_k) components (at least 1)."
