@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fedlora.app.capabilities import (
+    DEPLOYMENT_TESTED,
     FLOWER_DP_END,
     FLOWER_DP_START,
     readme_block,
@@ -33,3 +34,9 @@ def test_matrix_lists_every_registered_strategy() -> None:
     matrix = render_matrix()
     for name in strategy_names():
         assert f"| `{name}` |" in matrix
+
+
+def test_deployment_column_names_registered_strategies_only() -> None:
+    # the list tests/test_deploy_strategies.py checks against what ran over TLS gRPC: no stale name
+    assert set(DEPLOYMENT_TESTED) <= set(strategy_names())
+    assert len(set(DEPLOYMENT_TESTED)) == len(DEPLOYMENT_TESTED)

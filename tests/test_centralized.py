@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from result_checks import assert_accuracies_add_up
+
 from fedlora.app.runner import run_inprocess
 from fedlora.config import load_config
 
@@ -21,4 +23,8 @@ def test_centralized_trains_one_node_with_the_federation_step_budget(tmp_path: P
         assert record.clients == 1
         assert record.train_examples == 3 * 5 * 16
         assert len(record.per_client) == 3
-    assert writer.final()["global_accuracy"] is not None
+    # the trained model's scores: counts over the 100 global and each client's local test examples
+    results = writer.to_dict()
+    assert results["final"]["round"] == 2
+    for record in results["rounds"]:
+        assert_accuracies_add_up(record, config.data.global_test_size)

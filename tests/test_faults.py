@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["nan", "inf", "shape", "rank", "keys", "norm"]
 
 
-def fedit_round(num_clients: int):
+def fedit_round(num_clients: int, overrides: tuple[str, ...] = ()):
     """A FedIT strategy that has queried real in-process clients, and its round-1 messages."""
-    config = load_config(ROOT / "configs/smoke.toml", [f"data.num_clients={num_clients}", f"clients.ranks={[4] * num_clients}"])
+    config = load_config(ROOT / "configs/smoke.toml",
+                         [f"data.num_clients={num_clients}", f"clients.ranks={[4] * num_clients}", *overrides])
     evaluator = GlobalEvaluator(config, build_federated_data(config.data))
     strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
     grid = InProcessGrid(client_app, node_configs(num_clients))
@@ -38,10 +40,19 @@ def reply(msg: Message, payload: dict, num_examples: int) -> Message:
     return Message(RecordDict({"arrays": to_array_record(payload), "metrics": metrics}), reply_to=msg)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_malformed_update_is_rejected_and_aggregate_is_of_valid_updates(kind: str) -> None:
+# Why each corruption is refused: the check meant for it, not a later one that happens to catch it
+# too (a NaN update also has a NaN norm, which the ratio bound refuses). ("norm", off): the ratio
+# bound off, the round's median bound (faults.norm_outlier_factor, >= 3 updates) refuses it.
+REASONS = {"nan": "contains NaN or Inf", "inf": "contains NaN or Inf", "shape": "has shape", "rank": "has shape",
+           "keys": "missing keys [] / unexpected keys ['unexpected::A']", "norm": "faults.max_update_ratio"}
+RATIO_OFF = ("faults.max_update_ratio=0",)
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [*((kind, ()) for kind in KINDS), ("norm", RATIO_OFF)],
+                         ids=[*KINDS, "norm-ratio-off"])
+def test_malformed_update_is_rejected_and_aggregate_is_of_valid_updates(kind: str, overrides: tuple[str, ...]) -> None:
     # Prepare: 4 clients; the last sends a malformed version of a plausible update
-    strategy, messages = fedit_round(4)
+    strategy, messages = fedit_round(4, overrides)
     rng = np.random.default_rng(0)
     base = strategy.global_payload()
     updates = [{k: (v + 0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in base.items()} for _ in messages]
@@ -53,18 +64,24 @@ def test_malformed_update_is_rejected_and_aggregate_is_of_valid_updates(kind: st
     record = strategy.record(1)
     assert record.rejected == 1 and record.failures == 1 and record.clients == 3
     assert len(record.rejections) == 1
+    reason = "above the bound" if overrides == RATIO_OFF else REASONS[kind]
+    assert reason in record.rejections[0], record.rejections[0]
     for key in updates[0]:  # FedAvg of the three valid updates, computed here in float64
         expected = np.average(np.stack([u[key] for u in updates[:3]]).astype(np.float64), axis=0, weights=[10, 20, 30])
         np.testing.assert_allclose(strategy.global_payload()[key], expected, rtol=1e-6, atol=1e-9)
 
 
 def test_too_few_valid_updates_stop_the_run_after_max_failed_rounds(tmp_path: Path) -> None:
+    # Prepare: every client crashes (drop 0.99, seeded): no round has the 2 valid updates it needs
     config = load_config(ROOT / "configs/smoke.toml", [
-        "clients.ranks=[4, 4, 4]", "faults.drop_rate=0.99", "federation.min_clients=2", "faults.max_failed_rounds=1",
+        "clients.ranks=[4, 4, 4]", "faults.drop_rate=0.99", "federation.min_clients=2", "faults.max_failed_rounds=2",
     ])
-    with pytest.raises(RuntimeError, match="faults.max_failed_rounds"):
+    # Execute / Assert: round 1 fails and the run goes on; the second failed round in a row stops it
+    with pytest.raises(RuntimeError, match=r"round 2: 0 valid updates < federation.min_clients=2, 2 rounds in a row"):
         run_inprocess(config, tmp_path)
-    assert not (tmp_path / "results.json").exists() or (tmp_path / "results.json").stat().st_size > 0
+    # Assert: what round 1 computed is kept: its record (3 failures, nothing aggregated or uploaded)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["round"], r["clients"], r["failures"], r["bytes_up"]) for r in results["rounds"]] == [(1, 0, 3, 0)]
 
 
 def nature_or_machine_csv(path: Path, rows: int = 600) -> Path:

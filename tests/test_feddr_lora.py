@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import fedlora_run
+from result_checks import assert_accuracies_add_up
 
 from fedlora.config import ConfigError, load_config
 from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX
@@ -449,7 +450,9 @@ def test_client_uploads_B_r_only_and_keeps_A_and_B_n(head: str, head_sent: bool)
     assert len(noise) == 4 and any(np.abs(v).sum() > 0 for v in noise.values())
     # Assert: the split covered the samples of the 3 trained batches (split = epoch, capped by max_steps)
     metrics = trainer.train_metrics()
-    assert 0.0 <= metrics["noise-recall"] <= 1.0 and metrics["noise-samples"] == 3 * 16
+    assert metrics["noise-samples"] == 3 * 16 and 0 < metrics["noise-noisy"] < metrics["noise-samples"]
+    assert metrics["noise-recall"] == metrics["noise-true-positives"] / metrics["noise-noisy"]
+    assert metrics["noise-true-positives"] <= min(metrics["noise-flagged"], metrics["noise-noisy"])
 
 
 def test_epoch_split_is_fitted_on_exactly_the_batches_the_round_trains_on() -> None:
@@ -567,14 +570,18 @@ def test_inprocess_noisy_smoke_ledger_is_B_r_only(
     for record in results["rounds"]:
         assert record["failures"] == 0 and record["clients"] == 3
         assert record["bytes_up"] == record["bytes_down"] == 3 * per_client
-        assert 0.0 <= record["personalized_accuracy"] <= 1.0 and 0.0 <= record["global_accuracy"] <= 1.0
+        assert_accuracies_add_up(record, results["config"]["data"]["global_test_size"])
     # Assert: the warm-up round records weight 1 for every sample and no split
     warm_up, split = (r["extra"] for r in results["rounds"])
     assert warm_up["feddr_split_active"] == 0.0 and "feddr_noise_precision" not in warm_up
     assert warm_up["feddr_weight_noisy"] == warm_up["feddr_weight_clean"] == 1.0
     # Assert: then the split's quality against the injected noise and the weights per group
     assert split["feddr_split_active"] == 1.0
-    assert 0.0 <= split["feddr_noise_recall"] <= 1.0 and 0.2 < split["feddr_noise_rate"] < 0.6
+    counts = {key: sum(c[key] for c in split["feddr_split_per_client"].values())
+              for key in ("true-positives", "noisy", "flagged", "samples")}  # each client's own counts
+    assert split["feddr_noise_recall"] == pytest.approx(counts["true-positives"] / counts["noisy"])
+    assert split["feddr_noise_rate"] == pytest.approx(counts["noisy"] / counts["samples"])
+    assert 0.2 < split["feddr_noise_rate"] < 0.6  # 40 % injected, over the few samples trained on
     # hits / samples two ways: precision * flagged fraction = recall * noise rate
     assert split["feddr_noise_precision"] * split["feddr_flagged_fraction"] == pytest.approx(
         split["feddr_noise_recall"] * split["feddr_noise_rate"])

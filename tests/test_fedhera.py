@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from result_checks import assert_accuracies_add_up
 
 from fedlora.config import ConfigError, load_config
 from fedlora.lora import Factors, LowRankSVD, factor_svd
@@ -664,7 +665,8 @@ def test_inprocess_fedhera_never_exceeds_a_download_budget(tmp_path: Path) -> No
     assert later["0"]["r_main"] == 1 < later["0"]["r_tot"]  # the low tier trains a prefix, with a tail
     # round 3 trains on the push of the official round e = 1, the score stamped at t = 1: lambda <= 1 - exp(-2)
     assert 0.0 <= later["0"]["lambda"] <= 1 - math.exp(-2.0) + 1e-9
-    assert results["final"]["global_accuracy"] is not None
+    for record in results["rounds"]:
+        assert_accuracies_add_up(record, results["config"]["data"]["global_test_size"])
     # seen acting: per tier the mean rank per module; the low tier's 2 columns leave >= 2 of its 4
     # modules unadapted (not sent, not uploaded: the uploads passed the shape check) and its one
     # trained column leaves 3 frozen; lambda over the sampled clients
@@ -678,18 +680,40 @@ def test_inprocess_fedhera_never_exceeds_a_download_budget(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_inprocess_fedhera_ablations_run(tmp_path: Path) -> None:
+def test_inprocess_fedhera_ablations_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import strategies.fedhera as strategy_module
+
+    # Prepare: watch which of the method's functions the strategy calls, and with what (the real
+    # functions still run): each ablation must reach the math it names
+    calls: dict[str, list[str]] = {"aggregate_original": [], "aggregate_unbiased": [], "tail_lambda": [],
+                                   "allocate_download": [], "allocate_training": []}
+
+    def spy(name: str, policy_at: int | None = None):
+        real = getattr(strategy_module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name].append(args[policy_at] if policy_at is not None else "")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(strategy_module, name, wrapper)
+
+    for name in ("aggregate_original", "aggregate_unbiased", "tail_lambda"):
+        spy(name)
+    spy("allocate_download", policy_at=5)  # (spectra, column_bytes, budget, min_rank, max_rank, policy, rng)
+    spy("allocate_training", policy_at=7)  # (spectra, r_tot, time_cost, memory_cost, T, M, min_rank, policy)
     # Execute: coupled ranks, random allocation, unbiased aggregation, no tail warm-up
     results = run_smoke(
         tmp_path,
         ["strategy.coupled=true", "strategy.allocation='random'", "strategy.aggregation='unbiased'", "strategy.atw=false"],
     )
-    # Assert
+    # Assert: coupled (r_main = r_tot), no ATW (lambda 1, the schedule never evaluated), every
+    # aggregation the unbiased one, every allocation after round 1 the random one
     for record in results["rounds"]:
         assert record["failures"] == 0
         for row in record["extra"]["fedhera"]["clients"].values():
             assert not row["budget_applies"] or row["download_bytes"] <= row["download_budget"]
             assert row["r_main"] == row["r_tot"] and row["lambda"] == 1.0
+    assert len(calls["aggregate_unbiased"]) == 3 and calls["aggregate_original"] == [] and calls["tail_lambda"] == []
+    assert calls["allocate_download"] and set(calls["allocate_download"]) == set(calls["allocate_training"]) == {"random"}
 
 
 # ------------------------------------------------------------------------- causal LM: the received metric

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import fedlora_run
+from result_checks import assert_accuracies_add_up
 
 from fedlora.config import ConfigError, DataConfig, ModelConfig, load_config
 from fedlora.lora import Factors, join_payload, padded_average, split_payload
@@ -562,7 +563,8 @@ def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None
     assert set(rounds[-1]["extra"]["clusters"]["0"]) == {"0", "1", "2"}
     assert [rounds[-1]["extra"][f"fedtreelora_cut_b{b}"] for b in (0, 1)] == cuts
     assert [sum(sizes) for sizes in rounds[-1]["extra"]["cluster_sizes"]] == [3, 3]
-    assert all(0.0 <= r["personalized_accuracy"] <= 1.0 for r in rounds)
+    for record in rounds:
+        assert_accuracies_add_up(record, config.data.global_test_size)
     assert results["strategy_info"]["fedtreelora"]["cuts"] == cuts
     assert (tmp_path / "tree_cuts.png").stat().st_size > 0 and (tmp_path / "tree.json").is_file()
 

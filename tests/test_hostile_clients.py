@@ -40,11 +40,12 @@ from fedlora.data import build_federated_data
 from fedlora.lora import ADAPTER_DTYPE, Combine, weighted_average
 from fedlora.profile import ClientProfile
 from fedlora.results import RoundRecord
+from fedlora.schema import FaultsConfig
 from simulations.inprocess import InProcessGrid
 from strategies.base import LoRAStrategy
 from strategies.registry import create_strategy, strategy_names
 from strategies.replies import MetricRule, capped_weights
-from strategies.validation import reference_norm
+from strategies.validation import norm_outliers, ratio_bound, reference_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -479,6 +480,21 @@ def test_reference_norm_is_the_lower_median_so_one_of_two_clients_cannot_raise_i
     assert reference_norm([3.0, 1e30], previous=5.0) == 3.0
     assert reference_norm([4.0, 2.0, 9.0], previous=5.0) == 4.0
     assert reference_norm([0.0, 0.0], previous=5.0) == 5.0  # empty uploads (a warm-up) keep it
+
+
+def test_norm_bounds_take_the_tighter_limit_and_refuse_a_nan_norm() -> None:
+    # Prepare: update norms 1, 2 and 30 (one array each)
+    payloads = [{"m::A": np.array([n], np.float32)} for n in (1.0, 2.0, 30.0)]
+    # Execute / Assert: 10 x the median (20) is tighter than the absolute 50; alone, 50 lets 30 pass
+    assert list(norm_outliers(payloads, FaultsConfig(norm_outlier_factor=10.0, max_update_norm=50.0))) == [2]
+    assert norm_outliers(payloads, FaultsConfig(norm_outlier_factor=0.0, max_update_norm=50.0)) == {}
+    assert list(norm_outliers(payloads, FaultsConfig(norm_outlier_factor=0.0, max_update_norm=25.0))) == [2]
+    assert norm_outliers(payloads[:2] + [payloads[0]], FaultsConfig(norm_outlier_factor=1.5)) == {1: (
+        "update norm 2 above the bound 1.5")}
+    # the ratio bound: above ratio x reference, and a NaN norm (never <= anything), are refused
+    assert ratio_bound(10.0, reference=1.0, ratio=10.0) == ""
+    assert "max_update_ratio" in ratio_bound(10.5, reference=1.0, ratio=10.0)
+    assert "max_update_ratio" in ratio_bound(math.nan, reference=1.0, ratio=10.0)
 
 
 @pytest.mark.parametrize(

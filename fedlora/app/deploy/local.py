@@ -1,6 +1,6 @@
 """``fedlora deploy local``: a real Flower deployment (SuperLink + N SuperNodes) on 127.0.0.1.
 
-What it does, in order (Flower 1.39; ``benchmarks/DEPLOY_NOTES.md`` has the measured details):
+What it does, in order (Flower 1.39; docs/deployment.md, "Flower 1.39 behaviour", has the details):
 
 1. certificates (``fedlora.app.deploy.certs``) in ``DIR/certs`` unless ``insecure``;
 2. ``flower-superlink`` with TLS and SuperNode authentication, the Fleet API (gRPC) on an
