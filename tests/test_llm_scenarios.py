@@ -83,7 +83,10 @@ def test_every_job_of_an_llm_scenario_runs_one_round_on_the_tiny_llama_and_write
         assert all(r["train_loss"] > 0 for r in results["rounds"] if r["round"] > 0), label  # response tokens trained
         assert results["config"]["model"]["kind"] == "causal_lm" and results["config"]["data"]["seed"] == 0
         finals[label] = results["final"]
-        assert f"| {label} (" in page or f"| {label} |" in page
+        results_table = page.split("## Results")[1].splitlines()
+        line = next(line for line in results_table if line.startswith((f"| {label} (", f"| {label} |")))
+        # the page's last causal column is this run's own final personalised loss (per response token)
+        assert f"| {results['final']['personalized_loss']:.3f} |" in line, label
         rouge = results["final"]["personalized_rouge_l"]
         assert rouge is not None and 0.0 <= rouge <= 1.0, label
     # the page's metrics are the causal LM's: received token accuracy (teacher-forced) and ROUGE-L
@@ -151,3 +154,23 @@ def test_a_causal_lm_run_is_tuned_on_minus_its_lowest_validation_loss() -> None:
     assert validation_score(causal) == -1.75  # higher is better, as for accuracy
     assert validation_score({"rounds": [{"validation_accuracy": 0.5, "validation_loss": 0.1}]}) == 0.5
     assert math.isnan(validation_score({"rounds": [{"round": 1}]}))
+
+
+def test_final_causal_metrics_join_their_runs_rows_and_the_mean_and_std_over_seeds() -> None:
+    from types import SimpleNamespace
+
+    def results(seed: int, rouge: float | None) -> dict:
+        return {"config": {"train": {"seed": seed}}, "final": {"personalized_rouge_l": rouge}}
+
+    runs = {"fedit": [results(0, 0.25), results(1, 0.75)], "local": [results(0, None)]}
+    table = SimpleNamespace(runs=[{"strategy": "fedit", "seed": 1}, {"strategy": "fedit", "seed": 0},
+                                  {"strategy": "local", "seed": 0}],
+                            rows=[{"strategy": "fedit"}, {"strategy": "local"}])
+    # Execute
+    fidelity.add_final_metrics(table, runs, ("personalized_rouge_l",))
+    # Assert: matched by label and seed, not by position; mean 0.5, sample std sqrt(0.125); a missing value is NaN
+    assert [run["personalized_rouge_l"] for run in table.runs[:2]] == [0.75, 0.25]
+    assert math.isnan(table.runs[2]["personalized_rouge_l"])
+    assert table.rows[0]["personalized_rouge_l_mean"] == 0.5
+    assert table.rows[0]["personalized_rouge_l_std"] == pytest.approx(math.sqrt(0.125))
+    assert math.isnan(table.rows[1]["personalized_rouge_l_mean"])
