@@ -2,6 +2,7 @@
 
     python benchmarks/fidelity.py --scenario fedhera --seeds 0,1,2,3,4 --workers 2
     python benchmarks/fidelity.py --scenario all --workers 8 --set train.device=cuda
+    python benchmarks/fidelity.py --scenario fedhera_llm --gpu     # the full LLM version, one GPU
 
 One scenario = one config under ``configs/scenarios/`` (its header says the setting and the cost
 cuts) and the jobs of :data:`SCENARIOS`: the method, its ablations (the method without its
@@ -27,6 +28,15 @@ Complete runs are skipped when rerun (the whole config is compared), so an inter
 continues where it stopped, tuning stage included. Runs go through the in-process engine in
 ``--workers`` processes (on a CUDA machine, ``--set train.device=cuda``: they share the GPU).
 
+**LLM scenarios** (``fedhera_llm``, ``fedtreelora_llm``: SmolLM2 instruction tuning) follow the same
+rules on the causal-LM metrics: tuning on the clients' validation loss, the paired statistics on
+the received next-token accuracy (teacher-forced) and ROUGE-L, the regime line on ROUGE-L. Their
+configs are CPU-sized (one seed on 2 cores); ``--gpu`` is the full version in one command: the
+scenario's :attr:`Scenario.gpu` overrides (more clients, rounds and data), ``train.device=cuda``,
+seeds 0..4, as many workers as the scenario has jobs (the final runs are ordered seed by seed, so
+all runs of a seed share the one GPU at once) and its own folder (``runs/fidelity/<scenario>-gpu``).
+The page names the GPU.
+
 Output (``OUT`` = ``--out``, default ``runs/fidelity/<scenario>``): ``fidelity.md`` (the page the
 docs cite: regime line, tuning, results with ablation rows, worst client, bytes and times, the
 paired comparisons, the mechanisms), ``summary.md`` / ``summary.csv``, ``paired.csv``,
@@ -40,6 +50,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,7 +61,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedlora.app.jobs import Job, is_complete, job_config, resolve_base, run_jobs
-from fedlora.app.paired import METRIC_NAMES, Pair, PairedTable, paired_comparisons
+from fedlora.app.paired import (
+    CAUSAL_PAIRED_METRICS,
+    METRIC_NAMES,
+    PAIRED_METRICS,
+    Pair,
+    PairedTable,
+    paired_comparisons,
+)
 from fedlora.app.runs import load_runs
 from fedlora.app.summary import summarize
 from fedlora.app.tune import Budget, Knob, Point, TunePlan, plan, point_label, validation_score
@@ -99,6 +117,13 @@ class Scenario:
     budget: Budget = field(default_factory=Budget)
     regime_metric: str = "global_accuracy"
     pairs: tuple[tuple[str, str], ...] = ()
+    paired_metrics: tuple[str, ...] = PAIRED_METRICS
+    gpu: tuple[str, ...] = ()  # --gpu: overrides of the full version (the config is its CPU-sized version)
+
+    @property
+    def causal(self) -> bool:
+        """A causal-LM scenario: its metrics are the received token accuracy, ROUGE-L and losses."""
+        return self.paired_metrics == CAUSAL_PAIRED_METRICS
 
     @property
     def method(self) -> str:
@@ -236,6 +261,78 @@ SCENARIOS: dict[str, Scenario] = {
     ),
 }
 
+# ---- LLM scenarios (issue 34): SmolLM2 instruction tuning, CPU-sized configs, --gpu the full version ---
+# The classifier scenarios' equal budget (4 configurations a job: with a two-valued knob, 3 learning
+# rates, so the sweep has an interior) on learning rates for LoRA on SmolLM2 that sees few steps per
+# client (each client trains a few rounds of 2 steps).
+# The CPU-sized configs run 10 rounds on 20 / 8 clients; the full version (--gpu) meets the classifier
+# scenarios' regime (>= 20 rounds, >= 10 clients).
+LLM_BUDGET = Budget(size=4, lr_grid=(1e-3, 2e-3, 4e-3, 8e-3))
+# The full version's training and evaluation sizes, shared by both LLM scenarios (--gpu).
+LLM_GPU_TRAIN = ("train.max_steps=8", "train.batch_size=8", "train.eval_batch_size=64", "train.max_length=96",
+                 "train.max_new_tokens=32", "train.rouge_examples=32", "data.global_test_size=200")
+SCENARIOS |= {
+    "fedhera_llm": Scenario(
+        config="configs/scenarios/fedhera_llm.toml",
+        jobs={
+            "fedhera": JobSpec("fedhera", role="method", core=True, knob=Knob("strategy.atw", ("false", "true")),
+                               note="decoupled r_tot / r_main; knob: adaptive tail warm-up off / on"),
+            "fedhera_coupled": JobSpec("fedhera", ("strategy.coupled=true",), role="ablation", core=True,
+                                       tuned_as="fedhera", note="r_tot = r_main"),
+            "flexlora": JobSpec("flexlora", core=True, note="truncation baseline the abstract argues against"),
+            "hetlora": JobSpec("hetlora"),
+            "flora": JobSpec("flora", note="stacking, no truncation"),
+            "fedit": JobSpec("fedit", note="FedAvg of LoRA"),
+            "centralized": JobSpec("centralized", role="reference", note="pooled data, same total steps"),
+        },
+        metric="received_token_accuracy",
+        claim="higher received accuracy than truncation baselines (FlexLoRA, HetLoRA) and FLoRA / FedIT when "
+        "clients of an LLM federation have different resource budgets; decoupling r_tot from r_main (vs the "
+        "coupled ablation) is what helps",
+        primary=("fedhera", "flexlora"),
+        primary_why="FlexLoRA is the truncation method the abstract's 'couple the transmitted rank with the "
+        "trainable rank' describes, and the received model's teacher-forced next-token accuracy is the official "
+        "code's metric on its instruction data (fed_utils/client.py GeneralClient.test)",
+        budget=LLM_BUDGET,
+        regime_metric="global_rouge_l",
+        paired_metrics=CAUSAL_PAIRED_METRICS,
+        gpu=("data.num_clients=100", "federation.fraction_train=0.05", "data.max_examples=8000", "train.rounds=50",
+             "federation.evaluate_every=10", *LLM_GPU_TRAIN),
+    ),
+    "fedtreelora_llm": Scenario(
+        config="configs/scenarios/fedtreelora_llm.toml",
+        jobs={
+            "fedtreelora": JobSpec("fedtreelora", role="method", core=True,
+                                   knob=Knob("strategy.mixing_lr", ("0.1", "0.5")),
+                                   note="layer-wise tree, learned mixing; knob: the mixing weights' own lr"),
+            "fedtreelora_fixed_lam": JobSpec("fedtreelora", ("strategy.mixing_lr=0",), role="ablation", core=True,
+                                             tuned_as="fedtreelora", note="lambda fixed at lam0"),
+            "fedtreelora_one_cluster": JobSpec("fedtreelora", ("strategy.fixed_c=1",), role="ablation", core=True,
+                                               tuned_as="fedtreelora", note="one cluster at every block"),
+            "fedsa_lora": JobSpec("fedsa_lora", core=True, note="flat personalised baseline"),
+            # its instance-wise weighting wraps a classifier's forward: not for generation
+            "feddpa": JobSpec("feddpa", ("strategy.instance_weighting=false",), note="dual LoRA, no instance weighting"),
+            "fedit": JobSpec("fedit"),
+            "local": JobSpec("local", note="no communication"),
+            "centralized": JobSpec("centralized", role="reference", note="pooled data of both tasks, same total steps"),
+        },
+        metric="personalized_rouge_l",
+        claim="higher personalised ROUGE-L than flat personalised methods (FedDPA, FedSA-LoRA), FedIT and local "
+        "training when clients hold different instruction tasks",
+        primary=("fedtreelora", "fedsa_lora"),
+        primary_why="as in the classifier scenario: FedSA-LoRA's sharing rule (A shared, B local) is the same at "
+        "every depth, the 'flat-model assumption' the abstract argues against",
+        budget=LLM_BUDGET,
+        regime_metric="personalized_rouge_l",
+        paired_metrics=CAUSAL_PAIRED_METRICS,
+        gpu=("data.num_clients=20", "federation.fraction_train=1.0", "data.max_examples=4000", "train.rounds=40",
+             "strategy.warmup_rounds=3", "federation.evaluate_every=10", *LLM_GPU_TRAIN),
+    ),
+}
+# Final-round causal-LM metrics read from every run (summary columns hold the classifier's); higher
+# is better for the first five, lower for the losses.
+CAUSAL_METRICS = (*CAUSAL_PAIRED_METRICS, "received_loss", "personalized_loss", "global_loss")
+
 
 # --------------------------------------------------------------------------- seeds and jobs
 def job_seeds(scenario: Scenario, label: str, seeds: list[int], other_seeds: int = OTHER_SEEDS) -> list[int]:
@@ -251,14 +348,15 @@ def tuning_job(scenario: Scenario, label: str, point: Point, seed: int) -> Job:
 
 def final_jobs(scenario: Scenario, seeds: list[int], chosen: dict[str, Point],
                other_seeds: int = OTHER_SEEDS) -> list[Job]:
-    """Every job at its chosen configuration for its seeds; the first seed's run is the tuning run
-    (same folder, same config), so it is not run twice."""
+    """Every job at its chosen configuration for its seeds, seed by seed (with as many workers as
+    jobs, all runs of a seed run at once); the first seed's run is the tuning run (same folder,
+    same config), so it is not run twice."""
     jobs = []
     for label, spec in scenario.jobs.items():
         point = chosen[label]
         jobs += [Job(spec.strategy, seed, spec.overrides + point, point_label(label, point), fresh_partition=True)
                  for seed in job_seeds(scenario, label, seeds, other_seeds)]
-    return jobs
+    return sorted(jobs, key=lambda job: seeds.index(job.seed))  # stable: the scenario's order within a seed
 
 
 def comparisons(scenario: Scenario, seeds: list[int], other_seeds: int = OTHER_SEEDS) -> list[Pair]:
@@ -327,12 +425,14 @@ def run_scenario(name: str, seeds: list[int], out: Path, workers: int, overrides
     finished = time.perf_counter()
     folders = {point_label(label, chosen[label]): label for label in scenario.jobs}
     table = summarize(out, labels=list(folders), rename=folders, seeds=seeds)
+    runs = {folders[folder]: results for folder, results in load_runs(out, list(folders), seeds).items()}
+    if scenario.causal:
+        add_final_metrics(table, runs, CAUSAL_METRICS)
     paired = paired_comparisons(table.runs, comparisons(scenario, seeds, other_seeds), primary=scenario.primary,
-                                primary_metric=scenario.metric)
+                                primary_metric=scenario.metric, metrics=scenario.paired_metrics)
     paired.write(out)
     from fedlora.app.plotting import plot_comparison, plot_mechanisms
 
-    runs = {folders[folder]: results for folder, results in load_runs(out, list(folders), seeds).items()}
     data = resolve_base(config, overrides).data
     plot_comparison(out, runs, data.model_copy(update={"seed": data.seed + seeds[0]}))  # the first seed's partition
     plot_mechanisms(out, runs)
@@ -345,10 +445,36 @@ def run_scenario(name: str, seeds: list[int], out: Path, workers: int, overrides
         "stage_seconds": {"tuning": tuned - started, "final": finished - tuned},
         "times": times(table, workers),
         "primary": {"label": scenario.primary[0], "baseline": scenario.primary[1], "metric": scenario.metric},
+        "device": device_name(resolve_base(config, overrides).train.device),
     }
     (out / "fidelity.json").write_text(json.dumps(facts, indent=2))
     (out / "fidelity.md").write_text(report(name, scenario, table, paired, facts, overrides))
     return facts
+
+
+def add_final_metrics(table, runs: dict[str, list[dict]], keys: tuple[str, ...]) -> None:
+    """Each run's final value of ``keys`` (results.json ``final``; the summary's columns are the
+    classifier's) into its row of ``table.runs``, and their mean / std over seeds into ``table.rows``."""
+    import statistics
+
+    final = {(label, int(r["config"]["train"]["seed"])): r.get("final") or {} for label, rs in runs.items() for r in rs}
+    for row in table.runs:
+        values = final.get((row["strategy"], int(row["seed"])), {})
+        row.update({key: float(values[key]) if isinstance(values.get(key), (int, float)) else math.nan for key in keys})
+    for summary in table.rows:
+        for key in keys:
+            values = [run[key] for run in table.runs if run["strategy"] == summary["strategy"] and math.isfinite(run[key])]
+            summary[f"{key}_mean"] = statistics.fmean(values) if values else math.nan
+            summary[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def device_name(device: str) -> str:
+    """The accelerator the runs used, named (the page says which GPU produced its figures)."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return f"GPU: {torch.cuda.get_device_name(0)}"
+    return f"CPU ({os.cpu_count()} cores)"
 
 
 def tuning_facts(p: TunePlan, out: Path, label: str, seed: int) -> dict:
@@ -388,6 +514,11 @@ def regime(table, scenario: Scenario) -> dict:
 
 
 # --------------------------------------------------------------------------- the page
+CLASSIFIER_COLUMNS = (("personalized_accuracy", "personalised acc."), ("personalized_accuracy_worst", "worst client"),
+                      ("received_accuracy", "received acc."), ("global_accuracy", "global acc."))
+CAUSAL_COLUMNS = (("received_token_accuracy", "received token acc."), ("received_loss", "received loss"),
+                  ("personalized_rouge_l", "personalised ROUGE-L"), ("personalized_rouge_l_worst", "worst client"),
+                  ("global_rouge_l", "global ROUGE-L"), ("personalized_loss", "personalised loss"))
 def _cell(row: dict, key: str, digits: int = 3) -> str:
     mean, std = row[f"{key}_mean"], row[f"{key}_std"]
     if not math.isfinite(mean):
@@ -400,10 +531,11 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     seeds_text = ",".join(str(s) for s in facts["seeds"])
     command = f"python benchmarks/fidelity.py --scenario {name} --seeds {seeds_text} --workers {facts['workers']}"
     command += "".join(f" --set {o}" for o in overrides)
+    selection = "validation loss per response token; score = minus the loss" if scenario.causal else "validation accuracy"
     verdict = "counts" if facts["counts"] else f"does NOT count (gap above {REGIME_POINTS:g} points: too short to compare)"
     method, lead = scenario.primary
     lines = [
-        f"# Fidelity: {name}", "", f"    {command}", "",
+        f"# Fidelity: {name}", "", f"    {command}", "", f"Device: {facts['device']}.", "",
         (f"Config: `{scenario.config}`. Paper's claim checked: {scenario.claim}. Metric the paper reports: "
          f"`{scenario.metric}`."), "",
         (f"Seeds: {seeds_text} for the core jobs (the method, its ablations, the lead baseline), "
@@ -414,7 +546,7 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
          f"the scenario {verdict}."), "",
         (f"Primary comparison (declared before the runs): {method} − {lead} on {METRIC_NAMES[scenario.metric]}: "
          f"{scenario.primary_why}."), "",
-        "## Tuning (first seed, chosen on validation accuracy)", "",
+        f"## Tuning (first seed, chosen on {selection})", "",
         (f"Budget: {scenario.budget.size} configurations per job; learning rates "
          f"{', '.join(f'{lr:g}' for lr in scenario.budget.lr_grid)} (a job with a knob of k values: the first "
          f"{scenario.budget.size} - (k - 1) of them, then the knob's other values at the chosen rate); a choice at "
@@ -432,17 +564,22 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
         edge = " (still at the edge)" if info["at_edge"] else ""
         lines.append(f"| {label} | {spec.role} | {info['budget']} + {info['widened']}{edge} | `{info['chosen']}` | "
                      f"{scores} |")
+    columns = (CAUSAL_COLUMNS if scenario.causal else CLASSIFIER_COLUMNS)
     lines += ["", "## Results (final round, mean ± std over seeds)", "",
-              ("| job | role | seeds | personalised acc. | worst client | received acc. | global acc. | MB total | "
-               "min / run |"), "|---|---|---|---|---|---|---|---|---|"]
+              f"| job | role | seeds | {' | '.join(header for _, header in columns)} | MB total | min / run |",
+              "|---|---|---|" + "---|" * (len(columns) + 2)]
     for row in table.rows:
         spec = scenario.jobs[row["strategy"]]
         note = f" ({spec.note})" if spec.note else ""
-        lines.append(
-            f"| {row['strategy']}{note} | {spec.role} | {row['seeds']} | {_cell(row, 'personalized_accuracy')} | "
-            f"{_cell(row, 'personalized_accuracy_worst')} | {_cell(row, 'received_accuracy')} | "
-            f"{_cell(row, 'global_accuracy')} | {row['bytes_total_mean'] / 1e6:.1f} | "
-            f"{row['wall_seconds_mean'] / 60:.1f} |")
+        cells = " | ".join(_cell(row, key) for key, _ in columns)
+        lines.append(f"| {row['strategy']}{note} | {spec.role} | {row['seeds']} | {cells} | "
+                     f"{row['bytes_total_mean'] / 1e6:.1f} | {row['wall_seconds_mean'] / 60:.1f} |")
+    if scenario.causal:
+        lines += ["", ("Received: each sampled client's model as received, before it trains, on its local test "
+                       "split, teacher-forced (next-token accuracy and loss per response token, token-weighted; the "
+                       "official code's metric). ROUGE-L: greedy generations, F1 (personalised: each client's own "
+                       "model on its local test, example-weighted; global: the global model on the global test set). "
+                       "Losses: per response token.")]
     t = facts["times"]
     per_seed = ", ".join(f"seed {s}: {m:.0f}" for s, m in sorted(t["minutes_per_seed"].items()))
     tuning_runs = sum(info.get("configurations", 0) for info in facts["tuning"].values())
@@ -473,15 +610,21 @@ def parse_seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--scenario", required=True, help=f"one of {', '.join(SCENARIOS)}, or 'all'")
+    parser.add_argument("--scenario", required=True,
+                        help=f"one of {', '.join(SCENARIOS)}, or 'all' (every one, the LLM scenarios included)")
     parser.add_argument("--seeds", default=DEFAULT_SEEDS, help="comma-separated seeds of the core jobs (default "
                         f"{DEFAULT_SEEDS}); seed k: train.seed = k, data.seed = config + k")
     parser.add_argument("--other-seeds", type=int, default=OTHER_SEEDS,
                         help=f"the non-core jobs run the first N seeds (default {OTHER_SEEDS})")
-    parser.add_argument("--workers", type=int, default=2, help="runs at a time (processes; they share a GPU)")
-    parser.add_argument("--out", default=None, help="output folder (default runs/fidelity/<scenario>)")
+    parser.add_argument("--workers", type=int, default=None, help="runs at a time (processes; they share a GPU); "
+                        "default 2, with --gpu the scenario's number of jobs (all runs of a seed at once)")
+    parser.add_argument("--out", default=None, help="output folder (default runs/fidelity/<scenario>, with --gpu "
+                        "runs/fidelity/<scenario>-gpu)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for every run, e.g. train.device=cuda")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the full version on one CUDA GPU: the scenario's full-size overrides (LLM scenarios), "
+                        "train.device=cuda, seeds 0..4 unless --seeds, all runs of a seed in parallel")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
@@ -495,16 +638,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fidelity: error: --seeds expects distinct comma-separated integers >= 0, got {args.seeds!r}",
               file=sys.stderr)
         return 2
-    if args.other_seeds < 2 or args.workers < 1:
+    if args.other_seeds < 2 or (args.workers is not None and args.workers < 1):
         print("fidelity: error: --other-seeds must be >= 2 (a paired test needs 2 seeds) and --workers >= 1",
               file=sys.stderr)
         return 2
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("fidelity: error: --gpu needs a CUDA device and torch sees none; run without --gpu (CPU-sized) "
+                  "or on a GPU machine", file=sys.stderr)
+            return 2
     from fedlora.errors import ConfigError
 
     for name in names:
-        out = Path(args.out) / name if args.out and len(names) > 1 else Path(args.out or ROOT / "runs/fidelity" / name)
+        folder = f"{name}-gpu" if args.gpu else name
+        out = Path(args.out) / folder if args.out and len(names) > 1 else Path(args.out or ROOT / "runs/fidelity" / folder)
+        overrides, workers = list(args.set), args.workers or 2
+        if args.gpu:
+            overrides = [*SCENARIOS[name].gpu, "train.device=cuda", *args.set]  # the user's --set wins
+            workers = args.workers or len(SCENARIOS[name].jobs)
         try:
-            facts = run_scenario(name, seeds, out, args.workers, args.set, args.other_seeds)
+            facts = run_scenario(name, seeds, out, workers, overrides, args.other_seeds)
         except ConfigError as error:
             print(f"fidelity: error: {error}", file=sys.stderr)
             return 2

@@ -21,8 +21,8 @@ the same partition), never by position. Per comparison and metric:
   metric's family and reported uncorrected; every other comparison is in its metric's family.
 
 Each metric is its own family (the comparisons differ by label, not by metric): a reader who wants
-one family over metrics and comparisons multiplies further. Differences are in accuracy points
-(x 100) in the markdown and in fractions in the CSV.
+one family over metrics and comparisons multiplies further. Differences are in points (accuracy
+or ROUGE-L, x 100) in the markdown and in fractions in the CSV.
 """
 
 from __future__ import annotations
@@ -49,7 +49,19 @@ METRIC_NAMES: dict[str, str] = {
     "personalized_accuracy_worst": "worst-client personalised accuracy",
     "global_accuracy": "global accuracy",
     "received_accuracy": "received accuracy",
+    # causal LMs (model.kind = 'causal_lm'), higher is better as for the accuracies
+    "received_token_accuracy": "received next-token accuracy (teacher-forced)",
+    "personalized_rouge_l": "personalised ROUGE-L (example-weighted)",
+    "personalized_rouge_l_worst": "worst-client personalised ROUGE-L",
+    "global_rouge_l": "global ROUGE-L",
 }
+#: The paired metrics of a causal-LM comparison (the fidelity benchmark's LLM scenarios).
+CAUSAL_PAIRED_METRICS: tuple[str, ...] = (
+    "received_token_accuracy",
+    "personalized_rouge_l",
+    "personalized_rouge_l_worst",
+    "global_rouge_l",
+)
 RESAMPLES = 10_000
 LEVEL = 0.95
 BOOTSTRAP_SEED = 0
@@ -283,7 +295,7 @@ class PairedTable:
     def legend(self) -> list[str]:
         lines = [
             ("Each row is label minus baseline, the runs matched by seed (same train.seed and data.seed); "
-             "differences in accuracy points."),
+             "differences in points (x 100: accuracy or ROUGE-L points)."),
             (f"95 % CI: percentile bootstrap of the mean difference, the seeds resampled with replacement "
              f"{self.resamples} times (seeded): the range of mean differences the seeds support, not a test."),
             "p (paired t): two-sided paired t-test of the differences (n - 1 degrees of freedom).",

@@ -60,6 +60,21 @@ ACCURACY_PANELS = (
     ("global_accuracy", "global accuracy (held-out global test)"),
     ("personalized_accuracy", "personalised accuracy (example-weighted mean of local tests)"),
 )
+# causal LMs (model.kind = 'causal_lm') have no accuracy: the same plots show ROUGE-L
+ROUGE_PANELS = (
+    ("global_rouge_l", "global ROUGE-L (held-out global test)"),
+    ("personalized_rouge_l", "personalised ROUGE-L (example-weighted mean of local tests)"),
+)
+
+
+def _causal(runs: Runs) -> bool:
+    """Whether the runs are causal-LM runs (their resolved config's model.kind)."""
+    first = next((r for results in runs.values() for r in results), {})
+    return bool(((first.get("config") or {}).get("model") or {}).get("kind") == "causal_lm")
+
+
+def _panels(runs: Runs) -> tuple[tuple[str, str], ...]:
+    return ROUGE_PANELS if _causal(runs) else ACCURACY_PANELS
 
 
 def _finish(fig, path: str | Path | None):
@@ -103,11 +118,12 @@ def _colors(labels: list[str]) -> dict[str, Any]:
 
 
 def plot_accuracy_vs_round(runs: Runs, path: str | Path | None = None):
-    """Global and personalised accuracy per round, mean over seeds with a +-1 std band."""
+    """Global and personalised accuracy (ROUGE-L for a causal LM) per round, mean over seeds with a
+    +-1 std band."""
     plt = _pyplot()
     colors = _colors(list(runs))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, (key, title) in zip(axes, ACCURACY_PANELS, strict=True):
+    for ax, (key, title) in zip(axes, _panels(runs), strict=True):
         for label, results_list in runs.items():
             x, mean, std = _evaluated(*_series(results_list, key))
             ax.plot(x, mean, marker="o", color=colors[label], label=f"{label} (n={len(results_list)})")
@@ -116,7 +132,7 @@ def plot_accuracy_vs_round(runs: Runs, path: str | Path | None = None):
         ax.set_xlabel("round")
         _integer_rounds(ax)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy (mean ± std over seeds)")
+    axes[0].set_ylabel(f"{'ROUGE-L' if _causal(runs) else 'accuracy'} (mean ± std over seeds)")
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=8)
     return _finish(fig, path)
@@ -129,7 +145,7 @@ def plot_accuracy_vs_bytes(runs: Runs, path: str | Path | None = None):
     plt = _pyplot()
     colors = _colors(list(runs))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, (key, title) in zip(axes, ACCURACY_PANELS, strict=True):
+    for ax, (key, title) in zip(axes, _panels(runs), strict=True):
         for label, results_list in runs.items():
             _, up, _ = _series(results_list, "bytes_up")
             _, down, _ = _series(results_list, "bytes_down")
@@ -140,23 +156,25 @@ def plot_accuracy_vs_bytes(runs: Runs, path: str | Path | None = None):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("cumulative MB (training uploads + downloads)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy (mean ± std over seeds)")
+    axes[0].set_ylabel(f"{'ROUGE-L' if _causal(runs) else 'accuracy'} (mean ± std over seeds)")
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=8)
     return _finish(fig, path)
 
 
 def plot_personalized_distribution(runs: Runs, path: str | Path | None = None):
-    """Per-client personalised accuracy in the last round: a box per strategy, one dot per
-    client and seed (results ``rounds[-1].per_client``)."""
+    """Per-client personalised accuracy (ROUGE-L for a causal LM) in the last round: a box per
+    strategy, one dot per client and seed (results ``rounds[-1].per_client``)."""
     import numpy as np
 
     plt = _pyplot()
     labels = list(runs)
     colors = _colors(labels)
     fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(labels) + 2), 4))
+    metric, name = (protocol.ROUGE_L, "ROUGE-L") if _causal(runs) else (protocol.ACCURACY, "accuracy")
     values = [
-        [float(m[protocol.ACCURACY]) for r in runs[label] for m in (r["rounds"][-1].get("per_client") or {}).values()]
+        [float(m[metric]) for r in runs[label] for m in (r["rounds"][-1].get("per_client") or {}).values()
+         if metric in m]
         for label in labels
     ]
     ax.boxplot(values, positions=range(1, len(labels) + 1), widths=0.5, showfliers=False)
@@ -164,9 +182,9 @@ def plot_personalized_distribution(runs: Runs, path: str | Path | None = None):
     for i, (label, points) in enumerate(zip(labels, values, strict=True), start=1):
         ax.scatter(i + rng.uniform(-0.12, 0.12, len(points)), points, s=18, color=colors[label], alpha=0.8, zorder=3)
     ax.set_xticks(range(1, len(labels) + 1), labels)
-    ax.set_ylabel("client's personalised accuracy (local test)")
+    ax.set_ylabel(f"client's personalised {name} (local test)")
     ax.set_ylim(0, 1)
-    ax.set_title("per-client personalised accuracy, last round (dots: clients x seeds)", fontsize=10)
+    ax.set_title(f"per-client personalised {name}, last round (dots: clients x seeds)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     return _finish(fig, path)
 

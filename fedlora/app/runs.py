@@ -74,7 +74,7 @@ def load_runs(
     for folder in result_dirs(out_dir):
         results = load_results(folder)
         planned = ((results.get("config") or {}).get("train") or {}).get("rounds")
-        done = [r.get("round") for r in results.get("rounds") or []]
+        done = [r.get("round") for r in results.get("rounds") or [] if r.get("round") != 0]  # causal LM: zero-shot 0
         if planned is not None and done != list(range(1, planned + 1)):
             logger.info("compare: %s has %d of %d rounds, not summarised", folder, len(done), planned)
             continue

@@ -71,9 +71,14 @@ def point_label(strategy: str, point: tuple[str, ...]) -> str:
 
 
 def validation_score(results: dict[str, Any]) -> float:
-    """Best validation accuracy over the rounds (NaN when no round was validated)."""
+    """Best validation accuracy over the rounds; a causal LM, which has no accuracy, scores minus
+    its lowest validation loss per response token (higher is better either way). NaN when no round
+    was validated."""
     scores = [r["validation_accuracy"] for r in results["rounds"] if r.get("validation_accuracy") is not None]
-    return max(scores) if scores else math.nan
+    if scores:
+        return max(scores)
+    losses = [r["validation_loss"] for r in results["rounds"] if r.get("validation_loss") is not None]
+    return -min(losses) if losses else math.nan
 
 
 def choose(runs: dict[str, list[dict[str, Any]]], labels: Sequence[str]) -> tuple[str, dict[str, float]]:
