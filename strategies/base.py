@@ -730,6 +730,7 @@ class LoRAStrategy(Strategy):
             record.per_client_train[str(partition)] = {
                 "train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
                 "examples": metrics.get(protocol.TRAIN_EXAMPLES), **parsed.worker,
+                **{key: metrics[key] for key in protocol.STARTUP_METRICS if key in metrics},
             }
         missing = max(record.sampled - len(seen), 0)  # no reply before federation.round_timeout
         if missing:
