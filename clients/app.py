@@ -21,6 +21,7 @@ from fedlora import protocol
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
+CACHE_DIR = "cache-dir"  # node config: where this silo keeps derived model files (default $FEDLORA_CACHE)
 TASK_STARTED_ENV = "FEDLORA_TASK_STARTED"  # epoch seconds a prestarted process was handed its message
 
 
@@ -101,6 +102,10 @@ def _setup(msg: Message, context: Context):
     from fedlora.schema import config_from_json
 
     message_config = dict(msg.content.config_records["config"])
+    if context.node_config.get(CACHE_DIR):  # the silo's own cache folder (derived model files)
+        import os
+
+        os.environ["FEDLORA_CACHE"] = str(context.node_config[CACHE_DIR])
     config = config_from_json(str(message_config[protocol.EXPERIMENT]))
     _limit_threads(config.federation.num_cpus)
     profile = resolve_profile(config, context.node_config)
