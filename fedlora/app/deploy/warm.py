@@ -32,15 +32,16 @@ import os
 import signal
 import sys
 import time
-from logging import ERROR, INFO
+from logging import ERROR, INFO, getLogger
 
+log = getLogger("flwr").log  # Flower's logger, by its name: the SuperNode log shows its lines
 TASK_STARTED_ENV = "FEDLORA_TASK_STARTED"  # clients/app.py: when this process was handed its message
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec setting, honoured here (seconds)
 DEFAULT_POLL_SECONDS = 1.0  # Flower's SuperExec default
 # Third-party modules every fedlora ClientApp message imports (fedlora itself is not: Flower loads
 # it from the run's FAB in the child).
-HEAVY_MODULES = ("numpy", "psutil", "torch", "transformers", "peft", "datasets", "safetensors", "rouge_score.rouge_scorer",
-                 "flwr.supernode.runtime.run_clientapp", "flwr.clientapp.mod", "flwr.cli.install")
+HEAVY_MODULES = ("numpy", "psutil", "pydantic", "torch", "transformers", "peft", "datasets", "flwr_datasets.partitioner",
+                 "safetensors", "rouge_score.rouge_scorer", "flwr.clientapp.mod")
 # transformers loads its classes lazily on first attribute access: touch the ones fedlora uses.
 TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "AutoModelForCausalLM",
                       "AutoModelForSequenceClassification", "LlamaForCausalLM", "BertForSequenceClassification",
@@ -114,7 +115,6 @@ def _run_child(token: str, handed: float, args: argparse.Namespace, certificates
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ[TASK_STARTED_ENV] = repr(handed)
         _forget_project_modules()
-        from flwr.supercore import log
         from flwr.supernode.runtime.run_clientapp import run_clientapp
 
         log(INFO, "Start `flwr-clientapp` process (forked from fedlora's warm SuperExec)")
@@ -138,14 +138,13 @@ def _run_child(token: str, handed: float, args: argparse.Namespace, certificates
 
 def serve(args: argparse.Namespace) -> None:
     """Preload, then hand every ClientApp task token of the Runtime API to a forked child."""
-    from flwr.common.constant import RUNTIME_DEPENDENCY_INSTALL  # noqa: F401 - flwr first: its logger
-    from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
-    from flwr.supercore import log
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
     from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.tls import validate_and_resolve_root_certificates
+    from flwr.supernode.runtime.run_clientapp import run_clientapp  # noqa: F401 - preloaded for the children
 
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
