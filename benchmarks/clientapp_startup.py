@@ -69,6 +69,30 @@ def print_results(label: str, results: dict) -> None:
         print(f"| {record['round']} | {record.get('seconds', 0.0):.1f} |")
 
 
+def summary(results_by_label: dict[str, dict]) -> None:
+    """Per run: the median and range of every phase over its train / evaluate messages, and each
+    round's seconds divided by the first run's (e.g. deployment / in process)."""
+    first = next(iter(results_by_label.values()), None)
+    print(f"\n| run | message | n | {' | '.join(PHASES)} |\n|{'---|' * (3 + len(PHASES))}")
+    for label, results in results_by_label.items():
+        for phase in ("train", "evaluate"):
+            rows = [m for _, p, _, m in message_rows(results) if p == phase]
+            cells = []
+            for key in PHASES:
+                values = sorted(float(m[key]) for m in rows if m.get(key) is not None)
+                cells.append(f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})" if values else "")
+            print(f"| {label} | {phase} | {len(rows)} | {' | '.join(cells)} |")
+    if first is None:
+        return
+    print("\n| run | round | seconds | / first run |\n|---|---|---|---|")
+    base = {r["round"]: r.get("seconds") for r in first["rounds"]}
+    for label, results in results_by_label.items():
+        for record in results["rounds"]:
+            seconds, reference = record.get("seconds"), base.get(record["round"])
+            ratio = f"{seconds / reference:.2f}" if seconds and reference else ""
+            print(f"| {label} | {record['round']} | {seconds or 0:.1f} | {ratio} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -82,8 +106,11 @@ def main() -> None:
             times = [wall(code) for _ in range(args.repeats)]
             print(f"| {label} | {statistics.median(times):.2f} | {min(times):.2f} |")
         print(f"| bare python (`python -c pass`) | {statistics.median(wall('pass') for _ in range(args.repeats)):.2f} | |")
-    for path in args.results:
-        print_results(str(path), json.loads(path.read_text()))
+    loaded = {str(path): json.loads(path.read_text()) for path in args.results}
+    for label, results in loaded.items():
+        print_results(label, results)
+    if loaded:
+        summary(loaded)
 
 
 if __name__ == "__main__":
