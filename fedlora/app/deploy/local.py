@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, BinaryIO, Self
 
 import psutil
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
@@ -127,7 +127,7 @@ class Daemon:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # share_log: write into another daemon's open log (one offset, as a child it started would)
-        self._log = share_log._log if share_log is not None else log_path.open("wb")
+        self._log: BinaryIO = share_log._log if share_log is not None else log_path.open("wb")
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
