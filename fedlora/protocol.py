@@ -82,18 +82,28 @@ NODE_NUM_PARTITIONS: Final = "num-partitions"
 NODE_RANK: Final = "rank"  # the LoRA rank the silo declares (default: the experiment's [clients])
 NODE_DATA_PATH: Final = "data-path"  # a silo's own data file
 NODE_CHECKPOINT_DIR: Final = CHECKPOINT_DIR  # a silo's own state folder (before the server's)
+NODE_CACHE_DIR: Final = "cache-dir"  # a silo's folder for derived model files (default $FEDLORA_CACHE)
 NODE_BUDGET_PREFIX: Final = "budget-"  # budget-<name> = a budget the silo declares (budget-time, ...)
 NODE_CONFIG_KEYS: Final = frozenset({NODE_PARTITION_ID, NODE_NUM_PARTITIONS, NODE_RANK, NODE_DATA_PATH,
-                                     NODE_CHECKPOINT_DIR})
+                                     NODE_CHECKPOINT_DIR, NODE_CACHE_DIR})
 
 # ------------------------------------------------------------------ reply metrics (client -> server)
 # both replies
 NUM_EXAMPLES: Final = "num-examples"  # train: training examples; evaluate: local test examples
 PARTITION_ID: Final = "partition-id"  # the partition the reply speaks for (checked against its sender)
-IMPORT_SECONDS: Final = "import-seconds"  # process start -> the ClientApp module imported
+# a reply's start-up cost (clients/app.py; results.json per_client / per_client_train): message
+# arrival (process start, or the warm SuperExec's hand-over) -> ClientApp module imported, the setup
+# phases, -> local work starts, -> the first training step (the last two: a process's first message)
+IMPORT_SECONDS: Final = "import-seconds"  # arrival -> the ClientApp module imported (FAB install included)
 SETUP_SECONDS: Final = "setup-seconds"  # heavy imports, config and data of this message
-START_SECONDS: Final = "start-seconds"  # a process's first message: process start -> local work starts
-STARTUP_METRICS: Final = frozenset({IMPORT_SECONDS, SETUP_SECONDS, START_SECONDS})
+SETUP_LIBRARIES_SECONDS: Final = "setup-libraries-seconds"  # torch, transformers, peft, datasets, trainers
+SETUP_DATA_SECONDS: Final = "setup-data-seconds"  # config, profile, the federated data and this split
+SETUP_MODEL_SECONDS: Final = "setup-model-seconds"  # backbone and tokenizer loaded (once per process)
+SETUP_ADAPTER_SECONDS: Final = "setup-adapter-seconds"  # the model with its adapter, the download loaded
+START_SECONDS: Final = "start-seconds"  # a process's first message: arrival -> local work starts
+FIRST_STEP_SECONDS: Final = "first-step-seconds"  # a process's first message: arrival -> first optimiser step
+STARTUP_METRICS: Final = frozenset({IMPORT_SECONDS, SETUP_SECONDS, SETUP_LIBRARIES_SECONDS, SETUP_DATA_SECONDS,
+                                    SETUP_MODEL_SECONDS, SETUP_ADAPTER_SECONDS, START_SECONDS, FIRST_STEP_SECONDS})
 
 # train reply
 TRAIN_LOSS: Final = "train-loss"  # mean local training loss (NaN: no optimiser step)

@@ -34,6 +34,7 @@ class TrainStats:
     steps: int
     examples: int  # examples processed (with repetition across epochs)
     seconds: float
+    first_step_at: float = math.nan  # time.perf_counter() when the first batch was in hand (its step began)
 
 
 @dataclass
@@ -180,10 +181,13 @@ def optimise(
     import contextlib
 
     start, total_loss, steps, examples = time.perf_counter(), 0.0, 0, 0
+    first_step_at = math.nan
     for _ in range(epochs):
         for batch in loader:
             if not isinstance(batch, dict) or len(batch["labels"]) == 0:
                 continue
+            if not steps:
+                first_step_at = time.perf_counter()
             with autocast(autocast_device) if autocast_device is not None else contextlib.nullcontext():
                 loss = loss_fn(model, batch)
             optimizer.zero_grad(set_to_none=True)
@@ -199,7 +203,7 @@ def optimise(
         if max_steps and steps >= max_steps:
             break
     mean_loss = total_loss / steps if steps else math.nan
-    return TrainStats(mean_loss, steps, examples, time.perf_counter() - start)
+    return TrainStats(mean_loss, steps, examples, time.perf_counter() - start, first_step_at)
 
 
 def predict_logits(model: Model, loader: DataLoader[Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -859,7 +859,8 @@ def _client_train(upload: ClientUpload) -> dict[str, Any]:
     """An upload's per-client entry of the round (results.json ``per_client_train``)."""
     metrics = upload.metrics
     return {"train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
-            "examples": metrics.get(protocol.TRAIN_EXAMPLES), **upload.worker}
+            "examples": metrics.get(protocol.TRAIN_EXAMPLES), **upload.worker,
+            **{key: metrics[key] for key in sorted(protocol.STARTUP_METRICS) if key in metrics}}
 
 
 def _count_missing(record: RoundRecord, replied: int) -> None:

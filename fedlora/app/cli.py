@@ -9,7 +9,7 @@
                    [--resume | --overwrite]
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
-    fedlora deploy local CONFIG --nodes N [--insecure] [--out DIR] [--set k=v ...] [--resume | --overwrite]
+    fedlora deploy local CONFIG --nodes N [--insecure] [--clientapp warm|cold] [--out DIR] [--set k=v ...] [--resume | --overwrite]
 
 A user mistake (bad config, missing model or data, unknown strategy, an output folder that cannot
 be written, a corrupt checkpoint) prints one line on stderr and exits with status 2; nothing
@@ -158,7 +158,7 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
 
     results = deploy_local(
         args.config, num_nodes=args.nodes, out_dir=args.out, overrides=args.set, insecure=args.insecure,
-        timeout=args.timeout, overwrite=args.overwrite, resume=args.resume,
+        timeout=args.timeout, overwrite=args.overwrite, resume=args.resume, clientapp=args.clientapp,
     )
     final, deployment = results["final"], results["deployment"]
     out = results["config"]["output"]["dir"]
@@ -259,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--out", default=None, help="output folder (default: output.dir); logs/, certs/, flwr/ go here")
     local.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     local.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (then stop it)")
+    local.add_argument("--clientapp", choices=("warm", "cold"), default="warm",
+                       help="warm: each message's ClientApp process is forked from a SuperExec that imported torch, "
+                            "transformers, peft and datasets once (fedlora.app.deploy.warm; SuperNodes in --isolation "
+                            "process); cold: Flower's own SuperExec starts a fresh flwr-clientapp per message")
     local.add_argument("--resume", action="store_true",
                        help="continue the interrupted run in the output folder from its checkpoint on a new federation "
                             "(the earlier one's certificates and logs are moved into deployment.old-<time>/)")

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, BinaryIO, Self
 
 import psutil
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
@@ -121,12 +121,14 @@ def flower_env(home: Path) -> dict[str, str]:
 class Daemon:
     """A long-running Flower process in its own session; stdout + stderr go to a log file."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
+                 share_log: Daemon | None = None) -> None:
         self.name = name
         self.cmd = cmd
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("wb")
+        # share_log: write into another daemon's open log (one offset, as a child it started would)
+        self._log: BinaryIO = share_log._log if share_log is not None else log_path.open("wb")
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -311,6 +313,7 @@ class LocalDeployment:
     max_retries: int = 3
     start_timeout: float = 90.0
     cli_timeout: float = 120.0
+    clientapp: str = "warm"  # "warm": fedlora's SuperExec forks every ClientApp (fedlora.app.deploy.warm); "cold": Flower's
     daemons: list[Daemon] = field(default_factory=list)
     supernodes: list[Daemon] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
@@ -322,6 +325,7 @@ class LocalDeployment:
         self.ports = Ports.pick(self.num_nodes + 4)  # spares for extra (e.g. refused) SuperNodes
         self.certs: CertPaths | None = None
         self.superlink: Daemon | None = None
+        self.superexecs: dict[str, Daemon] = {}  # SuperNode name -> its warm SuperExec
         self._next_port = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -340,8 +344,9 @@ class LocalDeployment:
             stop_daemons([self.superlink])
         self.timings["stop_seconds"] = round(time.monotonic() - started, 2)
 
-    def _spawn(self, name: str, cmd: list[str], home: str | None = None) -> Daemon:
-        daemon = Daemon(name, cmd, flower_env(self.homes / (home or name)), self.logs / f"{name}.log")
+    def _spawn(self, name: str, cmd: list[str], home: str | None = None, share_log: Daemon | None = None) -> Daemon:
+        log_path = share_log.log_path if share_log is not None else self.logs / f"{name}.log"
+        daemon = Daemon(name, cmd, flower_env(self.homes / (home or name)), log_path, share_log)
         self.daemons.append(daemon)
         return daemon
 
@@ -455,11 +460,33 @@ class LocalDeployment:
             "--max-retries", str(self.max_retries),  # Flower's default retries forever
             "--host", HOST, "--port", str(port),
         ]  # fmt: skip
+        if self.clientapp == "warm":
+            cmd += ["--isolation", "process"]  # the SuperExec is ours (spawn_supernode)
         return cmd
 
     def spawn_supernode(self, name: str, node_config: dict[str, Any], key: Path | None, tls: bool) -> Daemon:
-        daemon = self._spawn(name, self.supernode_cmd(node_config, key, tls, self._take_port()))
+        """A SuperNode and, with ``clientapp = 'warm'``, fedlora's SuperExec for it
+        (:mod:`fedlora.app.deploy.warm`: its Runtime API on loopback, its log in the SuperNode's,
+        stopping when the SuperNode exits), as Flower's own SuperExec would run beside it."""
+        port = self._take_port()
+        daemon = self._spawn(name, self.supernode_cmd(node_config, key, tls, port))
+        if self.clientapp == "warm":
+            cmd = [sys.executable, "-m", "fedlora.app.deploy.warm", "--runtime-api-address", f"{HOST}:{port}",
+                   "--insecure", "--parent-pid", str(daemon.process.pid)]
+            self.superexecs[name] = self._spawn(f"{name}-superexec", cmd, home=name, share_log=daemon)
         return daemon
+
+    def with_superexec(self, daemon: Daemon) -> list[Daemon]:
+        """A SuperNode and its warm SuperExec (if any): what stops together."""
+        return [daemon] + ([self.superexecs[daemon.name]] if daemon.name in self.superexecs else [])
+
+    def dead_superexec(self) -> Daemon | None:
+        """The warm SuperExec of a running SuperNode that has exited (its messages would never run)."""
+        for node in self.supernodes:
+            superexec = self.superexecs.get(node.name)
+            if superexec is not None and node.alive() and not superexec.alive():
+                return superexec
+        return None
 
     def restart_supernode(self, index: int, node_config: dict[str, Any], key: Path | None,
                           patience: float = HEARTBEAT_SECONDS + 30.0) -> Daemon:
@@ -476,7 +503,7 @@ class LocalDeployment:
             if daemon.wait_for(SUPERNODE_READY, self.start_timeout) and daemon.alive():
                 self.supernodes[index] = daemon
                 return daemon
-            stop_daemons([daemon])
+            stop_daemons(self.with_superexec(daemon))
             if time.monotonic() > deadline:
                 raise DeployError(f"SuperNode {index} was not accepted again within {patience:.0f}s: "
                                   f"{daemon.reason()} (log: {daemon.log_path})")
@@ -510,10 +537,10 @@ class LocalDeployment:
         accepted = daemon.wait_for(SUPERNODE_READY, timeout)
         seconds = time.monotonic() - daemon.started
         if accepted:
-            stop_daemons([daemon])
+            stop_daemons(self.with_superexec(daemon))
             return None
         alive = daemon.alive()
-        stop_daemons([daemon])
+        stop_daemons(self.with_superexec(daemon))
         reason = daemon.reason() if not alive else f"no answer within {timeout:.0f}s; {daemon.reason()}"
         return Refusal(name, daemon.process.returncode, round(seconds, 2), reason, daemon.log_path)
 
@@ -555,7 +582,7 @@ class LocalDeployment:
                     run = self.run_status(run_id)
                     if str(run.get("status", "")).startswith("finished"):
                         break
-                for daemon in [self.superlink, *self.supernodes]:
+                for daemon in [self.superlink, *self.supernodes, self.dead_superexec()]:
                     if daemon is not None and not daemon.alive():
                         raise DeployError(
                             f"{daemon.name} exited during run {run_id}: {daemon.reason()} (log: {daemon.log_path})"
@@ -595,7 +622,7 @@ class LocalDeployment:
             elif all(s.startswith("finished") for s in status):
                 self.timings["run_seconds"] = round(time.monotonic() - started, 2)
                 return {run_id: rows[run_id] for run_id in run_ids}
-            for daemon in [self.superlink, *self.supernodes]:
+            for daemon in [self.superlink, *self.supernodes, self.dead_superexec()]:
                 if daemon is not None and not daemon.alive():
                     raise DeployError(f"{daemon.name} exited during the runs: {daemon.reason()} (log: {daemon.log_path})")
             if time.monotonic() > deadline:
@@ -664,18 +691,19 @@ def deploy_local(
     on_ready: Callable[[LocalDeployment], None] | None = None,
     overwrite: bool = False,
     resume: bool = False,
+    clientapp: str = "warm",
 ) -> dict[str, Any]:
     """Run ``config`` on a local SuperLink + ``num_nodes`` SuperNodes; the results dict.
 
     ``on_ready(deployment)`` is called after the run finished, while every process is still up
-    (the tests use it for probes against the live SuperLink). ``overwrite``, ``resume``: see
-    :func:`deploy_runs`.
+    (the tests use it for probes against the live SuperLink). ``overwrite``, ``resume``,
+    ``clientapp``: see :func:`deploy_runs`.
     """
     from fedlora.app.runner import resolve
 
     resolved = resolve(config, overrides)
     return deploy_runs({"": resolved}, num_nodes, out_dir, insecure, timeout, on_ready, overwrite=overwrite,
-                       resume=resume)[""]
+                       resume=resume, clientapp=clientapp)[""]
 
 
 def deploy_runs(
@@ -688,6 +716,7 @@ def deploy_runs(
     side_by_side: int = 0,
     overwrite: bool = False,
     resume: bool = False,
+    clientapp: str = "warm",
 ) -> dict[str, dict[str, Any]]:
     """Run several experiments on ONE local federation (a SuperLink and ``num_nodes`` SuperNodes
     started once), one after the other or, with ``side_by_side = K`` (K > 0), up to K at a time
@@ -703,7 +732,13 @@ def deploy_runs(
     their checkpoints (verified before any process starts) on a new federation; the earlier
     federation's certificates, Flower homes, logs and run records are moved into
     ``OUT/deployment.old-<time>/`` first. The silos' kept state is their own (node config
-    ``checkpoint-dir``; without it a resumed silo starts from the global model it receives)."""
+    ``checkpoint-dir``; without it a resumed silo starts from the global model it receives).
+    ``clientapp``: ``'warm'`` (default) runs every SuperNode in ``--isolation process`` beside
+    fedlora's SuperExec (:mod:`fedlora.app.deploy.warm`: each message's ClientApp process is forked
+    from a parent that imported the heavy libraries once); ``'cold'``: Flower's own SuperExec starts
+    a fresh ``flwr-clientapp`` per message."""
+    if clientapp not in ("warm", "cold"):
+        raise ConfigError(f"clientapp must be 'warm' or 'cold', got {clientapp!r}")
     from fedlora.app.folders import claim
     from fedlora.app.runner import check_inputs
     from fedlora.results import load_results
@@ -739,7 +774,7 @@ def deploy_runs(
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     evidence: dict[str, dict[str, Any]] = {}
-    with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure) as deployment:
+    with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure, clientapp=clientapp) as deployment:
         deployment.start_superlink()
         logger.info("SuperLink up: Control API https://%s:%d (loopback only), Fleet API %s:%d",
                     HOST, deployment.ports.control, HOST, deployment.ports.fleet)
@@ -772,6 +807,7 @@ def deploy_runs(
             evidence[label] = {
                 "run_id": run_id,
                 "nodes": nodes,
+                "clientapp": clientapp,
                 "tls": not insecure,
                 "supernode_auth": not insecure,
                 "fleet_grpc_tls_logged": deployment.fleet_is_grpc_over_tls(),

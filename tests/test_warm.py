@@ -1,0 +1,41 @@
+"""fedlora's warm SuperExec (fedlora/app/deploy/warm.py), the parts that need no deployment: what a
+forked child keeps of its parent, and bad settings. Every deployment test runs it end to end
+(``fedlora deploy local`` uses it by default)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
+
+
+def test_a_child_forgets_the_projects_modules_and_keeps_the_libraries() -> None:
+    # The parent imported fedlora (its own package, and here the config layer); the child must load
+    # fedlora from the run's FAB, as a fresh flwr-clientapp does, and keep the preloaded libraries.
+    done = run_python(
+        "import sys, numpy, fedlora.config, fedlora.app.deploy.warm as warm\n"
+        "assert 'fedlora.config' in sys.modules and 'fedlora.schema' in sys.modules\n"
+        "warm._forget_project_modules()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fedlora', 'clients', 'strategies', 'simulations')))\n"
+        "print('numpy' in sys.modules, 'pydantic' in sys.modules)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True True"]
+
+
+def test_a_bad_poll_interval_is_one_line_and_exit_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "fedlora.app.deploy.warm", "--runtime-api-address", "127.0.0.1:1", "--insecure"],
+        check=False, cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO), "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "soon"},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: FLWR_SUPEREXEC_TASK_POLL_INTERVAL must be a number of seconds"
