@@ -448,10 +448,10 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
                "--seeds", "0,1", "--out", str(tmp_path)]
     # Execute
     first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=1500)  # 4 Ray starts, loaded CI
+    assert first.returncode == 0, first.stderr[-3000:]  # else the resume below would run what failed
     mtimes = results_mtimes(tmp_path)
     second = subprocess.run([*command, "--resume"], check=False, capture_output=True, text=True, timeout=300)
     # Assert
-    assert first.returncode == 0, first.stderr[-3000:]
     assert second.returncode == 0, second.stderr[-3000:]
     assert len(mtimes) == 4 and results_mtimes(tmp_path) == mtimes
     assert second.stdout.count("complete, skipped") == 4

@@ -77,12 +77,14 @@ def names(procs: list[psutil.Process]) -> list[str]:
 
 def run_processes(home: Path) -> list[str]:
     """What a finished run must not leave: anything but the local SuperLink and its SuperExec (Flower
-    keeps those for the next ``flwr run`` / ``flwr log``), given 10 s to exit."""
+    keeps those for the next ``flwr run`` / ``flwr log``), given 60 s to exit (``flwr run --stream``
+    returns when the run's log ends; its flwr-simulation process then shuts Ray down, which takes
+    seconds on a loaded machine)."""
     def of_a_run(proc: psutil.Process) -> bool:
         command = " ".join(proc.cmdline())
         return "flower-superlink" not in command and "flower-superexec" not in command
 
-    _, alive = psutil.wait_procs([p for p in processes_of(home) if of_a_run(p)], timeout=10)
+    _, alive = psutil.wait_procs([p for p in processes_of(home) if of_a_run(p)], timeout=60)
     return names([p for p in alive if p.is_running()])
 
 
