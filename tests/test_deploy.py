@@ -20,11 +20,13 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from deploy_helpers import processes_of
+from deploy_helpers import processes_of, try_supernode
 from result_checks import assert_accuracies_add_up
 
 from fedlora.app.deploy.certs import write_certs, write_node_key
-from fedlora.app.deploy.local import HOST, DeployError, LocalDeployment, deploy_local
+from fedlora.app.deploy.federation import LocalDeployment
+from fedlora.app.deploy.flwr_cli import HOST, DeployError
+from fedlora.app.deploy.local import deploy_local
 from fedlora.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,9 +121,9 @@ def test_tls_auth_deployment_two_silos_and_refused_supernodes(no_leftovers: Path
         with pytest.raises(ssl.SSLCertVerificationError):
             tls_handshake(deployment.ports.fleet, other_ca)
         rogue = write_node_key(no_leftovers / "rogue" / "node_rogue")
-        probes["unregistered"] = deployment.try_supernode("neg-unregistered-key", key=rogue, tls=True)
-        probes["plaintext"] = deployment.try_supernode("neg-plaintext", key=None, tls=False)
-        probes["keyless"] = deployment.try_supernode("neg-keyless", key=None, tls=True)
+        probes["unregistered"] = try_supernode(deployment, "neg-unregistered-key", key=rogue, tls=True)
+        probes["plaintext"] = try_supernode(deployment, "neg-plaintext", key=None, tls=False)
+        probes["keyless"] = try_supernode(deployment, "neg-keyless", key=None, tls=True)
         with pytest.raises(DeployError) as refused:  # how the tool reports a refused silo
             deployment.start_supernodes([{"partition-id": 0, "num-partitions": 2}], [rogue])
         probes["reported"] = str(refused.value)

@@ -7,9 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from deploy_helpers import REPO, clients_of, federation, rounds_written, wait_for
+from deploy_helpers import (
+    REPO,
+    clients_of,
+    federation,
+    kill_tree,
+    restart_supernode,
+    rounds_written,
+    wait_for,
+)
 
-from fedlora.app.deploy.local import LocalDeployment
+from fedlora.app.deploy.federation import LocalDeployment
 
 # ---------------------------------------------------------------- faults in a real deployment
 SOAK = ["data.num_clients=3", "clients.ranks=[4, 4, 4]", "train.rounds=12", "train.max_steps=1",
@@ -35,9 +43,9 @@ def test_soak_a_killed_supernode_and_a_killed_superlink(no_leftovers: Path) -> N
         run_id = first.submit(app_dir(), write_run_config(config, no_leftovers / "run.toml"))
         # Execute 1: once round 2 is written, kill -9 SuperNode 2 (and its ClientApps), then restart it
         wait_for(lambda: len(rounds_written(out)) >= 2, 600, "round 2")
-        first.supernodes[2].kill_tree()
+        kill_tree(first.supernodes[2])
         killed_during = len(rounds_written(out)) + 1
-        first.restart_supernode(2, node_configs(config, 3)[2], keys[2])  # retried until accepted again
+        restart_supernode(first, 2, node_configs(config, 3)[2], keys[2])  # retried until accepted again
         # Execute 2: once the restarted silo has trained in a round after the kill (and round 4 is
         # written), kill -9 the SuperLink with the SuperExec and ServerApp it runs
         def silo_back() -> bool:
@@ -47,7 +55,7 @@ def test_soak_a_killed_supernode_and_a_killed_superlink(no_leftovers: Path) -> N
         assert len(rounds_written(out)) < 12, "the run ended before the restarted silo was back: no round left"
 
         assert first.superlink is not None
-        first.superlink.kill_tree()
+        kill_tree(first.superlink)
         before = json.loads((out / "results.json").read_text())["rounds"]
     finally:
         first.stop()

@@ -37,7 +37,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from fedlora.errors import ConfigError  # ModelError, CheckpointError: subclasses
 
     errors: list[type[BaseException]] = [ConfigError]
-    for module, name in (("fedlora.app.deploy.local", "DeployError"), ("fedlora.app.runner", "RunError"),
+    for module, name in (("fedlora.app.deploy.flwr_cli", "DeployError"), ("fedlora.app.runner", "RunError"),
                          ("fedlora.data.sources", "DataError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))

@@ -1,10 +1,18 @@
-"""Cross-silo deployment: certificates and keys (``certs``), a local SuperLink + SuperNodes (``local``).
+"""Cross-silo deployment: a local SuperLink + SuperNodes, certificates and keys, warm ClientApps.
+
+One purpose per module: ``local`` runs ``fedlora deploy local`` (experiments on a fresh
+federation, start to results), ``federation`` is the SuperLink / SuperNode side
+(``LocalDeployment``), ``flwr_cli`` drives Flower's commands (command lines, environment, log
+lines, ``flwr`` JSON replies), ``processes`` supervises processes, ``certs`` writes certificates
+and SuperNode keys, ``warm`` is fedlora's SuperExec for warm ClientApps.
 
 ``fedlora deploy certs DIR`` and ``fedlora deploy local CONFIG --nodes N`` are the command-line
 entry points; README "Cross-silo deployment" shows the commands a real operator and each silo run.
 """
 
 from fedlora.app.deploy.certs import CertPaths, write_certs, write_node_key
-from fedlora.app.deploy.local import DeployError, LocalDeployment, deploy_local
+from fedlora.app.deploy.federation import LocalDeployment
+from fedlora.app.deploy.flwr_cli import DeployError
+from fedlora.app.deploy.local import deploy_local
 
 __all__ = ["CertPaths", "DeployError", "LocalDeployment", "deploy_local", "write_certs", "write_node_key"]
