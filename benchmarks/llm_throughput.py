@@ -69,9 +69,9 @@ class Client:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
+        from fedlora.backbones import load_tokenizer, resolve_device
         from fedlora.config import load_config
         from fedlora.data import build_federated_data
-        from fedlora.models import load_tokenizer, resolve_device
 
         self.torch = torch
         self.args = args

@@ -94,9 +94,10 @@ def plain_fedavg(config) -> dict[str, object]:
     import torch
 
     from fedlora.app.server import GlobalEvaluator
+    from fedlora.backbones import load_tokenizer, resolve_device
     from fedlora.data import build_federated_data
     from fedlora.lora import weighted_average
-    from fedlora.models import adapter_payload, build_model, load_payload, load_tokenizer, resolve_device
+    from fedlora.models import adapter_payload, build_model, load_payload
     from fedlora.training import make_loader, train
 
     torch.set_num_threads(max(1, int(config.federation.num_cpus)))

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fedlora.backbones import ENCODER_TARGETS, ModelKind, default_target_modules
 from fedlora.errors import ConfigError
 
 MAX_SEED = 2**31 - 1  # seeds are offset by rounds and partitions, and some libraries take < 2**32 only
@@ -30,8 +31,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-ModelKind = Literal["classification", "causal_lm"]
-CAUSAL_LM_TARGET_MODULES = ["q_proj", "v_proj"]  # the attention projections of Llama-style models
 INSTRUCTION_SOURCES = ("wordnet", "chatterbot", "wordnet+chatterbot")  # data sources of model.kind = causal_lm
 INSTRUCTION_TASKS = ("define",)  # WordNet tasks that are instructions (the others are classification)
 
@@ -57,11 +56,11 @@ class ModelConfig(_Section):
     lora_alpha: float = Field(16.0, gt=0.0, allow_inf_nan=False, description="LoRA alpha (> 0); the scale is s = alpha / r.")
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["query", "value"],
+        default_factory=lambda: list(ENCODER_TARGETS),
         description="Names of the linear layers that get a LoRA adapter (checked against the model "
-        "before the run). Default: the attention query / value projections, ['query', 'value'] "
-        "(BERT-style encoders) for classification and ['q_proj', 'v_proj'] (Llama-style decoders) "
-        "for causal_lm.",
+        "before the run). Default: the backbone's attention query / value projections (its entry in "
+        "fedlora.backbones), ['query', 'value'] (BERT-style encoders) for classification and "
+        "['q_proj', 'v_proj'] (Llama-style decoders) for causal_lm.",
     )
     init: Literal["kaiming", "gaussian", "pissa"] = Field(
         "kaiming",
@@ -82,9 +81,10 @@ class ModelConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _causal_lm_targets(self) -> ModelConfig:
-        if self.kind == "causal_lm" and "target_modules" not in self.model_fields_set:
-            self.target_modules = list(CAUSAL_LM_TARGET_MODULES)
+    def _default_targets(self) -> ModelConfig:
+        default = default_target_modules(self.path, self.kind)
+        if "target_modules" not in self.model_fields_set and self.target_modules != default:
+            self.target_modules = default
         return self
 
 

@@ -342,12 +342,12 @@ def test_feddpa_clients_save_both_branches_loadable_with_peft(tmp_path: Path) ->
     import torch
     from peft import PeftModel
 
-    from fedlora.models import _base_model
+    from fedlora.backbones import base_classifier
 
     run_recorded(tmp_path, "feddpa")
     folder = tmp_path / "adapters/client_2"
     # Execute
-    model = PeftModel.from_pretrained(copy.deepcopy(_base_model("tiny-bert", 8, 0)), str(folder))
+    model = PeftModel.from_pretrained(copy.deepcopy(base_classifier("tiny-bert", 8, 0)), str(folder))
     model.load_adapter(str(folder / "local"), adapter_name="local")
     model.base_model.set_adapter(["default", "local"])
     # Assert: l has the client's own rank (8), both branches trained (B != 0), the forward sums both

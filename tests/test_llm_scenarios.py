@@ -32,7 +32,7 @@ OWN = {"fedtreelora_llm": ("train.rounds=2", "federation.evaluate_every=2", "str
 
 
 def test_fedhera_llm_budget_tiers_are_1_1_times_the_targets_on_smollm2s_layer_shapes() -> None:
-    from fedlora.models import smollm2_tokenizer_path
+    from fedlora.backbones import smollm2_tokenizer_path
 
     config = tomllib.loads((fidelity.ROOT / "configs/scenarios/fedhera_llm.toml").read_text())
     assert config["model"]["path"] == "smollm2" and "target_modules" not in config["model"]  # q_proj, v_proj
