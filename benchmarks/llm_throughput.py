@@ -163,11 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.steps} steps per message, {args.repeat} messages after {args.warmup} warm-up")
     last = f"tokens_per_second={tokens:.1f} overhead_fraction={comparison.ratio:.4f} spread={comparison.spread:.2f}"
     extra = {"device_name": where, "threads": torch.get_num_threads()}
-    path = harness.write_record(args.out, harness.record("llm_throughput", args, measured, comparison, last,
-                                                         extra=extra, env=env))
-    print(f"record: {path}")
-    print(last)
-    return 0
+    return harness.finish("llm_throughput", args, measured, comparison, last, extra, env)
 
 
 if __name__ == "__main__":
