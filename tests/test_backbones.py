@@ -100,10 +100,10 @@ def test_the_config_default_targets_come_from_the_registry() -> None:
 
 
 @pytest.mark.parametrize(("path", "kind", "message"), [
-    ("nope", None, "model.path 'nope' is not a built-in backbone (minilm, tiny-bert, smollm2, tiny-llama), "
-                   "a local folder or a hub id 'owner/name'"),
-    ("tiny-llama", "classification", "model.path 'tiny-llama' is a causal_lm backbone, model.kind is "
-                                     "'classification': set model.kind = 'causal_lm' or pick a classification backbone"),
+    ("nope", None, ("model.path 'nope' is not a built-in backbone (minilm, tiny-bert, smollm2, tiny-llama), "
+                   "a local folder or a hub id 'owner/name'")),
+    ("tiny-llama", "classification", ("model.path 'tiny-llama' is a causal_lm backbone, model.kind is "
+                                     "'classification': set model.kind = 'causal_lm' or pick a classification backbone")),
 ])
 def test_an_unknown_name_or_a_built_in_of_the_other_kind_is_one_line(path: str, kind: str | None, message: str) -> None:
     # Execute / Assert
