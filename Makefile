@@ -51,7 +51,7 @@ test-fast: install
 
 # mypy: strict on the core (fedlora/ without the application layer), checked on the rest
 CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
-	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/models.py \
+	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/backbones.py fedlora/models.py \
 	fedlora/training.py fedlora/privacy.py fedlora/data fedlora/cache.py
 lint: install
 	$(VENV)/bin/ruff check fedlora strategies clients simulations tests benchmarks examples

@@ -146,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     last = (f"factor_seconds={comparison.denominator_median:.3f} dense_seconds={comparison.numerator_median:.1f} "
             f"speedup={comparison.ratio:.0f} spread={comparison.spread:.2f}")
     extra = {"singular_values_max_rel_diff": worst_sv, "pushed_update_rel_diff": worst_fit}
-    path = harness.write_record(args.out, harness.record("aggregation", args, measured, comparison, last, extra, env))
-    print(f"record: {path}")
-    print(last)
-    return 0
+    return harness.finish("aggregation", args, measured, comparison, last, extra, env)
 
 
 if __name__ == "__main__":

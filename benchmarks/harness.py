@@ -325,3 +325,13 @@ def write_record(path: Path, data: Mapping[str, Any]) -> Path:
     tmp.write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
     tmp.replace(path)
     return path
+
+
+def finish(name: str, args: argparse.Namespace, measured: Measurements, comparison: Comparison | None,
+           last_line: str, extra: Mapping[str, Any] | None = None, env: Mapping[str, Any] | None = None) -> int:
+    """A benchmark's ending: its record written to ``args.out`` (:func:`record`), the path and then
+    ``last_line`` printed (the line the results pages quote); the exit status 0."""
+    path = write_record(args.out, record(name, args, measured, comparison, last_line, extra, env))
+    print(f"record: {path}")
+    print(last_line)
+    return 0

@@ -69,9 +69,9 @@ class Client:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
+        from fedlora.backbones import load_tokenizer, resolve_device
         from fedlora.config import load_config
         from fedlora.data import build_federated_data
-        from fedlora.models import load_tokenizer, resolve_device
 
         self.torch = torch
         self.args = args
@@ -163,11 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.steps} steps per message, {args.repeat} messages after {args.warmup} warm-up")
     last = f"tokens_per_second={tokens:.1f} overhead_fraction={comparison.ratio:.4f} spread={comparison.spread:.2f}"
     extra = {"device_name": where, "threads": torch.get_num_threads()}
-    path = harness.write_record(args.out, harness.record("llm_throughput", args, measured, comparison, last,
-                                                         extra=extra, env=env))
-    print(f"record: {path}")
-    print(last)
-    return 0
+    return harness.finish("llm_throughput", args, measured, comparison, last, extra, env)
 
 
 if __name__ == "__main__":

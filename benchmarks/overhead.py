@@ -94,9 +94,10 @@ def plain_fedavg(config) -> dict[str, object]:
     import torch
 
     from fedlora.app.server import GlobalEvaluator
+    from fedlora.backbones import load_tokenizer, resolve_device
     from fedlora.data import build_federated_data
     from fedlora.lora import weighted_average
-    from fedlora.models import adapter_payload, build_model, load_payload, load_tokenizer, resolve_device
+    from fedlora.models import adapter_payload, build_model, load_payload
     from fedlora.training import make_loader, train
 
     torch.set_num_threads(max(1, int(config.federation.num_cpus)))
@@ -260,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     last = (f"plain_seconds={comparison.denominator_median:.3f} fedlora_seconds={comparison.numerator_median:.3f} "
             f"ratio={comparison.ratio:.3f} spread={comparison.spread:.3f}")
     extra = {"all_rounds": all_rounds, "goal": "ratio <= 1.15 on the median steady-state rounds"}
-    path = harness.write_record(args.out, harness.record("overhead", args, measured, comparison, last, extra, env))
-    print(f"record: {path}")
-    print(last)
-    return 0
+    return harness.finish("overhead", args, measured, comparison, last, extra, env)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def _job(msg: Message, context: Context, phase: str):
 
 def _prepared(job, download, phases: Phases):
     """The trainer and its model (local state overlaid with ``download``), timed into ``phases``."""
-    from fedlora.models import load_seconds
+    from fedlora.backbones import load_seconds
 
     loaded = load_seconds()
     trainer = _trainer(job)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from fedlora.training import autocast, cached_tokenized
+from fedlora.training import autocast, batch_loader, cached_tokenized
 
 if TYPE_CHECKING:
     import datasets
@@ -96,18 +96,11 @@ def make_causal_loader(
 ) -> DataLoader[Any]:
     """A DataLoader of right-padded batches: ``input_ids``, ``attention_mask``, ``labels`` (-100 on
     the prompt and the padding)."""
-    import torch
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorForSeq2Seq
 
     encoded = cached_tokenized(cache_key, dataset, tokenizer, max_length, tokenize_instructions)
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
-
-    def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return dict(collator(rows))
-
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(encoded, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator)
+    return batch_loader(encoded, collator, batch_size, shuffle, seed)
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

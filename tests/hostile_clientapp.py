@@ -10,7 +10,7 @@ ships it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -87,17 +87,20 @@ def query(msg: Message, context: Context) -> Message:
     return fedlora_client.query(msg, context)
 
 
+def _reply(msg: Message, context: Context, honest: Callable[[Message, Context], Message],
+           attacks: Sequence[Callable[[Message, Context], RecordDict]]) -> Message:
+    """The honest reply on an honest node; on a hostile one, the round's attack (in turn)."""
+    if not context.node_config.get(HOSTILE):
+        return honest(msg, context)
+    attack = attacks[(_round(msg) - 1) % len(attacks)]
+    return Message(content=attack(msg, context), reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    if not context.node_config.get(HOSTILE):
-        return fedlora_client.train(msg, context)
-    attack = TRAIN_ATTACKS[(_round(msg) - 1) % len(TRAIN_ATTACKS)]
-    return Message(content=attack(msg, context), reply_to=msg)
+    return _reply(msg, context, fedlora_client.train, TRAIN_ATTACKS)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    if not context.node_config.get(HOSTILE):
-        return fedlora_client.evaluate(msg, context)
-    attack = EVALUATE_ATTACKS[(_round(msg) - 1) % len(EVALUATE_ATTACKS)]
-    return Message(content=attack(msg, context), reply_to=msg)
+    return _reply(msg, context, fedlora_client.evaluate, EVALUATE_ATTACKS)

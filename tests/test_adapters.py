@@ -31,7 +31,7 @@ def tiny_bert_folder(folder: Path, num_labels: int) -> Path:
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from fedlora.models import load_tokenizer
+    from fedlora.backbones import load_tokenizer
 
     tokenizer = load_tokenizer("tiny-bert")
     config = BertConfig(vocab_size=tokenizer.vocab_size, num_labels=num_labels, **TINY)
@@ -52,7 +52,7 @@ def test_the_head_is_what_lies_outside_the_backbone_whatever_it_is_called() -> N
         LlamaForSequenceClassification,
     )
 
-    from fedlora.models import head_modules
+    from fedlora.backbones import head_modules
 
     # Prepare: tiny random classifiers of three families (their heads as transformers names them)
     small = {"vocab_size": 64}
@@ -74,15 +74,8 @@ def test_a_head_named_score_trains_and_is_exchanged_and_saved(tmp_path: Path) ->
     from safetensors.torch import load_file
     from transformers import AutoConfig, LlamaForSequenceClassification
 
-    from fedlora.models import (
-        TINY_LLAMA,
-        adapter_payload,
-        build_model,
-        load_payload,
-        load_tokenizer,
-        save_adapter,
-        smollm2_tokenizer_path,
-    )
+    from fedlora.backbones import TINY_LLAMA, load_tokenizer, smollm2_tokenizer_path
+    from fedlora.models import adapter_payload, build_model, load_payload, save_adapter
     from fedlora.training import make_loader, train
 
     # Prepare: a tiny random Llama classifier (3 classes; its head is ``score``), saved as a checkpoint
@@ -128,7 +121,8 @@ def test_a_head_named_score_trains_and_is_exchanged_and_saved(tmp_path: Path) ->
 
 # ------------------------------------------------------------------------------ what the folder says
 def test_a_saved_classifier_adapter_names_its_base_as_configured_its_task_and_its_classes(tmp_path: Path) -> None:
-    from fedlora.models import build_model, resolve_model_path, save_adapter
+    from fedlora.backbones import resolve_model_path
+    from fedlora.models import build_model, save_adapter
 
     # Prepare: the packaged MiniLM (resolved to a folder inside the installed wheel), 3 classes
     resolved = resolve_model_path("minilm")
@@ -154,7 +148,8 @@ def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_rea
     import torch
     from peft import LoraConfig, PeftModel
 
-    from fedlora.models import _base_model, build_model, save_adapter
+    from fedlora.backbones import base_classifier
+    from fedlora.models import build_model, save_adapter
 
     # Prepare: FedDPA's client model - g ("default", + head) and a second adapter l ("local"), both active
     cfg = ModelConfig(path="tiny-bert", lora_rank=2)
@@ -176,7 +171,7 @@ def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_rea
     assert root["base_model_name_or_path"] == local["base_model_name_or_path"] == "tiny-bert"
     assert root["task_type"] is None and model.peft_config["default"].task_type == "SEQ_CLS"
     # Assert: the README's FedDPA recipe rebuilds the same model
-    loaded = PeftModel.from_pretrained(copy.deepcopy(_base_model("tiny-bert", 4, 0)), str(tmp_path))
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base_classifier("tiny-bert", 4, 0)), str(tmp_path))
     loaded.load_adapter(str(tmp_path / "local"), adapter_name="local")
     loaded.base_model.set_adapter(["default", "local"])
     with torch.no_grad():
@@ -189,9 +184,9 @@ def test_the_readme_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(t
     from safetensors.torch import load_file
 
     from fedlora.app.runner import run_inprocess
+    from fedlora.backbones import load_tokenizer
     from fedlora.config import load_config
     from fedlora.data import build_federated_data
-    from fedlora.models import load_tokenizer
     from fedlora.training import evaluate, make_loader
 
     # Prepare: a 2-label tiny BERT checkpoint trained on a 4-class task (WordNet part of speech): the

@@ -4,11 +4,11 @@ mixed-rank rounds end to end, the byte ledger, rank refusal and the mixed-rank p
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+import strategy_helpers
 from result_checks import assert_accuracies_add_up
 
 from fedlora.config import ConfigError, load_config
@@ -82,19 +82,10 @@ def test_flora_rounds_concatenate_and_compress_exactly() -> None:
 
 
 def small_strategy(cls: type, ranks: list[int], options: list[str] | None = None, alpha: float = 8.0) -> Any:
-    """A strategy on one hand-made module m (d_out 6, d_in 5) and a 2 x 6 head, profiles set."""
-    config = load_config(SMOKE, [f"strategy.name={cls.name}", f"model.lora_alpha={alpha}", *(options or [])])
+    """strategy_helpers.small_strategy with LoRA alpha ``alpha`` and a seeded random initial A."""
     rng = np.random.default_rng(0)
-
-    def initial(rank: int) -> dict[str, np.ndarray]:
-        return {"m::A": rng.standard_normal((rank, 5)).astype(np.float32), "m::B": np.zeros((6, rank), np.float32),
-                "head::classifier.weight": np.zeros((2, 6), np.float32)}
-
-    strategy = cls(config, initial, {"m": (6, 5)})
-    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}  # type: ignore[misc]
-    strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
-    strategy.setup()
-    return strategy
+    return strategy_helpers.small_strategy(cls, ranks, [f"model.lora_alpha={alpha}", *(options or [])],
+                                           lambda rank: rng.standard_normal((rank, 5)).astype(np.float32))
 
 
 def fake_upload(rng: np.random.Generator, k: int, rank: int, n: int) -> ClientUpload:

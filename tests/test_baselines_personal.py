@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from result_checks import assert_accuracies_add_up
+from strategy_helpers import small_strategy
 
 from clients.trainers.base import LOCAL_STATE_KEY
 from fedlora.config import ConfigError, load_config
@@ -124,19 +124,6 @@ def test_fedsa_rowwise_average_known_answers(
 
 
 # ------------------------------------------------------------------------------ protocol
-def small_strategy(cls: type, ranks: list[int], options: list[str] | None = None) -> Any:
-    """A strategy on one hand-made module m (d_out 6, d_in 5) and a 2 x 6 head, profiles set."""
-    config = load_config(SMOKE, [f"strategy.name={cls.name}", *(options or [])])
-
-    def initial(rank: int) -> dict[str, np.ndarray]:
-        return {"m::A": np.full((rank, 5), 0.5, np.float32), "m::B": np.zeros((6, rank), np.float32),
-                "head::classifier.weight": np.zeros((2, 6), np.float32)}
-
-    strategy = cls(config, initial, {"m": (6, 5)})
-    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}  # type: ignore[misc]
-    strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
-    strategy.setup()
-    return strategy
 
 
 def upload(k: int, payload: dict[str, np.ndarray], n: int) -> ClientUpload:
@@ -342,12 +329,12 @@ def test_feddpa_clients_save_both_branches_loadable_with_peft(tmp_path: Path) ->
     import torch
     from peft import PeftModel
 
-    from fedlora.models import _base_model
+    from fedlora.backbones import base_classifier
 
     run_recorded(tmp_path, "feddpa")
     folder = tmp_path / "adapters/client_2"
     # Execute
-    model = PeftModel.from_pretrained(copy.deepcopy(_base_model("tiny-bert", 8, 0)), str(folder))
+    model = PeftModel.from_pretrained(copy.deepcopy(base_classifier("tiny-bert", 8, 0)), str(folder))
     model.load_adapter(str(folder / "local"), adapter_name="local")
     model.base_model.set_adapter(["default", "local"])
     # Assert: l has the client's own rank (8), both branches trained (B != 0), the forward sums both

@@ -34,7 +34,7 @@ def refusal(strategy: str) -> str:
 
 
 def tokenizer():
-    from fedlora.models import load_tokenizer
+    from fedlora.backbones import load_tokenizer
 
     return load_tokenizer("tiny-llama")
 
@@ -293,8 +293,9 @@ def test_instruction_sources_have_prompts_responses_and_topics() -> None:
 def test_smollm2_is_dequantised_once_and_answers_an_instruction() -> None:
     import time
 
+    from fedlora.backbones import load_tokenizer, smollm2_model_path
     from fedlora.causal_lm import generate
-    from fedlora.models import build_model, load_tokenizer, smollm2_model_path
+    from fedlora.models import build_model
 
     # Prepare: the dequantised float32 copy (made once per machine, ~15 s)
     folder = smollm2_model_path()

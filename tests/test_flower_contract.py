@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from strategy_helpers import short_run_options
+from strategy_helpers import SMOKE_SETTINGS, short_run_options
 
 from fedlora.app.server import GlobalEvaluator
 from fedlora.config import ConfigError, config_from_json, load_config
@@ -34,15 +34,7 @@ from strategies.registry import strategy_class, strategy_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
-# configs/smoke.toml as keywords (its output.dir aside)
-SETTINGS: dict[str, Any] = {
-    "model": {"path": "tiny-bert", "lora_rank": 4, "lora_alpha": 8},
-    "data": {"source": "wordnet", "task": "noun8", "max_examples": 600, "num_clients": 3, "partition": "dirichlet",
-             "dirichlet_alpha": 0.5, "global_test_size": 100},
-    "train": {"rounds": 2, "local_epochs": 1, "max_steps": 5, "batch_size": 16, "lr": 1e-3, "max_length": 32},
-    "federation": {"min_clients": 1},
-    "clients": {"ranks": [2, 4, 8]},
-}
+SETTINGS = SMOKE_SETTINGS
 RANKS = [2, 4, 8]
 DECLARED = [100, 110, 120]  # training examples each client declares
 NODE = 1000  # InProcessGrid: node 1000 + k holds partition k

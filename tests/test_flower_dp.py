@@ -19,7 +19,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
-from strategy_helpers import short_run_options
+from strategy_helpers import SMOKE_SETTINGS, short_run_options
 
 from clients.app import clipping_when_asked
 from fedlora.config import ConfigError, config_from_json
@@ -31,14 +31,7 @@ from strategies.base import LoRAStrategy
 from strategies.fedit import FedIT
 from strategies.registry import strategy_class
 
-SETTINGS: dict[str, Any] = {  # configs/smoke.toml as keywords, every client at rank 4
-    "model": {"path": "tiny-bert", "lora_rank": 4, "lora_alpha": 8},
-    "data": {"source": "wordnet", "task": "noun8", "max_examples": 600, "num_clients": 3, "partition": "dirichlet",
-             "dirichlet_alpha": 0.5, "global_test_size": 100},
-    "train": {"rounds": 2, "local_epochs": 1, "max_steps": 5, "batch_size": 16, "lr": 1e-3, "max_length": 32},
-    "federation": {"min_clients": 1},
-    "clients": {"ranks": [4, 4, 4]},
-}
+SETTINGS: dict[str, Any] = SMOKE_SETTINGS | {"clients": {"ranks": [4, 4, 4]}}  # configs/smoke.toml, every client at rank 4
 DECLARED = [100, 110, 120]  # training examples each client declares
 NODE = 1000  # InProcessGrid: node 1000 + k holds partition k
 WRAPPABLE = [name for name in method_names() if method(name).capabilities.flower_dp]

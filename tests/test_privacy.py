@@ -61,8 +61,9 @@ def test_dp_compatible_strategies_train_with_the_base_step():
 
 
 def _tiny_setup(overrides: list[str]):
+    from fedlora.backbones import load_tokenizer
     from fedlora.data import build_federated_data
-    from fedlora.models import build_model, load_tokenizer
+    from fedlora.models import build_model
     from fedlora.training import make_loader
 
     cfg = load_config(SMOKE, overrides)
@@ -199,7 +200,7 @@ def test_per_example_gradients_are_clipped_to_max_grad_norm(monkeypatch) -> None
     import torch
 
     import fedlora.privacy
-    from fedlora.models import load_tokenizer
+    from fedlora.backbones import load_tokenizer
     from fedlora.training import TrainStats, make_loader
 
     # Prepare: a small bound, no noise; probe the DP optimiser on single-example batches
@@ -241,7 +242,7 @@ def _client_train(cfg):
 
 
 def _plain_loader(cfg):
-    from fedlora.models import load_tokenizer
+    from fedlora.backbones import load_tokenizer
     from fedlora.training import make_loader
 
     return make_loader(_client_train(cfg), load_tokenizer(cfg.model.path), 16, 32, shuffle=True, seed=0)

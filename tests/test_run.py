@@ -109,8 +109,9 @@ def test_a_classifier_checkpoint_with_another_head_size_loads_with_a_fresh_head(
 
     from transformers import BertConfig, BertForSequenceClassification
 
+    from fedlora.backbones import TINY_BERT, load_tokenizer
     from fedlora.config import ModelConfig
-    from fedlora.models import TINY_BERT, build_model, load_tokenizer
+    from fedlora.models import build_model
 
     # Prepare: a fine-tuned 2-label classifier checkpoint (tiny BERT, MiniLM's tokenizer)
     config = BertConfig(vocab_size=load_tokenizer("tiny-bert").vocab_size, **TINY_BERT)
@@ -118,7 +119,7 @@ def test_a_classifier_checkpoint_with_another_head_size_loads_with_a_fresh_head(
     BertForSequenceClassification(config).save_pretrained(tmp_path)
     load_tokenizer("tiny-bert").save_pretrained(tmp_path)
     # Execute: an 8-topic task on it
-    with caplog.at_level(logging.INFO, logger="fedlora.models"):
+    with caplog.at_level(logging.INFO, logger="fedlora.backbones"):
         model = build_model(ModelConfig(path=str(tmp_path), lora_rank=2), num_labels=8, rank=2)
     # Assert: loaded, with an 8-way head, and one line says so
     assert model.base_model.model.classifier.modules_to_save["default"].out_features == 8

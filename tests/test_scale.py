@@ -114,7 +114,7 @@ def test_kept_state_is_on_disk_not_in_the_engine_between_messages(sampled_run) -
 def test_the_tokenised_split_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare
     from fedlora import training
-    from fedlora.models import load_tokenizer
+    from fedlora.backbones import load_tokenizer
 
     monkeypatch.setattr(training, "TOKENIZED_CACHE_SIZE", 2)
     monkeypatch.setattr(training, "_TOKENIZED", type(training._TOKENIZED)())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from fedlora import protocol
+from fedlora.backbones import load_tokenizer, resolve_device
 from fedlora.causal_lm import (
     GenerationEval,
     causal_lm_loss,
@@ -27,7 +28,7 @@ from fedlora.causal_lm import (
 from fedlora.data import ClientData, FederatedData
 from fedlora.lora import Payload, from_array_record, to_array_record, without_head
 from fedlora.methods import options_of
-from fedlora.models import adapter_payload, build_model, load_payload, load_tokenizer, resolve_device
+from fedlora.models import adapter_payload, build_model, load_payload
 from fedlora.profile import ClientProfile
 from fedlora.schema import ExperimentConfig
 from fedlora.training import (

@@ -176,6 +176,20 @@ def one_line(text: str) -> str:
     return " ".join(text.split()) or "unknown error"
 
 
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+
+
+def _add_overwrite(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--overwrite", action="store_true", help=f"move an earlier {what} in the output folder aside "
+                        "(to DIR.old-<time>; nothing is deleted) and start afresh")
+
+
+def _add_engine(parser: argparse.ArgumentParser,
+                text: str = "ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)") -> None:
+    parser.add_argument("--engine", choices=("ray", "inprocess"), default="ray", help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedlora.version import __version__
 
@@ -185,17 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run one experiment in Flower's simulation engine")
     run.add_argument("config", help="TOML experiment config")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    _add_set(run)
     run.add_argument("--out", default=None, help="output folder (default: output.dir)")
     run.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     run.add_argument("--resume", default=None, metavar="DIR",
                      help="continue the interrupted run in DIR after its last complete round (same config)")
-    run.add_argument("--overwrite", action="store_true",
-                     help="move an earlier run in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
+    _add_overwrite(run, "run")
     run.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                      help="join this running Ray cluster (ray start --head ...) instead of a local Ray")
-    run.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
-                     help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
+    _add_engine(run)
     run.set_defaults(func=_cmd_run)
 
     cmp = sub.add_parser("compare", help="run strategies x seeds on the same partitions and summarise")
@@ -203,10 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--strategies", required=True, help="comma-separated strategy names, e.g. fedit,flexlora")
     cmp.add_argument("--seeds", default="0", help="comma-separated train.seed values (default 0)")
     cmp.add_argument("--out", default=None, help="comparison folder (default: <output.dir>/compare)")
-    cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    _add_set(cmp)
     cmp.add_argument("--ray-address", default=None, metavar="HOST:PORT", help="as for run")
-    cmp.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
-                     help="ray: Flower's simulation engine; inprocess: same apps without Ray (fast, small runs)")
+    _add_engine(cmp)
     cmp.add_argument("--verbose", action="store_true", help="show Flower's and Ray's logs")
     cmp.add_argument("--workers", type=int, default=1,
                      help="runs at a time, each in its own process (in-process engine; they share a GPU)")
@@ -224,8 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--resume", action="store_true",
                      help="continue the comparison in the output folder: complete runs are kept, interrupted ones "
                           "resume from their checkpoint (or, without a usable one, are moved aside and rerun)")
-    cmp.add_argument("--overwrite", action="store_true",
-                     help="move an earlier comparison in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
+    _add_overwrite(cmp, "comparison")
     cmp.set_defaults(func=_cmd_compare)
 
     tune = sub.add_parser("tune", help="same grid for every strategy; each picks its best setting on validation")
@@ -235,12 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a config key and its values, e.g. train.lr=1e-4,3e-4,1e-3 (repeatable)")
     tune.add_argument("--seeds", default="0", help="comma-separated train.seed values (default 0)")
     tune.add_argument("--out", default=None, help="tuning folder (default: <output.dir>/tune)")
-    tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    tune.add_argument("--engine", choices=("ray", "inprocess"), default="ray", help="as for compare")
+    _add_set(tune)
+    _add_engine(tune, "as for compare")
     tune.add_argument("--ray-address", default=None, metavar="HOST:PORT", help="as for run")
     tune.add_argument("--resume", action="store_true", help="continue the tuning in the output folder (as for compare)")
-    tune.add_argument("--overwrite", action="store_true",
-                      help="move an earlier tuning in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
+    _add_overwrite(tune, "tuning")
     tune.set_defaults(func=_cmd_tune)
 
     deploy = sub.add_parser("deploy", help="cross-silo deployment: certificates, local SuperLink + SuperNodes")
@@ -257,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--nodes", type=int, default=None, help="SuperNodes (default and required: data.num_clients)")
     local.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication")
     local.add_argument("--out", default=None, help="output folder (default: output.dir); logs/, certs/, flwr/ go here")
-    local.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    _add_set(local)
     local.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (then stop it)")
     local.add_argument("--clientapp", choices=("warm", "cold"), default="warm",
                        help="warm: each message's ClientApp process is forked from a SuperExec that imported torch, "
@@ -266,8 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--resume", action="store_true",
                        help="continue the interrupted run in the output folder from its checkpoint on a new federation "
                             "(the earlier one's certificates and logs are moved into deployment.old-<time>/)")
-    local.add_argument("--overwrite", action="store_true",
-                       help="move an earlier deployment in the output folder aside (to DIR.old-<time>; nothing is deleted) and start afresh")
+    _add_overwrite(local, "deployment")
     local.set_defaults(func=_cmd_deploy_local)
 
     strategies = sub.add_parser("strategies", help="list the registered strategies")

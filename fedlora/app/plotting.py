@@ -3,6 +3,7 @@ whose inline backend is kept)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,41 +121,40 @@ def _colors(labels: list[str]) -> dict[str, Any]:
 def plot_accuracy_vs_round(runs: Runs, path: str | Path | None = None):
     """Global and personalised accuracy (ROUGE-L for a causal LM) per round, mean over seeds with a
     +-1 std band."""
-    plt = _pyplot()
-    colors = _colors(list(runs))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, (key, title) in zip(axes, _panels(runs), strict=True):
-        for label, results_list in runs.items():
-            x, mean, std = _evaluated(*_series(results_list, key))
-            ax.plot(x, mean, marker="o", color=colors[label], label=f"{label} (n={len(results_list)})")
-            ax.fill_between(x, mean - std, mean + std, color=colors[label], alpha=0.2)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("round")
-        _integer_rounds(ax)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"{'ROUGE-L' if _causal(runs) else 'accuracy'} (mean ± std over seeds)")
-    axes[0].set_ylim(0, 1)
-    axes[0].legend(fontsize=8)
-    return _finish(fig, path)
+    return _accuracy_panels(runs, path, "round", lambda results_list, key: _evaluated(*_series(results_list, key)),
+                            rounds=True)
 
 
 def plot_accuracy_vs_bytes(runs: Runs, path: str | Path | None = None):
     """Communication efficiency: accuracy against cumulative training bytes (up + down)."""
     import numpy as np
 
+    def curve(results_list: list[dict[str, Any]], key: str) -> tuple[Any, Any, Any]:
+        _, up, _ = _series(results_list, "bytes_up")
+        _, down, _ = _series(results_list, "bytes_down")
+        _, mean, std = _series(results_list, key)
+        return _evaluated(np.cumsum(up + down) / 1e6, mean, std)
+
+    return _accuracy_panels(runs, path, "cumulative MB (training uploads + downloads)", curve, rounds=False)
+
+
+def _accuracy_panels(runs: Runs, path: str | Path | None, xlabel: str,
+                     curve: Callable[[list[dict[str, Any]], str], tuple[Any, Any, Any]], rounds: bool):
+    """The global and personalised panels: per strategy, ``curve(its runs, metric) -> (x, mean, std)``
+    drawn with a +-1 std band; ``rounds``: x is the round (integer ticks, seed counts in the legend)."""
     plt = _pyplot()
     colors = _colors(list(runs))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, (key, title) in zip(axes, _panels(runs), strict=True):
         for label, results_list in runs.items():
-            _, up, _ = _series(results_list, "bytes_up")
-            _, down, _ = _series(results_list, "bytes_down")
-            _, mean, std = _series(results_list, key)
-            megabytes, mean, std = _evaluated(np.cumsum(up + down) / 1e6, mean, std)
-            ax.plot(megabytes, mean, marker="o", color=colors[label], label=label)
-            ax.fill_between(megabytes, mean - std, mean + std, color=colors[label], alpha=0.2)
+            x, mean, std = curve(results_list, key)
+            ax.plot(x, mean, marker="o", color=colors[label],
+                    label=f"{label} (n={len(results_list)})" if rounds else label)
+            ax.fill_between(x, mean - std, mean + std, color=colors[label], alpha=0.2)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("cumulative MB (training uploads + downloads)")
+        ax.set_xlabel(xlabel)
+        if rounds:
+            _integer_rounds(ax)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"{'ROUGE-L' if _causal(runs) else 'accuracy'} (mean ± std over seeds)")
     axes[0].set_ylim(0, 1)

@@ -67,7 +67,7 @@ NOISE: tuple[Noise, ...] = (
           "Ray's tip at every ray.init about a future default; fedlora sets each client's num_gpus itself"),
     Noise("transformers", r"LOAD REPORT",
           "a pretrained encoder loaded into a classifier reports its new head as MISSING: expected, the head is "
-          "trained (fedlora.models says so itself when a checkpoint's head is replaced)"),
+          "trained (fedlora.backbones says so itself when a checkpoint's head is replaced)"),
 )
 
 

@@ -45,7 +45,7 @@ class GlobalEvaluator(SeededAdapters):
     and a few sample generations)."""
 
     def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
-        from fedlora.models import resolve_device
+        from fedlora.backbones import resolve_device
 
         super().__init__(config.model, len(federated.label_names), seed=config.train.seed, device=config.train.device)
         self.config = config
@@ -63,7 +63,7 @@ class GlobalEvaluator(SeededAdapters):
         return model
 
     def accuracy(self, payload: Payload) -> float:
-        from fedlora.models import load_tokenizer
+        from fedlora.backbones import load_tokenizer
         from fedlora.training import evaluate, make_loader
 
         if self._loader is None:
@@ -76,8 +76,8 @@ class GlobalEvaluator(SeededAdapters):
 
     def generation(self, payload: Payload) -> Any:
         """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
+        from fedlora.backbones import load_tokenizer
         from fedlora.causal_lm import evaluate_generation, make_causal_loader
-        from fedlora.models import load_tokenizer
 
         cfg = self.config.train
         tokenizer = load_tokenizer(self.config.model.path)
