@@ -54,9 +54,9 @@ CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema
 	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/backbones.py fedlora/models.py \
 	fedlora/training.py fedlora/privacy.py fedlora/data fedlora/cache.py
 lint: install
-	$(VENV)/bin/ruff check fedlora strategies clients simulations tests benchmarks examples
+	$(VENV)/bin/ruff check fedlora tests benchmarks examples
 	$(VENV)/bin/mypy --strict $(CORE)
-	$(VENV)/bin/mypy fedlora/app strategies clients simulations examples/flower_serverapp/server_app.py
+	$(VENV)/bin/mypy fedlora/app fedlora/strategies fedlora/clients fedlora/simulations examples/flower_serverapp/server_app.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -2,7 +2,7 @@
 
     python benchmarks/clientapp_startup.py [--repeats 3] [--results DIR/results.json ...] [--skip-probes]
 
-Measures, each in a fresh Python process: importing ``clients.app`` (what a ClientApp process
+Measures, each in a fresh Python process: importing ``fedlora.clients.app`` (what a ClientApp process
 pays before it can take a message; torch / peft / transformers are imported lazily), importing
 the heavy libraries the handler then needs, and the setup ``_job`` does for a smoke message (imports, config, data).
 With ``--results`` (a ``fedlora deploy local`` or in-process run) it also prints, per round, message
@@ -25,7 +25,7 @@ PROBES = {
     "python + flwr + clients.app (module import)": "import clients.app",
     "  torch, transformers, peft (imported by the handler)": "import torch, transformers, peft",
     "  clients.app + a smoke message's setup (what _job does)": (
-        "import clients.app; from clients.trainers.base import ClientJob;"
+        "import clients.app; from fedlora.clients.trainers.base import ClientJob;"
         "from fedlora.config import load_config; from fedlora.data import build_federated_data;"
         "from fedlora.profile import resolve_profile; c=load_config('configs/smoke.toml');"
         "resolve_profile(c, {'partition-id': 0}); build_federated_data(c.data).client(0)"

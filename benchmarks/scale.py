@@ -136,9 +136,9 @@ def worker(args: argparse.Namespace) -> None:
     else:
         from flwr.common.serde import recorddict_to_proto
 
-        from clients.app import app as client_app
+        from fedlora.clients.app import app as client_app
         from fedlora.app.server import run_server
-        from simulations.inprocess import InProcessGrid, node_configs
+        from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
         check_inputs(config)
         out.mkdir(parents=True, exist_ok=True)

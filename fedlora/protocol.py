@@ -91,7 +91,7 @@ NODE_CONFIG_KEYS: Final = frozenset({NODE_PARTITION_ID, NODE_NUM_PARTITIONS, NOD
 # both replies
 NUM_EXAMPLES: Final = "num-examples"  # train: training examples; evaluate: local test examples
 PARTITION_ID: Final = "partition-id"  # the partition the reply speaks for (checked against its sender)
-# a reply's start-up cost (clients/app.py; results.json per_client / per_client_train): message
+# a reply's start-up cost (fedlora/clients/app.py; results.json per_client / per_client_train): message
 # arrival (process start, or the warm SuperExec's hand-over) -> ClientApp module imported, the setup
 # phases, -> local work starts, -> the first training step (the last two: a process's first message)
 IMPORT_SECONDS: Final = "import-seconds"  # arrival -> the ClientApp module imported (FAB install included)

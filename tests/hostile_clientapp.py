@@ -16,7 +16,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients import app as fedlora_client
+from fedlora.clients import app as fedlora_client
 
 HOSTILE = "hostile"  # node config key: true on the hostile node
 

@@ -1,7 +1,7 @@
 """The strategies a test runs, from the registry, and the options a short test run needs.
 
 A test that covers "every strategy" takes the names from the registry
-(:func:`strategies.registry.strategy_names`), so a new method is tested without editing a list.
+(:func:`fedlora.strategies.registry.strategy_names`), so a new method is tested without editing a list.
 A method whose defaults need more rounds than a test runs gets its options from
 :data:`SHORT_RUN_OPTIONS`, the one place they are written; tests/test_method_configs.py checks that
 every registered method validates a :data:`SHORT_RUN_ROUNDS`-round smoke run with them, and that

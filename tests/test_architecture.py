@@ -1,8 +1,8 @@
 """The house holds: imports form no cycle, and every layer imports only the layers below it.
 
 Layers, bottom to top (docs/design.md): the core (``fedlora/`` except ``fedlora/app/`` and the
-package facade ``fedlora/__init__.py``), the protocol (``strategies/``, ``clients/``), the engines
-(``simulations/``), the application (``fedlora/app/``), and the facade on top. Every import counts,
+package facade ``fedlora/__init__.py``), the protocol (``fedlora/strategies/``, ``fedlora/clients/``), the engines
+(``fedlora/simulations/``), the application (``fedlora/app/``), and the facade on top. Every import counts,
 including those inside functions and under ``TYPE_CHECKING``: a cycle through a lazy import is
 still a cycle for the reader. And Flower's code is used through its public API, or at a place
 docs/design.md's table of Flower internals names, with the reason.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedlora", "strategies", "clients", "simulations")
+PACKAGES = ("fedlora",)
 
 
 def layer(module: str) -> int:
@@ -25,9 +25,9 @@ def layer(module: str) -> int:
         return 4  # the facade
     if module.startswith("fedlora.app"):
         return 3
-    if module.startswith("simulations"):
+    if module.startswith("fedlora.simulations"):
         return 2
-    if module.startswith(("strategies", "clients")):
+    if module.startswith(("fedlora.strategies", "fedlora.clients")):
         return 1
     return 0  # the core
 
@@ -91,7 +91,7 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_every_layer_imports_only_the_layers_below_it() -> None:
     # Execute
     upward = [f"{source} -> {target}" for source, targets in import_graph().items() for target in targets
-              if layer(target) > layer(source) or (layer(source) == 1 and source.split(".")[0] != target.split(".")[0]
+              if layer(target) > layer(source) or (layer(source) == 1 and source.split(".")[:2] != target.split(".")[:2]
                                                    and layer(target) == 1)]
     # Assert: the core imports nothing above it; strategies and clients never import each other
     assert not upward, "imports that go up (or across the protocol layer): " + ", ".join(sorted(upward))
@@ -129,7 +129,7 @@ def test_no_file_refers_to_a_document_outside_the_repository() -> None:
 
 
 # ------------------------------------------------------------------ Flower's internals (docs/design.md)
-FLOWER_SCANNED = ("fedlora", "strategies", "clients", "simulations", "examples", "benchmarks")
+FLOWER_SCANNED = ("fedlora", "examples", "benchmarks")
 FLOWER_PUBLIC = ("flwr", "flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp",
                  "flwr.clientapp.mod", "flwr.simulation")  # their __all__ is Flower's API reference
 FLOWER_TABLE = "## Flower's internals: every use, and why"
@@ -209,3 +209,29 @@ def test_every_use_of_a_flower_internal_is_documented_and_every_documented_one_i
     assert not undocumented, ("Flower internals used but not in docs/design.md's table (use the public API, or add "
                               "a row: where, why, what breaks): " + "; ".join(undocumented))
     assert not stale, "rows of docs/design.md's Flower table that the code no longer uses: " + "; ".join(sorted(set(stale)))
+
+
+# ------------------------------------------------------------------ one top-level package
+def test_the_install_puts_only_fedlora_at_the_top_level_of_site_packages(tmp_path: Path) -> None:
+    """``pip install`` must not put packages named ``strategies``, ``clients`` or ``simulations`` at the
+    top of site-packages (they would collide with a user's own modules): they are ``fedlora.*``."""
+    import subprocess
+    import sys
+    import tomllib
+
+    from setuptools import find_packages
+
+    # Prepare: what the build installs (pyproject's package discovery) and an interpreter run outside the repo
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    installed = find_packages(str(ROOT), include=find["include"])
+    probe = ("import importlib.util as u, fedlora.strategies.registry as r, fedlora.clients.app as a; "
+             "print([n for n in ('strategies', 'clients', 'simulations') if u.find_spec(n)], "
+             "len(r.strategy_names()), a.app is not None)")
+    # Execute
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=False,
+                          env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
+    # Assert
+    assert {name.split(".")[0] for name in installed} == {"fedlora"}
+    assert {"fedlora.strategies", "fedlora.clients.trainers", "fedlora.simulations"} <= set(installed)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[]", "13", "True"], proc.stdout

@@ -29,12 +29,12 @@ from fedlora.lora import stack as flora_stack
 from fedlora.methods.flexlora import flexlora_aggregate
 from fedlora.methods.hetlora import hetlora_aggregate, pruned_rank
 from fedlora.profile import ClientProfile
-from simulations.inprocess import InProcessGrid, node_configs
-from strategies.base import ClientUpload
-from strategies.flexlora import FlexLoRA
-from strategies.flora import FLoRA
-from strategies.hetlora import HetLoRA
-from strategies.validation import check_upload
+from fedlora.simulations.inprocess import InProcessGrid, node_configs
+from fedlora.strategies.base import ClientUpload
+from fedlora.strategies.flexlora import FlexLoRA
+from fedlora.strategies.flora import FLoRA
+from fedlora.strategies.hetlora import HetLoRA
+from fedlora.strategies.validation import check_upload
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -308,7 +308,7 @@ def test_lora_tail_norm_is_the_sum_of_tail_factor_norm_products() -> None:
     # Prepare: tiny-bert at rank 4 with random B (peft starts B at zero)
     import torch
 
-    from clients.trainers.hetlora import lora_tail_norm, prune_payload
+    from fedlora.clients.trainers.hetlora import lora_tail_norm, prune_payload
     from fedlora.models import adapter_payload, build_model
 
     config = load_config(SMOKE)
@@ -353,7 +353,7 @@ class RecordingGrid(InProcessGrid):
 
 
 def run_recorded(tmp_path: Path, overrides: list[str], configs: list[dict[str, Any]] | None = None):
-    from clients.app import app as client_app
+    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
 
     config = load_config(SMOKE, ["output.save_adapters=false", *overrides])
@@ -485,7 +485,7 @@ def test_refuse_policy_gives_a_one_line_config_error_for_one_rank_strategies() -
 
 @pytest.mark.parametrize("refuse", [False, True])
 def test_one_rank_roster_trains_every_client_at_the_smallest_rank(refuse: bool) -> None:
-    from strategies.roster import ClientRoster, MixedRanksError
+    from fedlora.strategies.roster import ClientRoster, MixedRanksError
 
     # Prepare: three clients of ranks 4, 2, 8
     roster = ClientRoster()

@@ -13,18 +13,18 @@ import pytest
 from result_checks import assert_accuracies_add_up
 from strategy_helpers import small_strategy
 
-from clients.trainers.base import LOCAL_STATE_KEY
+from fedlora.clients.trainers.base import LOCAL_STATE_KEY
 from fedlora.config import ConfigError, load_config
 from fedlora.lora import from_array_record, nested_A, payload_bytes, split_payload
 from fedlora.methods.fedsa_lora import rowwise_average
 from fedlora.methods.ffa_lora import aggregate_B, download_B
-from simulations.inprocess import InProcessGrid, node_configs
-from strategies.base import ClientUpload
-from strategies.feddpa import FedDPA
-from strategies.fedsa_lora import FedSALoRA
-from strategies.ffa_lora import FFALoRA
-from strategies.local import LocalOnly
-from strategies.validation import check_upload
+from fedlora.simulations.inprocess import InProcessGrid, node_configs
+from fedlora.strategies.base import ClientUpload
+from fedlora.strategies.feddpa import FedDPA
+from fedlora.strategies.fedsa_lora import FedSALoRA
+from fedlora.strategies.ffa_lora import FFALoRA
+from fedlora.strategies.local import LocalOnly
+from fedlora.strategies.validation import check_upload
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -253,7 +253,7 @@ class RecordingGrid(InProcessGrid):
 
 
 def run_recorded(tmp_path: Path, name: str) -> tuple[Any, RecordingGrid]:
-    from clients.app import app as client_app
+    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
 
     config = load_config(SMOKE, [f"strategy.name={name}", f"clients.ranks={RANKS}"])
@@ -364,7 +364,7 @@ def test_feddpa_instance_weights_known_answers(
 ) -> None:
     import torch
 
-    from clients.trainers.feddpa import instance_weights
+    from fedlora.clients.trainers.feddpa import instance_weights
 
     # Execute
     w = instance_weights(torch.tensor(embeddings), torch.tensor(reference), weight_max)
@@ -377,7 +377,7 @@ def test_feddpa_branch_hooks_scale_each_branch_per_example() -> None:
     import torch
     from peft import LoraConfig
 
-    from clients.trainers.feddpa import LOCAL_BRANCH, branch_scale_hooks, instance_weighted
+    from fedlora.clients.trainers.feddpa import LOCAL_BRANCH, branch_scale_hooks, instance_weighted
     from fedlora.config import ModelConfig
     from fedlora.models import build_model
 
@@ -406,7 +406,7 @@ def test_feddpa_branch_hooks_scale_each_branch_per_example() -> None:
         assert torch.allclose(layer(x), layer.base_layer(x) + delta["default"] + delta[LOCAL_BRANCH], atol=1e-6)
         # w = 1/2 for every input (reference = the inputs' own embeddings, weight_max 1/2): the plain sum
         inputs = {"input_ids": torch.randint(0, 1000, (1, 6)), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
-        from clients.trainers.feddpa import mean_embedding
+        from fedlora.clients.trainers.feddpa import mean_embedding
 
         wrapper = instance_weighted(model, mean_embedding(model, inputs), 0.5)
         assert torch.allclose(wrapper(**inputs).logits, model(**inputs).logits, atol=1e-5)

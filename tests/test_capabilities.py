@@ -12,7 +12,7 @@ from fedlora.app.capabilities import (
     render_flower_dp,
     render_matrix,
 )
-from strategies.registry import strategy_names
+from fedlora.strategies.registry import strategy_names
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FLOWER_DOC = README.parent / "docs" / "flower.md"

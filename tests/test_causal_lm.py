@@ -22,7 +22,7 @@ SMOKE = ROOT / "configs/llm_smoke.toml"
 
 
 def strategy_names() -> list[str]:
-    from strategies.registry import strategy_names as names
+    from fedlora.strategies.registry import strategy_names as names
 
     return names()
 

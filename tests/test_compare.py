@@ -24,7 +24,7 @@ from fedlora.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
-NOTEBOOK = ROOT / "simulations/notebooks/compare_strategies.ipynb"
+NOTEBOOK = ROOT / "notebooks/compare_strategies.ipynb"
 STRATEGIES = ("fedit", "flexlora")
 
 

@@ -25,7 +25,7 @@ def test_every_strategy_runs_over_tls_grpc(no_leftovers: Path) -> None:
     from fedlora.app.capabilities import DEPLOYMENT_TESTED
     from fedlora.app.deploy.local import deploy_runs
     from fedlora.app.runner import resolve
-    from strategies.registry import strategy_names
+    from fedlora.strategies.registry import strategy_names
 
     # Prepare: one experiment per registered strategy, all on the same two silos
     configs = {name: resolve(REPO / "configs/smoke.toml", [*EVERY_STRATEGY_BASE, f"strategy.name={name}",

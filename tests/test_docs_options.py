@@ -15,7 +15,7 @@ from pydantic import Field
 
 from fedlora.methods import Capabilities, Method, MethodOptions, method, method_names
 from fedlora.methods.docs import drift, main, markdown_table, option_docs, parameters_section, regions
-from strategies.registry import strategy_class, strategy_names
+from fedlora.strategies.registry import strategy_class, strategy_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_a_drifted_table_or_docstring_is_found_and_rewritten(tmp_path: Path, cap
     # Prepare: a copy of the docs and strategies with a hand-edited fedhera row and docstring
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png", "*.csv", "img"))
     (tmp_path / "strategies").mkdir()
-    shutil.copy(ROOT / "strategies" / "fedhera.py", tmp_path / "strategies" / "fedhera.py")
+    shutil.copy(ROOT / "fedlora" / "strategies" / "fedhera.py", tmp_path / "strategies" / "fedhera.py")
     page, source = tmp_path / "docs" / "results" / "fedhera.md", tmp_path / "strategies" / "fedhera.py"
     page.write_text(page.read_text().replace("| `strategy.coupled` | bool | `false` |", "| `strategy.coupled` | bool | `true` |"))
     source.write_text(source.read_text().replace("coupled : bool, default False", "coupled : bool, default True"))
@@ -94,8 +94,8 @@ def test_a_drifted_table_or_docstring_is_found_and_rewritten(tmp_path: Path, cap
     assert main(["--root", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "docs/results/fedhera.md: the options table of 'fedhera'" in out
-    assert "strategies/fedhera.py: the Parameters section" in out
+    assert "fedlora/strategies/fedhera.py: the Parameters section" in out
     assert main(["--root", str(tmp_path), "--write"]) == 0
     assert page.read_text() == (ROOT / "docs" / "results" / "fedhera.md").read_text()
-    assert source.read_text() == (ROOT / "strategies" / "fedhera.py").read_text()
+    assert source.read_text() == (ROOT / "fedlora" / "strategies" / "fedhera.py").read_text()
     assert drift(tmp_path) == []

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from clients.app import app as client_app
-from clients.faults import corrupt
+from fedlora.clients.app import app as client_app
+from fedlora.clients.faults import corrupt
 from fedlora.app.runner import run_inprocess
 from fedlora.app.server import GlobalEvaluator
 from fedlora.config import ConfigError, load_config
 from fedlora.data import build_federated_data
 from fedlora.lora import to_array_record
-from simulations.inprocess import InProcessGrid, node_configs
-from strategies.registry import create_strategy
+from fedlora.simulations.inprocess import InProcessGrid, node_configs
+from fedlora.strategies.registry import create_strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["nan", "inf", "shape", "rank", "keys", "norm"]

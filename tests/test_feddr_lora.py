@@ -43,7 +43,7 @@ def test_negative_learning_value_and_gradient(
 ) -> None:
     import torch
 
-    from clients.trainers.feddr_lora import negative_learning_loss
+    from fedlora.clients.trainers.feddr_lora import negative_learning_loss
 
     # Prepare
     z = torch.tensor([logits], dtype=torch.float64, requires_grad=True)
@@ -60,7 +60,7 @@ def test_negative_learning_value_and_gradient(
 def test_negative_learning_matches_the_definition_on_random_logits() -> None:
     import torch
 
-    from clients.trainers.feddr_lora import negative_learning_loss
+    from fedlora.clients.trainers.feddr_lora import negative_learning_loss
 
     # Prepare
     generator = torch.Generator().manual_seed(0)
@@ -85,7 +85,7 @@ def test_negative_learning_matches_the_definition_on_random_logits() -> None:
 def test_noise_branch_negative_learning_value_by_hand(nl_target: str, expected: float) -> None:
     import torch
 
-    from clients.trainers.feddr_lora import negative_learning_loss, noise_targets
+    from fedlora.clients.trainers.feddr_lora import negative_learning_loss, noise_targets
 
     # Prepare: p = (1/4, 1/4, 1/2), (3/5, 1/5, 1/5), (1/3, 1/3, 1/3); sample 1 is the suspect
     logits = torch.tensor([[0.0, 0.0, math.log(2)], [math.log(3), 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -110,7 +110,7 @@ def test_noise_branch_negative_learning_value_by_hand(nl_target: str, expected: 
 def test_robust_branch_cross_entropy_by_mode(mode: str, expected: float) -> None:
     import torch
 
-    from clients.trainers.feddr_lora import robust_term
+    from fedlora.clients.trainers.feddr_lora import robust_term
     from fedlora.methods.feddr_lora import robust_weights
 
     # Prepare: per-sample CE (1, 2, 3), clean posteriors (0.9, 0.2, 0.6): sample 1 suspect
@@ -126,7 +126,7 @@ def test_default_robust_loss_gives_the_split_noisy_samples_less_weight() -> None
     weight in the robust loss, and the loss is the posterior-weighted CE."""
     import torch
 
-    from clients.trainers.feddr_lora import robust_term
+    from fedlora.clients.trainers.feddr_lora import robust_term
     from fedlora.methods.feddr_lora import FedDRLoRAOptions, robust_weights, split_posterior
 
     # Prepare: 10 per-sample CE values of two given labels, each with a low and a high-loss group
@@ -183,7 +183,7 @@ def test_robust_weights_by_mode(posterior: list[float], mode: str, expected: lis
 def test_complementary_labels_never_equal_the_given_label() -> None:
     import torch
 
-    from clients.trainers.feddr_lora import complementary_labels
+    from fedlora.clients.trainers.feddr_lora import complementary_labels
 
     # Prepare
     labels = torch.arange(8).repeat(500)
@@ -305,7 +305,7 @@ def test_split_summary_micro_averages_client_counts_and_weights() -> None:
 
 
 def test_epoch_split_batches_hands_each_epoch_its_capped_batches() -> None:
-    from clients.trainers.feddr_lora import EpochSplitBatches
+    from fedlora.clients.trainers.feddr_lora import EpochSplitBatches
 
     # Prepare: a 5-batch loader, at most 3 steps in all
     seen: list[list[int]] = []
@@ -340,8 +340,8 @@ def make_trainer(overrides: list[str], server_round: int):
     """A FedDR-LoRA client trainer for partition 0 of the noisy smoke federation."""
     from flwr.app import RecordDict
 
-    from clients.trainers.base import ClientJob
-    from clients.trainers.feddr_lora import FedDRLoRATrainer
+    from fedlora.clients.trainers.base import ClientJob
+    from fedlora.clients.trainers.feddr_lora import FedDRLoRATrainer
     from fedlora.data import build_federated_data
     from fedlora.profile import resolve_profile
 
@@ -391,7 +391,7 @@ def grad_norms(model, trainer) -> dict[str, float]:
 def test_negative_learning_gradient_reaches_the_noise_branch_only(
     options: list[str], reached: set[str], untouched: set[str]
 ) -> None:
-    from clients.trainers.feddr_lora import negative_learning_loss
+    from fedlora.clients.trainers.feddr_lora import negative_learning_loss
     from fedlora.training import model_inputs
 
     # Prepare
@@ -430,7 +430,7 @@ def test_cross_entropy_gradient_reaches_the_robust_branch_only() -> None:
 
 @pytest.mark.parametrize("head, head_sent", [("global", True), ("local", False)])
 def test_client_uploads_B_r_only_and_keeps_A_and_B_n(head: str, head_sent: bool) -> None:
-    from clients.trainers.feddr_lora import NOISE_STATE_KEY
+    from fedlora.clients.trainers.feddr_lora import NOISE_STATE_KEY
     from fedlora.lora import from_array_record
 
     # Prepare: a round after warm-up, so the full dual-branch objective runs
@@ -480,7 +480,7 @@ def test_trainer_robust_loss_is_the_posterior_weighted_cross_entropy(noise_branc
     import torch
     import torch.nn.functional as F
 
-    from clients.trainers.feddr_lora import negative_learning_loss
+    from fedlora.clients.trainers.feddr_lora import negative_learning_loss
     from fedlora.training import model_inputs
 
     # Prepare: a round after warm-up; a hand posterior for the batch's samples (as an epoch split)
@@ -514,7 +514,7 @@ def test_trainer_robust_loss_is_the_posterior_weighted_cross_entropy(noise_branc
 
 
 def test_without_the_noise_branch_there_is_no_B_n_to_train_or_keep() -> None:
-    from clients.trainers.feddr_lora import NOISE_STATE_KEY
+    from fedlora.clients.trainers.feddr_lora import NOISE_STATE_KEY
 
     # Prepare
     with_branch, without = (make_trainer([f"strategy.noise_branch={flag}", "train.max_steps=2"], server_round=2)

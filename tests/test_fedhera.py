@@ -516,7 +516,7 @@ def tiny_batch():
 def test_gradients_outside_the_prefix_are_zero_and_the_tail_never_moves(tiny_model_factory) -> None:
     import torch
 
-    from clients.trainers.fedhera import gate_prefix, prefix_parameters
+    from fedlora.clients.trainers.fedhera import gate_prefix, prefix_parameters
     from fedlora.training import cross_entropy_loss
 
     # Prepare: r_tot 4 everywhere, r_main 2, except the first module: r_main 0 (frozen)
@@ -549,7 +549,7 @@ def test_gradients_outside_the_prefix_are_zero_and_the_tail_never_moves(tiny_mod
 def test_the_frozen_tail_still_changes_the_forward_output(tiny_model_factory) -> None:
     import torch
 
-    from clients.trainers.fedhera import prefix_parameters
+    from fedlora.clients.trainers.fedhera import prefix_parameters
     from fedlora.training import model_inputs
 
     # Prepare
@@ -681,7 +681,7 @@ def test_inprocess_fedhera_never_exceeds_a_download_budget(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_inprocess_fedhera_ablations_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import strategies.fedhera as strategy_module
+    import fedlora.strategies.fedhera as strategy_module
 
     # Prepare: watch which of the method's functions the strategy calls, and with what (the real
     # functions still run): each ablation must reach the math it names

@@ -15,8 +15,8 @@ from safetensors.numpy import load_file
 
 from fedlora.config import ConfigError, load_config
 from fedlora.methods.fedpissa import aggregate_B, decorrelation_projectors
-from strategies.base import ClientUpload
-from strategies.fedpissa import FedPissa
+from fedlora.strategies.base import ClientUpload
+from fedlora.strategies.fedpissa import FedPissa
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_ONE_RANK = ["strategy.name=fedpissa", "clients.ranks=[4, 4, 4]"]  # smoke.toml mixes ranks
@@ -75,7 +75,7 @@ def test_projector_ignores_the_clients_own_A() -> None:
     }
     # Execute
     P = decorrelation_projectors(A_by_client, delta=r - s)
-    # Assert: P_0 is built from clients 1 and 2 only, so it projects onto Q_perp (where A_0 lives)
+    # Assert: P_0 is built from fedlora.clients 1 and 2 only, so it projects onto Q_perp (where A_0 lives)
     assert np.allclose(P[0]["m"], Q_perp @ Q_perp.T, atol=1e-8)
 
 

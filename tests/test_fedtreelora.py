@@ -77,7 +77,7 @@ def test_layer_distance_by_hand(mode: str, expected: float) -> None:
 def test_initial_mixing_weight_is_the_lam0_option(lam0: float) -> None:
     import torch
 
-    from clients.trainers.fedtreelora import initial_theta
+    from fedlora.clients.trainers.fedtreelora import initial_theta
 
     # Execute
     theta = initial_theta(4, lam0)
@@ -229,8 +229,8 @@ def protocol_pair(options: list[str]) -> tuple:
     module each (d_out 6, d_in 5), a 2 x 6 head; 4 clients of rank 2, profiles set."""
     from types import SimpleNamespace
 
-    from strategies.fedit import FedIT
-    from strategies.fedtreelora import FedTreeLoRA
+    from fedlora.strategies.fedit import FedIT
+    from fedlora.strategies.fedtreelora import FedTreeLoRA
 
     common = ["train.rounds=3", "data.num_clients=4", "clients.ranks=[2,2,2,2]"]
     tree_options = ["strategy.name=fedtreelora", "strategy.warmup_rounds=1", *options]
@@ -254,7 +254,7 @@ def protocol_pair(options: list[str]) -> tuple:
 
 def protocol_uploads(rng: np.random.Generator, groups: list[int]) -> list:
     """Uploads whose B sits near one of two centres per client group (far apart)."""
-    from strategies.base import ClientUpload
+    from fedlora.strategies.base import ClientUpload
 
     centres = rng.normal(size=(2, 6, 2)) * 10
     uploads = []
@@ -339,7 +339,7 @@ def test_client_mixes_experts_by_sigmoid_theta_and_theta_gets_gradient() -> None
     # Prepare: a tiny model, an external expert on block 1 only, theta_1 = 0.7
     import torch
 
-    from clients.trainers.fedtreelora import add_external_expert, attach_mixer
+    from fedlora.clients.trainers.fedtreelora import add_external_expert, attach_mixer
     from fedlora.models import adapter_payload, build_model
 
     cfg = ModelConfig(path="tiny-bert", lora_rank=2, lora_alpha=4, lora_dropout=0.0, init="gaussian")
@@ -376,8 +376,8 @@ def tree_trainer(overrides: list[str]):
     in round 2, the first tree round after a 1-round warm-up; default options unless overridden."""
     from flwr.app import RecordDict
 
-    from clients.trainers.base import ClientJob
-    from clients.trainers.fedtreelora import FedTreeLoRATrainer
+    from fedlora.clients.trainers.base import ClientJob
+    from fedlora.clients.trainers.fedtreelora import FedTreeLoRATrainer
     from fedlora.data import build_federated_data
     from fedlora.profile import resolve_profile
 

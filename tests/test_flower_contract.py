@@ -28,9 +28,9 @@ from fedlora.config import ConfigError, config_from_json, load_config
 from fedlora.data import build_federated_data
 from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX, from_array_record, split_payload, to_array_record
 from fedlora.profile import ClientProfile
-from simulations.inprocess import InProcessGrid, node_configs
-from strategies.base import ArraysError, LoRAStrategy
-from strategies.registry import strategy_class, strategy_names
+from fedlora.simulations.inprocess import InProcessGrid, node_configs
+from fedlora.strategies.base import ArraysError, LoRAStrategy
+from fedlora.strategies.registry import strategy_class, strategy_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -268,7 +268,7 @@ def test_a_users_serverapp_runs_a_fedlora_strategy_with_flowers_start(tmp_path: 
     ClientApp on three in-process nodes (2 rounds of 5 steps on the tiny BERT)."""
     from safetensors.torch import load_file
 
-    from clients.app import app as client_app
+    from fedlora.clients.app import app as client_app
 
     # Prepare: the app's module, its run config, three nodes
     spec = importlib.util.spec_from_file_location("flower_serverapp", ROOT / "examples/flower_serverapp/server_app.py")

@@ -2,7 +2,7 @@
 
 Flower's ``DifferentialPrivacyClientSideFixedClipping`` wraps a fedlora strategy; fedlora's
 ClientApp clips with Flower's ``fixedclipping_mod`` when the wrapper's ``clipping_norm`` is in the
-training config (``clients.app.clipping_when_asked``). The unit tests answer the messages here
+training config (``fedlora.clients.app.clipping_when_asked``). The unit tests answer the messages here
 (honest replies passed through the client's mod, no training) on the tiny random BERT of
 configs/smoke.toml; the end-to-end test runs Flower's ``start`` on the wrapper around FedIT with
 fedlora's real ClientApp. Expected values (the clipped updates, the weighted mean, the noise std
@@ -21,15 +21,15 @@ from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 from strategy_helpers import SMOKE_SETTINGS, short_run_options
 
-from clients.app import clipping_when_asked
+from fedlora.clients.app import clipping_when_asked
 from fedlora.config import ConfigError, config_from_json
 from fedlora.lora import A_SUFFIX, B_SUFFIX, from_array_record
 from fedlora.methods import method, method_names
 from fedlora.profile import ClientProfile
-from simulations.inprocess import InProcessGrid, node_configs
-from strategies.base import LoRAStrategy
-from strategies.fedit import FedIT
-from strategies.registry import strategy_class
+from fedlora.simulations.inprocess import InProcessGrid, node_configs
+from fedlora.strategies.base import LoRAStrategy
+from fedlora.strategies.fedit import FedIT
+from fedlora.strategies.registry import strategy_class
 
 SETTINGS: dict[str, Any] = SMOKE_SETTINGS | {"clients": {"ranks": [4, 4, 4]}}  # configs/smoke.toml, every client at rank 4
 DECLARED = [100, 110, 120]  # training examples each client declares
@@ -224,7 +224,7 @@ def padded(payload: dict[str, np.ndarray], rank: int) -> dict[str, np.ndarray]:
 def test_flowers_wrapper_around_fedit_with_fedloras_clientapp_clips_and_noises() -> None:
     """Flower's ``start`` on the wrapper around FedIT (ranks 2, 4, 8), fedlora's ClientApp on three
     in-process nodes, 2 rounds of 3 steps on the tiny BERT; every upload weighs 1/3."""
-    from clients.app import app as client_app
+    from fedlora.clients.app import app as client_app
 
     # Prepare: z = 1, C = 1e-3 (below any real update of 3 steps)
     z, C, rounds = 1.0, 1e-3, 2

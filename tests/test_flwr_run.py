@@ -45,7 +45,7 @@ from fedlora.app.runner import run_inprocess
 from fedlora.app.server import config_from_run_config, report_error
 from fedlora.config import ConfigError, load_config
 from fedlora.schema import ExperimentConfig
-from strategies.roster import MissingClientsError, wait_for_nodes
+from fedlora.strategies.roster import MissingClientsError, wait_for_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("global_accuracy", "personalized_accuracy", "received_accuracy", "train_loss", "bytes_up", "bytes_down",

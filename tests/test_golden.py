@@ -48,7 +48,7 @@ TOLERANCE = 1e-6
 
 
 def strategy_names() -> list[str]:
-    from strategies.registry import strategy_names as names
+    from fedlora.strategies.registry import strategy_names as names
 
     return names()
 

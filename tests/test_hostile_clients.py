@@ -41,11 +41,11 @@ from fedlora.lora import ADAPTER_DTYPE, Combine, weighted_average
 from fedlora.profile import ClientProfile
 from fedlora.results import RoundRecord
 from fedlora.schema import FaultsConfig
-from simulations.inprocess import InProcessGrid
-from strategies.base import LoRAStrategy
-from strategies.registry import create_strategy, strategy_names
-from strategies.replies import MetricRule, capped_weights
-from strategies.validation import norm_outliers, ratio_bound, reference_norm
+from fedlora.simulations.inprocess import InProcessGrid
+from fedlora.strategies.base import LoRAStrategy
+from fedlora.strategies.registry import create_strategy, strategy_names
+from fedlora.strategies.replies import MetricRule, capped_weights
+from fedlora.strategies.validation import norm_outliers, ratio_bound, reference_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -527,7 +527,7 @@ def test_robust_rules_are_flowers_median_and_trimmed_mean() -> None:
 
 
 def test_fedit_median_is_coordinatewise_over_zero_padded_factors() -> None:
-    from strategies.replies import ClientUpload
+    from fedlora.strategies.replies import ClientUpload
 
     strategy, grid = connected("fedit", ("faults.aggregation=median",))
     strategy.connect(grid)

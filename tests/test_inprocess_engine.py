@@ -1,4 +1,4 @@
-"""The in-process engine carries messages as Flower's wire does (simulations/inprocess.py).
+"""The in-process engine carries messages as Flower's wire does (fedlora/simulations/inprocess.py).
 
 Each message and each reply is deflated into Flower's object tree and inflated on the other side,
 so the two sides share no object and what Flower cannot serialise fails in process too, as it
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from simulations.inprocess import InProcessGrid, node_configs
+from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
 NODE = 1000  # InProcessGrid: node 1000 + k holds partition k
 CLIENT_APP_CRASHED = 8  # Flower's ErrorCode for a ClientApp whose reply never arrived

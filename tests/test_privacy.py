@@ -12,7 +12,7 @@ from cli_helpers import fedlora_run
 
 from fedlora.config import ConfigError, load_config
 from fedlora.privacy import epsilon_of, private_train
-from strategies.registry import strategy_class, strategy_names
+from fedlora.strategies.registry import strategy_class, strategy_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -47,8 +47,8 @@ def test_cli_negative_noise_multiplier_is_one_line_exit_2(tmp_path):
 
 def test_dp_compatible_strategies_train_with_the_base_step():
     # Prepare: the trainers of every strategy that declares DP support
-    from clients.trainers import trainer_class
-    from clients.trainers.base import LocalTrainer
+    from fedlora.clients.trainers import trainer_class
+    from fedlora.clients.trainers.base import LocalTrainer
 
     for name in strategy_names():
         if not strategy_class(name).capabilities.dp_compatible:
@@ -171,8 +171,8 @@ def test_the_client_derives_no_seed_from_the_config_unless_asked(monkeypatch, re
     from flwr.app import RecordDict
 
     import fedlora.privacy
-    from clients.trainers import trainer_class
-    from clients.trainers.base import ClientJob
+    from fedlora.clients.trainers import trainer_class
+    from fedlora.clients.trainers.base import ClientJob
     from fedlora.data import build_federated_data
     from fedlora.profile import resolve_profile
 

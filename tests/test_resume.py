@@ -181,8 +181,8 @@ def _grid(config, id_offset: int, crash_round: int = 0):
     'crashing' when the training messages of ``crash_round`` are sent."""
     from flwr.app import Context, MessageType
 
-    from clients.app import app as client_app
-    from simulations.inprocess import InProcessGrid, node_configs
+    from fedlora.clients.app import app as client_app
+    from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
     class Grid(InProcessGrid):
         def send_and_receive(self, messages, *, timeout=None):
@@ -200,7 +200,7 @@ def _grid(config, id_offset: int, crash_round: int = 0):
 
 
 def _all_strategies() -> list[str]:
-    from strategies.registry import strategy_names
+    from fedlora.strategies.registry import strategy_names
 
     return strategy_names()
 

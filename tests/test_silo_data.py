@@ -104,7 +104,7 @@ def test_missing_data_path_names_the_path(tmp_path: Path) -> None:
 def test_clientapp_trains_on_a_silo_data_path(tmp_path: Path) -> None:
     # Prepare: the smoke experiment; client 2 declares its own data file in its node config
     from fedlora.app.runner import run_inprocess
-    from simulations.inprocess import node_configs
+    from fedlora.simulations.inprocess import node_configs
 
     config = load_config("configs/smoke.toml", ["train.rounds=1"])
     names = build_federated_data(config.data).label_names

@@ -1,5 +1,5 @@
 """A Flower user's own ServerApp: a fedlora strategy run by Flower's ``Strategy.start`` loop,
-with fedlora's ClientApp (``clients.app:app``) on the SuperNodes.
+with fedlora's ClientApp (``fedlora.clients.app:app``) on the SuperNodes.
 
 The strategy is built from keywords (no fedlora experiment file): the method's options (here
 HetLoRA's ``weighting``), Flower's sampling settings, and the experiment sections the clients
@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, Context, UserConfig
 from flwr.serverapp import Grid, ServerApp
 from safetensors.torch import save_file
 
-from strategies.hetlora import HetLoRA
+from fedlora.strategies.hetlora import HetLoRA
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 

@@ -204,7 +204,7 @@ def resumable(run_dir: Path, config: ExperimentConfig) -> bool:
     from fedlora.app.folders import holds_something, move_aside
     from fedlora.checkpoint import load_server
     from fedlora.config import ConfigError
-    from strategies.registry import strategy_class
+    from fedlora.strategies.registry import strategy_class
 
     if not holds_something(run_dir):
         return False

@@ -5,8 +5,8 @@ shows *fedlora lines* only:
 
 - records of the ``fedlora`` logger (and its children) at INFO or above: the per-round progress
   line, the data summary, the final figures and where the results are, ``compare:`` steps;
-- warnings and errors that fedlora's own code (``fedlora/``, ``strategies/``, ``clients/``,
-  ``simulations/``) logs through Flower's logger, printed as ``warning: ...`` / ``error: ...``.
+- warnings and errors that fedlora's own code (``fedlora/``, ``fedlora/strategies/``, ``fedlora/clients/``,
+  ``fedlora/simulations/``) logs through Flower's logger, printed as ``warning: ...`` / ``error: ...``.
 
 Everything else that libraries emit keeps going to the run's log file (``<run dir>/run.log``),
 and the console drops it only when it is listed in :data:`NOISE`: one logger, or one message of one
@@ -37,9 +37,7 @@ ENV_LOG_FILE = "FEDLORA_RUN_LOG"  # Ray workers: the run's log file, appended to
 WORKER_HOOK = "fedlora.app.quiet.setup_ray_worker"
 # Loggers that come with their own console handler: theirs is replaced by ours while a run lasts.
 TAKEN_OVER = ("flwr", "transformers")
-OUR_PACKAGES = ("fedlora", "strategies", "clients", "simulations")
-_ROOT = Path(__file__).resolve().parents[2]
-OUR_ROOTS = tuple(str(_ROOT / name) + os.sep for name in OUR_PACKAGES)
+OUR_ROOTS = (str(Path(__file__).resolve().parents[1]) + os.sep,)  # fedlora/: the package, every layer
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Run an experiment on Flower's simulation engine (Ray backend): ``fedlora.run(config)``.
 
-Each client is a virtual SuperNode running ``clients.app:app`` with ``num_cpus`` /
+Each client is a virtual SuperNode running ``fedlora.clients.app:app`` with ``num_cpus`` /
 ``num_gpus`` from ``[federation]``; the ServerApp is built in a closure that carries the config.
 Ray's temporary folder and ``FLWR_HOME`` live inside the run directory (or a short folder
 under /tmp when the run directory's path is too long for Ray's socket names).
@@ -26,7 +26,7 @@ from fedlora.results import ResultsWriter
 
 logger = logging.getLogger("fedlora")
 
-CLIENT_APP = "clients.app:app"
+CLIENT_APP = "fedlora.clients.app:app"
 MAX_RAY_DIR = 42  # Ray appends up to 64 characters (/session_<date>_<time>_<us>_<pid>/sockets/plasma_store); AF_UNIX allows 107
 
 
@@ -129,8 +129,8 @@ def run_folder(out: Path, fresh: bool = True) -> Iterator[None]:
 
 def protocol_errors() -> tuple[type[BaseException], ...]:
     """What a strategy raises for a run that cannot go on (printed as one line by the CLI)."""
-    from strategies.base import RoundFailedError
-    from strategies.roster import MissingClientsError, MixedRanksError, NoClientError
+    from fedlora.strategies.base import RoundFailedError
+    from fedlora.strategies.roster import MissingClientsError, MixedRanksError, NoClientError
 
     return (RoundFailedError, NoClientError, MixedRanksError, MissingClientsError)
 
@@ -151,7 +151,7 @@ def run(
     round (same config; ``train.rounds`` may grow); ``overwrite``: move an earlier run in
     ``out_dir`` aside (``DIR.old-<time>``, never deleted) and start afresh. ``engine``: ``ray``
     (Flower's simulation engine) or ``inprocess`` (the same apps in this process,
-    simulations/inprocess.py). Every check (config, folder, checkpoint, model, data) runs before
+    fedlora/simulations/inprocess.py). Every check (config, folder, checkpoint, model, data) runs before
     anything is created or moved. Quiet unless ``verbose`` (fedlora.app.quiet): one line per
     round, then the final scores and where the results are; everything else goes to
     ``<out>/run.log``."""
@@ -180,7 +180,7 @@ def execute(config: ExperimentConfig, out: Path, *, resume: bool = False, engine
     config.output.dir = str(out)
     if resume:
         from fedlora.checkpoint import load_server
-        from strategies.registry import strategy_class
+        from fedlora.strategies.registry import strategy_class
 
         strategy_class(config.strategy.name)  # imports the strategies: their state types decode
         load_server(out, config)  # a missing, corrupt or tampered checkpoint or another config: one line
@@ -265,7 +265,7 @@ def start_ray(init_args: dict[str, Any], log_path: Path, verbose: bool) -> None:
 
     from fedlora.app.quiet import ray_runtime_env
 
-    pythonpath = os.pathsep.join(sys.path)  # the workers import this driver's modules (clients.app)
+    pythonpath = os.pathsep.join(sys.path)  # the workers import this driver's modules (fedlora.clients.app)
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
     ray.init(runtime_env=ray_runtime_env(log_path, verbose, {"PYTHONPATH": pythonpath}),
@@ -282,11 +282,11 @@ def stop_ray() -> None:
 
 def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[dict[str, Any]] | None = None,
                   resume: bool = False) -> ResultsWriter:
-    """Run the real ServerApp logic against in-process ClientApps (simulations/inprocess.py, no
+    """Run the real ServerApp logic against in-process ClientApps (fedlora/simulations/inprocess.py, no
     Ray); returns the ResultsWriter (``resume``: continue the checkpointed run in ``out_dir``)."""
-    from clients.app import app as client_app
+    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
-    from simulations.inprocess import InProcessGrid, node_configs
+    from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
     grid = InProcessGrid(client_app, configs or node_configs(config.data.num_clients))
     return run_server(grid, config, out_dir, resume=resume)

@@ -29,7 +29,7 @@ from fedlora.config import ExperimentConfig, apply_overrides, build_config, conf
 from fedlora.lora import A_SUFFIX, Payload
 from fedlora.models import SeededAdapters
 from fedlora.results import ResultsWriter, RoundRecord
-from strategies.roster import wait_for_nodes
+from fedlora.strategies.roster import wait_for_nodes
 
 if TYPE_CHECKING:  # fedlora.data takes seconds to import: run_server imports it once the SuperNodes are there
     from fedlora.data import FederatedData
@@ -132,13 +132,13 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     ``flower_logger``: the round lines (and where the results are) go through Flower's logger at
     INFO, what ``flwr log`` shows (``flwr run``, deployments), not fedlora's console."""
     # first the SuperNodes, one per client: too few within federation.connect_timeout stop the run in one
-    # line (strategies.roster.MissingClientsError), before the data, the models and any output
+    # line (fedlora.strategies.roster.MissingClientsError), before the data, the models and any output
     wait_for_nodes(grid, config.data.num_clients, config.federation.connect_timeout)
     import torch
 
     from fedlora import checkpoint
     from fedlora.data import build_federated_data
-    from strategies.registry import create_strategy
+    from fedlora.strategies.registry import create_strategy
 
     def say(line: str) -> None:  # fedlora's console, or what `flwr log` shows
         if flower_logger:
@@ -342,8 +342,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     with (too few SuperNodes, no client accepted, too many failed rounds)."""
     from fedlora.data.sources import DataError
     from fedlora.errors import ConfigError  # CheckpointError, ModelError: subclasses
-    from strategies.base import RoundFailedError
-    from strategies.roster import MissingClientsError, MixedRanksError, NoClientError
+    from fedlora.strategies.base import RoundFailedError
+    from fedlora.strategies.roster import MissingClientsError, MixedRanksError, NoClientError
 
     return (ConfigError, DataError, RoundFailedError, NoClientError, MixedRanksError, MissingClientsError)
 

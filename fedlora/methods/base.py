@@ -3,8 +3,8 @@
 A method home (``fedlora/methods/<name>.py``) is the one place a method's defaults live. It holds
 the method's :class:`MethodOptions` subclass (every ``[strategy]`` key with its default, allowed
 values and help text), the wire keys its strategy and trainer exchange, and its pure math (numpy
-functions over per-module factors). Its Flower strategy (``strategies/<name>.py``, the server
-protocol) and its client trainer (``clients/trainers/<name>.py``, the client step) import them;
+functions over per-module factors). Its Flower strategy (``fedlora/strategies/<name>.py``, the server
+protocol) and its client trainer (``fedlora/clients/trainers/<name>.py``, the client step) import them;
 neither restates a default.
 """
 

@@ -187,7 +187,7 @@ def deploy_runs(
     app = app_dir()
     if resume:
         from fedlora.checkpoint import load_server
-        from strategies.registry import strategy_class
+        from fedlora.strategies.registry import strategy_class
 
         for config in configs.values():
             strategy_class(config.strategy.name)  # its state types decode

@@ -35,7 +35,7 @@ import time
 from logging import ERROR, INFO, getLogger
 
 log = getLogger("flwr").log  # Flower's logger, by its name: the SuperNode log shows its lines
-TASK_STARTED_ENV = "FEDLORA_TASK_STARTED"  # clients/app.py: when this process was handed its message
+TASK_STARTED_ENV = "FEDLORA_TASK_STARTED"  # fedlora/clients/app.py: when this process was handed its message
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec setting, honoured here (seconds)
 DEFAULT_POLL_SECONDS = 1.0  # Flower's SuperExec default
 # Third-party modules every fedlora ClientApp message imports (fedlora itself is not: Flower loads

@@ -1,0 +1,905 @@
+"""The Flower protocol shared by every fedlora strategy.
+
+:class:`LoRAStrategy` implements Flower's Message-API ``Strategy`` hooks once (sampling, one
+message per client, reply checking, byte accounting, personalised evaluation); a method subclass
+only says what goes down to a client (:meth:`download`), what it expects back
+(:meth:`expected_upload`), how uploads are aggregated (:meth:`aggregate`) and what its global
+model is (:meth:`global_payload`). Its options and capabilities come from its home
+(``fedlora/methods/<name>.py``, ``method = METHOD``). Every hook speaks partition ids; node ids
+stay in :class:`~strategies.roster.ClientRoster`. Every message is built fresh per client, so
+per-client payloads (mixed ranks, personalised factors) never share a RecordDict.
+
+Flower's contract (``Strategy.start``): :meth:`aggregate_train` returns the new global arrays
+(:meth:`global_arrays`, an ``ArrayRecord``) and the round's metrics, as Flower's FedAvg does, and
+``configure_train`` / ``configure_evaluate`` build their downloads from the ``arrays`` they are
+given (:meth:`receive`): the ones the strategy returned change nothing, other arrays of the same
+keys and shapes replace its global state (:meth:`load_arrays`), an empty record means "the
+strategy's own state" (before round 1: the common seeded initial adapter, at ranks only the
+clients' profiles tell). A strategy is built from a whole fedlora experiment (the ServerApp) or
+from keywords (a Flower user's ServerApp): its method's options, Flower's ``fraction_train``,
+``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``, and
+the experiment sections the clients need (``model``, ``data``, ``train``, ...; docs/flower.md).
+
+A reply is read in steps, each a method of its own ("reading replies" below; what they check is in
+``replies.py``): parse -> validate -> weigh -> aggregate (:meth:`aggregate`) -> account; the
+server never raises on what a client sent. Every key a message carries is declared in
+``fedlora/protocol.py``. The parts that are not
+the protocol live beside it: who takes part (``roster.py``), the steps of reading a reply
+(``replies.py``), the defence against bad updates (``validation.py``), the privacy ledger
+(``ledger.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from logging import INFO, WARNING, getLogger
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+from pydantic import BaseModel
+
+from fedlora import protocol
+from fedlora.errors import ConfigError
+from fedlora.lora import (
+    A_SUFFIX,
+    B_SUFFIX,
+    Combine,
+    Payload,
+    from_array_record,
+    head_only,
+    normalise,
+    payload_bytes,
+    to_array_record,
+    weighted_average,
+)
+from fedlora.methods import Capabilities, Method, OptionsT
+from fedlora.profile import ClientProfile
+from fedlora.protocol import Phase, wire_size
+from fedlora.results import RoundRecord
+from fedlora.schema import ExperimentConfig, apply_overrides
+from fedlora.strategies.ledger import PrivacyLedger
+from fedlora.strategies.replies import (
+    ClientUpload,
+    Expectation,
+    Rejection,
+    capped_weights,
+    parse_evaluate_reply,
+    parse_train_reply,
+)
+from fedlora.strategies.roster import ClientRoster
+from fedlora.strategies.validation import norm_outliers, reference_norm, update_norm
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
+
+if TYPE_CHECKING:
+    from fedlora.models import SeededAdapters
+
+InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
+SECTIONS = tuple(name for name in ExperimentConfig.model_fields if name != "strategy")  # keyword settings
+
+
+class RoundFailedError(RuntimeError):
+    """Too many consecutive rounds without enough valid updates (faults.max_failed_rounds)."""
+
+
+class ArraysError(ValueError):
+    """``configure_*`` was given arrays the strategy cannot continue from (other keys or shapes
+    than its global arrays, non-finite values, or a state the method cannot replace)."""
+
+
+@dataclass
+class RunPaths:
+    """Where the ServerApp keeps a run's files (set once before the first round)."""
+
+    adapter_dir: str = ""  # personalised adapters are saved there by the clients
+    checkpoint_dir: str = ""  # clients keep their state there (simulation: one file system)
+    state_on_disk: bool = False  # simulation: clients keep their state only there between messages
+    resumed_from: int = 0  # > 0: a resumed run, clients restore their state of this round
+
+
+class LoRAStrategy(Strategy, Generic[OptionsT]):
+    """Base class of fedlora's aggregation strategies (see the module docstring).
+
+    Built either from a whole experiment (fedlora's ServerApp) or from keywords (a Flower user's
+    ServerApp, run by ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``).
+
+    Parameters
+    ----------
+    experiment : ExperimentConfig, optional
+        The resolved experiment; ``experiment.strategy`` holds this method's options. Without it
+        the keywords below build one (checked like a config file: ConfigError).
+    initial_adapter : Callable[[int], Payload], optional
+        Returns the common seeded initial adapter (LoRA factors + head) at a given rank. Default:
+        built from the experiment's model (:class:`fedlora.models.SeededAdapters`).
+    module_shapes : dict[str, tuple[int, int]], optional
+        (d_out, d_in) of every adapted module, used to check ranks and upload shapes (given with
+        ``initial_adapter``; default: read from the model).
+    fraction_train : float, optional
+        Fraction of the clients sampled per training round (``federation.fraction_train``).
+    fraction_evaluate : float, optional
+        Fraction of the clients asked for personalised evaluation (``federation.fraction_evaluate``).
+    min_train_nodes : int, optional
+        Fewest clients sampled per round and fewest valid updates a round needs to aggregate
+        (``federation.min_clients``).
+    min_evaluate_nodes : int, optional
+        Fewest clients asked for evaluation (default: ``min_train_nodes``).
+    min_available_nodes : int, optional
+        Nodes the strategy waits for (up to ``federation.round_timeout``) before its profile query
+        (default: ``data.num_clients``).
+    **settings
+        The method's options (its options model, ``fedlora/methods/<name>.py``) and experiment
+        sections as mappings or section models: ``model``, ``data``, ``train``, ``federation``,
+        ``clients``, ``faults``, ``privacy``, ``output`` (the clients read them from every message).
+    """
+
+    # The method's home declaration (name, options, capabilities): ``class FedHera(LoRAStrategy[
+    # FedHeraOptions])`` with ``method = fedhera.METHOD`` (a ``Method[FedHeraOptions]``) types
+    # ``self.options``; a class attribute in effect (a ClassVar cannot hold a type variable).
+    method: Method[OptionsT]
+    options: OptionsT  # ``method.parse(experiment)``: the options model with its defaults filled in
+    name: ClassVar[str] = ""  # set from ``method`` by __init_subclass__
+    capabilities: ClassVar[Capabilities]
+
+    # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
+    NOT_STATE: ClassVar[frozenset[str]] = frozenset({
+        "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
+        "_awaiting", "_initial_norm", "min_evaluate_nodes", "min_available_nodes",
+    })
+
+    def __init__(
+        self,
+        experiment: ExperimentConfig | None = None,
+        initial_adapter: InitialAdapter | None = None,
+        module_shapes: dict[str, tuple[int, int]] | None = None,
+        *,
+        fraction_train: float | None = None,
+        fraction_evaluate: float | None = None,
+        min_train_nodes: int | None = None,
+        min_evaluate_nodes: int | None = None,
+        min_available_nodes: int | None = None,
+        **settings: Any,
+    ) -> None:
+        federation = {"fraction_train": fraction_train, "fraction_evaluate": fraction_evaluate,
+                      "min_clients": min_train_nodes}
+        if experiment is None:
+            experiment = self.experiment_from(settings, federation)
+        elif settings or any(value is not None for value in federation.values()):
+            raise TypeError(f"{type(self).__name__}: give an experiment or keyword settings, not both")
+        if (initial_adapter is None) != (module_shapes is None):
+            raise TypeError(f"{type(self).__name__}: give initial_adapter and module_shapes together")
+        self.experiment = experiment
+        self.options = self.method.parse(experiment)
+        if initial_adapter is None or module_shapes is None:
+            adapters = self.seeded_adapters()
+            initial_adapter, module_shapes = adapters.initial_adapter, adapters.module_shapes()
+        self.initial_adapter = initial_adapter
+        self.module_shapes = module_shapes
+        self.min_evaluate_nodes = experiment.federation.min_clients if min_evaluate_nodes is None else min_evaluate_nodes
+        self.min_available_nodes = experiment.data.num_clients if min_available_nodes is None else min_available_nodes
+        self.roster = ClientRoster()
+        self.paths = RunPaths()
+        self.ledger = PrivacyLedger()
+        self.records: dict[int, RoundRecord] = {}
+        self.started: dict[int, float] = {}
+        self.rng = np.random.default_rng(experiment.train.seed)  # the client sampler
+        self.failed_rounds = 0  # consecutive rounds with too few valid updates
+        self.common_rank = 0  # > 0: a same-rank method runs every client at this rank
+        self.norm_reference = 0.0  # faults.max_update_ratio's reference norm (0: the initial adapter's)
+        self._experiment_json = experiment.to_json()
+        self._awaiting: dict[Phase, set[int]] = {}  # partitions sent a message this round, by phase
+        self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "method" in cls.__dict__:
+            cls.name = cls.method.name
+            cls.capabilities = cls.method.capabilities
+
+    @classmethod
+    def experiment_from(cls, settings: Mapping[str, Any], federation: Mapping[str, Any]) -> ExperimentConfig:
+        """The experiment of a keyword-built strategy: section settings (mappings or section
+        models), the method's options, Flower's sampling keywords into ``[federation]``; checked
+        as a config file is (:func:`fedlora.config.build_config`, ConfigError)."""
+        from fedlora.config import build_config
+
+        raw: dict[str, Any] = {}
+        options: dict[str, Any] = {}
+        for key, value in settings.items():
+            if key in ("strategy", "name"):
+                raise TypeError(f"{cls.__name__}: the strategy is '{cls.name}'; give its options as keywords")
+            if key in SECTIONS:
+                raw[key] = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else dict(value)
+            else:
+                options[key] = value
+        given = {key: value for key, value in federation.items() if value is not None}
+        if given:
+            raw["federation"] = {**raw.get("federation", {}), **given}
+        raw["strategy"] = {"name": cls.name, **options}
+        return build_config(raw)
+
+    def seeded_adapters(self) -> SeededAdapters:
+        """The experiment's model as the server sees it (initial adapters, module shapes), built
+        with this method's LoRA init (:meth:`model_init`); the labels come from the data config."""
+        from fedlora.data import build_federated_data
+        from fedlora.models import SeededAdapters
+
+        labels = build_federated_data(self.experiment.data).label_names
+        train = self.experiment.train
+        return SeededAdapters(self.experiment.model, len(labels), train.seed, self.model_init(), train.device)
+
+    # ---------------------------------------------------------------- Flower's settings
+    @property
+    def fraction_train(self) -> float:
+        return self.experiment.federation.fraction_train
+
+    @property
+    def fraction_evaluate(self) -> float:
+        return self.experiment.federation.fraction_evaluate
+
+    @property
+    def min_train_nodes(self) -> int:
+        return self.experiment.federation.min_clients
+
+    # ---------------------------------------------------------------- method interface
+    def check_profile(self, profile: ClientProfile) -> str:
+        """Why a client cannot take part ('' if it can): its partition, rank, example count and budgets."""
+        max_rank = min(min(shape) for shape in self.module_shapes.values())
+        num_clients = self.experiment.data.num_clients
+        if not 0 <= profile.partition_id < num_clients:
+            return f"partition {profile.partition_id} outside [0, {num_clients}) (data.num_clients)"
+        if not 1 <= profile.rank <= max_rank:
+            return f"unsupported rank {profile.rank} (must be in [1, {max_rank}] for this model)"
+        if profile.num_train_examples < 0:
+            return f"negative num_train_examples {profile.num_train_examples}"
+        bad = sorted(key for key, value in profile.budgets.items() if not (math.isfinite(value) and value > 0))
+        if bad:
+            return f"budgets {bad[:3]} are not positive finite numbers"
+        return ""
+
+    def setup(self) -> None:
+        """Called once after the profiles are known (e.g. to build per-client state)."""
+
+    def rank_of(self, partition: int) -> int:
+        """The LoRA rank client ``partition`` trains at (sent as ``lora-rank`` in every message)."""
+        return self.roster.rank(partition)
+
+    @abstractmethod
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+        """Arrays sent to client ``partition`` for ``phase`` in ``server_round``."""
+
+    def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
+        """Extra config entries for client ``partition`` (Flower scalars), built right after its download."""
+        return {}
+
+    def observe_reply(self, partition: int, metrics: Mapping[str, float]) -> None:
+        """See a training reply's metrics before its upload is checked against
+        :meth:`expected_upload` (e.g. HetLoRA's self-pruned rank); default: nothing."""
+
+    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+        """Key -> shape of the arrays client ``partition`` must upload (default: A, B and the head)."""
+        return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=True)
+
+    @abstractmethod
+    def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        """Fold the round's valid uploads into the strategy's state."""
+
+    @abstractmethod
+    def global_payload(self) -> Payload | None:
+        """The method's single global adapter, evaluated on the global test set (None: none)."""
+
+    def sample_train(self, server_round: int) -> list[int]:
+        """The partitions that train in ``server_round`` (default: a seeded fraction_train sample)."""
+        return self.sample(self.fraction_train, self.min_train_nodes)
+
+    def min_uploads(self) -> int:
+        """Fewest valid uploads a round needs to aggregate (``federation.min_clients``)."""
+        return self.min_train_nodes
+
+    def global_arrays(self) -> Payload:
+        """What :meth:`aggregate_train` returns and ``configure_*`` read back (Flower's
+        ``arrays``): by default the single global model (:meth:`global_payload`, nothing when
+        there is none). A method without one returns what every client downloads alike."""
+        payload = self.global_payload()
+        return {} if payload is None else dict(payload)
+
+    def load_arrays(self, payload: Payload) -> None:
+        """Continue from ``payload`` instead of :meth:`global_arrays` (same keys and shapes, checked
+        by :meth:`receive`): replace the state the downloads are built from. Default: refused."""
+        raise ArraysError(f"{type(self).__name__} cannot continue from other arrays than the ones it returned")
+
+    def flower_dp_problem(self) -> str:
+        """Why Flower's ``DifferentialPrivacyClientSideFixedClipping`` cannot wrap this strategy in
+        this run ('' if it can): the method's ``capabilities.not_flower_dp``, or a robust
+        ``faults.aggregation`` (a median is not the mean the noise is calibrated for). Checked by
+        :meth:`configure_train` once the clients are known, when the train config carries the
+        wrapper's clipping norm."""
+        if not self.capabilities.flower_dp:
+            return self.capabilities.not_flower_dp
+        if self.combine.robust:
+            return (f"faults.aggregation = '{self.experiment.faults.aggregation}' replaces the weighted mean the "
+                    "noise is calibrated for; use faults.aggregation = 'mean'")
+        return ""
+
+    def round_extra(self, server_round: int) -> dict[str, Any]:
+        """Strategy-specific facts to store in the round's results (e.g. FedTreeLoRA's cuts)."""
+        return {}
+
+    def model_init(self) -> str | None:
+        """The LoRA init the server's models use when the method overrides ``model.init`` (e.g.
+        FedPissa's ``strategy.init``; its client trainer builds with the same); None: model.init."""
+        return None
+
+    def save_artifacts(self, out_dir: Path) -> dict[str, Any]:
+        """Write method-specific files (e.g. plots) into the run's output folder at the end of a
+        run; return facts to merge into the results' strategy info. Default: nothing."""
+        return {}
+
+    # ---------------------------------------------------------------- state (checkpoints)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy learned: ``vars(self)`` minus :attr:`NOT_STATE` (per-client
+        entries are keyed by partition id, so a resumed run's new node ids do not matter)."""
+        return {key: value for key, value in vars(self).items() if key not in self.NOT_STATE and not callable(value)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` after this run's query."""
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    # ---------------------------------------------------------------- helpers for subclasses
+    def lora_shapes(self, rank: int, send_A: bool, send_B: bool, head: bool = True) -> dict[str, tuple[int, ...]]:
+        """Shapes of a rank-``rank`` adapter (optionally only A or only B, with or without head)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for module, (d_out, d_in) in self.module_shapes.items():
+            if send_A:
+                shapes[module + A_SUFFIX] = (rank, d_in)
+            if send_B:
+                shapes[module + B_SUFFIX] = (d_out, rank)
+        if head and self.sends_head:
+            shapes.update({k: tuple(v.shape) for k, v in self.head_initial.items()})
+        return shapes
+
+    @property
+    def sends_head(self) -> bool:
+        """Whether a classification head travels (a causal LM has none: its LM head stays frozen)."""
+        return self.experiment.model.head == "global" and self.experiment.model.kind == "classification"
+
+    @property
+    def head_initial(self) -> Payload:
+        return head_only(self.initial_adapter(self.experiment.model.lora_rank))
+
+    def initial_head(self) -> Payload:
+        """The head a method starts from: the seeded initial head when it is global, else nothing."""
+        return dict(self.head_initial) if self.sends_head else {}
+
+    def averaged_head(self, uploads: list[ClientUpload], weights: Any, previous: Payload) -> Payload:
+        """FedAvg of the uploads' head arrays when the head is global (``previous`` otherwise);
+        ``faults.aggregation``'s robust rule where the method allows it."""
+        if not self.sends_head:
+            return previous
+        return weighted_average([head_only(u.payload) for u in uploads], weights, self.combine)
+
+    @property
+    def combine(self) -> Combine:
+        """How the method's means combine arrays (``faults.aggregation``; 'mean' unless the method
+        declares ``capabilities.robust_aggregation``, which the config check enforces)."""
+        faults = self.experiment.faults
+        rule = faults.aggregation if self.capabilities.robust_aggregation else "mean"
+        return Combine(rule, faults.trim_fraction)
+
+    def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
+        """p_k = n_k / sum n over this round's uploads (n_k cut down so that no client weighs more
+        than ``faults.max_client_share``: :func:`fedlora.strategies.replies.capped_weights`)."""
+        return normalise([u.weight for u in uploads])
+
+    def sample(self, fraction: float, minimum: int) -> list[int]:
+        """Seeded sample of accepted partitions, at least ``minimum`` (Flower's sample_nodes uses the global RNG)."""
+        partitions = self.roster.partitions
+        size = min(len(partitions), max(minimum, round(fraction * len(partitions))))
+        chosen = self.rng.choice(len(partitions), size=size, replace=False)
+        return [partitions[i] for i in sorted(chosen)]
+
+    def evaluates(self, server_round: int) -> bool:
+        """Whether ``server_round`` is an evaluation round (every k rounds, and the last)."""
+        every = self.experiment.federation.evaluate_every
+        return server_round % every == 0 or server_round >= self.experiment.train.rounds
+
+    # ---------------------------------------------------------------- Flower hooks
+    def connect(self, grid: Grid) -> None:
+        """Query the clients' profiles once, settle one rank for a same-rank method, set up."""
+        if self.roster:
+            return
+        federation = self.experiment.federation
+        self.roster.query(grid, self._experiment_json, self.min_available_nodes, federation.round_timeout,
+                          self.check_profile, connect_timeout=federation.connect_timeout)
+        if not self.capabilities.mixed_ranks:
+            refuse = self.experiment.clients.mixed_rank_policy == "refuse"
+            self.common_rank = self.roster.settle_common_rank(refuse, self.name)
+        self.setup()
+
+    def summary(self) -> None:
+        log(INFO, "\t├── %s (%s)", type(self).__name__, self.capabilities.paper)
+        for key, value in self.options.model_dump().items():
+            log(INFO, "\t├── %s: %s", key, value)
+        log(INFO, "\t├── sampling: fraction train %.2f, evaluate %.2f; minimum nodes: train %d, evaluate %d, "
+            "available %d", self.fraction_train, self.fraction_evaluate, self.min_train_nodes,
+            self.min_evaluate_nodes, self.min_available_nodes)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's loop (``Strategy.start``) with ``num_rounds`` as the experiment's
+        ``train.rounds`` (clients read it: the last round saves adapters, DP budgets span all
+        rounds). ``initial_arrays``: an empty ``ArrayRecord`` starts from the common seeded
+        initial adapter; arrays of :meth:`global_arrays`'s keys and shapes start from them."""
+        if num_rounds != self.experiment.train.rounds:
+            self.set_rounds(num_rounds)
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+
+    def set_rounds(self, num_rounds: int) -> None:
+        """Run for ``num_rounds`` rounds: ``train.rounds`` of the experiment the clients receive
+        (checked again, e.g. FedTreeLoRA's warm-up must end before the last round)."""
+        from fedlora.config import build_config
+
+        self.experiment = build_config(apply_overrides(self.experiment.model_dump(mode="json"),
+                                                       [f"train.rounds={int(num_rounds)}"]))
+        self.options = self.method.parse(self.experiment)
+        self._experiment_json = self.experiment.to_json()
+
+    def receive(self, arrays: ArrayRecord | None, hook: str) -> None:
+        """Flower's ``arrays`` into the strategy (``configure_*``, once the clients are known):
+        empty: the strategy's own state; equal to :meth:`global_arrays` (Flower's loop passes back
+        what :meth:`aggregate_train` returned): nothing to do; other finite arrays of the same
+        keys and shapes: :meth:`load_arrays`. Anything else is an :class:`ArraysError`."""
+        if arrays is None or len(arrays) == 0:
+            return
+        payload, current = from_array_record(arrays), self.global_arrays()
+        if payload.keys() == current.keys() and all(
+            payload[k].shape == current[k].shape and np.array_equal(payload[k], current[k], equal_nan=True) for k in current
+        ):
+            return
+        problem = _arrays_problem(payload, current)
+        if problem:
+            raise ArraysError(f"{hook}: {type(self).__name__} cannot continue from the arrays it was given: {problem}")
+        self.load_arrays({k: np.asarray(v, dtype=current[k].dtype) for k, v in payload.items()})
+        log(INFO, "%s: %s continues from the arrays it was given", hook, type(self).__name__)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Query profiles once, take the ``arrays`` given (:meth:`receive`), sample clients, build
+        one message per client (``config``'s entries travel too, except fedlora's own keys)."""
+        self.connect(grid)
+        if KEY_CLIPPING_NORM in config:  # Flower's client-side fixed-clipping DP wrapper asks the clients to clip
+            problem = self.flower_dp_problem()
+            if problem:
+                raise ConfigError(f"strategy '{self.name}' cannot run under Flower's "
+                                  f"DifferentialPrivacyClientSideFixedClipping: {problem}")
+        self.roster.refresh(grid, self._experiment_json, self.experiment.federation.round_timeout)
+        self.receive(arrays, "configure_train")
+        record = self.record(server_round)
+        record.refused = sorted(self.roster.refused_partitions)
+        partitions = self.sample_train(server_round)
+        self._awaiting["train"] = set(partitions)
+        messages = []
+        for partition in partitions:
+            payload = self.download(partition, server_round, "train")
+            record.bytes_down += payload_bytes(payload)
+            messages.append(self._message(partition, server_round, payload, "train", config))
+            record.wire_bytes_down += wire_size(messages[-1])
+        record.sampled = len(messages)
+        log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(partitions), len(self.roster.profiles))
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Read the round's training replies and aggregate the valid uploads, in steps (each its own
+        method, below under "reading replies"):
+
+        1. **parse** and **validate** each reply (:meth:`_read_train_replies`), then the round's norm
+           outliers (:meth:`_drop_outliers`);
+        2. **weigh** the valid uploads (:meth:`_weigh`);
+        3. **account** what arrived (:meth:`_account_train`);
+        4. the failure policy (:meth:`_too_few_uploads`);
+        5. **aggregate** them (:meth:`aggregate`, the method's; :meth:`_aggregate_round`).
+
+        Returns the new :meth:`global_arrays` and the round's train loss and client count; (None,
+        None) when too few updates were valid (the state is unchanged, as are Flower's arrays)."""
+        record = self.record(server_round)
+        replies = list(replies)
+        record.wire_bytes_up += sum(_wire_size(reply) for reply in replies)
+        uploads = self._read_train_replies(replies, server_round, record)  # parse -> validate
+        uploads = self._drop_outliers(uploads, record)  # validate (the round)
+        self._weigh(uploads)  # weigh
+        self._account_train(uploads, record)  # account
+        if self._too_few_uploads(uploads, server_round):
+            return None, None
+        self._aggregate_round(server_round, uploads, record)  # aggregate
+        metrics = MetricRecord({protocol.TRAIN_LOSS: record.train_loss, protocol.CLIENTS: len(uploads)})
+        return to_array_record(self.global_arrays()), metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Personalised evaluation: each sampled client tests its own model (built from the
+        ``arrays`` given, :meth:`receive`) on its local split."""
+        if self.roster:
+            self.receive(arrays, "configure_evaluate")
+        if self.fraction_evaluate == 0.0 or not self.roster or not self.evaluates(server_round):
+            self._awaiting["evaluate"] = set()
+            return []
+        record = self.record(server_round)
+        messages = []
+        partitions = self.sample(self.fraction_evaluate, self.min_evaluate_nodes)
+        self._awaiting["evaluate"] = set(partitions)
+        for partition in partitions:
+            payload = self.download(partition, server_round + 1, "evaluate")
+            record.bytes_eval_down += payload_bytes(payload)
+            messages.append(self._message(partition, server_round, payload, "evaluate", config))
+            record.wire_bytes_eval += wire_size(messages[-1])
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Personalised evaluation over the round's valid replies: **parse** and **validate** each
+        (:meth:`_read_evaluate_replies`), then **weigh** and **aggregate**: a classifier's accuracy
+        (:meth:`_aggregate_accuracy`), a causal LM's ROUGE-L and loss (:meth:`_aggregate_generation`),
+        example-weighted (no client above ``faults.max_client_share``) and unweighted, worst client
+        and 10th percentile. None when no reply was valid."""
+        record = self.record(server_round)
+        replies = list(replies)
+        record.wire_bytes_eval += sum(_wire_size(reply) for reply in replies)
+        rows = self._read_evaluate_replies(replies, record)  # parse -> validate
+        if not rows:
+            return None
+        if self.experiment.model.kind == "causal_lm":
+            return self._aggregate_generation(record, rows)  # weigh -> aggregate -> account
+        return self._aggregate_accuracy(record, rows)  # weigh -> aggregate -> account
+
+    # ---------------------------------------------------------------- results
+    def record(self, server_round: int) -> RoundRecord:
+        """The round's record (created, and its clock started, on first use)."""
+        if server_round not in self.records:
+            self.records[server_round] = RoundRecord(round=server_round)
+            self.started[server_round] = time.perf_counter()
+        return self.records[server_round]
+
+    def finish_round(self, server_round: int) -> RoundRecord:
+        """The round's record, with its wall time; called by the ServerApp after evaluation."""
+        record = self.record(server_round)
+        record.seconds = time.perf_counter() - self.started[server_round]
+        return record
+
+    def privacy_report(self) -> dict[str, Any] | None:
+        return self.ledger.report(self.experiment.privacy)
+
+    # ---------------------------------------------------------------- internals
+    def _message(self, partition: int, server_round: int, payload: Payload, phase: Phase,
+                 extra: ConfigRecord | None = None) -> Message:
+        config = ConfigRecord({
+            **{key: value for key, value in (extra or {}).items() if key not in protocol.MESSAGE_KEYS},
+            protocol.SERVER_ROUND: server_round,
+            protocol.EXPERIMENT: self._experiment_json,
+            protocol.RANK: self.rank_of(partition),
+            **self.client_config(partition, server_round, phase),
+        })
+        if self.paths.checkpoint_dir:
+            config[protocol.CHECKPOINT_DIR] = self.paths.checkpoint_dir
+            if self.paths.state_on_disk:
+                config[protocol.STATE_ON_DISK] = True
+        if self.paths.resumed_from:
+            config[protocol.RESUME_ROUND] = self.paths.resumed_from
+        if phase == "train" and self.evaluates(server_round):
+            config[protocol.EVAL_RECEIVED] = True
+        if phase == "evaluate":
+            config[protocol.EVAL_GLOBAL] = self.global_payload() is None
+            if self.paths.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:
+                config[protocol.SAVE_ADAPTER_DIR] = self.paths.adapter_dir
+        message_type = MessageType.TRAIN if phase == "train" else MessageType.EVALUATE
+        content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(payload), protocol.CONFIG_RECORD: config})
+        return Message(content=content, dst_node_id=self.roster.node_of[partition], message_type=message_type)
+
+    # ---------------------------------------------------------------- reading replies
+    # parse -> validate -> weigh -> aggregate -> account; what the steps check is in replies.py
+    def _sender(self, msg: Message, phase: Phase, seen: set[int]) -> int | Rejection:
+        """The partition of the reply's sender (the roster's map, never what the reply claims), if it
+        was sent a message of ``phase`` this round and has not replied yet (then added to ``seen``)."""
+        try:
+            partition = self.roster.partition_of(msg.metadata.src_node_id)
+        except KeyError:
+            return Rejection(f"node {msg.metadata.src_node_id} is not an accepted client")
+        if partition in seen:
+            return Rejection(f"a second reply from client {partition} this round")
+        if partition not in self._awaiting.get(phase, {partition}):  # unknown (no configure call): any accepted
+            return Rejection(f"client {partition} was sent no {phase} message this round")
+        seen.add(partition)
+        return partition
+
+    def _known(self, node: int) -> int | None:
+        """The partition of ``node``, None for a node the roster does not know."""
+        try:
+            return self.roster.partition_of(node)
+        except KeyError:
+            return None
+
+    def _expectation(self, partition: int) -> Expectation:
+        """What the server knows about ``partition``'s training reply before reading it."""
+        faults = self.experiment.faults
+        if not self.norm_reference and not self._initial_norm:
+            self._initial_norm = update_norm(self.initial_adapter(self.experiment.model.lora_rank))
+        reference = self.norm_reference or self._initial_norm
+        return Expectation(partition, self.roster.profiles[partition].num_train_examples, faults.max_examples,
+                           reference, faults.max_update_ratio)
+
+    def _read_train_reply(self, msg: Message, server_round: int, seen: set[int],
+                          record: RoundRecord) -> tuple[int, ClientUpload | Rejection] | None:
+        """Parse and validate one training reply: the sender's partition and its upload or the
+        :class:`Rejection` of the reply's first problem (:func:`fedlora.strategies.replies.parse_train_reply`,
+        against :meth:`_expectation` and, once its metrics are known, :meth:`expected_upload`).
+        None for a reply there is nothing to read in: an error reply (a sampled client's is a
+        failure of the round, a stray one is only logged) or one from a sender that was not
+        waited for (:meth:`_sender`: counted as rejected, not as a failure)."""
+        node = msg.metadata.src_node_id
+        partition = self._sender(msg, "train", seen)
+        if msg.has_error():
+            log(WARNING, "aggregate_train: node %d failed: %s", node, _short(msg.error.reason))
+            record.failures += not isinstance(partition, Rejection)
+            return None
+        if isinstance(partition, Rejection):
+            _reject(record, self._known(node), node, partition.reason, failure=False)
+            return None
+
+        def expected(metrics: Mapping[str, float], partition: int = partition) -> dict[str, tuple[int, ...]]:
+            self.observe_reply(partition, metrics)
+            return self.expected_upload(partition, server_round)
+
+        return partition, parse_train_reply(msg, self._expectation(partition), expected)
+
+    def _read_train_replies(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
+        """Parse and validate every training reply (:meth:`_read_train_reply`); count the
+        rejections and the sampled clients that did not reply; note in the privacy ledger the DP
+        epsilon each client reported (spent even when its update is refused). Returns the valid
+        uploads by partition (the result does not depend on the replies' arrival order)."""
+        uploads: list[ClientUpload] = []
+        seen: set[int] = set()  # sampled partitions that replied (an error reply too)
+        spent: dict[int, float] = {}
+        for msg in replies:
+            read = self._read_train_reply(msg, server_round, seen, record)
+            if read is None:
+                continue
+            partition, parsed = read
+            if parsed.metrics is not None and protocol.DP_EPSILON in parsed.metrics:
+                spent[partition] = parsed.metrics[protocol.DP_EPSILON]
+            if isinstance(parsed, Rejection):
+                _reject(record, partition, msg.metadata.src_node_id, parsed.reason)
+                continue
+            uploads.append(parsed)
+            record.per_client_train[str(partition)] = _client_train(parsed)
+        _count_missing(record, replied=len(seen))
+        self.ledger.note(spent, record)
+        return sorted(uploads, key=lambda u: u.partition_id)
+
+    def _drop_outliers(self, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
+        """Validate over the round: reject the uploads whose norm is an outlier among this round's
+        (:func:`fedlora.strategies.validation.norm_outliers`, ``faults``); the others, in order."""
+        outliers = norm_outliers([u.payload for u in uploads], self.experiment.faults)
+        for index, reason in outliers.items():
+            partition = uploads[index].partition_id
+            _reject(record, partition, self.roster.node_of.get(partition), reason)
+        return [u for i, u in enumerate(uploads) if i not in outliers]
+
+    def _weigh(self, uploads: list[ClientUpload]) -> None:
+        """Each upload's aggregation weight: its example count, no client above
+        ``faults.max_client_share`` of the round (:func:`fedlora.strategies.replies.capped_weights`)."""
+        max_share = self.experiment.faults.max_client_share
+        weights = capped_weights([u.num_examples for u in uploads], max_share)
+        for upload, weight in zip(uploads, weights):
+            if weight != upload.num_examples:
+                log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples "
+                    "(faults.max_client_share = %g)", upload.partition_id, weight, upload.num_examples, max_share)
+            upload.weight = float(weight)
+
+    def _account_train(self, uploads: list[ClientUpload], record: RoundRecord) -> None:
+        """The round's record of what arrived: clients, upload bytes, the received accuracy
+        (:func:`_note_received`), the weighted train loss, the clients' training time and examples."""
+        record.clients = len(uploads)
+        record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
+        if uploads:
+            _note_received(uploads, record)
+            record.train_loss = float(np.average([u.metrics.get(protocol.TRAIN_LOSS, math.nan) for u in uploads],
+                                                 weights=self.weights(uploads)))
+            record.client_train_seconds = float(sum(u.metrics.get(protocol.TRAIN_SECONDS, 0.0) for u in uploads))
+            record.train_examples = int(sum(u.metrics.get(protocol.TRAIN_EXAMPLES, 0.0) for u in uploads))
+        log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), record.failures)
+
+    def _too_few_uploads(self, uploads: list[ClientUpload], server_round: int) -> bool:
+        """The failure policy: fewer valid uploads than :meth:`min_uploads` leave the state as it
+        is (the next round retries); ``faults.max_failed_rounds`` such rounds in a row end the run
+        (:class:`RoundFailedError`)."""
+        if len(uploads) >= self.min_uploads():
+            self.failed_rounds = 0
+            return False
+        self.failed_rounds += 1
+        message = f"round {server_round}: {len(uploads)} valid updates < federation.min_clients={self.min_uploads()}"
+        if self.failed_rounds >= self.experiment.faults.max_failed_rounds:
+            raise RoundFailedError(f"{message}, {self.failed_rounds} rounds in a row "
+                                   f"(faults.max_failed_rounds); stopping the run")
+        log(WARNING, "aggregate_train: %s: state unchanged, the next round retries", message)
+        return True
+
+    def _aggregate_round(self, server_round: int, uploads: list[ClientUpload], record: RoundRecord) -> None:
+        """Aggregate (:meth:`aggregate`) and account for it: its time, the next round's reference
+        norm (``faults.max_update_ratio``), the method's facts of the round (:meth:`round_extra`)."""
+        started = time.perf_counter()
+        self.aggregate(server_round, uploads)
+        record.aggregation_seconds = time.perf_counter() - started
+        self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
+        record.extra.update(self.round_extra(server_round))
+
+    def _read_evaluate_replies(self, replies: list[Message], record: RoundRecord) -> list[dict[str, float]]:
+        """Parse and validate every evaluation reply (:func:`fedlora.strategies.replies.parse_evaluate_reply`,
+        from a client sent an evaluation message this round, once: :meth:`_sender`); a failed or
+        refused evaluation is no failure of the round. Returns the valid metrics by partition (each
+        also the round's per-client entry)."""
+        rows: list[dict[str, float]] = []
+        seen: set[int] = set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            partition = self._sender(msg, "evaluate", seen)
+            if msg.has_error():  # the client's evaluation failed: nothing to count (or a stray error)
+                log(WARNING, "aggregate_evaluate: node %d failed: %s", node, _short(msg.error.reason))
+                continue
+            if isinstance(partition, Rejection):
+                _reject(record, self._known(node), node, partition.reason, "aggregate_evaluate", failure=False)
+                continue
+            parsed = parse_evaluate_reply(msg, partition, self.experiment.model.kind)
+            if isinstance(parsed, Rejection):
+                _reject(record, partition, node, parsed.reason, "aggregate_evaluate", failure=False)
+                continue
+            rows.append(parsed)
+            record.per_client[str(partition)] = dict(parsed)
+        return sorted(rows, key=lambda r: r[protocol.PARTITION_ID])  # independent of the arrival order
+
+    def _evaluation_weights(self, counts: list[float]) -> np.ndarray:
+        """Evaluation example counts as weights: no client above ``faults.max_client_share``, and
+        uniform when every count is zero (a weighted mean needs a positive total)."""
+        weights = capped_weights(counts, self.experiment.faults.max_client_share)
+        return weights if weights.sum() > 0 else np.ones(len(counts))
+
+    def _aggregate_accuracy(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
+        """A classifier's personalised evaluation: accuracy example-weighted and unweighted, worst,
+        p10; validation accuracy weighted by the validation examples; the global-test accuracy of a
+        method without a global model (each client's own model on the global test set)."""
+        accuracy = np.array([r[protocol.ACCURACY] for r in rows])
+        examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
+        record.personalized_accuracy = float(np.average(accuracy, weights=examples))
+        record.personalized_accuracy_unweighted = float(accuracy.mean())
+        record.personalized_accuracy_worst = float(accuracy.min())
+        record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
+        if all(protocol.VAL_ACCURACY in r for r in rows):
+            val_examples = self._evaluation_weights([max(r.get(protocol.VAL_EXAMPLES, 1.0), 1.0) for r in rows])
+            record.validation_accuracy = float(np.average([r[protocol.VAL_ACCURACY] for r in rows],
+                                                          weights=val_examples))
+        if all(protocol.GLOBAL_ACCURACY in r for r in rows) and self.global_payload() is None:
+            record.global_accuracy = float(np.average([r[protocol.GLOBAL_ACCURACY] for r in rows], weights=examples))
+        return MetricRecord({protocol.PERSONALIZED_ACCURACY: record.personalized_accuracy})
+
+    def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
+        """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
+        client scored) and unweighted, worst, p10; loss and perplexity token-weighted."""
+        rouge = np.array([r[protocol.ROUGE_L] for r in rows])
+        scored = self._evaluation_weights([max(r.get(protocol.ROUGE_EXAMPLES, 1.0), 1.0) for r in rows])
+        record.personalized_rouge_l = float(np.average(rouge, weights=scored))
+        record.personalized_rouge_l_unweighted = float(rouge.mean())
+        record.personalized_rouge_l_worst = float(rouge.min())
+        record.personalized_rouge_l_p10 = float(np.percentile(rouge, 10))
+        record.personalized_loss = _token_mean(rows, protocol.LOSS, protocol.TOKENS)
+        record.personalized_perplexity = math.exp(min(record.personalized_loss, 700.0))
+        if all(protocol.VAL_LOSS in r for r in rows):
+            record.validation_loss = _token_mean(rows, protocol.VAL_LOSS, protocol.VAL_TOKENS)
+        if all(protocol.GLOBAL_ROUGE_L in r for r in rows) and self.global_payload() is None:
+            examples = self._evaluation_weights([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
+            record.global_rouge_l = float(np.average([r[protocol.GLOBAL_ROUGE_L] for r in rows], weights=examples))
+            record.global_loss = float(np.average([r[protocol.GLOBAL_LOSS] for r in rows], weights=examples))
+            record.global_perplexity = math.exp(min(record.global_loss, 700.0))
+        return MetricRecord({protocol.PERSONALIZED_ROUGE_L: record.personalized_rouge_l})
+
+
+def _arrays_problem(payload: Payload, expected: Payload) -> str:
+    """Why ``payload`` cannot replace ``expected`` ('' if it can): keys, shapes, finite values."""
+    if payload.keys() != expected.keys():
+        missing, unexpected = sorted(expected.keys() - payload.keys()), sorted(payload.keys() - expected.keys())
+        return (f"expected the keys of its global arrays ({len(expected)}), missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}")
+    for key, value in payload.items():
+        if value.shape != expected[key].shape:
+            return f"{key!r} has shape {value.shape}, expected {expected[key].shape}"
+        if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
+            return f"{key!r} is not finite numbers"
+    return ""
+
+
+def _token_mean(rows: list[dict[str, float]], key: str, tokens: str) -> float:
+    """The token-weighted mean of a per-token loss over clients (nan when no client has tokens)."""
+    weights = np.array([r.get(tokens, 0.0) for r in rows], dtype=float)
+    if weights.sum() <= 0:
+        return math.nan
+    return float(np.average([r[key] for r in rows], weights=weights))
+
+
+def _reject(record: RoundRecord, partition: int | None, node: int | None, reason: str,
+            hook: str = "aggregate_train", failure: bool = True) -> None:
+    """Count and log a refused reply, with the client's partition and node id. ``failure``: it
+    was a sampled client's reply of this round (not a stray, duplicate or evaluation reply)."""
+    if failure:
+        record.failures += 1
+    record.rejected += 1
+    who = f"client {partition}" if partition is not None else "unknown client"
+    phase = "" if hook == "aggregate_train" else "evaluation: "
+    record.rejections.append(f"{phase}{who} (node {node}): {reason}")
+    log(WARNING, "%s: rejecting the reply of %s (node %s): %s", hook, who, node, reason)
+
+
+def _client_train(upload: ClientUpload) -> dict[str, Any]:
+    """An upload's per-client entry of the round (results.json ``per_client_train``)."""
+    metrics = upload.metrics
+    return {"train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
+            "examples": metrics.get(protocol.TRAIN_EXAMPLES), **upload.worker,
+            **{key: metrics[key] for key in sorted(protocol.STARTUP_METRICS) if key in metrics}}
+
+
+def _count_missing(record: RoundRecord, replied: int) -> None:
+    """Count the sampled clients that did not reply before ``federation.round_timeout`` as failures."""
+    missing = max(record.sampled - replied, 0)
+    if missing:
+        record.failures += missing
+        log(WARNING, "aggregate_train: %d of %d sampled clients did not reply within federation.round_timeout",
+            missing, record.sampled)
+
+
+def _short(text: object, limit: int = 300) -> str:
+    """A client-supplied text for a log line: one line, at most ``limit`` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit] + "..."
+
+
+def _wire_size(message: Message) -> int:
+    """:func:`fedlora.protocol.wire_size`, 0 for a reply Flower cannot serialise (it is refused anyway)."""
+    try:
+        return wire_size(message)
+    except Exception:  # noqa: BLE001 - a reply's size must not end the run
+        return 0
+
+
+def _note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:
+    """Received accuracy: each sampled client's model as it received it (the download overlaid on
+    its kept state; FedHera's tail scaled by lambda), on its local test split, before local
+    training (FedHera's official metric; evaluation rounds only). A causal LM's is teacher-forced:
+    token accuracy and loss per response token, token-weighted over the clients."""
+    scored = [u.metrics for u in uploads if protocol.RECEIVED_TOKEN_ACCURACY in u.metrics]
+    if scored:
+        tokens = np.array([r[protocol.RECEIVED_TOKENS] for r in scored])
+        record.received_token_accuracy = float(np.average([r[protocol.RECEIVED_TOKEN_ACCURACY] for r in scored], weights=tokens))
+        record.received_loss = float(np.average([r[protocol.RECEIVED_LOSS] for r in scored], weights=tokens))
+    rows = [u.metrics for u in uploads if protocol.RECEIVED_ACCURACY in u.metrics]
+    if not rows:
+        return
+    accuracy = np.array([r[protocol.RECEIVED_ACCURACY] for r in rows])
+    examples = np.array([max(r.get(protocol.RECEIVED_EXAMPLES, 1.0), 1.0) for r in rows])
+    record.received_accuracy = float(np.average(accuracy, weights=examples))
+    record.received_accuracy_unweighted = float(accuracy.mean())

@@ -1,0 +1,89 @@
+"""FedSA-LoRA: A shared (averaged), B stays on the client (``fedlora/methods/fedsa_lora.py``)."""
+
+from __future__ import annotations
+
+from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload, split_payload
+from fedlora.methods import fedsa_lora
+from fedlora.methods.fedsa_lora import aggregate_A
+from fedlora.protocol import Phase
+from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.roster import MixedRanksError
+
+
+class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
+    """FedSA-LoRA: A learns what clients share and is averaged; B learns client-specific
+    knowledge and never leaves the client.
+
+    Paper: Guo, Zeng, Wang, Fan, Wang, Qu, "Selective Aggregation for Low-Rank Adaptation in
+    Federated Learning", ICLR 2025 (arXiv:2410.01463).
+
+    Parameters
+    ----------
+    mixed_ranks : {'nested', 'refuse'}, default 'nested'
+        Clients with different ranks: 'nested' [RECON, the paper has one rank]: the initial A is drawn
+        rank-nested (fedlora.lora.nested_A), so row j means the same on every client; row j of the global
+        A is the example-weighted mean over the clients holding it (rank > j), and client k receives the
+        first r_k rows. 'refuse': stop at setup unless every client has the same rank.
+
+    Upload: A_k of every module (r_k x d_in), and the head when ``model.head = global``.
+
+    Aggregation: A = sum_k p_k A_k (p_k = n_k / sum n), head by FedAvg. B is never aggregated.
+
+    Download: the global A (its first r_k rows) and the head; the client overlays them on its
+    own state, keeping its B_k. Personalised: each client's model is (global A, own B_k).
+    There is no single global model (B is never uploaded), so the global-test accuracy reported
+    is the example-weighted mean of the clients' own models on the global test set.
+
+    Arrays (Flower's ``start`` loop): no single global model, so ``aggregate_train`` returns
+    what every client downloads alike: the global A (R_max rows per module) and the head;
+    ``configure_*`` continue from the arrays given (the same keys and shapes) as the global A and
+    head. Each client's B stays on the client; no arrays hold it.
+
+    Flower's client-side fixed-clipping DP (``capabilities.flower_dp``): with one rank the aggregate
+    is the weighted mean of the A_k; mixed ranks are refused (rows averaged over their holders).
+    """
+
+    method = fedsa_lora.METHOD
+
+    def setup(self) -> None:
+        ranks = sorted({p.rank for p in self.roster.profiles.values()})
+        if len(ranks) > 1 and self.options.mixed_ranks == "refuse":
+            raise MixedRanksError(
+                f"fedsa_lora with strategy.mixed_ranks='refuse' needs one rank for every client, "
+                f"got ranks {ranks}; set strategy.mixed_ranks='nested'"
+            )
+        initial = nested_A_payload(self.module_shapes, ranks[-1], self.experiment.train.seed)
+        self.A = {key[: -len(A_SUFFIX)]: value for key, value in initial.items()}  # (R, d_in) each
+        self.head: Payload = self.initial_head()
+
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+        rank = self.rank_of(partition)
+        return {m + A_SUFFIX: A[:rank].copy() for m, A in self.A.items()} | self.head
+
+    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+        return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=False)
+
+    def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        weights = self.weights(uploads)
+        client_A = [{m: f.A for m, f in split_payload(u.payload)[0].items()} for u in uploads]
+        self.A = aggregate_A(client_A, weights, self.A, self.combine)
+        self.head = self.averaged_head(uploads, weights, self.head)
+
+    def global_arrays(self) -> Payload:
+        """The global A (R_max rows per module) and the head."""
+        return {m + A_SUFFIX: A for m, A in self.A.items()} | self.head
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.A = {m: payload[m + A_SUFFIX] for m in self.A}
+        self.head = head_only(payload)
+
+    def flower_dp_problem(self) -> str:
+        ranks = sorted({self.rank_of(p) for p in self.roster.partitions})
+        if len(ranks) > 1:
+            return (f"clients train ranks {ranks}: row j of A is averaged over the clients holding it only, so a "
+                    "client weighs more in the rows few clients hold than the noise assumes; give every client "
+                    "one rank")
+        return super().flower_dp_problem()
+
+    def global_payload(self) -> None:
+        """None: B never leaves the clients, so there is no global model to evaluate."""

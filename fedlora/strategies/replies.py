@@ -1,0 +1,282 @@
+"""A client's reply, read by the server in steps a reader can follow.
+
+``LoRAStrategy.aggregate_train`` runs them in this order, one reply at a time, then over the round:
+
+1. **parse**: the records a reply must carry (``arrays``, ``metrics``), every metric a plain
+   number (:func:`parse_metrics`);
+2. **validate**: the metrics' ranges (:data:`TRAIN_METRICS`), the partition the reply speaks for
+   (it must be its sender's), the example count against what the client declared when it joined
+   (and ``faults.max_examples``), the arrays' keys, shapes and dtypes against the expected upload
+   (float only, cast to the adapters' dtype), finiteness, and the update's norm against the
+   reference norm (``faults.max_update_ratio``) (:func:`parse_train_reply`);
+3. **weigh**: the example counts as aggregation weights, no client above ``faults.max_client_share``
+   of the round (:func:`capped_weights`);
+4. **aggregate** (the method) and **account** (the round's record).
+
+A reply that fails a step is a :class:`Rejection` with its reason; nothing here raises on what a
+client sent. Evaluation replies go through the same parse and validate steps
+(:func:`parse_evaluate_reply`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+
+from fedlora import protocol
+from fedlora.lora import ADAPTER_DTYPE, Payload
+from fedlora.schema import ModelKind
+from fedlora.strategies.validation import check_upload, ratio_bound, update_norm
+
+MAX_METRICS = 256  # more metrics than any honest reply carries (about 20): the reply is refused
+MAX_WORKER_TEXT = 200  # characters kept of each entry of a reply's worker record (where it ran)
+
+
+@dataclass(frozen=True)
+class MetricRule:
+    """The values a metric may take: [low, high], integer-valued or not, NaN allowed or not
+    (a value the client could not measure). +-inf only where ``high`` / ``low`` is infinite and
+    ``infinite`` allows it."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    integer: bool = False
+    nan: bool = False
+    infinite: bool = False
+
+    def problem(self, value: float) -> str:
+        """Why ``value`` is not allowed ('' if it is)."""
+        if math.isnan(value):
+            return "" if self.nan else "is NaN"
+        if math.isinf(value) and not self.infinite:
+            return "is infinite"
+        if not self.low <= value <= self.high:
+            return f"is outside [{self.low:g}, {self.high:g}]"
+        if self.integer and not float(value).is_integer():
+            return "is not a whole number"
+        return ""
+
+
+COUNT = MetricRule(low=0.0, integer=True)
+FRACTION = MetricRule(low=0.0, high=1.0)  # an accuracy or ROUGE-L (a client sends 0, never NaN, for an empty split)
+NON_NEGATIVE = MetricRule(low=0.0)
+
+# Training reply metrics with a meaning the server relies on; any other metric only has to be a number.
+TRAIN_METRICS: dict[str, MetricRule] = {
+    protocol.NUM_EXAMPLES: MetricRule(low=1.0, integer=True),
+    protocol.PARTITION_ID: COUNT,
+    protocol.TRAIN_LOSS: MetricRule(low=0.0, nan=True),  # NaN: no optimiser step was taken
+    protocol.TRAIN_SECONDS: NON_NEGATIVE,
+    protocol.TRAIN_EXAMPLES: COUNT,
+    protocol.RECEIVED_ACCURACY: FRACTION,
+    protocol.RECEIVED_EXAMPLES: COUNT,
+    protocol.DP_EPSILON: MetricRule(low=0.0, infinite=True),  # epsilon is infinite without noise
+}
+TRAIN_REQUIRED = (protocol.NUM_EXAMPLES, protocol.PARTITION_ID)
+
+EVALUATE_METRICS: dict[str, MetricRule] = {
+    protocol.NUM_EXAMPLES: COUNT,
+    protocol.PARTITION_ID: COUNT,
+    protocol.ACCURACY: FRACTION, protocol.VAL_ACCURACY: FRACTION, protocol.GLOBAL_ACCURACY: FRACTION,
+    protocol.ROUGE_L: FRACTION, protocol.GLOBAL_ROUGE_L: FRACTION,
+    protocol.LOSS: NON_NEGATIVE, protocol.VAL_LOSS: NON_NEGATIVE, protocol.GLOBAL_LOSS: NON_NEGATIVE,
+    protocol.PERPLEXITY: NON_NEGATIVE,
+    protocol.VAL_EXAMPLES: COUNT, protocol.ROUGE_EXAMPLES: COUNT, protocol.TOKENS: COUNT, protocol.VAL_TOKENS: COUNT,
+    protocol.GLOBAL_TOKENS: COUNT,
+}
+EVALUATE_REQUIRED: dict[str, tuple[str, ...]] = {  # by model.kind: what aggregate_evaluate reads
+    "classification": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, protocol.ACCURACY),
+    "causal_lm": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, protocol.ROUGE_L, protocol.LOSS),
+}
+
+
+@dataclass
+class ClientUpload:
+    """One valid training reply: the arrays (cast to the adapters' dtype) and the checked metrics.
+
+    ``weight`` is what the aggregation weighs the upload by: its example count, cut down by
+    :func:`capped_weights` when one client would outweigh ``faults.max_client_share``.
+    """
+
+    partition_id: int
+    payload: Payload
+    num_examples: int
+    metrics: dict[str, float]
+    weight: float = -1.0  # < 0: the example count (set in __post_init__)
+    worker: dict[str, str] = field(default_factory=dict)  # where the message ran (host, Ray node)
+
+    def __post_init__(self) -> None:
+        if self.weight < 0:
+            self.weight = float(self.num_examples)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a reply is refused. ``metrics``: its metrics when they were valid and spoke for the
+    sender's partition (a client's DP epsilon is spent even when its update is refused)."""
+
+    reason: str
+    metrics: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the server knows about a training reply before reading it."""
+
+    partition: int  # the sender's partition (the roster's, never the reply's)
+    declared_examples: int = 0  # training examples the client declared when it joined (0: none)
+    max_examples: int = 0  # faults.max_examples (0: no cap)
+    reference_norm: float = 0.0  # the norm an update is compared with (0: no bound yet)
+    max_update_ratio: float = 0.0  # faults.max_update_ratio (0: off)
+
+
+# ---------------------------------------------------------------------------------------- parse
+def parse_metrics(message: Message, rules: Mapping[str, MetricRule], required: tuple[str, ...]) -> dict[str, float] | str:
+    """The reply's ``metrics`` record as floats, every value a number within its rule, or why not."""
+    record = message.content.metric_records.get(protocol.METRICS_RECORD)
+    if record is None:
+        return f"no {protocol.METRICS_RECORD!r} record"
+    if len(record) > MAX_METRICS:
+        return f"{len(record)} metrics (at most {MAX_METRICS})"
+    metrics: dict[str, float] = {}
+    for key, value in record.items():
+        if not isinstance(key, str):
+            return f"a metric key is not text ({type(key).__name__})"
+        number = _as_number(value)
+        if number is None:
+            return f"metric {key[:40]!r} is not a number ({type(value).__name__})"
+        rule = rules.get(key)
+        problem = rule.problem(number) if rule is not None else ""
+        if problem:
+            return f"metric {key!r} = {number:g} {problem}"
+        metrics[key] = number
+    missing = [key for key in required if key not in metrics]
+    if missing:
+        return f"metrics lack {missing}"
+    return metrics
+
+
+def _as_number(value: Any) -> float | None:
+    """A metric value as a float (an int too large for a float, a bool, a list, text: None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def parse_arrays(message: Message, expected: Mapping[str, tuple[int, ...]]) -> Payload | str:
+    """The reply's ``arrays`` record as the expected upload, cast to :data:`ADAPTER_DTYPE`, or why
+    not: keys, declared shapes (checked before anything is deserialised), float dtypes, the
+    deserialised arrays' own shapes and dtypes, NaN / Inf (after the cast: 1e300 in float64 is
+    Inf in float32)."""
+    record = message.content.array_records.get(protocol.ARRAYS_RECORD)
+    if record is None:
+        return f"no {protocol.ARRAYS_RECORD!r} record"
+    missing = sorted(set(expected) - set(record))
+    unexpected = sorted(set(record) - set(expected))
+    if missing or unexpected:
+        return f"missing keys {missing[:3]} / unexpected keys {[str(k)[:40] for k in unexpected[:3]]}"
+    payload: Payload = {}
+    for key, shape in expected.items():
+        array = record[key]
+        try:
+            declared_shape, declared_dtype = tuple(int(d) for d in array.shape), np.dtype(array.dtype)
+            if declared_shape != tuple(shape):
+                return f"{key} has shape {declared_shape[:4]}, expected {tuple(shape)}"
+            if declared_dtype.kind != "f":
+                return f"{key} has dtype {declared_dtype}, expected a float dtype"
+            values = array.numpy()
+        except Exception as error:  # noqa: BLE001 - whatever a client's bytes make numpy raise is a rejection
+            return f"{key} cannot be read as an array ({type(error).__name__})"
+        if values.dtype.kind != "f":
+            return f"{key} holds dtype {values.dtype} (declared {declared_dtype}), expected a float dtype"
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow becomes Inf, refused below
+            payload[key] = values.astype(ADAPTER_DTYPE)
+    return check_upload(payload, expected) or payload
+
+
+# ------------------------------------------------------------------------------------- validate
+def parse_train_reply(
+    message: Message,
+    expect: Expectation,
+    expected_upload: Callable[[Mapping[str, float]], Mapping[str, tuple[int, ...]]],
+) -> ClientUpload | Rejection:
+    """A training reply as a :class:`ClientUpload`, or the :class:`Rejection` of its first problem.
+
+    ``expected_upload(metrics)`` gives the shapes the sender must upload once its metrics are known
+    (HetLoRA's self-pruned rank is one of them).
+    """
+    metrics = parse_metrics(message, TRAIN_METRICS, TRAIN_REQUIRED)
+    if isinstance(metrics, str):
+        return Rejection(metrics)
+    claimed = int(metrics[protocol.PARTITION_ID])
+    if claimed != expect.partition:
+        return Rejection(f"the reply claims partition {claimed}, its sender holds partition {expect.partition}")
+    examples = int(metrics[protocol.NUM_EXAMPLES])
+    if expect.declared_examples and examples > expect.declared_examples:
+        return Rejection(f"{examples} training examples, above the {expect.declared_examples} it declared "
+                         "when it joined", metrics)
+    if expect.max_examples and examples > expect.max_examples:
+        return Rejection(f"{examples} training examples, above faults.max_examples = {expect.max_examples}", metrics)
+    try:
+        expected = expected_upload(metrics)
+    except Exception as error:  # noqa: BLE001 - a method's view of a reply must not end the run
+        return Rejection(f"no upload can be expected from these metrics ({type(error).__name__}: {error})", metrics)
+    payload = parse_arrays(message, expected)
+    if isinstance(payload, str):
+        return Rejection(payload, metrics)
+    problem = ratio_bound(update_norm(payload), expect.reference_norm, expect.max_update_ratio)
+    if problem:
+        return Rejection(problem, metrics)
+    return ClientUpload(expect.partition, payload, examples, metrics, worker=_worker(message))
+
+
+def parse_evaluate_reply(message: Message, partition: int, kind: ModelKind) -> dict[str, float] | Rejection:
+    """An evaluation reply's metrics (ranges checked, speaking for the sender's ``partition``)."""
+    metrics = parse_metrics(message, EVALUATE_METRICS, EVALUATE_REQUIRED[kind])
+    if isinstance(metrics, str):
+        return Rejection(metrics)
+    claimed = int(metrics[protocol.PARTITION_ID])
+    if claimed != partition:
+        return Rejection(f"the reply claims partition {claimed}, its sender holds partition {partition}")
+    return metrics
+
+
+def _worker(message: Message) -> dict[str, str]:
+    """Where the message ran (the reply's ``worker`` config record), as short texts."""
+    record = message.content.config_records.get(protocol.WORKER_RECORD)
+    if record is None:
+        return {}
+    return {str(k)[:40]: str(v)[:MAX_WORKER_TEXT] for k, v in list(record.items())[:8]}
+
+
+# ---------------------------------------------------------------------------------------- weigh
+def capped_weights(counts: Any, max_share: float) -> np.ndarray:
+    """Example counts (K,) -> aggregation weights (K,) in the same units, no share above ``max_share``.
+
+    The counts above a level T are cut to T, with T the largest level at which the cut counts
+    satisfy max_k w_k / sum w <= max_share (water-filling: the smallest change that bounds every
+    share); counts that already satisfy it are returned unchanged (the same floats), and so are
+    those of a round with one positive count. With fewer than 1 / max_share positive counts no
+    such level exists and the positive counts weigh the same.
+    """
+    n = np.asarray(counts, dtype=np.float64)  # (K,)
+    positive = int(np.count_nonzero(n > 0))
+    if max_share >= 1.0 or positive <= 1 or n.max() <= max_share * n.sum():
+        return n  # a lone client weighs everything, whatever the bound
+    if positive * max_share <= 1.0:
+        return (n > 0).astype(np.float64)  # every positive count weighs the same (share 1 / positive)
+    ordered = np.sort(n)[::-1]  # largest first
+    for cut in range(1, positive):  # cut the `cut` largest counts to the level T
+        rest = ordered[cut:].sum()
+        level = max_share * rest / (1.0 - cut * max_share)  # T / (cut T + rest) = max_share
+        if ordered[cut] <= level <= ordered[cut - 1] and cut * max_share < 1.0:
+            return np.asarray(np.minimum(n, level), dtype=np.float64)
+    return (n > 0).astype(np.float64)
