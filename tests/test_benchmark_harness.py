@@ -202,16 +202,16 @@ def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pyt
     out = tmp_path / "llm.json"
     smoke = BENCHMARKS.parent / "configs" / "llm_smoke.toml"
     argv = ["--model", "tiny-llama", "--config", str(smoke), "--device", "cpu", "--steps", "1000",
-            "--batch-size", "8", "--max-length", "32", "--repeat", "1", "--warmup", "0", "--out", str(out)]
+            "--batch-size", "8", "--max-length", "64", "--repeat", "1", "--warmup", "0", "--out", str(out)]
     assert llm.main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     back = json.loads(out.read_text())
     [sample] = back["samples"]["round"]
     # the split, tokenised independently of the loader (no padding: each example's own length)
-    config = load_config(smoke, ["model.path='tiny-llama'", "train.max_length=32"])
+    config = load_config(smoke, ["model.path='tiny-llama'", "train.max_length=64"])
     split = build_federated_data(config.data).client(0).train
     tokenizer = load_tokenizer("tiny-llama")
-    lengths = [len(encode_instruction(tokenizer, p, r, 32)["input_ids"]) for p, r in zip(split["prompt"], split["response"])]
+    lengths = [len(encode_instruction(tokenizer, p, r, 64)["input_ids"]) for p, r in zip(split["prompt"], split["response"])]
     assert sample["tokens"] == sum(lengths) and sample["steps"] == math.ceil(len(split) / 8)
     assert 0 < sample["steps_seconds"] <= sample["round_seconds"] and 0 < sample["overhead_fraction"] < 1
     assert sample["overhead_fraction"] == pytest.approx(1 - sample["steps_seconds"] / sample["round_seconds"])
