@@ -319,11 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, "error: need --steps >= 1, --batch-size >= 1, --max-length >= 8, --threads >= 1\n")
     harness.settle(args, f"llm_throughput-{args.device}")
     env = harness.environment(args.note)
-    try:
-        client = Client(args)
-    except ValueError as error:  # ConfigError and the like: one line, exit 2
-        parser.exit(2, f"error: {error}\n")
-    measured = harness.run_interleaved({"round": client.round}, repeat=args.repeat, warmup=args.warmup)
+    from fedlora.app.quiet import output
+
+    with output(verbose=False):  # fedlora's lines, not the libraries' warnings and progress bars
+        try:
+            client = Client(args)
+        except ValueError as error:  # ConfigError and the like: one line, exit 2
+            parser.exit(2, f"error: {error}\n")
+        measured = harness.run_interleaved({"round": client.round}, repeat=args.repeat, warmup=args.warmup)
     summary = harness.describe(measured.samples["round"])
     info = machine(args.device, args.dtype, client.threads)
     print(harness.report(measured, digits=4))
