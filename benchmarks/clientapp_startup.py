@@ -22,10 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 PROBES = {
-    "python + flwr + clients.app (module import)": "import clients.app",
+    "python + flwr + fedlora.clients.app (module import)": "import fedlora.clients.app",
     "  torch, transformers, peft (imported by the handler)": "import torch, transformers, peft",
-    "  clients.app + a smoke message's setup (what _job does)": (
-        "import clients.app; from fedlora.clients.trainers.base import ClientJob;"
+    "  fedlora.clients.app + a smoke message's setup (what _job does)": (
+        "import fedlora.clients.app; from fedlora.clients.trainers.base import ClientJob;"
         "from fedlora.config import load_config; from fedlora.data import build_federated_data;"
         "from fedlora.profile import resolve_profile; c=load_config('configs/smoke.toml');"
         "resolve_profile(c, {'partition-id': 0}); build_federated_data(c.data).client(0)"

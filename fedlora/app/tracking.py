@@ -5,7 +5,7 @@
 
 - **TensorBoard** (``output.tensorboard``, on by default): one ``SummaryWriter`` on
   ``output.tensorboard_dir`` (default ``<output.dir>/tensorboard``). Scalars are grouped by tag
-  prefix (``accuracy/``, ``loss/``, ``bytes/``, ``seconds/``, ``fedlora/clients/``, ``client/<k>/``, and
+  prefix (``accuracy/``, ``loss/``, ``bytes/``, ``seconds/``, ``clients/``, ``client/<k>/``, and
   ``extra/<key>`` for every numeric entry of the round's ``extra``: the method's mechanism, e.g.
   FedPissa's relative correction), step = the round, and the resolved config is a text entry. A resumed run purges the events after the
   round it resumes from, so a crash never leaves two values for one round.

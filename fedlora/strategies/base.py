@@ -6,7 +6,7 @@ only says what goes down to a client (:meth:`download`), what it expects back
 (:meth:`expected_upload`), how uploads are aggregated (:meth:`aggregate`) and what its global
 model is (:meth:`global_payload`). Its options and capabilities come from its home
 (``fedlora/methods/<name>.py``, ``method = METHOD``). Every hook speaks partition ids; node ids
-stay in :class:`~strategies.roster.ClientRoster`. Every message is built fresh per client, so
+stay in :class:`~fedlora.strategies.roster.ClientRoster`. Every message is built fresh per client, so
 per-client payloads (mixed ranks, personalised factors) never share a RecordDict.
 
 Flower's contract (``Strategy.start``): :meth:`aggregate_train` returns the new global arrays

@@ -1,7 +1,7 @@
 """Strategies by name: ``strategy.name`` -> the Flower strategy class of that method.
 
 A strategy registers itself by existing: every module of the ``strategies`` package is scanned
-for :class:`~strategies.base.LoRAStrategy` subclasses with a ``method``; the names and their
+for :class:`~fedlora.strategies.base.LoRAStrategy` subclasses with a ``method``; the names and their
 options come from the method homes (:mod:`fedlora.methods`), so adding a method means adding its
 home, one module here and its trainer, with no list to edit.
 """

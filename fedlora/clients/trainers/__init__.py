@@ -1,6 +1,6 @@
 """Client trainers by strategy name (the client half of each strategy).
 
-Every module of this package is scanned for :class:`~clients.trainers.base.LocalTrainer`
+Every module of this package is scanned for :class:`~fedlora.clients.trainers.base.LocalTrainer`
 subclasses; a trainer serves the strategies named in its ``strategy_names``. Adding a method's
 client means adding one module, with no list to edit.
 """

@@ -1,6 +1,6 @@
 """FedPissa's client: PiSSA-initialised LoRA; keeps A_k, takes B_agg, trains A and B.
 
-docs/algorithms.md, "FedPissa". The overlay rule of :class:`~clients.trainers.base.LocalTrainer`
+docs/algorithms.md, "FedPissa". The overlay rule of :class:`~fedlora.clients.trainers.base.LocalTrainer`
 (local state, then the download on top) already gives the method's client: the download carries
 only B_agg (and the head), so A_k is never overwritten, and the kept state is the whole adapter.
 What differs is the init: the model is built with ``strategy.init`` (PiSSA by default), whose
