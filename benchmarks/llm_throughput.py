@@ -219,8 +219,8 @@ class Client:
         """One train message, observed; its figures (seconds by part, tokens, rates)."""
         import torch
 
-        from fedlora.clients.app import app
         from fedlora import protocol
+        from fedlora.clients.app import app
         from fedlora.lora import from_array_record
         from fedlora.simulations.inprocess import deflate
 

@@ -136,8 +136,8 @@ def worker(args: argparse.Namespace) -> None:
     else:
         from flwr.common.serde import recorddict_to_proto
 
-        from fedlora.clients.app import app as client_app
         from fedlora.app.server import run_server
+        from fedlora.clients.app import app as client_app
         from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
         check_inputs(config)

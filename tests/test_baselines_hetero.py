@@ -353,8 +353,8 @@ class RecordingGrid(InProcessGrid):
 
 
 def run_recorded(tmp_path: Path, overrides: list[str], configs: list[dict[str, Any]] | None = None):
-    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
+    from fedlora.clients.app import app as client_app
 
     config = load_config(SMOKE, ["output.save_adapters=false", *overrides])
     grid = RecordingGrid(client_app, configs or node_configs(config.data.num_clients))

@@ -253,8 +253,8 @@ class RecordingGrid(InProcessGrid):
 
 
 def run_recorded(tmp_path: Path, name: str) -> tuple[Any, RecordingGrid]:
-    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
+    from fedlora.clients.app import app as client_app
 
     config = load_config(SMOKE, [f"strategy.name={name}", f"clients.ranks={RANKS}"])
     grid = RecordingGrid(client_app, node_configs(config.data.num_clients))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedlora.clients.app import app as client_app
-from fedlora.clients.faults import corrupt
 from fedlora.app.runner import run_inprocess
 from fedlora.app.server import GlobalEvaluator
+from fedlora.clients.app import app as client_app
+from fedlora.clients.faults import corrupt
 from fedlora.config import ConfigError, load_config
 from fedlora.data import build_federated_data
 from fedlora.lora import to_array_record

@@ -129,8 +129,8 @@ def test_a_classifier_checkpoint_with_another_head_size_loads_with_a_fresh_head(
 def test_wire_bytes_are_the_serialised_messages_of_the_run(tmp_path: Path) -> None:
     from flwr.common.serde import message_to_proto
 
-    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
+    from fedlora.clients.app import app as client_app
     from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
     # Prepare: an engine that serialises every message it carries, as a gRPC transport would

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from flwr.app import RecordDict
 
-from fedlora.clients.trainers.base import LOCAL_STATE_KEY
 from fedlora.checkpoint import CLIENTS_DIR, checkpoint_dir, restore_client_state
+from fedlora.clients.trainers.base import LOCAL_STATE_KEY
 from fedlora.config import DataConfig, load_config
 from fedlora.data import build_federated_data
 from fedlora.lora import from_array_record
@@ -62,8 +62,8 @@ def test_a_client_is_the_same_whichever_clients_were_built_before() -> None:
 @pytest.fixture(scope="module")
 def sampled_run(tmp_path_factory: pytest.TempPathFactory):
     """fedsa_lora (B stays on the clients) on 12 clients, 3 sampled per round, 2 rounds, in process."""
-    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
+    from fedlora.clients.app import app as client_app
     from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
     out = tmp_path_factory.mktemp("sampled")

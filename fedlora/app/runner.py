@@ -284,8 +284,8 @@ def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[d
                   resume: bool = False) -> ResultsWriter:
     """Run the real ServerApp logic against in-process ClientApps (fedlora/simulations/inprocess.py, no
     Ray); returns the ResultsWriter (``resume``: continue the checkpointed run in ``out_dir``)."""
-    from fedlora.clients.app import app as client_app
     from fedlora.app.server import run_server
+    from fedlora.clients.app import app as client_app
     from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
     grid = InProcessGrid(client_app, configs or node_configs(config.data.num_clients))

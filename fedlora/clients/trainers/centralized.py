@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, ClassVar
 
-from fedlora.clients.trainers.base import LocalTrainer
 from fedlora import protocol
+from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.training import TrainStats, train
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from fedlora.clients.trainers.base import LocalTrainer
 from fedlora import protocol
+from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.lora import Payload, from_peft_state, to_peft_state
 from fedlora.models import adapter_payload, load_payload
 

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fedlora.clients.trainers.base import LocalTrainer
 from fedlora import protocol
+from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.lora import B_SUFFIX, HEAD_PREFIX, Payload, from_array_record, payload_key, to_array_record
 from fedlora.methods.feddr_lora import (
     WEIGHT_FLOOR,

@@ -20,8 +20,8 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar, cast
 
-from fedlora.clients.trainers.base import LocalTrainer
 from fedlora import protocol
+from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload, head_only, join_payload, payload_module, split_payload
 from fedlora.methods.fedhera import scale_tail
 from fedlora.models import load_payload

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from fedlora.clients.trainers.base import LocalTrainer
 from fedlora import protocol
+from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.lora import A_SUFFIX, Payload, payload_module, peft_module, to_peft_state
 from fedlora.methods.fedtreelora import EXTERNAL_PREFIX
 from fedlora.models import adapter_payload, layer_index, load_payload

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, ClassVar
 
-from fedlora.clients.trainers.base import ClientJob, LocalTrainer
 from fedlora import protocol
+from fedlora.clients.trainers.base import ClientJob, LocalTrainer
 from fedlora.lora import Payload, join_payload, split_payload, truncate_rank
 from fedlora.methods.hetlora import HetLoRAOptions, pruned_rank
 from fedlora.models import adapter_payload
