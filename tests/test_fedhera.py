@@ -681,20 +681,21 @@ def test_inprocess_fedhera_never_exceeds_a_download_budget(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_inprocess_fedhera_ablations_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import fedlora.strategies.fedhera as strategy_module
+    import fedlora.methods.fedhera as method_module
 
-    # Prepare: watch which of the method's functions the strategy calls, and with what (the real
-    # functions still run): each ablation must reach the math it names
+    # Prepare: watch which of the method's functions (its home, which the strategy calls them from)
+    # the strategy calls, and with what (the real functions still run): each ablation must reach
+    # the math it names
     calls: dict[str, list[str]] = {"aggregate_original": [], "aggregate_unbiased": [], "tail_lambda": [],
                                    "allocate_download": [], "allocate_training": []}
 
     def spy(name: str, policy_at: int | None = None):
-        real = getattr(strategy_module, name)
+        real = getattr(method_module, name)
 
         def wrapper(*args, **kwargs):
             calls[name].append(args[policy_at] if policy_at is not None else "")
             return real(*args, **kwargs)
-        monkeypatch.setattr(strategy_module, name, wrapper)
+        monkeypatch.setattr(method_module, name, wrapper)
 
     for name in ("aggregate_original", "aggregate_unbiased", "tail_lambda"):
         spy(name)
