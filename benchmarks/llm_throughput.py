@@ -204,13 +204,13 @@ class Client:
         from fedlora import protocol
         from fedlora.lora import to_array_record
         from fedlora.simulations.inprocess import over_the_wire
+        from fedlora.strategies.base import evaluation_round
 
         self.server_round += 1
         cfg = self.config
         config = ConfigRecord({protocol.SERVER_ROUND: self.server_round, protocol.EXPERIMENT: cfg.to_json(),
                                protocol.RANK: cfg.model.lora_rank})
-        every = cfg.federation.evaluate_every  # the strategy's rule (fedlora.strategies.base: evaluates)
-        if self.server_round % every == 0 or self.server_round >= cfg.train.rounds:
+        if evaluation_round(cfg, self.server_round):  # the strategy's own rule
             config[protocol.EVAL_RECEIVED] = True
         content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(self.download), protocol.CONFIG_RECORD: config})
         return over_the_wire(Message(content=content, dst_node_id=self.context.node_id, message_type=MessageType.TRAIN))

@@ -408,9 +408,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return [partitions[i] for i in sorted(chosen)]
 
     def evaluates(self, server_round: int) -> bool:
-        """Whether ``server_round`` is an evaluation round (every k rounds, and the last)."""
-        every = self.experiment.federation.evaluate_every
-        return server_round % every == 0 or server_round >= self.experiment.train.rounds
+        """Whether ``server_round`` is an evaluation round (:func:`evaluation_round`)."""
+        return evaluation_round(self.experiment, server_round)
 
     # ---------------------------------------------------------------- Flower hooks
     def connect(self, grid: Grid) -> None:
@@ -818,6 +817,13 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
             record.global_loss = float(np.average([r[protocol.GLOBAL_LOSS] for r in rows], weights=examples))
             record.global_perplexity = math.exp(min(record.global_loss, 700.0))
         return MetricRecord({protocol.PERSONALIZED_ROUGE_L: record.personalized_rouge_l})
+
+
+def evaluation_round(experiment: ExperimentConfig, server_round: int) -> bool:
+    """Whether the server evaluates in ``server_round``: every ``federation.evaluate_every`` rounds,
+    and the last (a train message of such a round asks the client for its received-model metrics)."""
+    every = experiment.federation.evaluate_every
+    return server_round % every == 0 or server_round >= experiment.train.rounds
 
 
 def _arrays_problem(payload: Payload, expected: Payload) -> str:
