@@ -234,6 +234,17 @@ def test_bootstrap_interval_matches_the_exact_bootstrap_of_five_seeds() -> None:
     assert bootstrap_ci(differences) == (low, high)  # seeded: reproducible
 
 
+def test_one_seed_has_no_interval_and_its_table_says_so(hand_folder: Path) -> None:
+    # a single difference resamples to itself: a zero-width interval would read as certainty
+    assert all(math.isnan(v) for v in bootstrap_ci([0.03]))
+    paired = summarize(hand_folder, write=False, seeds=[0]).paired("fedit")
+    row = paired.row("a", "personalized_accuracy")
+    assert row["n"] == 1 and row["mean_difference"] == pytest.approx(0.01, abs=1e-12)
+    assert math.isnan(row["ci_low"]) and math.isnan(row["ci_high"]) and math.isnan(row["p_value"])
+    line = next(line for line in paired.to_markdown().splitlines() if line.startswith("| a − fedit"))
+    assert line.split("|")[5].strip() == "n/a"  # the CI column
+
+
 def test_paired_t_pvalue_is_the_hand_computed_one() -> None:
     for differences in HAND_DIFFERENCES.values():
         assert paired_t_pvalue(differences) == pytest.approx(t_pvalue_df2(differences), rel=1e-9)

@@ -12,7 +12,8 @@ the same partition), never by position. Per comparison and metric:
   resampled with replacement ``resamples`` times (default 10,000, numpy ``default_rng(0)``, so the
   interval is reproducible), the interval is the 2.5th and 97.5th percentiles of the resampled
   means (numpy's linear interpolation). With 3 to 5 seeds it is a description of the seeds'
-  spread, narrower than a t interval; it never reaches beyond the smallest / largest difference;
+  spread, narrower than a t interval; it never reaches beyond the smallest / largest difference.
+  One seed has no spread to resample: no interval (NaN, "n/a"), as for the t-test;
 - a two-sided **paired t-test** p-value (``scipy.stats.ttest_1samp`` of the differences against 0,
   which is ``scipy.stats.ttest_rel``); n - 1 degrees of freedom. Identical differences (zero spread)
   give p = 1 when they are all 0 and p = 0 otherwise (the t statistic is infinite);
@@ -91,11 +92,13 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 def bootstrap_ci(
     differences: Sequence[float], level: float = LEVEL, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED
 ) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``differences`` (seeds resampled with replacement)."""
+    """Percentile bootstrap interval of the mean of ``differences`` (seeds resampled with replacement);
+    NaN for fewer than 2 seeds (every resample of one difference is that difference: a zero-width
+    interval that would read as certainty)."""
     import numpy as np
 
     values = np.asarray(differences, dtype=float)  # (n,)
-    if values.size == 0:
+    if values.size < 2:
         return math.nan, math.nan
     rng = np.random.default_rng(seed)
     means = values[rng.integers(0, values.size, size=(resamples, values.size))].mean(axis=1)  # (resamples,)
@@ -272,6 +275,10 @@ class PairedTable:
     def _p(value: float) -> str:
         return "n/a" if not math.isfinite(value) else ("< 0.001" if value < 0.001 else f"{value:.3f}")
 
+    @staticmethod
+    def _ci(low: float, high: float) -> str:
+        return "n/a" if not (math.isfinite(low) and math.isfinite(high)) else f"[{low * 100:+.2f}, {high * 100:+.2f}]"
+
     def display(self, metric: str) -> Any:
         """One metric's comparisons as shown (points, CI, p, Holm p)."""
         import pandas as pd
@@ -283,7 +290,7 @@ class PairedTable:
             rows.append([
                 f"**{name}** (primary)" if r["primary"] else name,
                 r["seeds"], per_seed, f"{r['mean_difference'] * 100:+.2f}",
-                f"[{r['ci_low'] * 100:+.2f}, {r['ci_high'] * 100:+.2f}]", self._p(r["p_value"]),
+                self._ci(r["ci_low"], r["ci_high"]), self._p(r["p_value"]),
                 "uncorrected (primary)" if r["primary"] else self._p(r["p_holm"]),
             ])
         return pd.DataFrame(rows, columns=["comparison", "seeds", "per seed (points)", "mean (points)",
@@ -297,7 +304,8 @@ class PairedTable:
             ("Each row is label minus baseline, the runs matched by seed (same train.seed and data.seed); "
              "differences in points (x 100: accuracy or ROUGE-L points)."),
             (f"95 % CI: percentile bootstrap of the mean difference, the seeds resampled with replacement "
-             f"{self.resamples} times (seeded): the range of mean differences the seeds support, not a test."),
+             f"{self.resamples} times (seeded): the range of mean differences the seeds support, not a test; "
+             "n/a with one seed."),
             "p (paired t): two-sided paired t-test of the differences (n - 1 degrees of freedom).",
             ("p (Holm): Holm's step-down correction over that metric's comparisons, the primary one excluded; "
              "read a difference as significant at 0.05 only when its Holm p is under 0.05."),
