@@ -14,6 +14,14 @@ from pathlib import Path
 # threads than cores only wait on each other. Subprocesses (CLI, SuperLink, SuperNodes) inherit it.
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+# One set of CPU kernels on every x86-64 machine: torch's (ATen, oneDNN, MKL) at AVX2 and OpenBLAS's
+# (numpy, scipy) for Haswell, also where the CPU has AVX-512. CI's machines differ (some AVX2 only,
+# some AVX-512), and so do their float results, from the first training step (1e-7; 1e-4 after two
+# rounds): the numbers pinned in tests/golden/ hold on every machine only with the same kernels.
+# test_golden.py checks that they are in force.
+for _name, _value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+                      ("MKL_ENABLE_INSTRUCTIONS", "AVX2"), ("OPENBLAS_CORETYPE", "Haswell")):
+    os.environ.setdefault(_name, _value)
 # Ray's workers at normal priority (Ray's default is nice 15: next to the other workers' processes
 # they starved, 24 s Ray runs took 5-20 min). fedlora's runner sets the same for its own Ray
 # starts; this covers the Ray the tests start directly (the two-node cluster, Flower's simulation

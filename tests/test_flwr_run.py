@@ -334,3 +334,20 @@ def test_a_users_serverapp_under_flwr_run_trains_and_saves_the_final_model(flowe
     assert {final[k].shape for k in final if k.endswith("::A")} == {(8, 32)}
     # Assert: the run left no process (the SuperLink stays until the module ends)
     assert left_by_run == []
+
+
+def test_the_repository_builds_a_fab_that_flower_installs_with_the_package_and_configs_only(tmp_path: Path) -> None:
+    """`flwr run .` ships a FAB built from pyproject's [tool.flwr.app] fab-include: Flower's own
+    builder and installer (which verifies every file's hash) accept it, and it holds fedlora and
+    configs but not docs/ (whose record folders have commas Flower's hash list cannot carry)."""
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.cli.install import install_from_fab
+
+    # Execute
+    fab = build_fab_from_disk(ROOT)
+    installed = install_from_fab(fab, tmp_path, skip_prompt=True)
+    # Assert
+    shipped = {p.relative_to(installed).as_posix() for p in installed.rglob("*") if p.is_file()}
+    assert "configs/smoke.toml" in shipped and "fedlora/clients/app.py" in shipped and "fedlora/app/server.py" in shipped
+    assert {s.split("/")[0] for s in shipped} == {"fedlora", "configs", "pyproject.toml"}
+    assert len(fab) < 10 * 2**20  # Flower's FAB size limit

@@ -14,6 +14,10 @@ A deliberate behaviour change rewrites the file: ``FEDLORA_GOLDEN_WRITE=1 python
 tests/test_golden.py`` (all entries; ``-k NAME`` rewrites only those, keeping the others), and says
 why in the commit. The file records the cut it was written for; a test on another cut fails with
 "rewrite it".
+
+Float results depend on the CPU kernels (AVX2 and AVX-512 machines differ from the first step):
+tests/conftest.py selects torch's AVX2 kernels and OpenBLAS's Haswell kernels in every test process,
+and the file holds their numbers; a process with other kernels skips, saying so.
 """
 
 from __future__ import annotations
@@ -100,6 +104,20 @@ def run_fingerprint(strategy: str, extra: list[str], out: Path) -> dict:
     return {"rounds": rounds, "adapters": adapters}
 
 
+def pinned_kernels() -> None:
+    """The file was written with torch's AVX2 kernels and OpenBLAS's Haswell kernels (numpy's
+    matrix products), which tests/conftest.py selects before either loads; a process with others
+    cannot reproduce it (a CPU without AVX2, or the variables set otherwise)."""
+    import torch
+    from threadpoolctl import threadpool_info
+
+    kernels = {"torch": torch.backends.cpu.get_cpu_capability()} | {
+        f"openblas ({info['filepath'].split('/site-packages/')[-1].split('/')[0]})": info.get("architecture")
+        for info in threadpool_info() if info.get("internal_api") == "openblas"}
+    if kernels["torch"] != "AVX2" or any(arch != "Haswell" for name, arch in kernels.items() if name != "torch"):
+        pytest.skip(f"the golden runs were computed with AVX2 / Haswell kernels; this process has {kernels}")
+
+
 def cut_description() -> dict:
     """What the file was written for: the cut (and each strategy's own cut options)."""
     return {"config": "configs/quick.toml", "overrides": list(QUICK_CUT),
@@ -145,6 +163,7 @@ def assert_close(actual, expected, where: str) -> None:
 
 @pytest.mark.parametrize("entry", list(entries()))
 def test_every_strategy_reproduces_its_golden_run(entry: str, tmp_path: Path) -> None:
+    pinned_kernels()
     strategy, extra = entries()[entry]
     # Execute
     fingerprint = json.loads(json.dumps(run_fingerprint(strategy, extra, tmp_path)))

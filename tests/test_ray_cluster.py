@@ -30,6 +30,9 @@ def two_node_cluster():
     # named in /tmp/ray/ray_current_cluster, which Cluster writes "for convenience in unit testing";
     # this test passes the address explicitly
     temp_dir = tempfile.mkdtemp(prefix="fl-raycl-")  # short: Ray's socket paths must stay < 108 chars
+    # Cluster writes that pointer into Ray's default temp folder whatever temp_dir says, and fails
+    # when no Ray has run on this machine yet (the folder does not exist: CI, this module first)
+    Path(ray._common.utils.get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                             "temp_dir": temp_dir})
     ray._common.utils.reset_ray_address()
