@@ -159,7 +159,8 @@ def smollm2_model_path() -> Path:
 
         gguf = packaged_smollm2_path()
         logger.info("model smollm2: dequantising %s once into %s (~15 s)", gguf.name, folder.parent)
-        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with _no_gguf_progress_bar():
+            model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # a GGUF-loaded model cannot be saved while it names its quantizer
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -168,6 +169,23 @@ def smollm2_model_path() -> Path:
         tokenizer.save_pretrained(str(folder))
 
     return cached_folder(cache_root() / SMOLLM2_CACHE, "float32", _smollm2_key("float32"), build)
+
+
+@contextlib.contextmanager
+def _no_gguf_progress_bar() -> Iterator[None]:
+    """transformers' GGUF reader draws its own tqdm bar ("Converting and de-quantizing GGUF
+    tensors"), which ``transformers.utils.logging.disable_progress_bar`` does not reach (the module
+    imports ``tqdm.auto`` itself): off while fedlora dequantises, fedlora's own line says what runs."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    bar = reader.tqdm
+    reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
 
 
 def _local_or_hub(path: str) -> str:
