@@ -178,8 +178,7 @@ def _no_gguf_progress_bar() -> Iterator[None]:
     imports ``tqdm.auto`` itself): off while fedlora dequantises, fedlora's own line says what runs."""
     import functools
 
-    from transformers import modeling_gguf_pytorch_utils as reader
-
+    reader: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     bar = reader.tqdm
     reader.tqdm = functools.partial(bar, disable=True)
     try:
