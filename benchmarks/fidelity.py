@@ -608,6 +608,18 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def console_handler(stream: Any = None) -> logging.Handler:
+    """The benchmark's console (stderr): timestamped, and quiet as fedlora's own (its lines and
+    everyone's warnings, without the libraries' known noise such as a classifier's head reported
+    MISSING at every model load); each run's run.log keeps every record."""
+    from fedlora.app.quiet import QuietFilter
+
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    handler.addFilter(QuietFilter())
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--scenario", required=True,
@@ -626,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the full version on one CUDA GPU: the scenario's full-size overrides (LLM scenarios), "
                         "train.device=cuda, seeds 0..4 unless --seeds, all runs of a seed in parallel")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.basicConfig(level=logging.INFO, handlers=[console_handler()])
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -372,3 +373,21 @@ def test_ablations_run_at_their_methods_choice_with_their_own_keys_winning(name:
         assert len(keys) == len(set(keys)) and "train.lr=0.003" in chosen[label], label
     if name == "fedtreelora":  # the fixed-lambda ablation keeps mixing_lr = 0, not the method's 0.5 / 0.1
         assert chosen["fedtreelora_fixed_lam"] == ("train.lr=0.003",)
+
+
+def test_the_console_is_quiet_like_fedlora_s_and_timestamped() -> None:
+    import io
+    import logging
+
+    # Prepare
+    stream = io.StringIO()
+    handler = fidelity.console_handler(stream)
+    # Execute: a classifier's load report (listed noise), a fedlora line, another library's warning
+    for name, level, message in (("transformers.modeling_utils", logging.WARNING, "BertModel LOAD REPORT from: x"),
+                                 ("fedlora", logging.INFO, "fidelity: tuning, 3 configuration(s)"),
+                                 ("torch", logging.WARNING, "a warning nobody listed")):
+        handler.handle(logging.LogRecord(name, level, "/elsewhere/lib.py", 1, message, None, None))
+    # Assert
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == ["fidelity: tuning, 3 configuration(s)", "a warning nobody listed"]
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", line) for line in lines)

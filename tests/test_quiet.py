@@ -87,3 +87,24 @@ def test_python_api_shows_progress_without_configuration_and_verbose_shows_the_r
     assert "configure_train: round 1" in verbose and "round   1/1" in verbose
     assert "configure_train: round 2" in (tmp_path / "q" / "run.log").read_text() and "configure_train" not in quiet
     assert proc.stderr == ""
+
+
+WORKER_SCRIPT = """
+import logging
+from fedlora.app.quiet import output
+with output(console=False):  # as a worker of `fedlora compare --workers` runs, before its run's log opens
+    logging.getLogger("transformers.modeling_utils").warning("BertForSequenceClassification LOAD REPORT from: x")
+    logging.getLogger("fedlora").info("compare: a line for the run's log only")
+    logging.getLogger("transformers").warning("a warning nobody listed as noise")
+"""
+
+
+def test_a_worker_without_console_drops_listed_noise_and_still_shows_other_warnings() -> None:
+    # Execute: a fresh interpreter, as a spawned worker is (no root handlers)
+    proc = subprocess.run([sys.executable, "-c", WORKER_SCRIPT], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, check=False)
+    # Assert: the load report (listed noise) and fedlora's INFO line are not printed; the unlisted warning is
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shown = proc.stdout + proc.stderr
+    assert "LOAD REPORT" not in shown and "compare:" not in shown
+    assert "a warning nobody listed as noise" in shown

@@ -190,7 +190,15 @@ def _install(verbose: bool, console: bool, own_console: bool = False) -> _Sessio
         "hf_bars": hf_logging.is_progress_bar_enabled(),
     }
     user_handlers = bool(root.handlers) and not own_console
-    handler = console_handler(verbose, worker=own_console) if console and not user_handlers else None
+    handler = None
+    if console and not user_handlers:
+        handler = console_handler(verbose, worker=own_console)
+    elif not user_handlers:
+        # no console, yet a record outside the run's log (a worker loading its model before the run
+        # starts) must not fall to Python's last-resort handler, which prints every warning
+        # unfiltered: the quiet console's warnings only
+        handler = console_handler(False, worker=True)
+        handler.setLevel(logging.WARNING)
     for name in TAKEN_OVER:
         taken = logging.getLogger(name)
         for old in list(taken.handlers):
@@ -235,8 +243,9 @@ def _restore(session: _Session) -> None:
 @contextlib.contextmanager
 def output(verbose: bool = False, console: bool = True) -> Iterator[None]:
     """fedlora's console for the duration of a run or comparison (nested calls reuse the outer
-    one; everything is restored afterwards). ``console=False``: no console at all (the worker
-    processes of ``fedlora compare --workers``, which log to their run.log only)."""
+    one; everything is restored afterwards). ``console=False``: no fedlora lines on the console,
+    only the quiet console's warnings (the worker processes of ``fedlora compare --workers``, which
+    log to their run.log)."""
     if _SESSIONS:
         yield
         return
