@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from fedlora.training import autocast, batch_loader, cached_tokenized
+from fedlora.training import Precision, autocast, batch_loader, cached_tokenized
 
 if TYPE_CHECKING:
     import datasets
@@ -151,7 +151,7 @@ def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
 
 
 def generate(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int,
-             device: torch.device, batch_size: int) -> list[str]:
+             device: torch.device, batch_size: int, precision: Precision = "fp32") -> list[str]:
     """Greedy continuations of the instructions (left-padded batches), decoded without special tokens."""
     import torch
 
@@ -163,7 +163,7 @@ def generate(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
         width = max(len(ids) for ids in encoded)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=device)
         attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
-        with torch.no_grad(), autocast(device):
+        with torch.no_grad(), autocast(device, precision):
             generated = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                                        do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
         outputs += tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
@@ -186,13 +186,14 @@ class TeacherForced:
     tokens: int  # response tokens scored
 
 
-def teacher_forced(model: Any, loader: DataLoader[Any], device: torch.device) -> TeacherForced:
+def teacher_forced(model: Any, loader: DataLoader[Any], device: torch.device,
+                   precision: Precision = "fp32") -> TeacherForced:
     """Loss and next-token accuracy per response token over a loader, in eval mode without gradients."""
     import torch
 
     model.to(device).eval()
     total, hits, tokens = 0.0, 0, 0
-    with torch.no_grad(), autocast(device):
+    with torch.no_grad(), autocast(device, precision):
         for batch in loader:
             logits, labels = response_logits(model, batch, device)
             nll, count = token_losses(logits, labels)
@@ -201,9 +202,10 @@ def teacher_forced(model: Any, loader: DataLoader[Any], device: torch.device) ->
     return TeacherForced(total / tokens if tokens else math.nan, hits / tokens if tokens else math.nan, tokens)
 
 
-def response_loss(model: Any, loader: DataLoader[Any], device: torch.device) -> tuple[float, int]:
+def response_loss(model: Any, loader: DataLoader[Any], device: torch.device,
+                  precision: Precision = "fp32") -> tuple[float, int]:
     """(mean NLL per response token, response tokens) over a loader, in eval mode without gradients."""
-    scored = teacher_forced(model, loader, device)
+    scored = teacher_forced(model, loader, device, precision)
     return scored.loss, scored.tokens
 
 
@@ -217,17 +219,18 @@ def evaluate_generation(
     rouge_examples: int,
     batch_size: int,
     samples: int = 0,
+    precision: Precision = "fp32",
 ) -> GenerationEval:
     """Token-level loss / perplexity over ``loader`` (the tokenised ``dataset``) and ROUGE-L of
     greedy generations on its first ``rouge_examples`` rows (0 = all); ``samples`` of them are
     returned as (prompt, reference, generation)."""
     if len(dataset) == 0:
         return GenerationEval(math.nan, math.nan, math.nan, 0, 0, 0)
-    loss, tokens = response_loss(model, loader, device)
+    loss, tokens = response_loss(model, loader, device, precision)
     n = len(dataset) if rouge_examples == 0 else min(rouge_examples, len(dataset))
     head = dataset.select(range(n))
     prompts, references = list(head["prompt"][:]), list(head["response"][:])
-    generations = generate(model, tokenizer, prompts, max_new_tokens, device, batch_size)
+    generations = generate(model, tokenizer, prompts, max_new_tokens, device, batch_size, precision)
     scores = rouge_l(generations, references)
     shown = [{"prompt": p, "reference": r, "generation": g} for p, r, g in list(zip(prompts, references, generations))[:samples]]
     return GenerationEval(loss, math.exp(min(loss, 700.0)) if math.isfinite(loss) else math.nan,

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedlora.errors import ConfigError
-from fedlora.schema import ExperimentConfig
+from fedlora.schema import ExperimentConfig, with_record_defaults
 from fedlora.state import StateError, decode, encode
 
 if TYPE_CHECKING:
@@ -168,8 +168,8 @@ def load_server(out_dir: str | Path, config: ExperimentConfig | None = None) -> 
                               f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
     round_done, partitions = blob["round"], list(blob["partitions"])
     if config is not None:
-        if blob["config"] != _comparable(config):
-            stored, now = blob["config"], _comparable(config)
+        stored, now = with_record_defaults(blob["config"]), _comparable(config)
+        if stored != now:
             keys = sorted(f"{s}.{k}" for s in now for k in (now[s] if isinstance(now[s], dict) else {})
                           if not isinstance(stored.get(s), dict) or stored[s].get(k) != now[s].get(k))
             raise CheckpointError(f"{where}: the config differs from the checkpointed run in "

@@ -117,6 +117,8 @@ class ResultsWriter:
         self.strategy_info = strategy_info or {}
         self.privacy: dict[str, float] | None = None
         self.id2label: dict[str, str] = {}  # classification: class index -> class name (written as "id2label")
+        # train.precision as resolved on the server's machine (in simulation, every client's): "fp32" / "bf16"
+        self.precision = ""
         self.started = time.time()
 
     @property
@@ -165,6 +167,7 @@ class ResultsWriter:
             "versions": package_versions(),
             "strategy_info": self.strategy_info,
             **({"id2label": self.id2label} if self.id2label else {}),
+            **({"precision": self.precision} if self.precision else {}),
             "rounds": [asdict(r) for r in self.rounds],
             "final": self.final(),
             "wall_seconds": time.time() - self.started,

@@ -173,7 +173,16 @@ class TrainConfig(_Section):
         "perplexity always use the whole split."
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="'auto' picks CUDA when present (bf16 autocast there), else CPU."
+        "auto", description="'auto' picks CUDA when present, else CPU."
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Arithmetic of the forward pass (training and evaluation): 'bf16' runs it "
+        "under bf16 autocast (weights, optimiser state and the loss stay fp32), 'fp32' without autocast. "
+        "'auto' is bf16 where the device computes it natively (a CUDA GPU with bf16; a CPU with "
+        "AVX512-BF16 or AMX whose torch kernels use them) and fp32 elsewhere: on a CPU without native "
+        "bf16 a bf16 matrix product is emulated and dozens of times slower. The resolved value is "
+        "recorded in results.json (`precision`); benchmark configs pin it so a record keeps its meaning. "
+        "DP-SGD steps (Opacus) always run in fp32."
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of LoRA init, batch order and client sampling, in "
                       "[0, 2**31 - 1].")
@@ -428,6 +437,26 @@ class OutputConfig(_Section):
         5, ge=0, description="causal_lm: greedy generations of the global model on the first global "
         "test instructions written to generations.jsonl per evaluation round (round 0 = zero-shot)."
     )
+
+
+# Options added after runs were recorded, each with the value that reproduces what a record written
+# before it ran with. A record (results.json, a checkpoint) whose config lacks the key is read with
+# this value, so the committed benchmark records (docs/results/records/) stay complete when an option
+# is added, and a record stops matching only when the option's value really differs. Every recorded
+# run before train.precision existed ran its forward pass in fp32 (the records are CPU runs; only
+# CUDA had bf16 autocast then, and no CUDA run was recorded).
+RECORD_DEFAULTS: dict[tuple[str, str], Any] = {
+    ("train", "precision"): "fp32",
+}
+
+
+def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config (a dict of sections) with :data:`RECORD_DEFAULTS` filled where it lacks them."""
+    filled = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for (section, key), value in RECORD_DEFAULTS.items():
+        if isinstance(filled.get(section), dict):
+            filled[section].setdefault(key, value)
+    return filled
 
 
 class ExperimentConfig(_Section):

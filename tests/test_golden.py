@@ -95,7 +95,8 @@ def cut_overrides(strategy: str, extra: list[str]) -> list[str]:
 def run_fingerprint(strategy: str, extra: list[str], out: Path) -> dict:
     from fedlora.app.runner import run_inprocess
 
-    config = load_config(QUICK, cut_overrides(strategy, extra))
+    # fp32 forward passes: the pinned numbers are fp32 ones ('auto' would pick bf16 where a CPU has it)
+    config = load_config(QUICK, [*cut_overrides(strategy, extra), "train.precision=fp32"])
     run_inprocess(config, out)
     results = json.loads((out / "results.json").read_text())
     rounds = [{k: r.get(k) for k in METRICS} | {"extra": r.get("extra", {})} for r in results["rounds"]]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedlora.app.runs import SEED_DIR_PREFIX
+from fedlora.schema import with_record_defaults
 
 if TYPE_CHECKING:
     from fedlora.app.folders import Claim
@@ -109,7 +110,7 @@ def is_complete(run_dir: Path, config: ExperimentConfig) -> bool:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if _comparable(results.get("config") or {}) != _comparable(config.model_dump(mode="json")):
+    if _comparable(with_record_defaults(results.get("config") or {})) != _comparable(config.model_dump(mode="json")):
         logger.warning("compare: %s was produced by a different config; running it again", run_dir)
         return False
     rounds = [r.get("round") for r in results.get("rounds") or [] if r.get("round") != 0]  # 0: causal LM zero-shot

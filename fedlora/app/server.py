@@ -46,11 +46,13 @@ class GlobalEvaluator(SeededAdapters):
 
     def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
         from fedlora.backbones import resolve_device
+        from fedlora.training import resolve_precision
 
         super().__init__(config.model, len(federated.label_names), seed=config.train.seed, device=config.train.device)
         self.config = config
         self.federated = federated
         self.torch_device = resolve_device(config.train.device)
+        self.precision = resolve_precision(config.train.precision, self.torch_device)
         self._loader: Any = None
 
     def model_for(self, payload: Payload):
@@ -72,7 +74,7 @@ class GlobalEvaluator(SeededAdapters):
             self._loader = make_loader(
                 self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False
             )
-        return evaluate(self.model_for(payload), self._loader, self.torch_device).accuracy
+        return evaluate(self.model_for(payload), self._loader, self.torch_device, self.precision).accuracy
 
     def generation(self, payload: Payload) -> Any:
         """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
@@ -86,7 +88,7 @@ class GlobalEvaluator(SeededAdapters):
                                               cfg.max_length, shuffle=False)
         return evaluate_generation(self.model_for(payload), self.federated.global_test, self._loader, tokenizer,
                                    self.torch_device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
-                                   samples=self.config.output.sample_generations)
+                                   samples=self.config.output.sample_generations, precision=self.precision)
 
     def evaluate_into(self, payload: Payload, record: RoundRecord, out_dir: Path) -> None:
         """Global-test scores of ``payload`` into ``record``: accuracy, or for a causal LM ROUGE-L,
@@ -160,6 +162,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     saved = checkpoint.load_server(out_dir, config) if resume else None  # verified: files, structure, finite arrays
     strategy.connect(grid)  # this run's clients (their node ids and profiles), before any output is written
     writer = ResultsWriter(config, out_dir, strategy_info=info)
+    writer.precision = evaluator.precision
     if config.model.kind != "causal_lm":  # the classes by name, as the model's head indexes them
         writer.id2label = {str(i): name for i, name in enumerate(federated.label_names)}
     first = 1

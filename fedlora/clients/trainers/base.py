@@ -33,10 +33,12 @@ from fedlora.profile import ClientProfile
 from fedlora.schema import ExperimentConfig
 from fedlora.training import (
     EvalStats,
+    Precision,
     TrainStats,
     cross_entropy_loss,
     evaluate,
     make_loader,
+    resolve_precision,
     train,
 )
 
@@ -78,6 +80,7 @@ class LocalTrainer:
         self.config = job.config
         self.options = options_of(job.config)  # the method's typed options (defaults from its home)
         self.device: torch.device = resolve_device(job.config.train.device)
+        self.precision: Precision = resolve_precision(job.config.train.precision, self.device)
         self.tokenizer = load_tokenizer(job.config.model.path)
 
     # ------------------------------------------------------------------ model
@@ -130,6 +133,7 @@ class LocalTrainer:
             loss_fn=self.loss,
             after_backward=self.after_backward,
             parameters=self.parameter_groups(model, loader),
+            precision=self.precision,
         )
 
     def trainable_parameters(self, model: PeftModel, loader: Any) -> list[torch.nn.Parameter]:
@@ -220,12 +224,12 @@ class LocalTrainer:
         as the official code does (no generation): ``received-token-accuracy`` and
         ``received-loss`` per response token, weighted by ``received-tokens``."""
         if self.causal:
-            scored = teacher_forced(model, self.loader(self.job.data.test, "test"), self.device)
+            scored = teacher_forced(model, self.loader(self.job.data.test, "test"), self.device, self.precision)
             if not scored.tokens:
                 return {}
             return {protocol.RECEIVED_TOKEN_ACCURACY: scored.accuracy, protocol.RECEIVED_LOSS: scored.loss,
                     protocol.RECEIVED_TOKENS: float(scored.tokens)}
-        test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
+        test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device, self.precision)
         if not math.isfinite(test.accuracy):
             return {}
         return {protocol.RECEIVED_ACCURACY: test.accuracy, protocol.RECEIVED_EXAMPLES: float(test.examples)}
@@ -235,13 +239,14 @@ class LocalTrainer:
         a causal LM :meth:`evaluate_generation`."""
         if self.causal:
             return self.evaluate_generation(model, with_global)
-        test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device)
+        test: EvalStats = evaluate(model, self.loader(self.job.data.test, "test"), self.device, self.precision)
         metrics = {protocol.ACCURACY: test.accuracy, protocol.LOSS: test.loss, protocol.NUM_EXAMPLES: float(test.examples)}
         if len(self.job.data.val):
-            val = evaluate(model, self.loader(self.job.data.val, "val"), self.device)
+            val = evaluate(model, self.loader(self.job.data.val, "val"), self.device, self.precision)
             metrics |= {protocol.VAL_ACCURACY: val.accuracy, protocol.VAL_EXAMPLES: float(val.examples)}
         if with_global:
-            glob = evaluate(model, self.loader(self.job.federated.global_test, "global"), self.device)
+            glob = evaluate(model, self.loader(self.job.federated.global_test, "global"), self.device,
+                            self.precision)
             metrics[protocol.GLOBAL_ACCURACY] = glob.accuracy
         return {k: (v if math.isfinite(v) else 0.0) for k, v in metrics.items()}
 
@@ -252,14 +257,16 @@ class LocalTrainer:
         def scores(dataset: Any, split: str) -> GenerationEval:
             cfg = self.config.train
             return evaluate_generation(model, dataset, self.loader(dataset, split), self.tokenizer, self.device,
-                                       cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size)
+                                       cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
+                                       precision=self.precision)
 
         test = scores(self.job.data.test, "test")
         metrics = {protocol.ROUGE_L: test.rouge_l, protocol.LOSS: test.loss, protocol.PERPLEXITY: test.perplexity,
                    protocol.TOKENS: float(test.tokens), protocol.NUM_EXAMPLES: float(test.examples),
                    protocol.ROUGE_EXAMPLES: float(test.rouge_examples)}
         if len(self.job.data.val):
-            val_loss, val_tokens = response_loss(model, self.loader(self.job.data.val, "val"), self.device)
+            val_loss, val_tokens = response_loss(model, self.loader(self.job.data.val, "val"), self.device,
+                                                 self.precision)
             metrics |= {protocol.VAL_LOSS: val_loss, protocol.VAL_TOKENS: float(val_tokens),
                         protocol.VAL_EXAMPLES: float(len(self.job.data.val))}
         if with_global:

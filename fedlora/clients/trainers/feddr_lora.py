@@ -227,7 +227,7 @@ class FedDRLoRATrainer(LocalTrainer):
             model, split_epochs,  # type: ignore[arg-type]  # iterated like the DataLoader it wraps
             epochs=cfg.local_epochs, lr=cfg.lr, device=self.device, max_steps=cfg.max_steps,
             weight_decay=cfg.weight_decay, loss_fn=self.loss, after_backward=self.after_backward,
-            parameters=self.trainable_parameters(model, loader),
+            parameters=self.trainable_parameters(model, loader), precision=self.precision,
         )
 
     def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -281,7 +281,7 @@ class FedDRLoRATrainer(LocalTrainer):
         import torch
         import torch.nn.functional as F
 
-        logits, labels = predict_logits(model, batches, self.device)  # type: ignore[arg-type]  # any iterable
+        logits, labels = predict_logits(model, batches, self.device, self.precision)  # type: ignore[arg-type]  # any iterable
         model.train()
         index = torch.cat([b["index"] for b in batches]).numpy()
         losses = F.cross_entropy(logits, labels, reduction="none").numpy()
