@@ -25,7 +25,12 @@ total optimiser steps. The rules (docs/results/fidelity.md explains them):
   other job, Holm-corrected; 95 % bootstrap intervals over seeds (:mod:`fedlora.app.paired`).
 
 Complete runs are skipped when rerun (the whole config is compared), so an interrupted benchmark
-continues where it stopped, tuning stage included. Runs go through the in-process engine in
+continues where it stopped, tuning stage included. **Records**: every run is kept as soon as it
+finishes under ``docs/results/records/<scenario>/`` (its results.json, at the path it has under
+``OUT``; ``--records DIR`` elsewhere, ``--no-records`` not at all), and the records are restored
+into ``OUT`` before anything runs, so on a fresh clone the same command continues the protocol
+from the committed records: stop it at any moment and only the runs in progress are lost.
+``--status`` prints how far each scenario is (runs done / planned) and runs nothing. Runs go through the in-process engine in
 ``--workers`` processes (on a CUDA machine, ``--set train.device=cuda``: they share the GPU).
 
 **LLM scenarios** (``fedhera_llm``, ``fedtreelora_llm``: SmolLM2 instruction tuning) follow the same
@@ -51,8 +56,10 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -374,8 +381,9 @@ def comparisons(scenario: Scenario, seeds: list[int], other_seeds: int = OTHER_S
 
 # --------------------------------------------------------------------------- tuning stage
 def tune_scenario(scenario: Scenario, config: str, seed: int, out: Path, workers: int,
-                  overrides: list[str]) -> dict[str, TunePlan]:
-    """Run the equal-budget protocol of every tuned job (``tuned_as`` None) on ``seed`` until each has chosen."""
+                  overrides: list[str], on_done: Callable[[Job, Path], None] | None = None) -> dict[str, TunePlan]:
+    """Run the equal-budget protocol of every tuned job (``tuned_as`` None) on ``seed`` until each
+    has chosen (``on_done``: called with each run as it finishes)."""
     base = resolve_base(config, overrides)
     while True:
         runs = load_runs(out, seeds=[seed])
@@ -385,7 +393,7 @@ def tune_scenario(scenario: Scenario, config: str, seed: int, out: Path, workers
         if not pending:
             return plans
         logger.info("fidelity: tuning, %d configuration(s) to run on seed %d", len(pending), seed)
-        run_jobs(base, pending, out, engine="inprocess", workers=workers)
+        run_jobs(base, pending, out, engine="inprocess", workers=workers, on_done=on_done)
 
 
 def choices(scenario: Scenario, plans: dict[str, TunePlan]) -> dict[str, Point]:
@@ -410,18 +418,80 @@ def _scorer(scenario: Scenario, label: str, seed: int, base: Any, out: Path, run
     return score
 
 
+
+# --------------------------------------------------------------------------- records
+RECORDS = ROOT / "docs/results/records"  # committed: records/<scenario>/<job>[<configuration>]/seed<k>/results.json
+RESULTS = "results.json"
+
+
+def complete_by_itself(path: Path) -> bool:
+    """Whether the results.json at ``path`` holds every round its own config asked for."""
+    try:
+        results = json.loads(path.read_text())
+        wanted = int(results["config"]["train"]["rounds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    rounds = [r.get("round") for r in results.get("rounds") or [] if isinstance(r, dict) and r.get("round") != 0]
+    return rounds == list(range(1, wanted + 1))
+
+
+def _copy(source: Path, target: Path) -> None:
+    """``source`` to ``target`` atomically (a reader never sees half a file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".json.partial")
+    shutil.copyfile(source, partial)
+    partial.replace(target)
+
+
+def keep_record(records: Path, out: Path, run_dir: Path) -> None:
+    """Keep the finished run in ``run_dir`` (under ``out``) as a record: its results.json, at the
+    same relative path under ``records``."""
+    source = run_dir / RESULTS
+    if complete_by_itself(source):
+        _copy(source, records / run_dir.relative_to(out) / RESULTS)
+        logger.info("fidelity: kept %s", records / run_dir.relative_to(out))
+
+
+def sync_records(records: Path, out: Path) -> tuple[int, int]:
+    """Restore every record into ``out`` where ``out`` holds no complete run of it (so the run is
+    skipped: ``is_complete`` still compares its whole config), and keep every complete run of
+    ``out`` that ``records`` lacks. Returns (restored, kept)."""
+    restored = kept = 0
+    for record in sorted(records.glob(f"*/*/{RESULTS}")) if records.is_dir() else []:
+        target = out / record.relative_to(records)
+        if complete_by_itself(record) and not complete_by_itself(target):
+            _copy(record, target)
+            restored += 1
+    for run in sorted(out.glob(f"*/*/{RESULTS}")) if out.is_dir() else []:
+        if run.parent.parent.name == "tensorboard":
+            continue
+        target = records / run.relative_to(out)
+        if complete_by_itself(run) and not target.is_file():
+            _copy(run, target)
+            kept += 1
+    return restored, kept
+
+
 # --------------------------------------------------------------------------- the scenario
 def run_scenario(name: str, seeds: list[int], out: Path, workers: int, overrides: list[str],
-                 other_seeds: int = OTHER_SEEDS) -> dict:
-    """Run (or finish) one scenario and write its tables; returns the fidelity facts."""
+                 other_seeds: int = OTHER_SEEDS, records: Path | None = None) -> dict:
+    """Run (or finish) one scenario and write its tables; returns the fidelity facts. With
+    ``records``, the complete runs kept there are restored into ``out`` first (they are skipped)
+    and every run is kept there as soon as it finishes (:func:`keep_record`)."""
     scenario = SCENARIOS[name]
     config = str(ROOT / scenario.config)
+    on_done = None
+    if records is not None:
+        restored, kept = sync_records(records, out)
+        logger.info("fidelity: %s: %d record(s) restored from %s, %d finished run(s) kept there", name, restored,
+                    records, kept)
+        on_done = lambda job, run_dir: keep_record(records, out, run_dir)
     started = time.perf_counter()
-    plans = tune_scenario(scenario, config, seeds[0], out, workers, overrides)
+    plans = tune_scenario(scenario, config, seeds[0], out, workers, overrides, on_done)
     tuned = time.perf_counter()
     chosen = choices(scenario, plans)
     jobs = final_jobs(scenario, seeds, chosen, other_seeds)
-    run_jobs(config, jobs, out, engine="inprocess", overrides=overrides, workers=workers)
+    run_jobs(config, jobs, out, engine="inprocess", overrides=overrides, workers=workers, on_done=on_done)
     finished = time.perf_counter()
     folders = {point_label(label, chosen[label]): label for label in scenario.jobs}
     table = summarize(out, labels=list(folders), rename=folders, seeds=seeds)
@@ -600,7 +670,49 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- progress
+def progress(name: str, seeds: list[int], records: Path, overrides: list[str],
+             other_seeds: int = OTHER_SEEDS) -> dict[str, int]:
+    """How far scenario ``name`` is in ``records``: tuning runs done and still pending (as far as
+    the plan is known: a widening adds runs only once the grid's runs are in), and the final runs
+    (every job at its choice on every seed, the first seed's tuning runs not counted twice) done
+    and planned. Reads the records only; runs nothing."""
+    scenario = SCENARIOS[name]
+    base = resolve_base(str(ROOT / scenario.config), overrides)
+    runs = load_runs(records, seeds=[seeds[0]]) if records.is_dir() else {}
+    plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seeds[0], base, records, runs))
+             for label, spec in scenario.jobs.items() if spec.tuned_as is None}
+    pending = sum(len(p.pending) for p in plans.values())
+    tuned = all(p.chosen is not None for p in plans.values())
+    chosen = choices(scenario, plans) if tuned else {label: () for label in scenario.jobs}
+    final = [job for job in final_jobs(scenario, seeds, chosen, other_seeds)
+             if not (job.seed == seeds[0] and scenario.jobs[job.name.split("[")[0]].tuned_as is None)]
+    done = sum(1 for job in final if tuned and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records))))
+    return {"tuning_done": sum(len(p.points) for p in plans.values()) - pending, "tuning_pending": pending,
+            "tuning_complete": int(tuned), "final_done": done, "final_planned": len(final)}
+
+
+def progress_table(records: dict[str, Path], seeds: list[int], overrides: list[str],
+                   other_seeds: int = OTHER_SEEDS) -> str:
+    """The protocol's progress, one row per scenario (``records``: scenario -> its records folder),
+    as a Markdown table (the page copies it)."""
+    lines = ["| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned |",
+             "|---|---|---|---|"]
+    for name, folder in records.items():
+        p = progress(name, seeds, folder, overrides, other_seeds)
+        pending = f"{p['tuning_pending']}" + ("" if p["tuning_complete"] else " (more if a grid widens)")
+        lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']} |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- command line
+def records_dir(records: str | None, folder: str, several: bool) -> Path:
+    """``--records`` for one scenario's ``folder``: a subfolder of it when several scenarios run."""
+    if records is None:
+        return RECORDS / folder
+    return Path(records) / folder if several else Path(records)
+
+
 def parse_seeds(text: str) -> list[int]:
     seeds = [int(s) for s in text.split(",") if s.strip()]
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
@@ -634,6 +746,14 @@ def main(argv: list[str] | None = None) -> int:
                         "runs/fidelity/<scenario>-gpu)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for every run, e.g. train.device=cuda")
+    parser.add_argument("--records", default=None, metavar="DIR",
+                        help="where complete runs are kept as records, one results.json each, as soon as they finish, "
+                        "and restored from before running (default docs/results/records/<scenario>, with --gpu "
+                        "<scenario>-gpu): the protocol continues from the committed records")
+    parser.add_argument("--no-records", action="store_true", help="keep no records (runs stay under --out only)")
+    parser.add_argument("--status", action="store_true",
+                        help="print how far each scenario's protocol is in the records (runs done / known to be "
+                        "planned) and exit; runs nothing")
     parser.add_argument("--gpu", action="store_true",
                         help="the full version on one CUDA GPU: the scenario's full-size overrides (LLM scenarios), "
                         "train.device=cuda, seeds 0..4 unless --seeds, all runs of a seed in parallel")
@@ -663,6 +783,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from fedlora.errors import ConfigError
 
+    if args.status:
+        folders = {name: records_dir(args.records, name, len(names) > 1) for name in names}
+        print(progress_table(folders, seeds, list(args.set), args.other_seeds))
+        return 0
     for name in names:
         folder = f"{name}-gpu" if args.gpu else name
         out = Path(args.out) / folder if args.out and len(names) > 1 else Path(args.out or ROOT / "runs/fidelity" / folder)
@@ -670,8 +794,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpu:
             overrides = [*SCENARIOS[name].gpu, "train.device=cuda", *args.set]  # the user's --set wins
             workers = args.workers or len(SCENARIOS[name].jobs)
+        records = None if args.no_records else records_dir(args.records, folder, len(names) > 1)
         try:
-            facts = run_scenario(name, seeds, out, workers, overrides, args.other_seeds)
+            facts = run_scenario(name, seeds, out, workers, overrides, args.other_seeds, records)
         except ConfigError as error:
             print(f"fidelity: error: {error}", file=sys.stderr)
             return 2

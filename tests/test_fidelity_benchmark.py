@@ -252,7 +252,7 @@ def fake_training(monkeypatch: pytest.MonkeyPatch) -> list[Job]:
     """fidelity.run_jobs without training: it writes each job's results.json (and records the job)."""
     ran: list[Job] = []
 
-    def run_jobs(config, jobs, out, engine="inprocess", overrides=(), workers=1):
+    def run_jobs(config, jobs, out, engine="inprocess", overrides=(), workers=1, on_done=None):
         base = resolve_base(config, overrides)
         for job in jobs:
             run_dir = job.run_dir(out)
@@ -265,6 +265,8 @@ def fake_training(monkeypatch: pytest.MonkeyPatch) -> list[Job]:
             run_dir.mkdir(parents=True, exist_ok=True)
             label = job.name.split("[")[0]
             (run_dir / "results.json").write_text(json.dumps(fake_results(cfg, label, cfg.train.lr, job.seed)))
+            if on_done is not None:
+                on_done(job, run_dir)
         return [job.run_dir(out) for job in jobs]
 
     monkeypatch.setattr(fidelity, "run_jobs", run_jobs)
@@ -291,7 +293,7 @@ def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_tim
     fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Execute: the command, 5 seeds, runs faked
-    assert fidelity.main(["--scenario", "fedpissa", "--seeds", "0,1,2,3,4", "--out", str(tmp_path)]) == 0
+    assert fidelity.main(["--scenario", "fedpissa", "--seeds", "0,1,2,3,4", "--out", str(tmp_path), "--no-records"]) == 0
     # Assert
     page = (tmp_path / "fidelity.md").read_text()
     facts = json.loads((tmp_path / "fidelity.json").read_text())
@@ -310,6 +312,38 @@ def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_tim
     assert f"results: {tmp_path}/fidelity.md" in out and out.strip().splitlines()[-1].startswith("scenario=fedpissa")
     runs_per_seed = {seed: sum(1 for job in fake_training if job.seed == seed) for seed in range(5)}
     assert runs_per_seed[3] == runs_per_seed[4] == 3  # core only: fedpissa, its ablation, feddpa
+
+
+# --------------------------------------------------------------------------- records
+def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_from_them(
+    fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare
+    records, first, second = tmp_path / "records", tmp_path / "first", tmp_path / "second"
+    args = ["--scenario", "fedpissa", "--seeds", "0,1,2", "--records", str(records)]
+    # Execute: --status before anything ran, the protocol once, again into an empty output folder, --status
+    assert fidelity.main([*args, "--status"]) == 0
+    before = capsys.readouterr().out
+    assert fidelity.main([*args, "--out", str(first)]) == 0
+    ran = len(fake_training)
+    assert fidelity.main([*args, "--out", str(second)]) == 0
+    capsys.readouterr()
+    assert fidelity.main([*args, "--status"]) == 0
+    after = capsys.readouterr().out
+    # Assert: one record per run, byte for byte the run's results.json; the second command ran nothing
+    kept = sorted(p.relative_to(records) for p in records.glob("*/seed*/results.json"))
+    made = sorted(p.relative_to(first) for p in first.glob("*/seed*/results.json"))
+    assert len(kept) == ran > 0 and kept == made
+    assert all((records / k).read_bytes() == (first / k).read_bytes() for k in kept)
+    assert len(fake_training) == ran
+    assert (second / "summary.csv").read_text() == (first / "summary.csv").read_text()
+    # the status counts what the records hold: nothing, then every run (tuning and final)
+    tuned = sum(1 for spec in fidelity.SCENARIOS["fedpissa"].jobs.values() if spec.tuned_as is None)
+    row_before = next(line for line in before.splitlines() if line.startswith("| fedpissa |"))
+    row_after = next(line for line in after.splitlines() if line.startswith("| fedpissa |"))
+    assert row_before.startswith("| fedpissa | 0 | ") and "| 0 / " in row_before
+    final = ran - 4 * tuned
+    assert row_after == f"| fedpissa | {4 * tuned} | 0 | {final} / {final} |"
 
 
 # --------------------------------------------------------------------------- the regime rule

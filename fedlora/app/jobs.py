@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -146,6 +146,7 @@ def run_jobs(
     verbose: bool = False,
     workers: int = 1,
     folder: Claim | None = None,
+    on_done: Callable[[Job, Path], None] | None = None,
 ) -> list[Path]:
     """Run every job into ``OUT/<label>/seed<k>/``; returns the folders. What is there is never lost
     (this is what ``--resume`` does): a complete run (results.json with every round of this exact
@@ -157,7 +158,9 @@ def run_jobs(
     before the first run starts (and before ``folder``, the claimed output folder, moves an
     earlier comparison aside), so a bad strategy name, override or data file fails at once. ``workers > 1`` runs that many jobs at a time, each in its own
     process (in-process engine only: each Ray run starts its own cluster); on a CUDA machine the
-    workers share the GPU. A worker's log goes to ``<run dir>/run.log``.
+    workers share the GPU. A worker's log goes to ``<run dir>/run.log``. ``on_done(job, run_dir)``
+    is called as soon as each run finishes (not for skipped complete runs), e.g. to keep it as a
+    record before the other runs end.
     """
     check_engine(engine)
     if workers < 1:
@@ -194,8 +197,10 @@ def run_jobs(
                 started = time.perf_counter()
                 run_one(cfg, run_dir, engine, verbose, resume)
                 logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, time.perf_counter() - started)
+                if on_done is not None:
+                    on_done(job, run_dir)
         else:
-            _run_parallel(todo, len(planned), workers)
+            _run_parallel(todo, len(planned), workers, on_done)
     return [run_dir for _, run_dir in planned]
 
 
@@ -222,7 +227,8 @@ def resumable(run_dir: Path, config: ExperimentConfig) -> bool:
     return False
 
 
-def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig, bool]], total: int, workers: int) -> None:
+def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig, bool]], total: int, workers: int,
+                  on_done: Callable[[Job, Path], None] | None = None) -> None:
     """``todo`` on a pool of ``workers`` fresh processes (spawned: no inherited torch or Ray state)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -234,16 +240,18 @@ def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig, bool]], tot
         for index, job, run_dir, cfg, resume in todo:
             logger.info("compare: [%d/%d] %s seed %d -> %s (worker%s)", index, total, job.name, job.seed, run_dir,
                         ", resumed" if resume else "")
-            futures[pool.submit(_worker_run, cfg.to_json(), str(run_dir), resume)] = job
+            futures[pool.submit(_worker_run, cfg.to_json(), str(run_dir), resume)] = (job, run_dir)
         failed = []
         for future in as_completed(futures):
-            job = futures[future]
+            job, run_dir = futures[future]
             error = future.exception()
             if error is not None:
                 failed.append(f"{job.name} seed {job.seed}: {error}")
                 logger.warning("compare: %s seed %d failed: %s", job.name, job.seed, error)
             else:
                 logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, future.result())
+                if on_done is not None:
+                    on_done(job, run_dir)
     if failed:
         raise RunError(f"{len(failed)} run(s) failed: {'; '.join(failed)}")
 
