@@ -420,7 +420,7 @@ def _scorer(scenario: Scenario, label: str, seed: int, base: Any, out: Path, run
 
 
 # --------------------------------------------------------------------------- records
-RECORDS = ROOT / "docs/results/records"  # committed: records/<scenario>/<job>[<configuration>]/seed<k>/results.json
+RECORDS = Path("docs/results/records")  # under ROOT, committed: <scenario>/<job>[<configuration>]/seed<k>/results.json
 RESULTS = "results.json"
 
 
@@ -709,7 +709,7 @@ def progress_table(records: dict[str, Path], seeds: list[int], overrides: list[s
 def records_dir(records: str | None, folder: str, several: bool) -> Path:
     """``--records`` for one scenario's ``folder``: a subfolder of it when several scenarios run."""
     if records is None:
-        return RECORDS / folder
+        return ROOT / RECORDS / folder
     return Path(records) / folder if several else Path(records)
 
 

@@ -17,7 +17,15 @@ from cli_helpers import QUICK_CUT, QUICK_CUT_OPTIONS
 
 from fedlora.app.compare import compare as compare_strategies
 from fedlora.app.jobs import Job, is_complete, job_config
-from fedlora.app.paired import Pair, PairingError, bootstrap_ci, holm, paired_comparisons, paired_t_pvalue
+from fedlora.app.paired import (
+    Pair,
+    PairingError,
+    bootstrap_ci,
+    holm,
+    paired_comparisons,
+    paired_t_pvalue,
+    paired_test,
+)
 from fedlora.app.plotting import COMPARISON_PLOTS, MECHANISMS_PLOT, plot_mechanisms
 from fedlora.app.summary import ComparisonTable, run_row, summarize
 from fedlora.config import ConfigError, load_config
@@ -248,8 +256,37 @@ def test_one_seed_has_no_interval_and_its_table_says_so(hand_folder: Path) -> No
 def test_paired_t_pvalue_is_the_hand_computed_one() -> None:
     for differences in HAND_DIFFERENCES.values():
         assert paired_t_pvalue(differences) == pytest.approx(t_pvalue_df2(differences), rel=1e-9)
-    assert paired_t_pvalue([0.02, 0.02, 0.02]) == 0.0 and paired_t_pvalue([0.0, 0.0]) == 1.0
+    assert paired_t_pvalue([0.0, 0.0]) == 1.0
     assert math.isnan(paired_t_pvalue([0.1]))
+
+
+@pytest.mark.parametrize(("differences", "expected"), [
+    ([0.02] * 5, 2 / 2**5),  # identical, one sign: the exact sign test, 2 * (1/2)^5
+    ([-0.03] * 3, 2 / 2**3),
+    ([0.02, 0.020000000000000018, 0.019999999999999997, 0.02, 0.02], 2 / 2**5),  # equal up to rounding
+    ([0.0, 0.0, 0.0], 1.0),
+])
+def test_differences_without_spread_get_the_sign_test_never_p_zero(differences, expected) -> None:
+    # Execute
+    p, test = paired_test(differences)
+    # Assert: not 0, not a p of 1e-32 made by rounding
+    assert test == "sign" and p == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_paired_table_of_identical_differences_reports_no_p_of_zero() -> None:
+    # Prepare: runs whose differences to the baseline are identical on every seed
+    runs = [{"strategy": label, "seed": seed, "personalized_accuracy": base + shift}
+            for seed, base in enumerate((0.61, 0.7, 0.83, 0.52, 0.9))
+            for label, shift in (("fedit", 0.0), ("same", 0.03), ("equal", 0.0))]
+    # Execute
+    table = paired_comparisons(runs, [Pair("same", "fedit"), Pair("equal", "fedit")],
+                               metrics=("personalized_accuracy",))
+    markdown = table.to_markdown()
+    # Assert: every p and Holm p is positive, the sign test is named, each row says its number of seeds
+    assert (table.frame["p_value"] > 0).all() and (table.frame["p_holm"] > 0).all()
+    assert table.row("same", "personalized_accuracy")["p_value"] == pytest.approx(0.0625)
+    assert table.row("equal", "personalized_accuracy")["p_value"] == 1.0
+    assert "(sign test)" in markdown and "| 5 (0,1,2,3,4) |" in markdown
 
 
 def test_paired_table_on_a_hand_made_folder_of_runs(hand_folder: Path) -> None:
@@ -284,7 +321,7 @@ def test_paired_table_on_a_hand_made_folder_of_runs(hand_folder: Path) -> None:
     assert "worst-client personalised accuracy" in markdown and "**a − fedit** (primary)" in markdown
     assert "+1.0, +2.0, +3.0" in markdown and "Holm" in markdown and "bootstrap" in markdown
     assert paired.to_csv().splitlines()[0] == ("label,baseline,metric,primary,n,seeds,differences,mean_difference,"
-                                               "ci_low,ci_high,p_value,p_holm")
+                                               "ci_low,ci_high,p_value,p_holm,test")
 
 
 def test_pairing_is_by_seed_not_by_position() -> None:

@@ -58,7 +58,7 @@ def test_every_job_of_an_llm_scenario_runs_one_round_on_the_tiny_llama_and_write
 ) -> None:
     scenario = fidelity.SCENARIOS[name]
 
-    def first_points(scenario, config, seed, out, workers, overrides) -> dict[str, TunePlan]:
+    def first_points(scenario, config, seed, out, workers, overrides, on_done=None) -> dict[str, TunePlan]:
         plans = {}
         for label, spec in scenario.jobs.items():
             if spec.tuned_as is None:
@@ -67,7 +67,7 @@ def test_every_job_of_an_llm_scenario_runs_one_round_on_the_tiny_llama_and_write
         return plans
 
     monkeypatch.setattr(fidelity, "tune_scenario", first_points)
-    args = ["--scenario", name, "--seeds", "0", "--workers", "1", "--out", str(tmp_path)]
+    args = ["--scenario", name, "--seeds", "0", "--workers", "1", "--out", str(tmp_path), "--records", str(tmp_path / "kept")]
     # Execute
     assert fidelity.main([*args, *(a for o in (*TINY, *OWN.get(name, ())) for a in ("--set", o))]) == 0
     # Assert: every job ran its round
@@ -126,11 +126,12 @@ def test_gpu_is_the_full_version_in_one_command(monkeypatch: pytest.MonkeyPatch,
     # Execute
     assert fidelity.main(["--scenario", "fedhera_llm", "--gpu", "--set", "train.rounds=60"]) == 0
     # Assert: seeds 0..4, every job of a seed at once, the full-size overrides then CUDA then the user's
-    name, seeds, out, workers, overrides, _ = calls[0]
+    name, seeds, out, workers, overrides, _, records = calls[0]
     scenario = fidelity.SCENARIOS["fedhera_llm"]
     assert name == "fedhera_llm" and seeds == [0, 1, 2, 3, 4] and workers == len(scenario.jobs) == 7
     assert overrides == [*scenario.gpu, "train.device=cuda", "train.rounds=60"] and "data.num_clients=100" in overrides
     assert out == tmp_path / "runs/fidelity/fedhera_llm-gpu"  # apart from the CPU-sized runs
+    assert records == tmp_path / "docs/results/records/fedhera_llm-gpu"  # and so are its records
     # the final runs go seed by seed, so the 7 workers run one seed's jobs together
     chosen = {label: ("train.lr=0.002",) for label in scenario.jobs}
     order = [job.seed for job in fidelity.final_jobs(scenario, seeds, chosen)]

@@ -15,8 +15,12 @@ the same partition), never by position. Per comparison and metric:
   spread, narrower than a t interval; it never reaches beyond the smallest / largest difference.
   One seed has no spread to resample: no interval (NaN, "n/a"), as for the t-test;
 - a two-sided **paired t-test** p-value (``scipy.stats.ttest_1samp`` of the differences against 0,
-  which is ``scipy.stats.ttest_rel``); n - 1 degrees of freedom. Identical differences (zero spread)
-  give p = 1 when they are all 0 and p = 0 otherwise (the t statistic is infinite);
+  which is ``scipy.stats.ttest_rel``); n - 1 degrees of freedom. Where the differences have no
+  spread (identical, or equal up to float rounding: sample standard deviation at most
+  :data:`NO_SPREAD` times their mean's magnitude) the t statistic is infinite or set by rounding
+  (p = 0, or p = 1e-32 from 1e-17 of noise), so the p-value is the exact two-sided **sign test**
+  instead (``scipy.stats.binomtest`` of the positive differences among the non-zero ones; p = 1
+  when all are 0): 5 seeds all of one sign give 0.0625, never 0. The ``test`` column says which;
 - the **Holm** (step-down Bonferroni) adjusted p-value over the comparisons of that metric. The one
   declared **primary** comparison (a label and a metric, chosen before the runs) is left out of its
   metric's family and reported uncorrected; every other comparison is in its metric's family.
@@ -64,6 +68,10 @@ CAUSAL_PAIRED_METRICS: tuple[str, ...] = (
     "global_rouge_l",
 )
 RESAMPLES = 10_000
+#: Relative spread under which the differences count as identical (std <= NO_SPREAD * |mean|):
+#: accuracies are fractions of at most millions of examples, so a real spread is far above 1e-9
+#: of the mean, and float rounding of equal differences (about 1e-16) far below it.
+NO_SPREAD = 1e-9
 LEVEL = 0.95
 BOOTSTRAP_SEED = 0
 PAIRED_CSV = "paired.csv"
@@ -107,17 +115,26 @@ def bootstrap_ci(
     return float(low), float(high)
 
 
-def paired_t_pvalue(differences: Sequence[float]) -> float:
-    """Two-sided p-value of the paired t-test (differences against 0); NaN for fewer than 2 seeds."""
+def paired_test(differences: Sequence[float]) -> tuple[float, str]:
+    """(two-sided p, test): the paired t-test of the differences against 0 (``"t"``), or where they
+    have no spread (:data:`NO_SPREAD`) the exact sign test (``"sign"``); (NaN, "") for fewer than 2 seeds."""
     import numpy as np
     from scipy import stats
 
     values = np.asarray(differences, dtype=float)
     if values.size < 2:
-        return math.nan
-    if float(values.std(ddof=1)) == 0.0:  # t is 0 / 0 or +-inf
-        return 1.0 if float(values.mean()) == 0.0 else 0.0
-    return float(stats.ttest_1samp(values, 0.0).pvalue)
+        return math.nan, ""
+    if float(values.std(ddof=1)) <= NO_SPREAD * abs(float(values.mean())):  # t is 0 / 0, +-inf, or rounding
+        nonzero = values[values != 0.0]
+        if not nonzero.size:
+            return 1.0, "sign"
+        return float(stats.binomtest(int((nonzero > 0).sum()), int(nonzero.size), 0.5).pvalue), "sign"
+    return float(stats.ttest_1samp(values, 0.0).pvalue), "t"
+
+
+def paired_t_pvalue(differences: Sequence[float]) -> float:
+    """The p-value of :func:`paired_test`."""
+    return paired_test(differences)[0]
 
 
 # --------------------------------------------------------------------------- pairing
@@ -175,7 +192,7 @@ def pair_seeds(runs: Sequence[Mapping[str, Any]], pair: Pair) -> tuple[list[int]
 
 # --------------------------------------------------------------------------- the table
 COLUMNS = ("label", "baseline", "metric", "primary", "n", "seeds", "differences", "mean_difference",
-           "ci_low", "ci_high", "p_value", "p_holm")
+           "ci_low", "ci_high", "p_value", "p_holm", "test")
 
 
 def paired_comparisons(
@@ -213,13 +230,14 @@ def paired_comparisons(
                 continue
             differences = a - b  # (n,) paired by seed
             low, high = bootstrap_ci(differences, resamples=resamples)
+            p_value, test = paired_test(differences)
             records.append({
                 "label": pair.label, "baseline": pair.baseline, "metric": metric,
                 "primary": primary == (pair.label, pair.baseline) and metric == primary_metric,
                 "n": len(seeds), "seeds": _seeds_text(seeds),
                 "differences": " ".join(f"{s}:{d:+.6f}" for s, d in zip(seeds, differences, strict=True)),
                 "mean_difference": float(differences.mean()), "ci_low": low, "ci_high": high,
-                "p_value": paired_t_pvalue(differences),
+                "p_value": p_value, "test": test,
             })
     frame = pd.DataFrame(records, columns=[c for c in COLUMNS if c != "p_holm"])
     frame["p_holm"] = math.nan
@@ -289,11 +307,12 @@ class PairedTable:
             name = f"{r['label']} − {r['baseline']}"
             rows.append([
                 f"**{name}** (primary)" if r["primary"] else name,
-                r["seeds"], per_seed, f"{r['mean_difference'] * 100:+.2f}",
-                self._ci(r["ci_low"], r["ci_high"]), self._p(r["p_value"]),
+                f"{r['n']} ({r['seeds']})", per_seed, f"{r['mean_difference'] * 100:+.2f}",
+                self._ci(r["ci_low"], r["ci_high"]),
+                self._p(r["p_value"]) + (" (sign test)" if r["test"] == "sign" else ""),
                 "uncorrected (primary)" if r["primary"] else self._p(r["p_holm"]),
             ])
-        return pd.DataFrame(rows, columns=["comparison", "seeds", "per seed (points)", "mean (points)",
+        return pd.DataFrame(rows, columns=["comparison", "n (seeds)", "per seed (points)", "mean (points)",
                                            "95 % CI (points)", "p (paired t)", "p (Holm)"])
 
     def metrics(self) -> list[str]:
@@ -306,7 +325,9 @@ class PairedTable:
             (f"95 % CI: percentile bootstrap of the mean difference, the seeds resampled with replacement "
              f"{self.resamples} times (seeded): the range of mean differences the seeds support, not a test; "
              "n/a with one seed."),
-            "p (paired t): two-sided paired t-test of the differences (n - 1 degrees of freedom).",
+            ("p (paired t): two-sided paired t-test of the differences (n - 1 degrees of freedom); where the "
+             "differences have no spread (identical up to rounding) the exact two-sided sign test instead, "
+             "marked (sign test): with n seeds of one sign it is 2 / 2^n, never 0."),
             ("p (Holm): Holm's step-down correction over that metric's comparisons, the primary one excluded; "
              "read a difference as significant at 0.05 only when its Holm p is under 0.05."),
         ]
