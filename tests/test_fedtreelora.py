@@ -514,6 +514,41 @@ def test_round_extra_records_lam_cuts_and_cluster_sizes_per_block() -> None:
     assert all(isinstance(v, float) for v in flat.values())
 
 
+def test_the_tree_recovers_three_planted_groups_from_their_updates() -> None:
+    # Prepare: 9 clients in 3 contiguous task groups (as data.partition = 'grouped' deals them): one
+    # shared centre in the shallow block, one centre per group in the 3 deep blocks
+    from fedlora.data.federated import client_groups
+    from fedlora.methods.fedtreelora import FedTreeLoRAOptions, grow_tree, tree_agreement
+
+    Bs, layers = grouped_Bs(9, shallow=1, deep=3, groups=3)  # client k near centre k % 3 in deep blocks
+    order = sorted(range(9), key=lambda k: (k % 3, k))  # leaf i = client order[i]: groups now contiguous
+    groups = client_groups(DataConfig(num_clients=9, partition="grouped", num_groups=3))
+    # Execute
+    _, _, cuts, labels = grow_tree([Bs[k] for k in order], layers, FedTreeLoRAOptions(K=3))
+    agreement = tree_agreement({block: dict(enumerate(lab.tolist())) for block, lab in zip(layers, labels)}, groups)
+    # Assert: one cluster in the trunk (ARI 0 against 3 groups), exactly the groups in every deep block
+    assert groups == {i: i // 3 for i in range(9)}
+    assert cuts == [1, 3, 3, 3]
+    assert agreement == {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0}
+
+
+def test_round_extra_records_the_agreement_with_planted_groups() -> None:
+    # Prepare: task groups {0, 1} and {2, 3}; the clients' B make clusters {0, 2} and {1, 3}
+    tree, _ = protocol_pair(["data.partition=grouped", "data.num_groups=2"])
+    uploads = protocol_uploads(np.random.default_rng(1), [0, 1, 0, 1])
+    tree.aggregate(1, uploads)
+    # Execute
+    extra = tree.round_extra(1)
+    # Assert: ARI by hand: every contingency cell holds 1 client, so index 0, expected 2 * 2 / 6,
+    # maximum 2: (0 - 2/3) / (2 - 2/3) = -0.5, in both blocks
+    assert extra["tree_ari"] == pytest.approx([-0.5, -0.5])
+    assert extra["fedtreelora_ari_b0"] == pytest.approx(-0.5) and extra["fedtreelora_ari_b1"] == pytest.approx(-0.5)
+    # ... and no agreement is recorded where there are no planted groups
+    plain, _ = protocol_pair([])
+    plain.aggregate(1, uploads)
+    assert "tree_ari" not in plain.round_extra(1)
+
+
 def test_cluster_sizes_and_missing_lam_of_a_block_without_mixing() -> None:
     from fedlora.methods.fedtreelora import mechanism_extra
 

@@ -346,6 +346,23 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     assert row_after == f"| fedpissa | {4 * tuned} | 0 | {final} / {final} |"
 
 
+def test_the_page_reads_the_trees_agreement_with_the_task_groups_from_the_recorded_clusters(tmp_path: Path) -> None:
+    # Prepare: a FedTreeLoRA record on 6 clients in 2 groups ({0,1,2}, {3,4,5}), written before the
+    # ARI was recorded: block 0 one cluster, block 1 the groups; rounds 2 and 3 have the tree
+    run = tmp_path / "fedtreelora[train.lr=0.003]" / "seed1"
+    run.mkdir(parents=True)
+    config = {"data": {"partition": "grouped", "num_clients": 6, "num_groups": 2}, "train": {"seed": 1}}
+    clusters = {"0": dict.fromkeys(map(str, range(6)), 0), "1": {str(k): int(k >= 3) for k in range(6)}}
+    rounds = [{"round": 1, "extra": {"phase": "warmup"}}] + [
+        {"round": r, "extra": {"phase": "tree", "cuts": [1, 2], "clusters": clusters}} for r in (2, 3)]
+    (run / "results.json").write_text(json.dumps({"strategy": "fedtreelora", "config": config, "rounds": rounds}))
+    # Execute
+    rows = fidelity.tree_agreement_rows(tmp_path)
+    # Assert
+    assert rows == [{"run": "fedtreelora[train.lr=0.003]", "seed": 1, "cuts": [1, 2], "ari": [0.0, 1.0],
+                     "rounds": "2 of 2"}]
+
+
 # --------------------------------------------------------------------------- the regime rule
 @pytest.mark.parametrize(
     ("fedit", "reference", "counts"),

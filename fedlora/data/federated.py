@@ -254,6 +254,18 @@ def _load_partitions(partitioner: Partitioner, labels: np.ndarray, cfg: DataConf
         raise DataError(f"{where} with data.partition='{cfg.partition}': {message}") from None
 
 
+def client_groups(cfg: DataConfig) -> dict[int, int] | None:
+    """Partition id -> task group under ``data.partition = 'grouped'`` (contiguous groups of
+    clients, as :func:`_grouped_partition` deals them); None for the other partitions."""
+    if cfg.partition != "grouped":
+        return None
+    return {int(client): group for group, clients in enumerate(_group_members(cfg)) for client in clients}
+
+
+def _group_members(cfg: DataConfig) -> list[np.ndarray]:
+    return np.array_split(np.arange(cfg.num_clients), cfg.num_groups)
+
+
 def _grouped_partition(pool_labels: np.ndarray, cfg: DataConfig) -> list[np.ndarray]:
     """'grouped': the classes are cut into ``num_groups`` contiguous disjoint blocks and the
     clients into ``num_groups`` contiguous groups; group g's clients share the examples of class
@@ -265,9 +277,9 @@ def _grouped_partition(pool_labels: np.ndarray, cfg: DataConfig) -> list[np.ndar
             f"{cfg.num_clients}, got {cfg.num_groups}; lower data.num_groups"
         )
     class_blocks = np.array_split(classes, cfg.num_groups)
-    client_groups = np.array_split(np.arange(cfg.num_clients), cfg.num_groups)
+    members = _group_members(cfg)
     partitions: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * cfg.num_clients
-    for group, (block, clients) in enumerate(zip(class_blocks, client_groups)):
+    for group, (block, clients) in enumerate(zip(class_blocks, members)):
         rows = np.flatnonzero(np.isin(pool_labels, block))  # positions in the pool
         where = f"cannot split the {len(rows)} examples of group {group} among {len(clients)} clients"
         if len(clients) == 1:

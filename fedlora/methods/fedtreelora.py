@@ -181,6 +181,44 @@ def independent_cuts(per_layer: Sequence[np.ndarray], tau: float) -> tuple[list[
 # --------------------------------------------------------------------------------------------
 
 
+def grow_tree(
+    Bs: Sequence[Mapping[str, np.ndarray]], layers: Mapping[int, list[str]], options: FedTreeLoRAOptions
+) -> tuple[np.ndarray | None, dict[int, np.ndarray], list[int], list[np.ndarray]]:
+    """Steps 2-3 from the clients' B factors (one ``module -> B (d_out, r)`` map per client, in
+    leaf order): (the global tree or None, block -> D^(l), the cut c*_l of every block shallow to
+    deep, every block's cluster label per client), under the options' ablations."""
+    distances = layer_distances(Bs, layers, options.layer_distance)
+    per_layer = list(distances.values())
+    n, tree = len(Bs), None
+    if options.independent_layers and options.fixed_c is not None:
+        cuts = [min(options.fixed_c, n)] * len(per_layer)
+        labels = [cut_tree(build_tree(D), c, n) for D, c in zip(per_layer, cuts, strict=True)]
+    elif options.independent_layers:
+        cuts, labels = independent_cuts(per_layer, options.tau)
+    else:
+        tree = build_tree(global_distance(distances))
+        if options.fixed_c is not None:
+            cuts = [min(options.fixed_c, n)] * len(per_layer)
+        else:
+            cuts = layer_cuts(tree, per_layer, options.tau, options.K)
+        labels = [cut_tree(tree, c, n) for c in cuts]
+    return tree, distances, cuts, labels
+
+
+def tree_agreement(membership: Mapping[int, Mapping[int, int]], groups: Mapping[int, int]) -> dict[int, float]:
+    """How well each block's clusters match known client ``groups`` (partition -> group, e.g. the
+    task groups of ``data.partition = 'grouped'``): block -> adjusted Rand index (scikit-learn;
+    1 = the same partition of the clients, about 0 = chance; one cluster against several groups
+    is 0) over the clients of the block that have a group."""
+    from sklearn.metrics import adjusted_rand_score
+
+    agreement = {}
+    for block, members in membership.items():
+        clients = sorted(p for p in members if p in groups)
+        agreement[block] = float(adjusted_rand_score([groups[p] for p in clients], [members[p] for p in clients]))
+    return agreement
+
+
 def tree_aggregate(
     factors: Sequence[Mapping[str, Factors]],
     weights: Weights,

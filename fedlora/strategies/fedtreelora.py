@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from fedlora.data.federated import client_groups
 from fedlora.lora import (
     Factors,
     Payload,
@@ -22,16 +23,12 @@ from fedlora.methods import fedtreelora
 from fedlora.methods.fedtreelora import (
     EXTERNAL_PREFIX,
     NO_CLUSTER,
-    build_tree,
-    cut_tree,
-    global_distance,
-    independent_cuts,
+    grow_tree,
     lam_by_block,
-    layer_cuts,
-    layer_distances,
     mechanism_extra,
     modules_by_layer,
     tree_aggregate,
+    tree_agreement,
 )
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
@@ -182,22 +179,9 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         missing = sorted(set(self.roster.partitions) - set(partitions))
         if missing:
             log(WARNING, "fedtreelora: clients %s sent no warm-up upload; they get everyone's mean", missing)
-        self.distances = layer_distances(
-            [{m: f.B for m, f in fs.items()} for fs in factors], self.layers, self.options.layer_distance
+        self.tree, self.distances, cuts, labels = grow_tree(
+            [{m: f.B for m, f in fs.items()} for fs in factors], self.layers, self.options
         )
-        per_layer = list(self.distances.values())
-        if self.options.independent_layers and self.options.fixed_c is not None:
-            cuts = [min(self.options.fixed_c, n)] * len(per_layer)
-            labels = [cut_tree(build_tree(D), c, n) for D, c in zip(per_layer, cuts)]
-        elif self.options.independent_layers:
-            cuts, labels = independent_cuts(per_layer, self.options.tau)
-        else:
-            self.tree = build_tree(global_distance(self.distances))
-            if self.options.fixed_c is not None:
-                cuts = [min(self.options.fixed_c, n)] * len(per_layer)
-            else:
-                cuts = layer_cuts(self.tree, per_layer, self.options.tau, self.options.K)
-            labels = [cut_tree(self.tree, c, n) for c in cuts]
         for layer, c, labels_l in zip(self.layers, cuts, labels):
             self.cuts[layer] = int(c)
             self.membership[layer] = {p: int(cluster) for p, cluster in zip(partitions, labels_l)}
@@ -226,11 +210,19 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     def round_extra(self, server_round: int) -> dict[str, Any]:
         """``phase``, the ``cuts`` and ``clusters`` of the tree, and the mechanism's record
         (:func:`~fedlora.methods.fedtreelora.mechanism_extra`: cluster sizes, lam per block over
-        the clients that trained this round, flat ``fedtreelora_*`` numbers)."""
+        the clients that trained this round, flat ``fedtreelora_*`` numbers); with planted task
+        groups (``data.partition = 'grouped'``) ``tree_ari`` and ``fedtreelora_ari_b<l>``: each
+        block's adjusted Rand index against the groups."""
         if server_round < self.options.warmup_rounds or not self.cuts:
             return {"phase": "warmup" if server_round <= self.options.warmup_rounds else "no tree"}
         phase = "warmup" if server_round == self.options.warmup_rounds else "tree"
-        return {"phase": phase, **self.tree_facts(), **mechanism_extra(self.cuts, self.membership, self.lam)}
+        extra = {"phase": phase, **self.tree_facts(), **mechanism_extra(self.cuts, self.membership, self.lam)}
+        groups = client_groups(self.experiment.data)
+        if groups is not None:  # planted task groups: how well each block's clusters match them
+            agreement = tree_agreement(self.membership, groups)
+            extra["tree_ari"] = [agreement[layer] for layer in self.layers]
+            extra |= {f"fedtreelora_ari_b{layer}": value for layer, value in agreement.items()}
+        return extra
 
     def save_artifacts(self, out_dir: Path) -> dict[str, Any]:
         """``tree.json`` and ``tree_cuts.png`` (dendrogram + cut per block); the cuts and
