@@ -36,9 +36,9 @@ client delivers), ``step_tokens_per_second`` = tokens / steps. ``--repeat`` time
 (``benchmarks/results/llm_throughput-<device>.json``, with the machine: CPU model and cores,
 torch threads and version, device, dtype, GPU name) and a markdown table beside it (``.md``).
 
-Device and precision are the trainer's: on CUDA the step runs under bf16 autocast
-(:func:`fedlora.training.autocast`; ``--dtype bf16``), on CPU in float32 (``--dtype fp32``); the
-trainer has no other precision, so other pairs are refused. ``--threads`` is the client's
+Device and precision are the trainer's: ``--dtype`` is ``train.precision`` (bf16 autocast of the
+forward pass, :func:`fedlora.training.autocast`, or fp32; ``auto``: bf16 where the device computes
+it natively, :func:`fedlora.training.resolve_precision`). ``--threads`` is the client's
 ``federation.num_cpus`` (the ClientApp sets torch's threads from it).
 
     python benchmarks/llm_throughput.py --device cpu --threads 2 --steps 8 --repeat 3   # SmolLM2 on CPU
@@ -178,7 +178,7 @@ class Client:
         from fedlora.config import load_config
         from fedlora.simulations.inprocess import InProcessGrid, node_configs
 
-        overrides = [f"model.path={args.model!r}", f"train.device={args.device!r}",
+        overrides = [f"model.path={args.model!r}", f"train.device={args.device!r}", f"train.precision={args.dtype!r}",
                      f"train.max_steps={args.steps}", f"train.batch_size={args.batch_size}",
                      f"train.max_length={args.max_length}", f"federation.num_cpus={args.threads}", *args.set]
         self.config = load_config(args.config, overrides)
@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="train.device; auto: cuda when a GPU is present, else cpu")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                        help="the trainer's precision: bf16 autocast on cuda, fp32 on cpu (auto: the device's)")
+                        help="train.precision: bf16 autocast or fp32 (auto: bf16 where the device computes it "
+                        "natively)")
     parser.add_argument("--steps", type=int, default=20, help="train.max_steps: local steps per message")
     parser.add_argument("--batch-size", type=int, default=8, help="train.batch_size")
     parser.add_argument("--max-length", type=int, default=96, help="train.max_length (tokens per example)")
@@ -310,11 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "error: --device cuda, but torch sees no GPU\n")
-    native = "bf16" if args.device == "cuda" else "fp32"
-    args.dtype = native if args.dtype == "auto" else args.dtype
-    if args.dtype != native:
-        parser.exit(2, f"error: --dtype {args.dtype} on {args.device}: the trainer runs {native} there "
-                       "(bf16 autocast on cuda, fp32 on cpu) and has no other precision\n")
+    from fedlora.training import resolve_precision
+
+    args.dtype = resolve_precision(args.dtype, torch.device(args.device))
     if args.steps < 1 or args.batch_size < 1 or args.max_length < 8 or args.threads < 1:
         parser.exit(2, "error: need --steps >= 1, --batch-size >= 1, --max-length >= 8, --threads >= 1\n")
     harness.settle(args, f"llm_throughput-{args.device}")

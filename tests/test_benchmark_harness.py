@@ -229,12 +229,27 @@ def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pyt
     assert f"| non-padding tokens trained per message | {sample['tokens']:.0f} |" in table
 
 
-def test_llm_throughput_refuses_a_precision_the_trainer_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+def test_precision_gives_both_ratios_from_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    precision = load("precision")
+    out = tmp_path / "precision.json"
+    # Execute: the smoke version (tiny-bert), fp32 and bf16 interleaved
+    assert precision.main(["--quick", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    # Assert: the ratios are the medians' of the record's own samples; the machine's bf16 is named
+    values = dict(item.split("=") for item in last.split())
+    back = json.loads(out.read_text())
+    medians = {arm: {key: statistics.median(s[key] for s in back["samples"][arm]) for key in back["samples"][arm][0]}
+               for arm in ("fp32", "bf16")}
+    for figure, key in (("train_step_seconds", "train_ratio"), ("eval_batch_seconds", "eval_ratio")):
+        assert float(values[key]) == pytest.approx(medians["fp32"][figure] / medians["bf16"][figure], abs=5e-4)
+    assert values["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and back["last_line"] == last
+    assert values["native_bf16"] in ("True", "False") and back["repeat"] == 2
+
+
+def test_llm_throughput_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     llm = load("llm_throughput")
-    with pytest.raises(SystemExit) as stop:
-        llm.main(["--model", "tiny-llama", "--device", "cpu", "--dtype", "bf16"])
-    err = capsys.readouterr().err.strip()
-    assert stop.value.code == 2 and err.startswith("error: --dtype bf16 on cpu") and "\n" not in err
     with pytest.raises(SystemExit) as stop:
         llm.main(["--model", "tiny-llama", "--device", "cpu", "--steps", "0"])
     assert stop.value.code == 2 and capsys.readouterr().err.strip().startswith("error: need --steps >= 1")
