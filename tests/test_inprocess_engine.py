@@ -156,3 +156,16 @@ def test_a_client_app_that_exits_is_a_crashed_client_app() -> None:
     replies = list(grid.send_and_receive(messages, timeout=TIMEOUT))
     assert [r.error.code for r in replies] == [CLIENT_APP_CRASHED] * 2
     assert "SystemExit" in replies[0].error.reason
+
+
+def test_an_error_of_the_engine_itself_reaches_the_caller() -> None:
+    """Only the ClientApp's failures become error replies: an exception of the engine (or of a
+    test's grid subclass) in the worker thread is raised to the caller, not taken for a silent node."""
+    class Broken(InProcessGrid):
+        def _deliver(self, message: Message) -> Message:
+            raise RuntimeError("engine bug")
+
+    grid = Broken(lambda msg, context: answer(msg), node_configs(1))
+    message = grid.create_message(RecordDict({"config": ConfigRecord({"lr": "1e-3"})}), "train", NODE, "1")
+    with pytest.raises(RuntimeError, match="engine bug"):
+        grid.send_and_receive([message], timeout=TIMEOUT)

@@ -143,11 +143,15 @@ class InProcessGrid(Grid):
         node = message.metadata.dst_node_id
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        outcome: list[tuple[Message, float]] = []  # the reply and when it was ready
+        outcome: list[tuple[Message | BaseException, float]] = []  # the reply (or the engine's own error), when
 
         def call() -> None:
+            reply: Message | BaseException
             with self._busy[node]:  # behind the node's earlier call, if that one still runs
-                reply = self._deliver(message)
+                try:
+                    reply = self._deliver(message)  # a client's exception is an error reply already
+                except BaseException as error:  # noqa: BLE001 - the engine's (or a subclass's) own: raised by the caller
+                    reply = error
             finished = time.monotonic()
             if deadline is not None and finished > deadline:
                 log(WARNING, "in-process engine: node %d replied after %.1f s, past the %.1f s timeout: reply discarded",
@@ -163,6 +167,8 @@ class InProcessGrid(Grid):
                 "as Flower's grid leaves it out", node, timeout)
             return None
         reply = outcome[0][0]
+        if isinstance(reply, BaseException):
+            raise reply
         problem = foreign(reply, message)
         if problem:
             log(WARNING, "in-process engine: reply refused (as Flower's link state refuses it): %s", problem)
