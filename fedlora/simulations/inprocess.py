@@ -11,7 +11,8 @@ sends for a ClientApp that could not push its reply. Use it for fast strategy te
 for debugging a strategy step by step. This module is an engine only: running the ServerApp on it
 is :func:`fedlora.app.runner.run_inprocess`; the Ray engine is Flower's own simulation engine.
 
-Flower's rules for replies hold here too (a client is untrusted):
+Flower's rules for replies hold here too (a client is untrusted; in process its ClientApp is
+still code run inside the server's process: these rules guard the messages, not the process):
 
 - **Timeout.** ``send_and_receive(..., timeout=T)`` (Flower's strategies pass
   ``federation.round_timeout``) returns the replies that arrived in time and leaves the others
