@@ -144,6 +144,7 @@ def test_an_interrupted_stop_kills_what_ignores_sigterm_within_seconds(tmp_path:
         started = time.monotonic()
         stop_daemons([daemon], grace=INTERRUPT_GRACE, others=find)
         took = time.monotonic() - started
+        print(f"stop_daemons after an interrupt: {took:.1f}s")
         assert find() == [] and stray.poll() is not None  # (psutil reaped it: its status is gone)
         assert took < INTERRUPT_GRACE + 2 * KILL_WAIT + 2, took
     finally:

@@ -120,7 +120,8 @@ def stop_daemons(daemons: Sequence[Daemon], grace: float = STOP_GRACE,
         with contextlib.suppress(subprocess.TimeoutExpired):
             daemon.process.wait(timeout=max(0.1, deadline - time.monotonic()))  # reap
         daemon.close_log()
-    psutil.wait_procs(_alive(procs.values()), timeout=max(0.1, deadline - time.monotonic()))
+    while _alive(procs.values()) and time.monotonic() < deadline:  # a zombie is gone (psutil.wait_procs
+        time.sleep(0.05)  # would wait for an orphan's zombie until the timeout where no init reaps it)
 
 
 def _collect(daemons: Sequence[Daemon], others: Callable[[], Iterable[psutil.Process]]) -> dict[int, psutil.Process]:
