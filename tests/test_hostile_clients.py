@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -703,6 +704,39 @@ def test_a_query_reply_that_is_not_a_profile_refuses_the_node_only() -> None:
     assert strategy.roster.partitions == [0]
     assert "not valid" in strategy.roster.refused["node 1001"]
     assert "negative num_train_examples" in strategy.roster.refused["partition 2"]
+
+
+# ------------------------------------------------ the in-process engine keeps Flower's rules
+def test_in_process_a_late_reply_and_a_reply_for_another_node_are_failures_and_the_run_goes_on() -> None:
+    """fedlora/simulations/inprocess.py: with federation.round_timeout = 1 s, node 1001 answers its
+    first training message after 2 s and node 1002 answers every message as node 1000. Both are
+    failures of the round (no reply reached the strategy: Flower's grid leaves a late reply out,
+    its link state refuses a reply from another node), nothing is rejected, and the run goes on."""
+    from fedlora.app.server import run_rounds
+
+    strategy, _ = connected("fedit", ("federation.round_timeout=1",))
+
+    def app(msg: Message, context: Context) -> Message:
+        k, server_round = int(context.node_config["partition-id"]), 0
+        if msg.metadata.message_type == MessageType.TRAIN:
+            server_round = int(msg.content.config_records["config"]["server-round"])
+            answer = honest_train(strategy, msg, server_round, seed=3)
+        elif msg.metadata.message_type == MessageType.EVALUATE:
+            answer = honest_evaluate(msg, seed=3)
+        else:
+            return profile_app(msg, context)
+        if k == 1 and server_round == 1:
+            time.sleep(2.0)
+        if k == 2:
+            answer.metadata.__dict__["_src_node_id"] = NODE
+        return answer
+
+    grid = InProcessGrid(app, [{"partition-id": k} for k in range(3)])
+    run_rounds(strategy, grid, 1, 2, lambda server_round, arrays: None)
+    assert [strategy.record(r).clients for r in (1, 2)] == [1, 2]
+    assert [strategy.record(r).failures for r in (1, 2)] == [2, 1]
+    assert [strategy.record(r).rejected for r in (1, 2)] == [0, 0]
+    assert strategy.record(2).per_client.keys() == {"0", "1"}
 
 
 # --------------------------------------------------------- a hostile ClientApp, really training

@@ -10,13 +10,48 @@ ServerApp raises in ``push_messages``, a reply comes back as the error reply Flo
 sends for a ClientApp that could not push its reply. Use it for fast strategy tests and
 for debugging a strategy step by step. This module is an engine only: running the ServerApp on it
 is :func:`fedlora.app.runner.run_inprocess`; the Ray engine is Flower's own simulation engine.
+
+Flower's rules for replies hold here too (a client is untrusted; in process its ClientApp is
+still code run inside the server's process: these rules guard the messages, not the process):
+
+- **Timeout.** ``send_and_receive(..., timeout=T)`` (Flower's strategies pass
+  ``federation.round_timeout``) returns the replies that arrived in time and leaves the others
+  out, as Flower's grid does: a late reply is a missing reply, which the strategy counts as a
+  failure of the round. The calls run one after the other (a ClientApp's results must not depend
+  on another's running beside it in this process: torch's RNG and thread pool are global), so each
+  call gets ``T`` seconds of its own, measured from its start, as if every node had started when
+  the message was pushed; one ``send_and_receive`` takes at most ``n x T`` seconds for ``n``
+  messages. ``timeout=None`` (and ``pull_messages``, which has no timeout) waits for every reply,
+  as Flower's grid does.
+- **A client that never answers cannot hang the run.** Each ClientApp call runs in a daemon worker
+  thread (:meth:`InProcessGrid._call`); the server waits for it until the deadline and then goes on without it.
+  A thread, not a process, because the ClientApp shares this process by design (its node
+  ``Context`` and state, the loaded backbone, torch) and a process would have to pickle the app
+  and send the node's state back. The honest limit on CPU: Python cannot kill a thread, so a call
+  that never returns keeps its thread, and whatever CPU and memory it uses, until the process
+  ends (a daemon thread does not keep the process alive at exit); the node's later messages wait
+  behind it (one call per node at a time, as a SuperNode runs its messages) and go unanswered
+  too, as a hung SuperNode's would. A late call that does finish has its reply discarded (logged).
+- **A reply must come from the node the message went to and answer that message**, as Flower's
+  link state checks before it stores a reply (``store_message_res``): its ``src_node_id`` must be
+  the message's ``dst_node_id`` and its ``reply_to_message_id`` the message's id (Flower's:
+  the object id of the message, set on the sender's copy and on the node's). Any other reply is
+  refused (logged), so the server sees no reply from that node: a failure of the round, as in a
+  deployment, where the SuperLink refuses to store it.
+- A ClientApp that raises becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``); one that exits
+  the call (``SystemExit`` and other ``BaseException`` subclasses, which would end a deployed ClientApp's
+  process) becomes the error reply of a crashed ClientApp (``CLIENT_APP_CRASHED``), as its
+  SuperNode would send.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextvars
+import threading
+import time
 import traceback
 from collections.abc import Iterable
+from logging import WARNING, getLogger
 from typing import Any, cast
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -32,6 +67,8 @@ from fedlora import protocol
 RUN_ID = 1
 SERVER_NODE_ID = 0
 
+log = getLogger("flwr").log  # Flower's logger, by its name, as the strategies log a client's failure
+
 
 class InProcessGrid(Grid):
     """A Grid whose nodes are ClientApp calls in this process."""
@@ -44,8 +81,8 @@ class InProcessGrid(Grid):
             )
             for i, cfg in enumerate(node_configs)
         }
-        self._ids = itertools.count(1)
-        self._replies: dict[str, Message] = {}
+        self._pending: dict[str, Message] = {}  # pushed, not yet delivered: message id -> the node's copy
+        self._busy = {node: threading.Lock() for node in self.contexts}  # one ClientApp call per node at a time
         self._run = Run.create_empty(RUN_ID)
         TaskIdentity.run_id = RUN_ID
         TaskIdentity.node_id = SERVER_NODE_ID
@@ -67,18 +104,77 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Carry each message to its node (:func:`over_the_wire`: what Flower cannot serialise raises
+        here) and return the message ids: Flower's, the message's object id, set on the sender's
+        copy and on the node's as a deployment does. The ClientApp runs when the reply is pulled."""
         ids = []
         for message in messages:
-            message_id = str(next(self._ids))
-            self._replies[message_id] = self._deliver(over_the_wire(message))
+            if message.metadata.dst_node_id not in self.contexts:
+                raise KeyError(f"no node {message.metadata.dst_node_id} in this in-process grid")
+            message_id, received = carried(message)
+            message.metadata.__dict__["_message_id"] = message_id  # as Flower's grid does on push
+            self._pending[message_id] = received
             ids.append(message_id)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+        """The replies to the pushed messages ``message_ids``, each waited for with no time limit."""
+        return self._collect(message_ids, timeout=None)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(self.push_messages(messages))
+        """Push ``messages`` and return the replies that came in time (each call gets ``timeout``
+        seconds of its own; None: no limit) from the node each message went to (module docstring)."""
+        return self._collect(self.push_messages(messages), timeout)
+
+    def _collect(self, message_ids: Iterable[str], timeout: float | None) -> list[Message]:
+        replies = []
+        for message_id in message_ids:
+            received = self._pending.pop(message_id, None)
+            if received is None:
+                continue
+            reply = self._call(received, timeout)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+    def _call(self, message: Message, timeout: float | None) -> Message | None:
+        """Run the ClientApp on ``message`` (the node's copy) in a daemon worker thread and wait
+        for it at most ``timeout`` seconds (None: no limit); the reply as the ServerApp receives
+        it, or None for a reply that did not come in time or that Flower's link state refuses."""
+        node = message.metadata.dst_node_id
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        outcome: list[tuple[Message | BaseException, float]] = []  # the reply (or the engine's own error), when
+
+        def call() -> None:
+            reply: Message | BaseException
+            with self._busy[node]:  # behind the node's earlier call, if that one still runs
+                try:
+                    reply = self._deliver(message)  # a client's exception is an error reply already
+                except BaseException as error:  # noqa: BLE001 - the engine's (or a subclass's) own: raised by the caller
+                    reply = error
+            finished = time.monotonic()
+            if deadline is not None and finished > deadline:
+                log(WARNING, "in-process engine: node %d replied after %.1f s, past the %.1f s timeout: reply discarded",
+                    node, finished - started, timeout)
+            outcome.append((reply, finished))
+
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(call,), daemon=True,
+                                  name=f"ClientApp node {node}")
+        worker.start()
+        worker.join(timeout)
+        if not outcome or (deadline is not None and outcome[0][1] > deadline):
+            log(WARNING, "in-process engine: node %d did not reply within %s s (the round's timeout): no reply, "
+                "as Flower's grid leaves it out", node, timeout)
+            return None
+        reply = outcome[0][0]
+        if isinstance(reply, BaseException):
+            raise reply
+        problem = foreign(reply, message)
+        if problem:
+            log(WARNING, "in-process engine: reply refused (as Flower's link state refuses it): %s", problem)
+            return None
+        return reply
 
     def _deliver(self, message: Message) -> Message:
         """The reply to ``message`` (what the node received), as the ServerApp receives it."""
@@ -88,13 +184,38 @@ class InProcessGrid(Grid):
         except Exception as error:  # noqa: BLE001 - Flower turns ClientApp exceptions into error replies too
             reason = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
             reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=message)
+        except BaseException as error:  # noqa: BLE001 - SystemExit & co. end a deployed ClientApp's process
+            reason = f"the ClientApp exited: {type(error).__name__}: {error}"
+            reply = Message(Error(code=ErrorCode.CLIENT_APP_CRASHED, reason=reason), reply_to=message)
         try:
-            return over_the_wire(reply)
+            return carried(reply)[1]
         except Exception as error:  # noqa: BLE001 - any serialisation failure: the reply never leaves the node
             # A deployed ClientApp that cannot push its reply exits; its SuperNode then answers
             # with CLIENT_APP_CRASHED ("ClientApp stopped responding."). Here the cause is known.
             reason = f"the ClientApp's reply cannot be serialised as Flower sends it: {type(error).__name__}: {error}"
-            return over_the_wire(Message(Error(code=ErrorCode.CLIENT_APP_CRASHED, reason=reason), reply_to=message))
+            return carried(Message(Error(code=ErrorCode.CLIENT_APP_CRASHED, reason=reason), reply_to=message))[1]
+
+
+def foreign(reply: Message, message: Message) -> str:
+    """Why Flower's link state would refuse ``reply`` as the answer to ``message`` (``store_message_res``:
+    it must come from the node the message went to and name that message), '' if it would not."""
+    sent_to, answers = message.metadata.dst_node_id, message.metadata.message_id
+    if reply.metadata.src_node_id != sent_to:
+        return f"the reply to a message for node {sent_to} comes from node {reply.metadata.src_node_id}"
+    if reply.metadata.reply_to_message_id != answers:
+        return (f"node {sent_to} replied to message {reply.metadata.reply_to_message_id[:16]!r}, "
+                f"not to the message it was sent ({answers[:16]!r})")
+    return ""
+
+
+def carried(message: Message) -> tuple[str, Message]:
+    """``message``'s id and the copy the other side receives (:func:`over_the_wire`), with that id
+    set as Flower sets it on the receiving side (the SuperNode on a pulled message, the grid on a
+    pulled reply)."""
+    message_id, contents = deflate(message)
+    received = cast(Message, inflate_object_from_contents(message_id, contents))
+    received.metadata.__dict__["_message_id"] = message_id
+    return message_id, received
 
 
 def deflate(message: Message) -> tuple[str, dict[str, bytes]]:
@@ -111,8 +232,8 @@ def over_the_wire(message: Message) -> Message:
     """The message the other side receives: ``message`` deflated (:func:`deflate`) and inflated
     from those bytes alone, as Flower's SuperNode and grid do (``inflate_object_from_contents``).
     A copy that shares nothing with ``message``; what Flower cannot serialise raises here.
-    Flower's message id (the object id, which a deployment sets on both copies) is not set: the
-    in-process engine's message ids are its own."""
+    Flower's message id (the object id, which a deployment sets on both copies) is not set here;
+    :func:`carried` sets it."""
     message_id, contents = deflate(message)
     return cast(Message, inflate_object_from_contents(message_id, contents))
 
