@@ -137,11 +137,6 @@ class Scenario:
         return self.primary[0]
 
 
-# ---- options the method engineers add on their branches (issue 29) --------------------------------
-# Jobs below reference them; until they are merged the tests check these overrides are well formed
-# and leave them out of the config validation (tests/test_fidelity_benchmark.py).
-PENDING_OPTIONS: dict[str, tuple[str, ...]] = {}
-
 # ---- BYTES-MATCHED FEDHERA: the FedHera engineer defines this ------------------------------------
 # The issue asks for a FedHera comparison at matched bytes (FedHera moves about 2.9 x FlexLoRA's
 # bytes): FedHera held to FlexLoRA's bytes, or the baselines at the rank that moves FedHera's. Put
