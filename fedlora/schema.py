@@ -440,22 +440,27 @@ class OutputConfig(_Section):
 
 
 # Options added after runs were recorded, each with the value that reproduces what a record written
-# before it ran with. A record (results.json, a checkpoint) whose config lacks the key is read with
-# this value, so the committed benchmark records (docs/results/records/) stay complete when an option
-# is added, and a record stops matching only when the option's value really differs. Every recorded
-# run before train.precision existed ran its forward pass in fp32 (the records are CPU runs; only
-# CUDA had bf16 autocast then, and no CUDA run was recorded).
-RECORD_DEFAULTS: dict[tuple[str, str], Any] = {
-    ("train", "precision"): "fp32",
+# before it ran with: (section, strategy name or None for every run, key) -> value. A record
+# (results.json, a checkpoint) whose config lacks the key is read with this value, so the committed
+# benchmark records (docs/results/records/) stay complete when an option is added, and a record
+# stops matching only when the option's value really differs. Every recorded run before
+# train.precision existed ran its forward pass in fp32 (the records are CPU runs; only CUDA had bf16
+# autocast then, and no CUDA run was recorded); every FedTreeLoRA run before its tree options built
+# the tree once, on the raw B factors.
+RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
+    ("train", None, "precision"): "fp32",
+    ("strategy", "fedtreelora", "rebuild_every"): 0,
+    ("strategy", "fedtreelora", "tree_distance"): "raw",
 }
 
 
 def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """A recorded config (a dict of sections) with :data:`RECORD_DEFAULTS` filled where it lacks them."""
     filled = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
-    for (section, key), value in RECORD_DEFAULTS.items():
-        if isinstance(filled.get(section), dict):
-            filled[section].setdefault(key, value)
+    for (section, strategy, key), value in RECORD_DEFAULTS.items():
+        values = filled.get(section)
+        if isinstance(values, dict) and (strategy is None or filled.get("strategy", {}).get("name") == strategy):
+            values.setdefault(key, value)
     return filled
 
 

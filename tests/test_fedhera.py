@@ -600,7 +600,7 @@ def test_bad_fedhera_config_is_a_one_line_error(override: str, message: str) -> 
 # size keys configs/fedhera.toml may cut; every other key must be the scenario's
 SIZE_KEYS = {
     "data": {"max_examples", "num_clients", "global_test_size"},
-    "train": {"rounds"},
+    "train": {"rounds", "precision"},  # precision: the scenario pins fp32 for its records; the config runs the machine's best
     "federation": {"evaluate_every"},
 }
 

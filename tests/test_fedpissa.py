@@ -588,7 +588,8 @@ def test_cli_bad_delta_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ the per-method config
-SIZE_KEYS = {"data.max_examples", "data.global_test_size", "train.rounds", "federation.evaluate_every", "output.dir"}
+SIZE_KEYS = {"data.max_examples", "data.global_test_size", "train.rounds", "federation.evaluate_every", "output.dir",
+             "train.precision"}  # the scenario pins fp32 for its records; the user's config runs the machine's best
 
 
 def flat(config: object) -> dict[str, object]:

@@ -549,6 +549,41 @@ def test_round_extra_records_the_agreement_with_planted_groups() -> None:
     assert "tree_ari" not in plain.round_extra(1)
 
 
+def test_update_of_subtracts_the_downloaded_B_fitted_to_the_uploads_rank() -> None:
+    from fedlora.methods.fedtreelora import update_of
+
+    B = np.arange(12, dtype=np.float32).reshape(6, 2)
+    wide = np.ones((6, 3), np.float32)  # rank 3 downloaded, rank 2 trained: its first 2 columns
+    narrow = np.ones((6, 1), np.float32)  # rank 1 downloaded: zero-padded to 2
+    assert np.array_equal(update_of(B, wide), B - 1)
+    assert np.array_equal(update_of(B, narrow), B - np.array([1.0, 0.0], np.float32))
+    assert update_of(B, None) is B
+
+
+@pytest.mark.parametrize(("distance", "expected"), [("raw", [0, 1, 0, 1]), ("update", [0, 0, 1, 1])])
+def test_a_rebuilt_tree_clusters_the_raw_factors_or_the_rounds_updates(distance: str, expected: list[int]) -> None:
+    # Prepare: the warm-up groups clients {0, 2} and {1, 3} (B far apart); in round 2 each client
+    # starts from its cluster's expert and moves by an update that groups {0, 1} and {2, 3}
+    tree, _ = protocol_pair([f"strategy.tree_distance={distance}", "strategy.rebuild_every=1"])
+    rng = np.random.default_rng(3)
+    tree.aggregate(1, protocol_uploads(rng, [0, 1, 0, 1]))
+    downloads = {p: split_payload(tree.download(p, 2, "train"))[0] for p in range(4)}
+    moves = rng.normal(size=(2, 6, 2))  # one update direction per new group
+    uploads = protocol_uploads(rng, [0, 1, 0, 1])
+    for upload, group in zip(uploads, [0, 0, 1, 1]):
+        for module in ("x.layer.0.q", "x.layer.1.q"):
+            start = downloads[upload.partition_id][module].B
+            upload.payload[f"{module}::B"] = (start + moves[group] + rng.normal(size=(6, 2)) * 0.01).astype(np.float32)
+    # Execute
+    tree.aggregate(2, uploads)
+    extra = tree.round_extra(2)
+    # Assert: rebuilt; the clusters follow the raw factors (the warm-up's groups) or the updates
+    labels = [tree.membership[1][p] for p in range(4)]
+    assert extra["tree_rebuilt"] == 1.0
+    assert (labels[0] == labels[1]) == (expected[0] == expected[1])
+    assert (labels[0] == labels[2]) == (expected[0] == expected[2]) and labels[0] != labels[3]
+
+
 def test_cluster_sizes_and_missing_lam_of_a_block_without_mixing() -> None:
     from fedlora.methods.fedtreelora import mechanism_extra
 
@@ -617,7 +652,8 @@ def test_cli_run(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the per-method config
-SIZE_KEYS = {"data.max_examples", "data.global_test_size", "train.rounds", "federation.evaluate_every", "output.dir"}
+SIZE_KEYS = {"data.max_examples", "data.global_test_size", "train.rounds", "federation.evaluate_every", "output.dir",
+             "train.precision"}  # the scenario pins fp32 for its records; the user's config runs the machine's best
 
 
 def flat(config: object) -> dict[str, object]:

@@ -54,6 +54,18 @@ class FedTreeLoRAOptions(MethodOptions):
         description="D^(l)_ij: 'module_mean' = mean over the block's adapted modules of ||B_m,i - B_m,j||_F "
         "(the spec); 'stacked' = one norm of the block's B factors stacked together.",
     )
+    rebuild_every: int = Field(
+        0, ge=0,
+        description="[RECON] 0: the tree is built once, from the last warm-up round's uploads (the summary's "
+        "reading); k > 0: rebuilt every k rounds after that from the round's uploads, cuts and clusters "
+        "replaced (the abstract's 'dynamically constructing'). Choose on validation.",
+    )
+    tree_distance: Literal["raw", "update"] = Field(
+        "raw",
+        description="[RECON] What the distances D compare: 'raw' = the uploaded B factors (the summary); "
+        "'update' = each client's change of B in that round, its upload minus the B it downloaded (at the "
+        "warm-up's end: minus the shared initial B), so a shared starting point cancels. Choose on validation.",
+    )
     lam0: float = Field(
         0.5, gt=0.0, lt=1.0,
         description="[RECON] Initial mixing weight lam = sigmoid(theta_l) of the cluster expert in every "
@@ -203,6 +215,17 @@ def grow_tree(
             cuts = layer_cuts(tree, per_layer, options.tau, options.K)
         labels = [cut_tree(tree, c, n) for c in cuts]
     return tree, distances, cuts, labels
+
+
+def update_of(B: np.ndarray, pushed: np.ndarray | None) -> np.ndarray:
+    """A client's change of B in a round (``tree_distance = 'update'``): its upload ``B``
+    (d_out, r) minus the B it downloaded, zero-padded or truncated to rank r (a client trains the
+    first r columns); the upload itself when nothing was downloaded."""
+    if pushed is None:
+        return B
+    r = B.shape[1]
+    start = np.pad(pushed[:, :r], ((0, 0), (0, max(0, r - pushed.shape[1]))))
+    return np.asarray(B - start.astype(B.dtype))
 
 
 def tree_agreement(membership: Mapping[int, Mapping[int, int]], groups: Mapping[int, int]) -> dict[int, float]:

@@ -29,6 +29,7 @@ from fedlora.methods.fedtreelora import (
     modules_by_layer,
     tree_aggregate,
     tree_agreement,
+    update_of,
 )
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
@@ -64,6 +65,14 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     layer_distance : {'module_mean', 'stacked'}, default 'module_mean'
         D^(l)_ij: 'module_mean' = mean over the block's adapted modules of ||B_m,i - B_m,j||_F (the spec);
         'stacked' = one norm of the block's B factors stacked together.
+    rebuild_every : int >= 0, default 0
+        [RECON] 0: the tree is built once, from the last warm-up round's uploads (the summary's reading);
+        k > 0: rebuilt every k rounds after that from the round's uploads, cuts and clusters replaced (the
+        abstract's 'dynamically constructing'). Choose on validation.
+    tree_distance : {'raw', 'update'}, default 'raw'
+        [RECON] What the distances D compare: 'raw' = the uploaded B factors (the summary); 'update' =
+        each client's change of B in that round, its upload minus the B it downloaded (at the warm-up's
+        end: minus the shared initial B), so a shared starting point cancels. Choose on validation.
     lam0 : float in (0, 1), default 0.5
         [RECON] Initial mixing weight lam = sigmoid(theta_l) of the cluster expert in every block (theta_l
         starts at logit(lam0)); the papers do not give it.
@@ -118,6 +127,8 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         self.head: Payload = {}
         self.distances: dict[int, np.ndarray] = {}
         self.lam: dict[int, list[float]] = {}  # this round: block -> lam of the clients that mixed it
+        self.pushed_B: dict[int, dict[str, np.ndarray]] = {}  # partition -> module -> B sent for this round's training
+        self.rebuilt = False  # whether this round rebuilt the tree (rebuild_every)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
         if self.options.weights == "uniform":
@@ -126,6 +137,13 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
 
     # ---------------------------------------------------------------- messages
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+        payload = self._download(partition, server_round)
+        if phase == "train" and self.options.tree_distance == "update":  # the start of this round's update
+            start = payload or self.initial_adapter(self.rank_of(partition))
+            self.pushed_B[partition] = {m: f.B for m, f in split_payload(start)[0].items()}
+        return payload
+
+    def _download(self, partition: int, server_round: int) -> Payload:
         if server_round <= self.options.warmup_rounds or not self.cluster_experts:
             return {}  # warm-up: local-only training from the common seeded initial adapter
         rank = self.rank_of(partition)
@@ -153,9 +171,13 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         self.lam = lam_by_block([u.metrics for u in uploads])
         if server_round < self.options.warmup_rounds:
             return
-        if server_round == self.options.warmup_rounds:
-            self.build_tree([u.partition_id for u in uploads], [split_payload(u.payload)[0] for u in uploads])
         factors = [split_payload(u.payload)[0] for u in uploads]
+        after = server_round - self.options.warmup_rounds
+        self.rebuilt = after > 0 and self.options.rebuild_every > 0 and after % self.options.rebuild_every == 0
+        if after == 0 or self.rebuilt:
+            self.build_tree([u.partition_id for u in uploads], factors)
+            if self.rebuilt:  # the clusters are new: no expert carries over under an old cluster's number
+                self.cluster_experts, self.external_experts = {}, {}
         w = self.weights(uploads)
         position = {p: i for i, p in enumerate(self.tree_partitions)}
         in_tree = [i for i, u in enumerate(uploads) if u.partition_id in position]
@@ -173,15 +195,18 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         self.head = self.averaged_head(uploads, w, self.head)
 
     def build_tree(self, partitions: list[int], factors: list[dict[str, Factors]]) -> None:
-        """Distances, the global tree and the per-block cuts and memberships (once)."""
+        """Distances, the global tree and the per-block cuts and memberships, from the uploads'
+        B factors (``tree_distance = 'update'``: minus the B each client downloaded)."""
         self.tree_partitions = partitions
         n = len(partitions)
         missing = sorted(set(self.roster.partitions) - set(partitions))
         if missing:
             log(WARNING, "fedtreelora: clients %s sent no warm-up upload; they get everyone's mean", missing)
-        self.tree, self.distances, cuts, labels = grow_tree(
-            [{m: f.B for m, f in fs.items()} for fs in factors], self.layers, self.options
-        )
+        Bs = [{m: f.B for m, f in fs.items()} for fs in factors]
+        if self.options.tree_distance == "update":
+            Bs = [{m: update_of(B[m], self.pushed_B.get(p, {}).get(m)) for m in B} for p, B in zip(partitions, Bs)]
+        self.tree, self.distances, cuts, labels = grow_tree(Bs, self.layers, self.options)
+        self.cuts, self.membership = {}, {}
         for layer, c, labels_l in zip(self.layers, cuts, labels):
             self.cuts[layer] = int(c)
             self.membership[layer] = {p: int(cluster) for p, cluster in zip(partitions, labels_l)}
@@ -217,6 +242,8 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
             return {"phase": "warmup" if server_round <= self.options.warmup_rounds else "no tree"}
         phase = "warmup" if server_round == self.options.warmup_rounds else "tree"
         extra = {"phase": phase, **self.tree_facts(), **mechanism_extra(self.cuts, self.membership, self.lam)}
+        if self.options.rebuild_every:
+            extra["tree_rebuilt"] = float(self.rebuilt)
         groups = client_groups(self.experiment.data)
         if groups is not None:  # planted task groups: how well each block's clusters match them
             agreement = tree_agreement(self.membership, groups)
