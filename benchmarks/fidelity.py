@@ -56,6 +56,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -438,13 +439,31 @@ def _copy(source: Path, target: Path) -> None:
     partial.replace(target)
 
 
+def _config(path: Path) -> dict[str, Any] | None:
+    """The config a results.json ran, as records compare it (no output folder; options added
+    later read at the value the record ran with)."""
+    from fedlora.schema import with_record_defaults
+
+    try:
+        config = json.loads(path.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {k: v for k, v in with_record_defaults(config).items() if k != "output"}
+
+
 def keep_record(records: Path, out: Path, run_dir: Path) -> None:
     """Keep the finished run in ``run_dir`` (under ``out``) as a record: its results.json, at the
-    same relative path under ``records``."""
-    source = run_dir / RESULTS
-    if complete_by_itself(source):
-        _copy(source, records / run_dir.relative_to(out) / RESULTS)
-        logger.info("fidelity: kept %s", records / run_dir.relative_to(out))
+    same relative path under ``records``. A record of another config at that path is never
+    overwritten (it is someone's CPU-hours): the run is left out, with a warning."""
+    source, target = run_dir / RESULTS, records / run_dir.relative_to(out) / RESULTS
+    if not complete_by_itself(source):
+        return
+    if target.is_file() and _config(target) != _config(source):
+        logger.warning("fidelity: %s holds a record of another config; not overwritten (give --records a folder "
+                       "of its own for these runs)", target.parent)
+        return
+    _copy(source, target)
+    logger.info("fidelity: kept %s", target.parent)
 
 
 def sync_records(records: Path, out: Path) -> tuple[int, int]:
@@ -740,10 +759,13 @@ def progress_table(records: dict[str, Path], seeds: list[int], overrides: list[s
 
 
 # --------------------------------------------------------------------------- command line
-def records_dir(records: str | None, folder: str, several: bool) -> Path:
-    """``--records`` for one scenario's ``folder``: a subfolder of it when several scenarios run."""
+def records_dir(records: str | None, folder: str, several: bool, overrides: list[str] | None = None) -> Path:
+    """``--records`` for one scenario's ``folder``: a subfolder of it when several scenarios run.
+    By default ``docs/results/records/<folder>``, and with ``--set`` overrides a folder of their
+    own (``<folder>+<overrides>``): runs of another device or precision never share a record's path."""
     if records is None:
-        return ROOT / RECORDS / folder
+        tag = "_".join(re.sub(r"[^A-Za-z0-9._=-]", "-", override) for override in sorted(overrides or ()))
+        return ROOT / RECORDS / (f"{folder}+{tag}" if tag else folder)
     return Path(records) / folder if several else Path(records)
 
 
@@ -818,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedlora.errors import ConfigError
 
     if args.status:
-        folders = {name: records_dir(args.records, name, len(names) > 1) for name in names}
+        folders = {name: records_dir(args.records, name, len(names) > 1, list(args.set)) for name in names}
         print(progress_table(folders, seeds, list(args.set), args.other_seeds))
         return 0
     for name in names:
@@ -828,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpu:
             overrides = [*SCENARIOS[name].gpu, "train.device=cuda", *args.set]  # the user's --set wins
             workers = args.workers or len(SCENARIOS[name].jobs)
-        records = None if args.no_records else records_dir(args.records, folder, len(names) > 1)
+        records = None if args.no_records else records_dir(args.records, folder, len(names) > 1, list(args.set))
         try:
             facts = run_scenario(name, seeds, out, workers, overrides, args.other_seeds, records)
         except ConfigError as error:

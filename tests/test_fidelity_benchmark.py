@@ -322,6 +322,35 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     assert row_after == f"| fedpissa | {4 * tuned} | 0 | {final} / {final} |"
 
 
+def test_a_record_of_another_config_is_never_overwritten(tmp_path: Path) -> None:
+    # Prepare: an fp32 record, and a finished bf16 run of the same job and seed
+    from fedlora.config import load_config
+
+    config = load_config(fidelity.ROOT / "configs/smoke.toml", ["train.rounds=1"]).model_dump(mode="json")
+    record, run = tmp_path / "records/fedit/seed0", tmp_path / "out/fedit/seed0"
+    for folder, precision in ((record, "fp32"), (run, "bf16")):
+        folder.mkdir(parents=True)
+        config["train"]["precision"] = precision
+        (folder / "results.json").write_text(json.dumps({"config": config, "rounds": [{"round": 1}]}))
+    before = (record / "results.json").read_bytes()
+    # Execute
+    fidelity.keep_record(tmp_path / "records", tmp_path / "out", run)
+    # Assert: the record is untouched
+    assert (record / "results.json").read_bytes() == before
+    # ... while a run of the same config (here: a later rerun of it) replaces it
+    config["train"]["precision"] = "fp32"
+    (run / "results.json").write_text(json.dumps({"config": config, "rounds": [{"round": 1}], "wall_seconds": 5}))
+    fidelity.keep_record(tmp_path / "records", tmp_path / "out", run)
+    assert (record / "results.json").read_bytes() == (run / "results.json").read_bytes() != before
+
+
+def test_overrides_keep_their_records_apart() -> None:
+    assert fidelity.records_dir(None, "fedpissa", False) == fidelity.ROOT / "docs/results/records/fedpissa"
+    assert fidelity.records_dir(None, "fedpissa", False, ["train.precision=bf16", "train.device=cuda"]) == (
+        fidelity.ROOT / "docs/results/records/fedpissa+train.device=cuda_train.precision=bf16")
+    assert fidelity.records_dir(None, "x", False, ["model.path='/m'"]).name == "x+model.path=--m-"
+
+
 def test_the_page_reads_the_trees_agreement_with_the_task_groups_from_the_recorded_clusters(tmp_path: Path) -> None:
     # Prepare: a FedTreeLoRA record on 6 clients in 2 groups ({0,1,2}, {3,4,5}), written before the
     # ARI was recorded: block 0 one cluster, block 1 the groups; rounds 2 and 3 have the tree

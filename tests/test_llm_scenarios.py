@@ -131,7 +131,7 @@ def test_gpu_is_the_full_version_in_one_command(monkeypatch: pytest.MonkeyPatch,
     assert name == "fedhera_llm" and seeds == [0, 1, 2, 3, 4] and workers == len(scenario.jobs) == 7
     assert overrides == [*scenario.gpu, "train.device=cuda", "train.rounds=60"] and "data.num_clients=100" in overrides
     assert out == tmp_path / "runs/fidelity/fedhera_llm-gpu"  # apart from the CPU-sized runs
-    assert records == tmp_path / "docs/results/records/fedhera_llm-gpu"  # and so are its records
+    assert records == tmp_path / "docs/results/records/fedhera_llm-gpu+train.rounds=60"  # and so are its records
     # the final runs go seed by seed, so the 7 workers run one seed's jobs together
     chosen = {label: ("train.lr=0.002",) for label in scenario.jobs}
     order = [job.seed for job in fidelity.final_jobs(scenario, seeds, chosen)]
