@@ -429,7 +429,8 @@ BAD_TRAIN = {  # case -> (payload, metrics) -> the reply's content
        for c in (0, 1, -1, 99, NAN, 0.5, [2.0])},
     **{f"{key}={v!r}": (lambda p, m, key=key, v=v: RecordDict({"arrays": _arrays(p), "metrics": MetricRecord({**m, key: v})}))
        for key, v in (("train-loss", -1.0), ("train-loss", INF), ("received-accuracy", 1.5), ("received-accuracy", NAN),
-                      ("train-examples", -3), ("train-seconds", -1.0), ("dp-epsilon", -1.0), ("custom", [1.0]))},
+                      ("train-examples", -3), ("train-seconds", -1.0), ("dp-epsilon", -1.0), ("custom", [1.0]),
+                      ("train-examples", 1.7e308), ("received-token-accuracy", 0.5), ("fedtreelora-lam-x", 0.5))},
     **{f"text-{key}": (lambda p, m, key=key: RecordDict({"arrays": _arrays(p), "metrics": _bypass(MetricRecord(m), key, "many")}))
        for key in ("num-examples", "partition-id", "custom")},
     "too-many-metrics": lambda p, m: RecordDict({"arrays": _arrays(p), "metrics": MetricRecord({**m, **{f"m{i}": 1.0 for i in range(300)}})}),
@@ -454,6 +455,39 @@ def test_every_kind_of_bad_training_reply_is_refused_and_moves_nothing(case: str
     assert attacked.record(1).rejected == 1 and attacked.record(1).rejections[0].startswith("client 2 (node 1002): ")
     assert_same_strategy(honest_only, attacked)
     assert_same_record(honest_only.record(1), attacked.record(1))
+
+
+# Replies that crashed the server (issue 40): strategy, and the metrics two clients add to honest replies
+CRASHES = {
+    "token-accuracy-without-tokens": ("fedit", {"received-token-accuracy": 0.5}),  # KeyError
+    "zero-tokens": ("fedit", {"received-token-accuracy": 0.5, "received-loss": 1.0, "received-tokens": 0}),  # / 0
+    "huge-train-examples": ("fedit", {"train-examples": 1.7e308}),  # the two sum to inf: OverflowError in int()
+    "lambda-of-no-block": ("fedtreelora", {"fedtreelora-lam-x": 0.5}),  # ValueError in int("x")
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRASHES))
+def test_the_replies_that_crashed_the_server_are_refused_and_the_run_goes_on(case: str) -> None:
+    # Prepare: twin strategies over six clients; in `attacked`, the last two sampled clients add the bad metrics
+    name, bad = CRASHES[case]
+    (honest_only, grid_a), (attacked, grid_b) = connected(name, SIX), connected(name, SIX)
+    for server_round in (1, 2):
+        sent_a = list(honest_only.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid_a))
+        sent_b = list(attacked.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid_b))
+        assert len(sent_b) >= 3
+        replies = [honest_train(attacked, m, server_round, 0) for m in sent_b[:-2]] + [
+            reply(m, honest_upload(attacked, m, server_round, 0), {**honest_metrics(partition(m), server_round, 0), **bad})
+            for m in sent_b[-2:]]
+        # Execute
+        honest_only.aggregate_train(server_round, [honest_train(honest_only, m, server_round, 0) for m in sent_a[:-2]])
+        attacked.aggregate_train(server_round, replies)
+        # Assert: both refused, logged with their node, counted as failures; the round aggregated the others
+        record = attacked.record(server_round)
+        assert record.rejected == 2 and record.failures == 2 and record.clients == len(sent_b) - 2, record.rejections
+        assert [line.split(":")[0] for line in record.rejections] == [
+            f"client {partition(m)} (node {m.metadata.dst_node_id})" for m in sent_b[-2:]]
+        assert_same_strategy(honest_only, attacked)
+        assert_same_record(honest_only.record(server_round), record)
 
 
 # -------------------------------------------------------------------- weighing and norms

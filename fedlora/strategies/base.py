@@ -898,8 +898,8 @@ def _note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:
     training (FedHera's official metric; evaluation rounds only). A causal LM's is teacher-forced:
     token accuracy and loss per response token, token-weighted over the clients."""
     scored = [u.metrics for u in uploads if protocol.RECEIVED_TOKEN_ACCURACY in u.metrics]
-    if scored:
-        tokens = np.array([r[protocol.RECEIVED_TOKENS] for r in scored])
+    tokens = np.array([r.get(protocol.RECEIVED_TOKENS, 0.0) for r in scored])  # >= 1 each (replies.TRAIN_COMPANIONS)
+    if scored and tokens.sum() > 0:
         record.received_token_accuracy = float(np.average([r[protocol.RECEIVED_TOKEN_ACCURACY] for r in scored], weights=tokens))
         record.received_loss = float(np.average([r[protocol.RECEIVED_LOSS] for r in scored], weights=tokens))
     rows = [u.metrics for u in uploads if protocol.RECEIVED_ACCURACY in u.metrics]

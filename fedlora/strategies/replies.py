@@ -21,6 +21,7 @@ client sent. Evaluation replies go through the same parse and validate steps
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,22 +63,32 @@ class MetricRule:
         return ""
 
 
-COUNT = MetricRule(low=0.0, integer=True)
+MAX_COUNT = 1e12  # examples, tokens: no honest count comes near it, and a sum over clients stays finite
+COUNT = MetricRule(low=0.0, high=MAX_COUNT, integer=True)
 FRACTION = MetricRule(low=0.0, high=1.0)  # an accuracy or ROUGE-L (a client sends 0, never NaN, for an empty split)
 NON_NEGATIVE = MetricRule(low=0.0)
 
 # Training reply metrics with a meaning the server relies on; any other metric only has to be a number.
 TRAIN_METRICS: dict[str, MetricRule] = {
-    protocol.NUM_EXAMPLES: MetricRule(low=1.0, integer=True),
+    protocol.NUM_EXAMPLES: MetricRule(low=1.0, high=MAX_COUNT, integer=True),
     protocol.PARTITION_ID: COUNT,
     protocol.TRAIN_LOSS: MetricRule(low=0.0, nan=True),  # NaN: no optimiser step was taken
     protocol.TRAIN_SECONDS: NON_NEGATIVE,
     protocol.TRAIN_EXAMPLES: COUNT,
     protocol.RECEIVED_ACCURACY: FRACTION,
     protocol.RECEIVED_EXAMPLES: COUNT,
+    protocol.RECEIVED_TOKEN_ACCURACY: FRACTION,
+    protocol.RECEIVED_LOSS: NON_NEGATIVE,
+    protocol.RECEIVED_TOKENS: MetricRule(low=1.0, high=MAX_COUNT, integer=True),  # the weights of the two above
     protocol.DP_EPSILON: MetricRule(low=0.0, infinite=True),  # epsilon is infinite without noise
 }
 TRAIN_REQUIRED = (protocol.NUM_EXAMPLES, protocol.PARTITION_ID)
+_RECEIVED_LM = (protocol.RECEIVED_TOKEN_ACCURACY, protocol.RECEIVED_LOSS, protocol.RECEIVED_TOKENS)
+TRAIN_COMPANIONS: dict[str, tuple[str, ...]] = {key: _RECEIVED_LM for key in _RECEIVED_LM}  # key -> keys beside it
+# metric names under a method's prefix: the names' pattern and their rule (any other name under the prefix is refused)
+TRAIN_PATTERNS: dict[str, tuple[re.Pattern[str], MetricRule]] = {
+    protocol.FEDTREELORA_LAM_PREFIX: (re.compile(re.escape(protocol.FEDTREELORA_LAM_PREFIX) + r"[0-9]{1,4}"), FRACTION),
+}
 
 EVALUATE_METRICS: dict[str, MetricRule] = {
     protocol.NUM_EXAMPLES: COUNT,
@@ -136,8 +147,12 @@ class Expectation:
 
 
 # ---------------------------------------------------------------------------------------- parse
-def parse_metrics(message: Message, rules: Mapping[str, MetricRule], required: tuple[str, ...]) -> dict[str, float] | str:
-    """The reply's ``metrics`` record as floats, every value a number within its rule, or why not."""
+def parse_metrics(message: Message, rules: Mapping[str, MetricRule], required: tuple[str, ...],
+                  companions: Mapping[str, tuple[str, ...]] | None = None,
+                  patterns: Mapping[str, tuple[re.Pattern[str], MetricRule]] | None = None) -> dict[str, float] | str:
+    """The reply's ``metrics`` record as floats, every value a number within its rule (a name
+    under a prefix of ``patterns`` must match its pattern), each key's ``companions`` beside it,
+    or why not."""
     record = message.content.metric_records.get(protocol.METRICS_RECORD)
     if record is None:
         return f"no {protocol.METRICS_RECORD!r} record"
@@ -151,13 +166,22 @@ def parse_metrics(message: Message, rules: Mapping[str, MetricRule], required: t
         if number is None:
             return f"metric {key[:40]!r} is not a number ({type(value).__name__})"
         rule = rules.get(key)
+        for prefix, (pattern, pattern_rule) in (patterns or {}).items():
+            if rule is None and key.startswith(prefix):
+                if not pattern.fullmatch(key):
+                    return f"metric {key[:60]!r} is not of the form {pattern.pattern!r}"
+                rule = pattern_rule
         problem = rule.problem(number) if rule is not None else ""
         if problem:
-            return f"metric {key!r} = {number:g} {problem}"
+            return f"metric {key[:60]!r} = {number:g} {problem}"
         metrics[key] = number
     missing = [key for key in required if key not in metrics]
     if missing:
         return f"metrics lack {missing}"
+    for key, needed in (companions or {}).items():
+        absent = [other for other in needed if key in metrics and other not in metrics]
+        if absent:
+            return f"metric {key!r} comes without {absent}"
     return metrics
 
 
@@ -213,7 +237,7 @@ def parse_train_reply(
     ``expected_upload(metrics)`` gives the shapes the sender must upload once its metrics are known
     (HetLoRA's self-pruned rank is one of them).
     """
-    metrics = parse_metrics(message, TRAIN_METRICS, TRAIN_REQUIRED)
+    metrics = parse_metrics(message, TRAIN_METRICS, TRAIN_REQUIRED, TRAIN_COMPANIONS, TRAIN_PATTERNS)
     if isinstance(metrics, str):
         return Rejection(metrics)
     claimed = int(metrics[protocol.PARTITION_ID])
