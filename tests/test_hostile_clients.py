@@ -39,12 +39,13 @@ from fedlora.config import ConfigError, load_config
 from fedlora.data import build_federated_data
 from fedlora.lora import ADAPTER_DTYPE, Combine, weighted_average
 from fedlora.profile import ClientProfile
+from fedlora.protocol import MetricRule
 from fedlora.results import RoundRecord
 from fedlora.schema import FaultsConfig
 from fedlora.simulations.inprocess import InProcessGrid
 from fedlora.strategies.base import LoRAStrategy
 from fedlora.strategies.registry import create_strategy, strategy_names
-from fedlora.strategies.replies import MetricRule, capped_weights
+from fedlora.strategies.replies import capped_weights
 from fedlora.strategies.validation import norm_outliers, ratio_bound, reference_norm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,10 +127,29 @@ def honest_evaluate(msg: Message, seed: int) -> Message:
 # ------------------------------------------------------------------------- hostile replies
 TRAIN_KINDS = ["no-metrics", "no-arrays", "empty", "metrics-as-config", "keys", "dtype", "shape", "nonfinite",
                "overflow", "huge-norm", "count", "partition", "metric-range", "metric-type", "list-metric",
-               "too-many-metrics", "corrupt-array", "lying-array", "stype", "error"]
+               "too-many-metrics", "metric-record", "corrupt-array", "lying-array", "stype", "error"]
 EVALUATE_KINDS = ["no-metrics", "empty", "count", "partition", "metric-range", "metric-type", "list-metric",
-                  "missing-accuracy", "error"]
+                  "missing-accuracy", "metric-record", "error"]
 NAN, INF = math.nan, math.inf
+# metric records that break the contract (fedlora/protocol.py) added to a valid reply: undeclared keys,
+# keys too long or too many, bytes over budget, values out of range, companions missing
+BAD_TRAIN_METRICS: list[dict[str, Any]] = [
+    {"custom-metric": 1.0}, {"noise-made-up": 1.0}, {"fedtreelora-lam-x": 0.5}, {"fedtreelora-lam-": 0.5},
+    {"noise-" + "x" * 10**5: 1.0}, {f"noise-{i:02d}" + "x" * 10**4: 1.0 for i in range(20)},
+    {f"m{i:03d}" + "x" * 58: 1.0 for i in range(120)}, {f"fedtreelora-lam-{i}": 0.5 for i in range(200)},
+    {"noise-precision": 2e306}, {"noise-flagged-fraction": -50.0}, {"fedtreelora-lam-0": 1e300},
+    {"noise-flagged": 5.0, "noise-samples": 2.0}, {"noise-weight-sum-clean": 9.0, "noise-weight-n-clean": 3.0},
+    {"received-token-accuracy": 0.5}, {"received-tokens": 0.0, "received-token-accuracy": 0.5, "received-loss": 1.0},
+    {"received-token-accuracy": 5.0, "received-loss": 1.0, "received-tokens": 10.0},
+    {"received-token-accuracy": 0.5, "received-loss": INF, "received-tokens": 10.0},
+    {"received-accuracy": 0.5}, {"train-seconds": 1.7e308}, {"train-examples": 1.7e308}, {"train-steps": 1e15},
+    {"fedhera-r-main": 5.0, "fedhera-r-tot": 2.0}, {"upload-rank": 0.0}, {"setup-seconds": -1.0},
+]
+BAD_EVALUATE_METRICS: list[dict[str, Any]] = [
+    {"custom-metric": 1.0}, {"x" * 10**5: 1.0}, {f"accuracy-{i}": 1.0 for i in range(200)},
+    {"global-rouge-l": 0.5}, {"global-loss": 1.0, "global-rouge-l": 0.5}, {"loss": 1e300}, {"num-examples": 1e15},
+    {"dpa-mean-weight": 3.0}, {"received-accuracy": 0.5}, {"val-loss": 1.0},
+]
 
 
 def _bypass(record: MetricRecord, key: str, value: Any) -> MetricRecord:
@@ -210,6 +230,8 @@ def hostile_train(data: st.DataObject, msg: Message, payload: dict[str, np.ndarr
         metrics[data.draw(st.sampled_from(["train-loss", "custom-metric", "upload-rank"]))] = [1.0, 2.0]
     elif kind == "too-many-metrics":
         metrics |= {f"m{i}": float(i) for i in range(300)}
+    elif kind == "metric-record":
+        metrics |= data.draw(st.sampled_from(BAD_TRAIN_METRICS))
     arrays = ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in payload.items()})
     if kind in ("corrupt-array", "lying-array", "stype"):
         key = _any_key(data, payload)
@@ -253,6 +275,12 @@ def hostile_evaluate(data: st.DataObject, msg: Message, seed: int) -> Message:
         metrics["accuracy"] = [0.5, 0.5]
     elif kind == "missing-accuracy":
         del metrics["accuracy"]
+    elif kind == "metric-record":
+        bad = data.draw(st.sampled_from([*BAD_EVALUATE_METRICS, "no-val-examples"]))
+        if bad == "no-val-examples":  # val-accuracy without the examples it is weighted by
+            del metrics["val-examples"]
+        else:
+            metrics |= bad
     record = MetricRecord(metrics)
     if kind == "metric-type":
         _bypass(record, data.draw(st.sampled_from(["accuracy", "num-examples", "partition-id"])), "high")
@@ -488,6 +516,69 @@ def test_the_replies_that_crashed_the_server_are_refused_and_the_run_goes_on(cas
             f"client {partition(m)} (node {m.metadata.dst_node_id})" for m in sent_b[-2:]]
         assert_same_strategy(honest_only, attacked)
         assert_same_record(honest_only.record(server_round), record)
+
+
+# ------------------------------------------------------------ metrics through a whole run
+def metric_app(bad: dict[tuple[int, int], dict[str, Any]]) -> Any:
+    """A ClientApp that never trains: it answers the query as ``profile_app``, a training message
+    with its download plus noise and honest metrics (``bad[(round, partition)]`` added), an
+    evaluation with fixed honest metrics."""
+    def app(msg: Message, context: Context) -> Message:
+        k = int(context.node_config["partition-id"])
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            metrics = {"accuracy": 0.5, "loss": 1.0, "num-examples": 10.0, "partition-id": float(k), "global-accuracy": 0.5}
+            return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return profile_app(msg, context)
+        server_round = int(msg.content.config_records["config"]["server-round"])
+        rng = np.random.default_rng([k, server_round])
+        upload = {key: (a.numpy() + 0.01 * rng.standard_normal(a.shape)).astype(np.float32)
+                  for key, a in msg.content.array_records["arrays"].items()}
+        metrics = {**honest_metrics(k, server_round, 0), **bad.get((server_round, k), {})}
+        return reply(msg, upload, metrics)
+
+    return app
+
+
+def metric_run(name: str, rounds: int, bad: dict[tuple[int, int], dict[str, Any]], out: Path, resume: bool = False) -> Any:
+    config = load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name), f"train.rounds={rounds}",
+                                 "output.save_adapters=false", "output.tensorboard=false"])
+    grid = InProcessGrid(metric_app(bad), [{"partition-id": k} for k in range(config.data.num_clients)])
+    return run_server(grid, config, out, resume=resume)
+
+
+def test_a_run_poisoned_through_metrics_resumes(tmp_path: Path) -> None:
+    # Prepare: round 1 client 1 reports a received token accuracy of 5 and client 2 a received loss
+    # of inf; round 2 clients 1 and 2 each report train-seconds = 1.7e308 (the two sum to inf)
+    lm = {"received-loss": 1.0, "received-tokens": 10.0}
+    bad = {(1, 1): {**lm, "received-token-accuracy": 5.0}, (1, 2): {**lm, "received-token-accuracy": 0.5,
+                                                                      "received-loss": INF},
+           (2, 1): {"train-seconds": 1.7e308}, (2, 2): {"train-seconds": 1.7e308}}
+    # Execute: two rounds, then a resumed third
+    first = metric_run("fedit", 2, bad, tmp_path)
+    resumed = metric_run("fedit", 3, {}, tmp_path, resume=True)
+    # Assert: every poisoned reply refused and logged; nothing of theirs in the records; the run resumed
+    assert [r.rejected for r in first.rounds] == [2, 2] and [r.clients for r in first.rounds] == [1, 1]
+    assert all(line.startswith(("client 1 (node 1001): metric", "client 2 (node 1002): metric"))
+               for r in first.rounds for line in r.rejections), [r.rejections for r in first.rounds]
+    assert all(math.isfinite(r.client_train_seconds) and r.client_train_seconds <= 10 for r in first.rounds)
+    assert math.isnan(first.rounds[0].received_token_accuracy) and math.isnan(first.rounds[0].received_loss)
+    assert [r.round for r in resumed.rounds] == [1, 2, 3] and resumed.rounds[2].clients == 3
+
+
+def test_twenty_metrics_of_a_megabyte_leave_the_results_and_the_checkpoint_small(tmp_path: Path) -> None:
+    from fedlora import checkpoint
+
+    # Prepare: FedDR-LoRA (it kept every noise-* metric); client 1 adds 20 keys of 1 MB each, every round
+    huge = {f"noise-{i:02d}" + "x" * 2**20: float(i) for i in range(20)}
+    # Execute
+    writer = metric_run("feddr_lora", 2, {(1, 1): huge, (2, 1): huge}, tmp_path)
+    # Assert: refused every round, in a short line; the files stay small
+    assert [r.rejected for r in writer.rounds] == [1, 1]
+    assert all(len(line) < 300 for r in writer.rounds for line in r.rejections)
+    assert (tmp_path / "results.json").stat().st_size < 200_000
+    saved = sum(f.stat().st_size for f in checkpoint.checkpoint_dir(tmp_path).rglob("*") if f.is_file())
+    assert saved < 2_000_000
 
 
 # -------------------------------------------------------------------- weighing and norms
