@@ -769,6 +769,56 @@ def test_a_client_that_declared_a_huge_partition_weighs_at_most_max_client_share
     assert strategy.record(1).personalized_accuracy == pytest.approx(0.8)
 
 
+# ------------------------------------------------------------------ zero-example evaluations
+def test_an_evaluation_of_no_examples_moves_no_accuracy() -> None:
+    # Prepare: FedDR-LoRA (no global model: the clients' global-test accuracy is averaged too); client 2
+    # evaluated no example and reports a perfect score (and a received accuracy of 0 examples in training)
+    strategy, grid = connected("feddr_lora")
+    strategy.connect(grid)
+    asked = list(strategy.configure_evaluate(2, ArrayRecord(), ConfigRecord(), grid))
+    assert [partition(m) for m in asked] == [0, 1, 2]
+    scores = {0: (0.9, 15.0), 1: (0.5, 15.0), 2: (1.0, 0.0)}  # accuracy, examples
+
+    def answer(m: Message) -> Message:
+        accuracy, examples = scores[partition(m)]
+        return Message(RecordDict({"metrics": MetricRecord({
+            "accuracy": accuracy, "num-examples": examples, "partition-id": float(partition(m)),
+            "val-accuracy": accuracy, "val-examples": examples, "global-accuracy": accuracy})}), reply_to=m)
+
+    # Execute
+    strategy.aggregate_evaluate(2, [answer(m) for m in asked])
+    # Assert: clients 0 and 1 alone, weighted, unweighted, worst, p10, validation, global
+    record = strategy.record(2)
+    assert record.rejected == 0 and record.per_client["2"]["num-examples"] == 0.0
+    assert record.personalized_accuracy == pytest.approx(0.7)
+    assert record.personalized_accuracy_unweighted == pytest.approx(0.7)
+    assert record.personalized_accuracy_worst == pytest.approx(0.5)
+    assert record.personalized_accuracy_p10 == pytest.approx(0.54)
+    assert record.validation_accuracy == pytest.approx(0.7) and record.global_accuracy == pytest.approx(0.7)
+    # ... and when nobody evaluated an example, there is no accuracy at all
+    strategy.aggregate_evaluate(3, [Message(RecordDict({"metrics": MetricRecord({
+        "accuracy": 1.0, "num-examples": 0.0, "partition-id": float(partition(m))})}), reply_to=m)
+        for m in strategy.configure_evaluate(3, ArrayRecord(), ConfigRecord(), grid)])
+    assert math.isnan(strategy.record(3).personalized_accuracy) and math.isnan(strategy.record(3).personalized_accuracy_worst)
+
+
+def test_a_received_accuracy_of_no_examples_moves_no_accuracy() -> None:
+    # Prepare: three FedIT clients; client 2 reports a received accuracy of 1 over 0 examples
+    strategy, grid = connected("fedit")
+    sent = list(strategy.configure_train(2, ArrayRecord(), ConfigRecord(), grid))
+    received = {0: (0.9, 15.0), 1: (0.5, 15.0), 2: (1.0, 0.0)}
+    replies = [reply(m, honest_upload(strategy, m, 2, 0), {**honest_metrics(partition(m), 2, 0),
+                                                           "received-accuracy": received[partition(m)][0],
+                                                           "received-examples": received[partition(m)][1]})
+               for m in sent]
+    # Execute
+    strategy.aggregate_train(2, replies)
+    # Assert
+    record = strategy.record(2)
+    assert record.clients == 3 and record.received_accuracy == pytest.approx(0.7)
+    assert record.received_accuracy_unweighted == pytest.approx(0.7)
+
+
 # ------------------------------------------------------------------------ partition spoofing
 def test_a_reply_that_speaks_for_another_partition_is_refused() -> None:
     # Prepare: three FedIT clients; client 2 sends a plausible update and a dp-epsilon as partition 0
