@@ -104,7 +104,7 @@ class MetricRule:
     """The contract of one reply metric: a number in [low, high], integer-valued or not, NaN
     allowed or not (a value the client could not measure); +-inf only where ``high`` / ``low`` is
     infinite and ``infinite`` allows it. ``needs``: the keys the reply must carry beside it;
-    ``at_most``: a metric of the same reply it cannot exceed (when the reply carries that one)."""
+    ``at_most``: metrics of the same reply it cannot exceed (those the reply carries)."""
 
     low: float = -math.inf
     high: float = math.inf
@@ -112,7 +112,7 @@ class MetricRule:
     nan: bool = False
     infinite: bool = False
     needs: tuple[str, ...] = ()
-    at_most: str = ""
+    at_most: tuple[str, ...] = ()
 
     def problem(self, value: float) -> str:
         """Why ``value`` is not allowed ('' if it is)."""
@@ -226,14 +226,14 @@ TRAIN_RULES: Final[Mapping[str, MetricRule]] = MappingProxyType({
     HETLORA_UPLOAD_RANK: MetricRule(low=1.0, high=MAX_RANK, integer=True),
     HETLORA_TAIL_NORM: MetricRule(low=0.0, high=1e9),  # a norm of the tail factors
     FEDHERA_R_TOT: COUNT,  # the sum over modules of r_tot
-    FEDHERA_R_MAIN: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=FEDHERA_R_TOT),
+    FEDHERA_R_MAIN: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDHERA_R_TOT,)),
     **{FEDDR_WEIGHT_N + group: COUNT for group in FEDDR_WEIGHT_GROUPS},
-    **{FEDDR_WEIGHT_SUM + group: MetricRule(low=0.0, high=MAX_COUNT, at_most=FEDDR_WEIGHT_N + group)
+    **{FEDDR_WEIGHT_SUM + group: MetricRule(low=0.0, high=MAX_COUNT, at_most=(FEDDR_WEIGHT_N + group,))
        for group in FEDDR_WEIGHT_GROUPS},
     FEDDR_SAMPLES: COUNT,
-    FEDDR_FLAGGED: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=FEDDR_SAMPLES),
-    FEDDR_NOISY: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=FEDDR_SAMPLES),
-    FEDDR_TRUE_POSITIVES: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=FEDDR_FLAGGED),
+    FEDDR_FLAGGED: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDDR_SAMPLES,)),
+    FEDDR_NOISY: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDDR_SAMPLES,)),
+    FEDDR_TRUE_POSITIVES: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDDR_FLAGGED, FEDDR_NOISY)),
     FEDDR_PRECISION: FRACTION, FEDDR_RECALL: FRACTION, FEDDR_FLAGGED_FRACTION: FRACTION,
 })
 TRAIN_METRICS: Final = frozenset(TRAIN_RULES)

@@ -139,6 +139,7 @@ BAD_TRAIN_METRICS: list[dict[str, Any]] = [
     {f"m{i:03d}" + "x" * 58: 1.0 for i in range(120)}, {f"fedtreelora-lam-{i}": 0.5 for i in range(200)},
     {"noise-precision": 2e306}, {"noise-flagged-fraction": -50.0}, {"fedtreelora-lam-0": 1e300},
     {"noise-flagged": 5.0, "noise-samples": 2.0}, {"noise-weight-sum-clean": 9.0, "noise-weight-n-clean": 3.0},
+    {"noise-true-positives": 5.0, "noise-flagged": 6.0, "noise-noisy": 2.0},
     {"received-token-accuracy": 0.5}, {"received-tokens": 0.0, "received-token-accuracy": 0.5, "received-loss": 1.0},
     {"received-token-accuracy": 5.0, "received-loss": 1.0, "received-tokens": 10.0},
     {"received-token-accuracy": 0.5, "received-loss": INF, "received-tokens": 10.0},

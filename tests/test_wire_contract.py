@@ -98,7 +98,7 @@ def test_every_reply_metric_has_one_contract() -> None:
     assert protocol.EVALUATE_METRICS == set(protocol.EVALUATE_RULES)
     for rules, names in ((protocol.TRAIN_RULES, protocol.TRAIN_METRICS), (protocol.EVALUATE_RULES, protocol.EVALUATE_METRICS)):
         for key, rule in rules.items():
-            assert set(rule.needs) <= names and rule.at_most in names | {""}, key
+            assert set(rule.needs) <= names and set(rule.at_most) <= names, key
             assert rule.high <= protocol.MAX_COUNT or rule.infinite or key == protocol.PERPLEXITY, key
             assert len(key) <= protocol.MAX_METRIC_KEY_LENGTH
     assert set(protocol.TRAIN_REQUIRED) <= protocol.TRAIN_METRICS

@@ -121,8 +121,9 @@ def parse_metrics(message: Message, rules: Mapping[str, protocol.MetricRule], re
         absent = [other for other in rule.needs if other not in metrics]
         if absent:
             return f"metric {key!r} comes without {absent}"
-        if rule.at_most in metrics and not metrics[key] <= metrics[rule.at_most] * (1 + 1e-9):
-            return f"metric {key!r} = {metrics[key]:g} is above {rule.at_most!r} = {metrics[rule.at_most]:g}"
+        for bound in rule.at_most:
+            if bound in metrics and not metrics[key] <= metrics[bound] * (1 + 1e-9):
+                return f"metric {key!r} = {metrics[key]:g} is above {bound!r} = {metrics[bound]:g}"
     return metrics
 
 
