@@ -7,11 +7,11 @@
    size budget (:func:`parse_metrics`; the contract is ``fedlora/protocol.py``'s
    :data:`~fedlora.protocol.TRAIN_RULES`, :data:`~fedlora.protocol.EVALUATE_RULES`,
    :data:`~fedlora.protocol.TRAIN_PATTERNS`);
-2. **validate**: the partition the reply speaks for
-   (it must be its sender's), the example count against what the client declared when it joined
-   (and ``faults.max_examples``), the arrays' keys, shapes and dtypes against the expected upload
-   (float only, cast to the adapters' dtype), finiteness, and the update's norm against the
-   reference norm (``faults.max_update_ratio``) (:func:`parse_train_reply`);
+2. **validate**: the partition the reply speaks for (it must be its sender's), the example count
+   against what the client declared when it joined (and ``faults.max_examples``), the arrays'
+   keys, shapes and dtypes against the expected upload (float only, cast to the adapters' dtype),
+   finiteness, and the update's norm against the reference norm (``faults.max_update_ratio``)
+   (:func:`parse_train_reply`);
 3. **weigh**: the example counts as aggregation weights, no client above ``faults.max_client_share``
    of the round (:func:`capped_weights`);
 4. **aggregate** (the method) and **account** (the round's record).
