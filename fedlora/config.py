@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fedlora import methods
-from fedlora.errors import ConfigError, did_you_mean
+from fedlora.errors import ConfigError, did_you_mean, shorten, shown
 from fedlora.schema import (
     BudgetTier,
     ClientsConfig,
@@ -41,16 +41,17 @@ __all__ = [
 
 
 def _format_validation_error(error: ValidationError) -> str:
-    first = error.errors()[0]
+    first = error.errors(include_input=True)[0]
     location = ".".join(str(part) for part in first["loc"]) or "config"
+    location = shorten(location, 100)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         section = "".join(f"{part}." for part in first["loc"][:-1])
         known = _known_keys(first["loc"][:-1])
-        return f"unknown config key '{location}'{did_you_mean(str(first['loc'][-1]), known, section)}"
+        return f"unknown config key '{location}'{did_you_mean(str(first['loc'][-1])[:100], known, section)}"
     value = first.get("input")
-    shown = "" if isinstance(value, dict) else f", got {value!r}"
-    return f"invalid config '{location}': {message}{shown}" if "got" not in message else (
+    got = "" if isinstance(value, dict) else f", got {shown(value)}"
+    return f"invalid config '{location}': {message}{got}" if "got" not in message else (
         f"invalid config '{location}': {message}"
     )
 
@@ -91,7 +92,7 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(_format_validation_error(error)) from None
     found = _non_finite(config.strategy.options(), "strategy")
     if found is not None:
-        raise ConfigError(f"invalid config '{found}': must be a finite number, got {_lookup(config, found)!r}")
+        raise ConfigError(f"invalid config '{found}': must be a finite number, got {shown(_lookup(config, found))}")
     methods.validate(config)
     return config
 
@@ -113,6 +114,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         raise ConfigError(f"cannot parse {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     try:
         raw = tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, RecursionError) as error:
+    except (ValueError, RecursionError) as error:  # TOMLDecodeError, or an integer of more than 4300 digits
         raise ConfigError(f"cannot parse {path}: {str(error) or 'nested too deeply'}") from None
     return build_config(apply_overrides(raw, overrides or []))

@@ -17,7 +17,13 @@ Flower's loop. ``tests/test_wire_contract.py`` holds the code to it.
 - A **train** reply carries ``arrays`` (the upload), ``metrics`` (:data:`METRICS_RECORD`:
   :data:`TRAIN_METRICS`, and names under :data:`METRIC_PREFIXES`) and ``worker``
   (:data:`WORKER_RECORD`: where it ran, :data:`WORKER_ENTRIES`); an **evaluate** reply carries
-  ``metrics`` (:data:`EVALUATE_METRICS`).
+  ``metrics`` (:data:`EVALUATE_METRICS`). Every reply metric has a contract, declared once here
+  beside its name: its :class:`MetricRule` (a number, its range, NaN or not, whole or not, the
+  keys it needs beside it) in :data:`TRAIN_RULES` / :data:`EVALUATE_RULES`, the names a method
+  builds under its prefix in :data:`TRAIN_PATTERNS`, the keys a reply must carry
+  (:data:`TRAIN_REQUIRED`, :data:`EVALUATE_REQUIRED`) and the size of a metrics record
+  (:data:`MAX_METRIC_KEYS`, :data:`MAX_METRIC_KEY_LENGTH`, :data:`MAX_METRIC_BYTES`). The server
+  refuses a reply that breaks it (``fedlora/strategies/replies.py``).
 - A SuperNode's node config (``flower-supernode --node-config``, or the simulation engine's) holds
   :data:`NODE_CONFIG_KEYS` and ``budget-<name>`` entries (:data:`NODE_BUDGET_PREFIX`).
 - ``aggregate_train`` / ``aggregate_evaluate`` and the ServerApp's ``evaluate_fn`` return
@@ -32,6 +38,11 @@ This module imports nothing of fedlora's: every layer may use it.
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, Literal
 
 if TYPE_CHECKING:
@@ -88,6 +99,63 @@ NODE_CONFIG_KEYS: Final = frozenset({NODE_PARTITION_ID, NODE_NUM_PARTITIONS, NOD
                                      NODE_CHECKPOINT_DIR, NODE_CACHE_DIR})
 
 # ------------------------------------------------------------------ reply metrics (client -> server)
+@dataclass(frozen=True)
+class MetricRule:
+    """The contract of one reply metric: a number in [low, high], integer-valued or not, NaN
+    allowed or not (a value the client could not measure); +-inf only where ``high`` / ``low`` is
+    infinite and ``infinite`` allows it. ``needs``: the keys the reply must carry beside it;
+    ``at_most``: metrics of the same reply it cannot exceed (those the reply carries)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    integer: bool = False
+    nan: bool = False
+    infinite: bool = False
+    needs: tuple[str, ...] = ()
+    at_most: tuple[str, ...] = ()
+
+    def problem(self, value: float) -> str:
+        """Why ``value`` is not allowed ('' if it is)."""
+        if math.isnan(value):
+            return "" if self.nan else "is NaN"
+        if math.isinf(value) and not self.infinite:
+            return "is infinite"
+        if not self.low <= value <= self.high:
+            return f"is outside [{self.low:g}, {self.high:g}]"
+        if self.integer and not float(value).is_integer():
+            return "is not a whole number"
+        return ""
+
+
+@dataclass(frozen=True)
+class MetricPattern:
+    """Metric names a method builds under its ``prefix`` (the whole name matches ``pattern``), all
+    with one ``rule``; any other name under the prefix is undeclared."""
+
+    prefix: str
+    pattern: re.Pattern[str]
+    rule: MetricRule
+
+
+# Bounds a client's numbers cannot pass: no honest value comes near them, and a sum over any number
+# of clients a round can hold stays finite (so no sum or mean over clients overflows)
+MAX_COUNT: Final = 1e12  # examples, tokens, steps, samples
+MAX_SECONDS: Final = 1e7  # a duration (about 116 days)
+MAX_LOSS: Final = 1e6  # a cross-entropy loss (per example or per token)
+MAX_RANK: Final = 65536.0  # a LoRA rank
+# The size of a reply's metrics record (an honest reply carries about 20 metrics, FedTreeLoRA one per
+# block more): more keys, a longer key, or more bytes (keys' UTF-8 + 8 per value) refuse the reply
+MAX_METRIC_KEYS: Final = 128
+MAX_METRIC_KEY_LENGTH: Final = 64
+MAX_METRIC_BYTES: Final = 8192
+
+COUNT: Final = MetricRule(low=0.0, high=MAX_COUNT, integer=True)
+POSITIVE_COUNT: Final = MetricRule(low=1.0, high=MAX_COUNT, integer=True)
+FRACTION: Final = MetricRule(low=0.0, high=1.0)  # an accuracy, ROUGE-L, a rate (an empty split: 0, never NaN)
+LOSS_VALUE: Final = MetricRule(low=0.0, high=MAX_LOSS)
+SECONDS: Final = MetricRule(low=0.0, high=MAX_SECONDS)
+STARTUP_SECONDS: Final = MetricRule(low=0.0, high=MAX_SECONDS, nan=True)  # NaN: the client cannot tell
+
 # both replies
 NUM_EXAMPLES: Final = "num-examples"  # train: training examples; evaluate: local test examples
 PARTITION_ID: Final = "partition-id"  # the partition the reply speaks for (checked against its sender)
@@ -120,16 +188,61 @@ DP_NOISE_MULTIPLIER: Final = "dp-noise-multiplier"
 DP_SAMPLE_RATE: Final = "dp-sample-rate"
 HETLORA_UPLOAD_RANK: Final = "upload-rank"  # HetLoRA: the rank of a self-pruning client's upload
 HETLORA_TAIL_NORM: Final = "tail-norm"  # HetLoRA: the tail norm a pruning client measured
-TRAIN_METRICS: Final = frozenset({
-    NUM_EXAMPLES, PARTITION_ID, TRAIN_LOSS, TRAIN_STEPS, TRAIN_SECONDS, TRAIN_EXAMPLES, *STARTUP_METRICS,
-    RECEIVED_ACCURACY, RECEIVED_EXAMPLES, RECEIVED_TOKEN_ACCURACY, RECEIVED_LOSS, RECEIVED_TOKENS,
-    DP_EPSILON, DP_NOISE_MULTIPLIER, DP_SAMPLE_RATE, HETLORA_UPLOAD_RANK, HETLORA_TAIL_NORM, FEDHERA_R_TOT,
-    FEDHERA_R_MAIN,
-})
 # train metric names a method builds under its prefix (the entries after it are the method's own)
 FEDTREELORA_LAM_PREFIX: Final = "fedtreelora-lam-"  # FedTreeLoRA: fedtreelora-lam-<block> = the client's lam
 FEDDR_NOISE_PREFIX: Final = "noise-"  # FedDR-LoRA: noise-precision, noise-recall, noise-flagged, ...
 METRIC_PREFIXES: Final = (FEDTREELORA_LAM_PREFIX, FEDDR_NOISE_PREFIX)
+# FedDR-LoRA's split (fedlora/methods/feddr_lora.py): groups of trained samples whose robust-CE weights
+# a client sums (truly noisy / clean by the injected noise, flagged / unflagged by the split) ...
+FEDDR_WEIGHT_GROUPS: Final = ("noisy", "clean", "flagged", "unflagged")
+FEDDR_WEIGHT_SUM: Final = FEDDR_NOISE_PREFIX + "weight-sum-"  # + group: the weights' sum (each in [0, 1])
+FEDDR_WEIGHT_N: Final = FEDDR_NOISE_PREFIX + "weight-n-"  # + group: the samples summed
+# ... and the split's counts against the injected noise, and its quality
+FEDDR_FLAGGED: Final = FEDDR_NOISE_PREFIX + "flagged"
+FEDDR_TRUE_POSITIVES: Final = FEDDR_NOISE_PREFIX + "true-positives"
+FEDDR_NOISY: Final = FEDDR_NOISE_PREFIX + "noisy"
+FEDDR_SAMPLES: Final = FEDDR_NOISE_PREFIX + "samples"
+FEDDR_PRECISION: Final = FEDDR_NOISE_PREFIX + "precision"
+FEDDR_RECALL: Final = FEDDR_NOISE_PREFIX + "recall"
+FEDDR_FLAGGED_FRACTION: Final = FEDDR_NOISE_PREFIX + "flagged-fraction"
+
+_RECEIVED_LM = (RECEIVED_TOKEN_ACCURACY, RECEIVED_LOSS, RECEIVED_TOKENS)  # a causal LM's received metrics go together
+TRAIN_RULES: Final[Mapping[str, MetricRule]] = MappingProxyType({
+    NUM_EXAMPLES: POSITIVE_COUNT,
+    PARTITION_ID: COUNT,
+    **dict.fromkeys(STARTUP_METRICS, STARTUP_SECONDS),
+    TRAIN_LOSS: MetricRule(low=0.0, high=MAX_LOSS, nan=True),  # NaN: no optimiser step was taken
+    TRAIN_STEPS: COUNT,
+    TRAIN_SECONDS: SECONDS,
+    TRAIN_EXAMPLES: COUNT,
+    RECEIVED_ACCURACY: MetricRule(low=0.0, high=1.0, needs=(RECEIVED_EXAMPLES,)),
+    RECEIVED_EXAMPLES: COUNT,
+    RECEIVED_TOKEN_ACCURACY: MetricRule(low=0.0, high=1.0, needs=_RECEIVED_LM),
+    RECEIVED_LOSS: MetricRule(low=0.0, high=MAX_LOSS, needs=_RECEIVED_LM),
+    RECEIVED_TOKENS: MetricRule(low=1.0, high=MAX_COUNT, integer=True, needs=_RECEIVED_LM),  # their weights: >= 1
+    DP_EPSILON: MetricRule(low=0.0, infinite=True),  # epsilon is infinite without noise
+    DP_NOISE_MULTIPLIER: MetricRule(low=0.0, high=1e6),
+    DP_SAMPLE_RATE: FRACTION,
+    HETLORA_UPLOAD_RANK: MetricRule(low=1.0, high=MAX_RANK, integer=True),
+    HETLORA_TAIL_NORM: MetricRule(low=0.0, high=1e9),  # a norm of the tail factors
+    FEDHERA_R_TOT: COUNT,  # the sum over modules of r_tot
+    FEDHERA_R_MAIN: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDHERA_R_TOT,)),
+    **{FEDDR_WEIGHT_N + group: COUNT for group in FEDDR_WEIGHT_GROUPS},
+    **{FEDDR_WEIGHT_SUM + group: MetricRule(low=0.0, high=MAX_COUNT, at_most=(FEDDR_WEIGHT_N + group,))
+       for group in FEDDR_WEIGHT_GROUPS},
+    FEDDR_SAMPLES: COUNT,
+    FEDDR_FLAGGED: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDDR_SAMPLES,)),
+    FEDDR_NOISY: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDDR_SAMPLES,)),
+    FEDDR_TRUE_POSITIVES: MetricRule(low=0.0, high=MAX_COUNT, integer=True, at_most=(FEDDR_FLAGGED, FEDDR_NOISY)),
+    FEDDR_PRECISION: FRACTION, FEDDR_RECALL: FRACTION, FEDDR_FLAGGED_FRACTION: FRACTION,
+})
+TRAIN_METRICS: Final = frozenset(TRAIN_RULES)
+TRAIN_PATTERNS: Final = (
+    # FedTreeLoRA: lam = sigmoid(theta) of block <block> (a block index, at most 4 digits)
+    MetricPattern(FEDTREELORA_LAM_PREFIX, re.compile(re.escape(FEDTREELORA_LAM_PREFIX) + r"(0|[1-9][0-9]{0,3})"),
+                  FRACTION),
+)
+TRAIN_REQUIRED: Final = (NUM_EXAMPLES, PARTITION_ID)
 
 # evaluate reply: a classifier
 ACCURACY: Final = "accuracy"  # local test split
@@ -149,10 +262,31 @@ GLOBAL_LOSS: Final = "global-loss"
 GLOBAL_TOKENS: Final = "global-tokens"
 # evaluate reply: a method's own
 FEDDPA_MEAN_WEIGHT: Final = "dpa-mean-weight"  # FedDPA, instance weighting: the mean w(x) over the inputs
-EVALUATE_METRICS: Final = frozenset({
-    NUM_EXAMPLES, PARTITION_ID, *STARTUP_METRICS, ACCURACY, LOSS, VAL_ACCURACY, VAL_EXAMPLES, GLOBAL_ACCURACY,
-    ROUGE_L, ROUGE_EXAMPLES, PERPLEXITY, TOKENS, VAL_LOSS, VAL_TOKENS, GLOBAL_ROUGE_L, GLOBAL_LOSS,
-    GLOBAL_TOKENS, FEDDPA_MEAN_WEIGHT,
+_GLOBAL_LM = (GLOBAL_ROUGE_L, GLOBAL_LOSS, GLOBAL_TOKENS)  # a causal LM's global-test metrics go together
+EVALUATE_RULES: Final[Mapping[str, MetricRule]] = MappingProxyType({
+    NUM_EXAMPLES: COUNT,  # 0: an empty local test split (it counts in no accuracy)
+    PARTITION_ID: COUNT,
+    **dict.fromkeys(STARTUP_METRICS, STARTUP_SECONDS),
+    ACCURACY: FRACTION,
+    LOSS: LOSS_VALUE,
+    VAL_ACCURACY: MetricRule(low=0.0, high=1.0, needs=(VAL_EXAMPLES,)),
+    VAL_EXAMPLES: COUNT,
+    GLOBAL_ACCURACY: FRACTION,
+    ROUGE_L: FRACTION,
+    ROUGE_EXAMPLES: COUNT,
+    PERPLEXITY: MetricRule(low=0.0),  # exp(loss): any finite number (the server computes its own)
+    TOKENS: COUNT,
+    VAL_LOSS: MetricRule(low=0.0, high=MAX_LOSS, needs=(VAL_TOKENS,)),
+    VAL_TOKENS: COUNT,
+    GLOBAL_ROUGE_L: MetricRule(low=0.0, high=1.0, needs=_GLOBAL_LM),
+    GLOBAL_LOSS: MetricRule(low=0.0, high=MAX_LOSS, needs=_GLOBAL_LM),
+    GLOBAL_TOKENS: MetricRule(low=0.0, high=MAX_COUNT, integer=True, needs=_GLOBAL_LM),
+    FEDDPA_MEAN_WEIGHT: FRACTION,  # w(x) is in [0, strategy.weight_max], weight_max <= 1
+})
+EVALUATE_METRICS: Final = frozenset(EVALUATE_RULES)
+EVALUATE_REQUIRED: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({  # by model.kind: what the server reads
+    "classification": (PARTITION_ID, NUM_EXAMPLES, ACCURACY),
+    "causal_lm": (PARTITION_ID, NUM_EXAMPLES, ROUGE_L, LOSS),
 })
 
 # ------------------------------------------------------------------ round metrics (strategy -> Flower's loop)

@@ -20,9 +20,17 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fedlora.backbones import ENCODER_TARGETS, ModelKind, default_target_modules
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, shown
 
 MAX_SEED = 2**31 - 1  # seeds are offset by rounds and partitions, and some libraries take < 2**32 only
+# Upper bounds of counts: far above any run this platform makes, and low enough that a typo (or a
+# 10-digit value) is an error at once instead of a run that never ends or a sampler that overflows
+MAX_ROUNDS = 100_000  # train.rounds, federation.evaluate_every, faults.max_failed_rounds
+MAX_CLIENTS = 100_000  # data.num_clients, data.num_groups, federation.min_clients
+MAX_STEPS = 10_000_000  # train.max_steps, train.local_epochs
+MAX_BATCH = 65_536  # train.batch_size, train.eval_batch_size
+MAX_TOKENS = 1_048_576  # train.max_length, train.max_new_tokens
+MAX_EXAMPLES = 10**12  # data.max_examples, data.global_test_size, train.rouge_examples, faults.max_examples
 
 
 def _rate(value: float) -> float:
@@ -118,16 +126,18 @@ class DataConfig(_Section):
     text_column: str = Field("text", description="Text column for file / hub sources.")
     label_column: str = Field("label", description="Label column for file / hub sources.")
     max_examples: int = Field(
-        0, ge=0, description="Stratified subsample of the source before partitioning (0 = all)."
+        0, ge=0, le=MAX_EXAMPLES, description="Stratified subsample of the source before partitioning (0 = all), "
+        "at most 10**12."
     )
-    num_clients: int = Field(10, ge=1, description="Number of clients (partitions).")
+    num_clients: int = Field(10, ge=1, le=MAX_CLIENTS, description="Number of clients (partitions), at most 100000.")
     partition: Literal["iid", "dirichlet", "pathological", "grouped"] = Field(
         "dirichlet",
         description="flwr-datasets partitioner used to split the training pool; 'grouped': "
         "num_groups groups of clients, each with its own disjoint block of classes, Dirichlet "
         "(dirichlet_alpha) label skew among the clients of a group (true clusters exist).",
     )
-    num_groups: int = Field(2, ge=1, description="Client groups (partition = 'grouped').")
+    num_groups: int = Field(2, ge=1, le=MAX_CLIENTS, description="Client groups (partition = 'grouped'), at most "
+                            "100000.")
     dirichlet_alpha: float = Field(0.5, gt=0.0, description="Dirichlet concentration (label skew).")
     classes_per_client: int = Field(2, ge=1, description="Classes per client (pathological).")
     test_fraction: float = Field(
@@ -137,7 +147,8 @@ class DataConfig(_Section):
         0.1, ge=0.0, lt=1.0, description="Share of each client's partition kept as validation."
     )
     global_test_size: int = Field(
-        2000, ge=1, description="Held-out global test examples that no client trains on."
+        2000, ge=1, le=MAX_EXAMPLES, description="Held-out global test examples that no client trains on, at most "
+        "10**12."
     )
     label_noise: Literal["none", "symmetric", "pairflip"] = Field(
         "none", description="Noise injected into client *training* labels only."
@@ -154,21 +165,23 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     """Rounds and the client's local optimisation."""
 
-    rounds: int = Field(10, ge=1, description="Federated rounds.")
-    local_epochs: int = Field(1, ge=1, description="Local epochs per round.")
+    rounds: int = Field(10, ge=1, le=MAX_ROUNDS, description="Federated rounds, at most 100000.")
+    local_epochs: int = Field(1, ge=1, le=MAX_STEPS, description="Local epochs per round, at most 10**7.")
     max_steps: int = Field(
-        0, ge=0, description="Cap on local optimiser steps per round (0 = full epochs)."
+        0, ge=0, le=MAX_STEPS, description="Cap on local optimiser steps per round (0 = full epochs), at most 10**7."
     )
-    batch_size: int = Field(16, ge=1, description="Local training batch size.")
-    eval_batch_size: int = Field(128, ge=1, description="Evaluation batch size.")
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH, description="Local training batch size, at most 65536.")
+    eval_batch_size: int = Field(128, ge=1, le=MAX_BATCH, description="Evaluation batch size, at most 65536.")
     lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate (LoRA and head).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    max_length: int = Field(64, ge=4, description="Max tokens per example (dynamic padding).")
+    max_length: int = Field(64, ge=4, le=MAX_TOKENS, description="Max tokens per example (dynamic padding), at "
+                            "most 2**20.")
     max_new_tokens: int = Field(
-        32, ge=1, description="causal_lm: tokens generated greedily per held-out instruction (ROUGE-L)."
+        32, ge=1, le=MAX_TOKENS, description="causal_lm: tokens generated greedily per held-out instruction "
+        "(ROUGE-L), at most 2**20."
     )
     rouge_examples: int = Field(
-        64, ge=0, description="causal_lm: held-out instructions per evaluated split whose greedy "
+        64, ge=0, le=MAX_EXAMPLES, description="causal_lm: held-out instructions per evaluated split whose greedy "
         "generations are scored with ROUGE-L (the first ones of the split; 0 = all). Loss and "
         "perplexity always use the whole split."
     )
@@ -207,10 +220,11 @@ class FederationConfig(_Section):
         1.0, ge=0.0, le=1.0, description="Clients asked for personalised evaluation per round."
     )
     evaluate_every: int = Field(
-        1, ge=1, description="Evaluate (global and personalised) every k rounds; the last round always."
+        1, ge=1, le=MAX_ROUNDS, description="Evaluate (global and personalised) every k rounds; the last round "
+        "always. At most 100000."
     )
     min_clients: int = Field(
-        1, ge=1, description="Fewest successful replies a round needs to aggregate."
+        1, ge=1, le=MAX_CLIENTS, description="Fewest successful replies a round needs to aggregate, at most 100000."
     )
     num_cpus: float = Field(1.0, gt=0.0, description="CPUs per simulated client (Ray resources).")
     num_gpus: float = Field(0.0, ge=0.0, description="GPU fraction per simulated client.")
@@ -342,8 +356,8 @@ class FaultsConfig(_Section):
         0.0, ge=0.0, description="Reject an update whose L2 norm exceeds this absolute bound (0 = off)."
     )
     max_failed_rounds: int = Field(
-        3, ge=1, description="Consecutive rounds with fewer than federation.min_clients valid "
-        "updates (state unchanged, the next round retries with a new sample) before the run stops."
+        3, ge=1, le=MAX_ROUNDS, description="Consecutive rounds with fewer than federation.min_clients valid "
+        "updates (state unchanged, the next round retries with a new sample) before the run stops; at most 100000."
     )
     max_update_ratio: float = Field(
         10.0, ge=0.0, allow_inf_nan=False, description="Reject an update whose L2 norm exceeds this multiple "
@@ -362,9 +376,9 @@ class FaultsConfig(_Section):
         "huge partition when it joined; 1 = off."
     )
     max_examples: int = Field(
-        0, ge=0, description="Reject a training reply whose example count exceeds this cap (0 = no "
+        0, ge=0, le=MAX_EXAMPLES, description="Reject a training reply whose example count exceeds this cap (0 = no "
         "cap). Whatever the cap, a count above the partition size the client declared when it "
-        "joined (its profile's num_train_examples) is rejected."
+        "joined (its profile's num_train_examples) is rejected. At most 10**12."
     )
     aggregation: AggregationRule = Field(
         "mean", description="How a linear method combines the uploaded arrays: 'mean' (its weighted "
@@ -532,14 +546,14 @@ def _check_kind_and_data(model: ModelConfig, data: DataConfig) -> None:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``section.key=value`` into (path, value); the value as a TOML literal if possible."""
     if "=" not in text:
-        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+        raise ConfigError(f"--set expects section.key=value, got {shown(text)}")
     key, raw = text.split("=", 1)
     path = [part for part in key.strip().split(".") if part]
     if len(path) < 2:
-        raise ConfigError(f"--set key must be section.key, got {key!r}")
+        raise ConfigError(f"--set key must be section.key, got {shown(key)}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except ValueError:  # TOMLDecodeError, or an integer of more than 4300 digits: the text as given
         value = raw
     return path, value
 
@@ -552,7 +566,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
+                raise ConfigError(f"--set {shown(text)}: {shown(part)} is not a section")
         node[path[-1]] = value
     return raw
 

@@ -52,12 +52,14 @@ def assert_accuracies_add_up(record: dict[str, Any], global_test_size: int, max_
 def assert_generation_scores_add_up(record: dict[str, Any], max_client_share: float = 0.6) -> None:
     """A causal LM's personalised scores of round ``record`` against its ``per_client`` rows:
     ROUGE-L example-weighted (by the examples each client scored), plain mean and minimum, each a
-    finite value in [0, 1]; the loss token-weighted and its perplexity exp(loss)."""
-    rows = [row for row in record["per_client"].values() if "rouge-l" in row]
+    finite value in [0, 1]; the loss token-weighted and its perplexity exp(loss). A client that
+    evaluated (or generated for) no example counts in none of them."""
+    rows = [row for row in record["per_client"].values()
+            if "rouge-l" in row and row["num-examples"] > 0 and row.get("rouge-examples", 1.0) > 0]
     assert rows, f"round {record['round']}: no client reported a ROUGE-L"
     rouge = np.array([row["rouge-l"] for row in rows])
     assert all(math.isfinite(value) and 0.0 <= value <= 1.0 for value in rouge), rouge
-    scored = np.array([max(row.get("rouge-examples", 1.0), 1.0) for row in rows])
+    scored = np.array([row.get("rouge-examples", row["num-examples"]) for row in rows])
     assert record["personalized_rouge_l_unweighted"] == pytest.approx(rouge.mean(), rel=1e-9)
     assert record["personalized_rouge_l_worst"] == pytest.approx(rouge.min(), rel=1e-9)
     if scored.max() <= max_client_share * scored.sum():
@@ -68,7 +70,7 @@ def assert_generation_scores_add_up(record: dict[str, Any], max_client_share: fl
     assert record["personalized_loss"] == pytest.approx(loss, rel=1e-9)
     assert record["personalized_perplexity"] == pytest.approx(math.exp(loss), rel=1e-9)
     if all("global-rouge-l" in row for row in rows):  # no global model: the clients' own models, weighted
-        examples = np.array([max(row.get("num-examples", 1.0), 1.0) for row in rows])
+        examples = np.array([row["num-examples"] for row in rows])
         if examples.max() <= max_client_share * examples.sum():
             expected = np.average([row["global-rouge-l"] for row in rows], weights=examples)
             assert record["global_rouge_l"] == pytest.approx(expected, rel=1e-9)

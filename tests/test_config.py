@@ -39,6 +39,64 @@ def test_bad_values_are_one_clear_error(override: str, message: str) -> None:
     assert "\n" not in str(error.value)
 
 
+BIG = 10 * 2**20  # a 10 MB value
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.rounds=" + "x" * BIG, "invalid config 'train.rounds': Input should be a valid integer"),
+        ("train.rounds=" + "9" * 5000, "invalid config 'train.rounds'"),  # more digits than Python parses
+        ("data." + "k" * BIG + "=1", "unknown config key 'data.kkk"),
+        ("strategy.name=" + "n" * BIG, "unknown strategy"),
+        ("x" * BIG, "--set expects section.key=value"),
+    ],
+    ids=["integer", "digits", "key", "strategy", "override"],
+)
+def test_a_huge_value_gives_a_short_line_that_states_its_length(override: str, message: str) -> None:
+    # Execute
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIGS / "smoke.toml", [override])
+    # Assert: one line, short, the value cut and its length said
+    line = str(error.value)
+    assert message in line and "\n" not in line and len(line) <= 400, line[:2000]
+    assert "characters)" in line
+
+
+def test_a_huge_value_in_a_config_file_gives_a_short_line(tmp_path: Path) -> None:
+    path = tmp_path / "big.toml"
+    path.write_text((CONFIGS / "smoke.toml").read_text().replace("rounds = 2", f'rounds = "{"x" * BIG}"'))
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert "train.rounds" in str(error.value) and len(str(error.value)) < 300
+    assert f"({BIG} characters)" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override, bound",
+    [
+        ("train.rounds=100001", "less than or equal to 100000"),
+        ("train.local_epochs=10000001", "less than or equal to 10000000"),
+        ("train.max_steps=10000001", "less than or equal to 10000000"),
+        ("train.batch_size=65537", "less than or equal to 65536"),
+        ("data.num_clients=100001", "less than or equal to 100000"),
+        ("federation.evaluate_every=100001", "less than or equal to 100000"),
+        ("faults.max_failed_rounds=100001", "less than or equal to 100000"),
+        ("faults.max_examples=1000000000001", "less than or equal to 1000000000000"),
+    ],
+)
+def test_counts_have_upper_bounds(override: str, bound: str) -> None:
+    # Execute / Assert: one line naming the key and the bound; the bound itself is allowed
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIGS / "smoke.toml", [override])
+    assert f"invalid config '{key}'" in str(error.value) and bound in str(error.value)
+    at_bound = f"{key}={int(override.split('=')[1]) - 1}"
+    if key not in ("data.num_clients", "train.rounds"):  # those need other keys to agree (clients.ranks, warm-ups)
+        load_config(CONFIGS / "smoke.toml", [at_bound])
+    assert load_config(CONFIGS / "smoke.toml", ["train.rounds=100000"]).train.rounds == 100000
+
+
 @pytest.mark.parametrize(
     "text, path, value",
     [

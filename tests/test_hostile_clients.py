@@ -40,12 +40,13 @@ from fedlora.config import ConfigError, load_config
 from fedlora.data import build_federated_data
 from fedlora.lora import ADAPTER_DTYPE, Combine, weighted_average
 from fedlora.profile import ClientProfile
+from fedlora.protocol import MetricRule
 from fedlora.results import RoundRecord
 from fedlora.schema import FaultsConfig
 from fedlora.simulations.inprocess import InProcessGrid
 from fedlora.strategies.base import LoRAStrategy
 from fedlora.strategies.registry import create_strategy, strategy_names
-from fedlora.strategies.replies import MetricRule, capped_weights
+from fedlora.strategies.replies import capped_weights
 from fedlora.strategies.validation import norm_outliers, ratio_bound, reference_norm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,10 +128,30 @@ def honest_evaluate(msg: Message, seed: int) -> Message:
 # ------------------------------------------------------------------------- hostile replies
 TRAIN_KINDS = ["no-metrics", "no-arrays", "empty", "metrics-as-config", "keys", "dtype", "shape", "nonfinite",
                "overflow", "huge-norm", "count", "partition", "metric-range", "metric-type", "list-metric",
-               "too-many-metrics", "corrupt-array", "lying-array", "stype", "error"]
+               "too-many-metrics", "metric-record", "corrupt-array", "lying-array", "stype", "error"]
 EVALUATE_KINDS = ["no-metrics", "empty", "count", "partition", "metric-range", "metric-type", "list-metric",
-                  "missing-accuracy", "error"]
+                  "missing-accuracy", "metric-record", "error"]
 NAN, INF = math.nan, math.inf
+# metric records that break the contract (fedlora/protocol.py) added to a valid reply: undeclared keys,
+# keys too long or too many, bytes over budget, values out of range, companions missing
+BAD_TRAIN_METRICS: list[dict[str, Any]] = [
+    {"custom-metric": 1.0}, {"noise-made-up": 1.0}, {"fedtreelora-lam-x": 0.5}, {"fedtreelora-lam-": 0.5},
+    {"noise-" + "x" * 10**5: 1.0}, {f"noise-{i:02d}" + "x" * 10**4: 1.0 for i in range(20)},
+    {f"m{i:03d}" + "x" * 58: 1.0 for i in range(120)}, {f"fedtreelora-lam-{i}": 0.5 for i in range(200)},
+    {"noise-precision": 2e306}, {"noise-flagged-fraction": -50.0}, {"fedtreelora-lam-0": 1e300},
+    {"noise-flagged": 5.0, "noise-samples": 2.0}, {"noise-weight-sum-clean": 9.0, "noise-weight-n-clean": 3.0},
+    {"noise-true-positives": 5.0, "noise-flagged": 6.0, "noise-noisy": 2.0},
+    {"received-token-accuracy": 0.5}, {"received-tokens": 0.0, "received-token-accuracy": 0.5, "received-loss": 1.0},
+    {"received-token-accuracy": 5.0, "received-loss": 1.0, "received-tokens": 10.0},
+    {"received-token-accuracy": 0.5, "received-loss": INF, "received-tokens": 10.0},
+    {"received-accuracy": 0.5}, {"train-seconds": 1.7e308}, {"train-examples": 1.7e308}, {"train-steps": 1e15},
+    {"fedhera-r-main": 5.0, "fedhera-r-tot": 2.0}, {"upload-rank": 0.0}, {"setup-seconds": -1.0},
+]
+BAD_EVALUATE_METRICS: list[dict[str, Any]] = [
+    {"custom-metric": 1.0}, {"x" * 10**5: 1.0}, {f"accuracy-{i}": 1.0 for i in range(200)},
+    {"global-rouge-l": 0.5}, {"global-loss": 1.0, "global-rouge-l": 0.5}, {"loss": 1e300}, {"num-examples": 1e15},
+    {"dpa-mean-weight": 3.0}, {"received-accuracy": 0.5}, {"val-loss": 1.0},
+]
 
 
 def _bypass(record: MetricRecord, key: str, value: Any) -> MetricRecord:
@@ -211,6 +232,8 @@ def hostile_train(data: st.DataObject, msg: Message, payload: dict[str, np.ndarr
         metrics[data.draw(st.sampled_from(["train-loss", "custom-metric", "upload-rank"]))] = [1.0, 2.0]
     elif kind == "too-many-metrics":
         metrics |= {f"m{i}": float(i) for i in range(300)}
+    elif kind == "metric-record":
+        metrics |= data.draw(st.sampled_from(BAD_TRAIN_METRICS))
     arrays = ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in payload.items()})
     if kind in ("corrupt-array", "lying-array", "stype"):
         key = _any_key(data, payload)
@@ -254,6 +277,12 @@ def hostile_evaluate(data: st.DataObject, msg: Message, seed: int) -> Message:
         metrics["accuracy"] = [0.5, 0.5]
     elif kind == "missing-accuracy":
         del metrics["accuracy"]
+    elif kind == "metric-record":
+        bad = data.draw(st.sampled_from([*BAD_EVALUATE_METRICS, "no-val-examples"]))
+        if bad == "no-val-examples":  # val-accuracy without the examples it is weighted by
+            del metrics["val-examples"]
+        else:
+            metrics |= bad
     record = MetricRecord(metrics)
     if kind == "metric-type":
         _bypass(record, data.draw(st.sampled_from(["accuracy", "num-examples", "partition-id"])), "high")
@@ -430,7 +459,8 @@ BAD_TRAIN = {  # case -> (payload, metrics) -> the reply's content
        for c in (0, 1, -1, 99, NAN, 0.5, [2.0])},
     **{f"{key}={v!r}": (lambda p, m, key=key, v=v: RecordDict({"arrays": _arrays(p), "metrics": MetricRecord({**m, key: v})}))
        for key, v in (("train-loss", -1.0), ("train-loss", INF), ("received-accuracy", 1.5), ("received-accuracy", NAN),
-                      ("train-examples", -3), ("train-seconds", -1.0), ("dp-epsilon", -1.0), ("custom", [1.0]))},
+                      ("train-examples", -3), ("train-seconds", -1.0), ("dp-epsilon", -1.0), ("custom", [1.0]),
+                      ("train-examples", 1.7e308), ("received-token-accuracy", 0.5), ("fedtreelora-lam-x", 0.5))},
     **{f"text-{key}": (lambda p, m, key=key: RecordDict({"arrays": _arrays(p), "metrics": _bypass(MetricRecord(m), key, "many")}))
        for key in ("num-examples", "partition-id", "custom")},
     "too-many-metrics": lambda p, m: RecordDict({"arrays": _arrays(p), "metrics": MetricRecord({**m, **{f"m{i}": 1.0 for i in range(300)}})}),
@@ -455,6 +485,102 @@ def test_every_kind_of_bad_training_reply_is_refused_and_moves_nothing(case: str
     assert attacked.record(1).rejected == 1 and attacked.record(1).rejections[0].startswith("client 2 (node 1002): ")
     assert_same_strategy(honest_only, attacked)
     assert_same_record(honest_only.record(1), attacked.record(1))
+
+
+# Replies that crashed the server (issue 40): strategy, and the metrics two clients add to honest replies
+CRASHES = {
+    "token-accuracy-without-tokens": ("fedit", {"received-token-accuracy": 0.5}),  # KeyError
+    "zero-tokens": ("fedit", {"received-token-accuracy": 0.5, "received-loss": 1.0, "received-tokens": 0}),  # / 0
+    "huge-train-examples": ("fedit", {"train-examples": 1.7e308}),  # the two sum to inf: OverflowError in int()
+    "lambda-of-no-block": ("fedtreelora", {"fedtreelora-lam-x": 0.5}),  # ValueError in int("x")
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRASHES))
+def test_the_replies_that_crashed_the_server_are_refused_and_the_run_goes_on(case: str) -> None:
+    # Prepare: twin strategies over six clients; in `attacked`, the last two sampled clients add the bad metrics
+    name, bad = CRASHES[case]
+    (honest_only, grid_a), (attacked, grid_b) = connected(name, SIX), connected(name, SIX)
+    for server_round in (1, 2):
+        sent_a = list(honest_only.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid_a))
+        sent_b = list(attacked.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid_b))
+        assert len(sent_b) >= 3
+        replies = [honest_train(attacked, m, server_round, 0) for m in sent_b[:-2]] + [
+            reply(m, honest_upload(attacked, m, server_round, 0), {**honest_metrics(partition(m), server_round, 0), **bad})
+            for m in sent_b[-2:]]
+        # Execute
+        honest_only.aggregate_train(server_round, [honest_train(honest_only, m, server_round, 0) for m in sent_a[:-2]])
+        attacked.aggregate_train(server_round, replies)
+        # Assert: both refused, logged with their node, counted as failures; the round aggregated the others
+        record = attacked.record(server_round)
+        assert record.rejected == 2 and record.failures == 2 and record.clients == len(sent_b) - 2, record.rejections
+        assert [line.split(":")[0] for line in record.rejections] == [
+            f"client {partition(m)} (node {m.metadata.dst_node_id})" for m in sent_b[-2:]]
+        assert_same_strategy(honest_only, attacked)
+        assert_same_record(honest_only.record(server_round), record)
+
+
+# ------------------------------------------------------------ metrics through a whole run
+def metric_app(bad: dict[tuple[int, int], dict[str, Any]]) -> Any:
+    """A ClientApp that never trains: it answers the query as ``profile_app``, a training message
+    with its download plus noise and honest metrics (``bad[(round, partition)]`` added), an
+    evaluation with fixed honest metrics."""
+    def app(msg: Message, context: Context) -> Message:
+        k = int(context.node_config["partition-id"])
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            metrics = {"accuracy": 0.5, "loss": 1.0, "num-examples": 10.0, "partition-id": float(k), "global-accuracy": 0.5}
+            return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return profile_app(msg, context)
+        server_round = int(msg.content.config_records["config"]["server-round"])
+        rng = np.random.default_rng([k, server_round])
+        upload = {key: (a.numpy() + 0.01 * rng.standard_normal(a.shape)).astype(np.float32)
+                  for key, a in msg.content.array_records["arrays"].items()}
+        metrics = {**honest_metrics(k, server_round, 0), **bad.get((server_round, k), {})}
+        return reply(msg, upload, metrics)
+
+    return app
+
+
+def metric_run(name: str, rounds: int, bad: dict[tuple[int, int], dict[str, Any]], out: Path, resume: bool = False) -> Any:
+    config = load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name), f"train.rounds={rounds}",
+                                 "output.save_adapters=false", "output.tensorboard=false"])
+    grid = InProcessGrid(metric_app(bad), [{"partition-id": k} for k in range(config.data.num_clients)])
+    return run_server(grid, config, out, resume=resume)
+
+
+def test_a_run_poisoned_through_metrics_resumes(tmp_path: Path) -> None:
+    # Prepare: round 1 client 1 reports a received token accuracy of 5 and client 2 a received loss
+    # of inf; round 2 clients 1 and 2 each report train-seconds = 1.7e308 (the two sum to inf)
+    lm = {"received-loss": 1.0, "received-tokens": 10.0}
+    bad = {(1, 1): {**lm, "received-token-accuracy": 5.0}, (1, 2): {**lm, "received-token-accuracy": 0.5,
+                                                                      "received-loss": INF},
+           (2, 1): {"train-seconds": 1.7e308}, (2, 2): {"train-seconds": 1.7e308}}
+    # Execute: two rounds, then a resumed third
+    first = metric_run("fedit", 2, bad, tmp_path)
+    resumed = metric_run("fedit", 3, {}, tmp_path, resume=True)
+    # Assert: every poisoned reply refused and logged; nothing of theirs in the records; the run resumed
+    assert [r.rejected for r in first.rounds] == [2, 2] and [r.clients for r in first.rounds] == [1, 1]
+    assert all(line.startswith(("client 1 (node 1001): metric", "client 2 (node 1002): metric"))
+               for r in first.rounds for line in r.rejections), [r.rejections for r in first.rounds]
+    assert all(math.isfinite(r.client_train_seconds) and r.client_train_seconds <= 10 for r in first.rounds)
+    assert math.isnan(first.rounds[0].received_token_accuracy) and math.isnan(first.rounds[0].received_loss)
+    assert [r.round for r in resumed.rounds] == [1, 2, 3] and resumed.rounds[2].clients == 3
+
+
+def test_twenty_metrics_of_a_megabyte_leave_the_results_and_the_checkpoint_small(tmp_path: Path) -> None:
+    from fedlora import checkpoint
+
+    # Prepare: FedDR-LoRA (it kept every noise-* metric); client 1 adds 20 keys of 1 MB each, every round
+    huge = {f"noise-{i:02d}" + "x" * 2**20: float(i) for i in range(20)}
+    # Execute
+    writer = metric_run("feddr_lora", 2, {(1, 1): huge, (2, 1): huge}, tmp_path)
+    # Assert: refused every round, in a short line; the files stay small
+    assert [r.rejected for r in writer.rounds] == [1, 1]
+    assert all(len(line) < 300 for r in writer.rounds for line in r.rejections)
+    assert (tmp_path / "results.json").stat().st_size < 200_000
+    saved = sum(f.stat().st_size for f in checkpoint.checkpoint_dir(tmp_path).rglob("*") if f.is_file())
+    assert saved < 2_000_000
 
 
 # -------------------------------------------------------------------- weighing and norms
@@ -643,6 +769,56 @@ def test_a_client_that_declared_a_huge_partition_weighs_at_most_max_client_share
         Message(RecordDict({"metrics": MetricRecord({"accuracy": 0.5 + 0.5 * partition(m), "num-examples": [10.0, 1e12][partition(m)],
                                                      "partition-id": partition(m)})}), reply_to=m) for m in asked])
     assert strategy.record(1).personalized_accuracy == pytest.approx(0.8)
+
+
+# ------------------------------------------------------------------ zero-example evaluations
+def test_an_evaluation_of_no_examples_moves_no_accuracy() -> None:
+    # Prepare: FedDR-LoRA (no global model: the clients' global-test accuracy is averaged too); client 2
+    # evaluated no example and reports a perfect score (and a received accuracy of 0 examples in training)
+    strategy, grid = connected("feddr_lora")
+    strategy.connect(grid)
+    asked = list(strategy.configure_evaluate(2, ArrayRecord(), ConfigRecord(), grid))
+    assert [partition(m) for m in asked] == [0, 1, 2]
+    scores = {0: (0.9, 15.0), 1: (0.5, 15.0), 2: (1.0, 0.0)}  # accuracy, examples
+
+    def answer(m: Message) -> Message:
+        accuracy, examples = scores[partition(m)]
+        return Message(RecordDict({"metrics": MetricRecord({
+            "accuracy": accuracy, "num-examples": examples, "partition-id": float(partition(m)),
+            "val-accuracy": accuracy, "val-examples": examples, "global-accuracy": accuracy})}), reply_to=m)
+
+    # Execute
+    strategy.aggregate_evaluate(2, [answer(m) for m in asked])
+    # Assert: clients 0 and 1 alone, weighted, unweighted, worst, p10, validation, global
+    record = strategy.record(2)
+    assert record.rejected == 0 and record.per_client["2"]["num-examples"] == 0.0
+    assert record.personalized_accuracy == pytest.approx(0.7)
+    assert record.personalized_accuracy_unweighted == pytest.approx(0.7)
+    assert record.personalized_accuracy_worst == pytest.approx(0.5)
+    assert record.personalized_accuracy_p10 == pytest.approx(0.54)
+    assert record.validation_accuracy == pytest.approx(0.7) and record.global_accuracy == pytest.approx(0.7)
+    # ... and when nobody evaluated an example, there is no accuracy at all
+    strategy.aggregate_evaluate(3, [Message(RecordDict({"metrics": MetricRecord({
+        "accuracy": 1.0, "num-examples": 0.0, "partition-id": float(partition(m))})}), reply_to=m)
+        for m in strategy.configure_evaluate(3, ArrayRecord(), ConfigRecord(), grid)])
+    assert math.isnan(strategy.record(3).personalized_accuracy) and math.isnan(strategy.record(3).personalized_accuracy_worst)
+
+
+def test_a_received_accuracy_of_no_examples_moves_no_accuracy() -> None:
+    # Prepare: three FedIT clients; client 2 reports a received accuracy of 1 over 0 examples
+    strategy, grid = connected("fedit")
+    sent = list(strategy.configure_train(2, ArrayRecord(), ConfigRecord(), grid))
+    received = {0: (0.9, 15.0), 1: (0.5, 15.0), 2: (1.0, 0.0)}
+    replies = [reply(m, honest_upload(strategy, m, 2, 0), {**honest_metrics(partition(m), 2, 0),
+                                                           "received-accuracy": received[partition(m)][0],
+                                                           "received-examples": received[partition(m)][1]})
+               for m in sent]
+    # Execute
+    strategy.aggregate_train(2, replies)
+    # Assert
+    record = strategy.record(2)
+    assert record.clients == 3 and record.received_accuracy == pytest.approx(0.7)
+    assert record.received_accuracy_unweighted == pytest.approx(0.7)
 
 
 # ------------------------------------------------------------------------ partition spoofing

@@ -91,15 +91,22 @@ def test_the_scan_finds_a_bare_key(tmp_path: Path) -> None:
     assert key_literals(declared) == []
 
 
-def test_the_reply_rules_speak_of_declared_metrics() -> None:
-    # Prepare
-    from fedlora.strategies import replies
-
-    # Execute / Assert: the server checks and requires only metrics the clients are declared to send
-    assert set(replies.TRAIN_METRICS) <= protocol.TRAIN_METRICS
-    assert set(replies.TRAIN_REQUIRED) <= protocol.TRAIN_METRICS
-    assert set(replies.EVALUATE_METRICS) <= protocol.EVALUATE_METRICS
-    assert {key for keys in replies.EVALUATE_REQUIRED.values() for key in keys} <= protocol.EVALUATE_METRICS
+def test_every_reply_metric_has_one_contract() -> None:
+    # Execute / Assert: every metric a reply may carry has its rule; what a rule needs beside it, or
+    # stays below, and what a reply must carry, are declared metrics of the same reply
+    assert protocol.TRAIN_METRICS == set(protocol.TRAIN_RULES)
+    assert protocol.EVALUATE_METRICS == set(protocol.EVALUATE_RULES)
+    for rules, names in ((protocol.TRAIN_RULES, protocol.TRAIN_METRICS), (protocol.EVALUATE_RULES, protocol.EVALUATE_METRICS)):
+        for key, rule in rules.items():
+            assert set(rule.needs) <= names and set(rule.at_most) <= names, key
+            assert rule.high <= protocol.MAX_COUNT or rule.infinite or key == protocol.PERPLEXITY, key
+            assert len(key) <= protocol.MAX_METRIC_KEY_LENGTH
+    assert set(protocol.TRAIN_REQUIRED) <= protocol.TRAIN_METRICS
+    assert {key for keys in protocol.EVALUATE_REQUIRED.values() for key in keys} <= protocol.EVALUATE_METRICS
+    # a method's names under its prefix: declared prefixes, a pattern no fixed name matches
+    for pattern in protocol.TRAIN_PATTERNS:
+        assert pattern.prefix in protocol.METRIC_PREFIXES
+        assert not any(pattern.pattern.fullmatch(key) for key in protocol.TRAIN_METRICS)
 
 
 def test_declared_knows_keys_and_prefixes() -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from fedlora.errors import ConfigError, did_you_mean
+from fedlora.errors import ConfigError, did_you_mean, shown
 from fedlora.methods.base import Capabilities, Method, MethodOptions, NoOptions, OptionsT
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def method(name: str) -> Method[Any]:
     """The method declared under ``name`` (ConfigError listing the known names otherwise)."""
     known = _discover()
     if name not in known:
-        raise ConfigError(f"unknown strategy '{name}'{did_you_mean(name, method_names())}; "
+        raise ConfigError(f"unknown strategy {shown(name)}{did_you_mean(name[:100], method_names())}; "
                           f"known: {', '.join(method_names())}")
     return known[name]
 

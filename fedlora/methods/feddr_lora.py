@@ -23,7 +23,7 @@ from fedlora.methods.base import Capabilities, Method, MethodOptions
 
 # groups of trained samples whose robust-CE weights a client sums: truly noisy / clean (the injected
 # noise), flagged / unflagged by the split. Train metrics noise-weight-sum-<g>, noise-weight-n-<g>.
-WEIGHT_GROUPS = ("noisy", "clean", "flagged", "unflagged")
+WEIGHT_GROUPS = protocol.FEDDR_WEIGHT_GROUPS
 EXTRA_PREFIX = "feddr_"  # round ``extra`` keys in results.json: feddr_noise_precision, feddr_weight_noisy, ...
 GMM_REG_COVAR = 5e-4  # variance floor on losses normalised to [0, 1] (DivideMix's setting)
 GMM_MAX_ITER = 20

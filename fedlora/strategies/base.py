@@ -780,29 +780,38 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         weights = capped_weights(counts, self.experiment.faults.max_client_share)
         return weights if weights.sum() > 0 else np.ones(len(counts))
 
-    def _aggregate_accuracy(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
+    def _aggregate_accuracy(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord | None:
         """A classifier's personalised evaluation: accuracy example-weighted and unweighted, worst,
         p10; validation accuracy weighted by the validation examples; the global-test accuracy of a
-        method without a global model (each client's own model on the global test set)."""
+        method without a global model (each client's own model on the global test set). An
+        evaluation of no examples counts in none of them (None: no client evaluated an example)."""
+        rows = [r for r in rows if r[protocol.NUM_EXAMPLES] > 0]
+        if not rows:
+            return None
         accuracy = np.array([r[protocol.ACCURACY] for r in rows])
         examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
         record.personalized_accuracy = float(np.average(accuracy, weights=examples))
         record.personalized_accuracy_unweighted = float(accuracy.mean())
         record.personalized_accuracy_worst = float(accuracy.min())
         record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
-        if all(protocol.VAL_ACCURACY in r for r in rows):
-            val_examples = self._evaluation_weights([max(r.get(protocol.VAL_EXAMPLES, 1.0), 1.0) for r in rows])
-            record.validation_accuracy = float(np.average([r[protocol.VAL_ACCURACY] for r in rows],
+        validated = [r for r in rows if r.get(protocol.VAL_EXAMPLES, 0.0) > 0]
+        if validated and all(protocol.VAL_ACCURACY in r for r in rows):
+            val_examples = self._evaluation_weights([r[protocol.VAL_EXAMPLES] for r in validated])
+            record.validation_accuracy = float(np.average([r[protocol.VAL_ACCURACY] for r in validated],
                                                           weights=val_examples))
         if all(protocol.GLOBAL_ACCURACY in r for r in rows) and self.global_payload() is None:
             record.global_accuracy = float(np.average([r[protocol.GLOBAL_ACCURACY] for r in rows], weights=examples))
         return MetricRecord({protocol.PERSONALIZED_ACCURACY: record.personalized_accuracy})
 
-    def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord:
+    def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord | None:
         """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
-        client scored) and unweighted, worst, p10; loss and perplexity token-weighted."""
+        client scored) and unweighted, worst, p10; loss and perplexity token-weighted. An evaluation
+        of no examples (none generated) counts in none of them (None: no client generated any)."""
+        rows = [r for r in rows if r[protocol.NUM_EXAMPLES] > 0 and r.get(protocol.ROUGE_EXAMPLES, 1.0) > 0]
+        if not rows:
+            return None
         rouge = np.array([r[protocol.ROUGE_L] for r in rows])
-        scored = self._evaluation_weights([max(r.get(protocol.ROUGE_EXAMPLES, 1.0), 1.0) for r in rows])
+        scored = self._evaluation_weights([r.get(protocol.ROUGE_EXAMPLES, r[protocol.NUM_EXAMPLES]) for r in rows])
         record.personalized_rouge_l = float(np.average(rouge, weights=scored))
         record.personalized_rouge_l_unweighted = float(rouge.mean())
         record.personalized_rouge_l_worst = float(rouge.min())
@@ -812,7 +821,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if all(protocol.VAL_LOSS in r for r in rows):
             record.validation_loss = _token_mean(rows, protocol.VAL_LOSS, protocol.VAL_TOKENS)
         if all(protocol.GLOBAL_ROUGE_L in r for r in rows) and self.global_payload() is None:
-            examples = self._evaluation_weights([max(r.get(protocol.NUM_EXAMPLES, 1.0), 1.0) for r in rows])
+            examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
             record.global_rouge_l = float(np.average([r[protocol.GLOBAL_ROUGE_L] for r in rows], weights=examples))
             record.global_loss = float(np.average([r[protocol.GLOBAL_LOSS] for r in rows], weights=examples))
             record.global_perplexity = math.exp(min(record.global_loss, 700.0))
@@ -898,14 +907,16 @@ def _note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:
     training (FedHera's official metric; evaluation rounds only). A causal LM's is teacher-forced:
     token accuracy and loss per response token, token-weighted over the clients."""
     scored = [u.metrics for u in uploads if protocol.RECEIVED_TOKEN_ACCURACY in u.metrics]
-    if scored:
-        tokens = np.array([r[protocol.RECEIVED_TOKENS] for r in scored])
+    tokens = np.array([r.get(protocol.RECEIVED_TOKENS, 0.0) for r in scored])  # >= 1 each (protocol.TRAIN_RULES)
+    if scored and tokens.sum() > 0:
         record.received_token_accuracy = float(np.average([r[protocol.RECEIVED_TOKEN_ACCURACY] for r in scored], weights=tokens))
         record.received_loss = float(np.average([r[protocol.RECEIVED_LOSS] for r in scored], weights=tokens))
-    rows = [u.metrics for u in uploads if protocol.RECEIVED_ACCURACY in u.metrics]
+    # an evaluation of no examples counts in neither (received-examples comes with it: protocol.TRAIN_RULES)
+    rows = [u.metrics for u in uploads if u.metrics.get(protocol.RECEIVED_EXAMPLES, 0.0) > 0
+            and protocol.RECEIVED_ACCURACY in u.metrics]
     if not rows:
         return
     accuracy = np.array([r[protocol.RECEIVED_ACCURACY] for r in rows])
-    examples = np.array([max(r.get(protocol.RECEIVED_EXAMPLES, 1.0), 1.0) for r in rows])
+    examples = np.array([r[protocol.RECEIVED_EXAMPLES] for r in rows])
     record.received_accuracy = float(np.average(accuracy, weights=examples))
     record.received_accuracy_unweighted = float(accuracy.mean())

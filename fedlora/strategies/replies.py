@@ -3,12 +3,15 @@
 ``LoRAStrategy.aggregate_train`` runs them in this order, one reply at a time, then over the round:
 
 1. **parse**: the records a reply must carry (``arrays``, ``metrics``), every metric a plain
-   number (:func:`parse_metrics`);
-2. **validate**: the metrics' ranges (:data:`TRAIN_METRICS`), the partition the reply speaks for
-   (it must be its sender's), the example count against what the client declared when it joined
-   (and ``faults.max_examples``), the arrays' keys, shapes and dtypes against the expected upload
-   (float only, cast to the adapters' dtype), finiteness, and the update's norm against the
-   reference norm (``faults.max_update_ratio``) (:func:`parse_train_reply`);
+   number, declared, within its range, with the keys it needs beside it, the record within its
+   size budget (:func:`parse_metrics`; the contract is ``fedlora/protocol.py``'s
+   :data:`~fedlora.protocol.TRAIN_RULES`, :data:`~fedlora.protocol.EVALUATE_RULES`,
+   :data:`~fedlora.protocol.TRAIN_PATTERNS`);
+2. **validate**: the partition the reply speaks for (it must be its sender's), the example count
+   against what the client declared when it joined (and ``faults.max_examples``), the arrays'
+   keys, shapes and dtypes against the expected upload (float only, cast to the adapters' dtype),
+   finiteness, and the update's norm against the reference norm (``faults.max_update_ratio``)
+   (:func:`parse_train_reply`);
 3. **weigh**: the example counts as aggregation weights, no client above ``faults.max_client_share``
    of the round (:func:`capped_weights`);
 4. **aggregate** (the method) and **account** (the round's record).
@@ -20,8 +23,7 @@ client sent. Evaluation replies go through the same parse and validate steps
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,66 +35,7 @@ from fedlora.lora import ADAPTER_DTYPE, Payload
 from fedlora.schema import ModelKind
 from fedlora.strategies.validation import check_upload, ratio_bound, update_norm
 
-MAX_METRICS = 256  # more metrics than any honest reply carries (about 20): the reply is refused
 MAX_WORKER_TEXT = 200  # characters kept of each entry of a reply's worker record (where it ran)
-
-
-@dataclass(frozen=True)
-class MetricRule:
-    """The values a metric may take: [low, high], integer-valued or not, NaN allowed or not
-    (a value the client could not measure). +-inf only where ``high`` / ``low`` is infinite and
-    ``infinite`` allows it."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    integer: bool = False
-    nan: bool = False
-    infinite: bool = False
-
-    def problem(self, value: float) -> str:
-        """Why ``value`` is not allowed ('' if it is)."""
-        if math.isnan(value):
-            return "" if self.nan else "is NaN"
-        if math.isinf(value) and not self.infinite:
-            return "is infinite"
-        if not self.low <= value <= self.high:
-            return f"is outside [{self.low:g}, {self.high:g}]"
-        if self.integer and not float(value).is_integer():
-            return "is not a whole number"
-        return ""
-
-
-COUNT = MetricRule(low=0.0, integer=True)
-FRACTION = MetricRule(low=0.0, high=1.0)  # an accuracy or ROUGE-L (a client sends 0, never NaN, for an empty split)
-NON_NEGATIVE = MetricRule(low=0.0)
-
-# Training reply metrics with a meaning the server relies on; any other metric only has to be a number.
-TRAIN_METRICS: dict[str, MetricRule] = {
-    protocol.NUM_EXAMPLES: MetricRule(low=1.0, integer=True),
-    protocol.PARTITION_ID: COUNT,
-    protocol.TRAIN_LOSS: MetricRule(low=0.0, nan=True),  # NaN: no optimiser step was taken
-    protocol.TRAIN_SECONDS: NON_NEGATIVE,
-    protocol.TRAIN_EXAMPLES: COUNT,
-    protocol.RECEIVED_ACCURACY: FRACTION,
-    protocol.RECEIVED_EXAMPLES: COUNT,
-    protocol.DP_EPSILON: MetricRule(low=0.0, infinite=True),  # epsilon is infinite without noise
-}
-TRAIN_REQUIRED = (protocol.NUM_EXAMPLES, protocol.PARTITION_ID)
-
-EVALUATE_METRICS: dict[str, MetricRule] = {
-    protocol.NUM_EXAMPLES: COUNT,
-    protocol.PARTITION_ID: COUNT,
-    protocol.ACCURACY: FRACTION, protocol.VAL_ACCURACY: FRACTION, protocol.GLOBAL_ACCURACY: FRACTION,
-    protocol.ROUGE_L: FRACTION, protocol.GLOBAL_ROUGE_L: FRACTION,
-    protocol.LOSS: NON_NEGATIVE, protocol.VAL_LOSS: NON_NEGATIVE, protocol.GLOBAL_LOSS: NON_NEGATIVE,
-    protocol.PERPLEXITY: NON_NEGATIVE,
-    protocol.VAL_EXAMPLES: COUNT, protocol.ROUGE_EXAMPLES: COUNT, protocol.TOKENS: COUNT, protocol.VAL_TOKENS: COUNT,
-    protocol.GLOBAL_TOKENS: COUNT,
-}
-EVALUATE_REQUIRED: dict[str, tuple[str, ...]] = {  # by model.kind: what aggregate_evaluate reads
-    "classification": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, protocol.ACCURACY),
-    "causal_lm": (protocol.PARTITION_ID, protocol.NUM_EXAMPLES, protocol.ROUGE_L, protocol.LOSS),
-}
 
 
 @dataclass
@@ -136,29 +79,57 @@ class Expectation:
 
 
 # ---------------------------------------------------------------------------------------- parse
-def parse_metrics(message: Message, rules: Mapping[str, MetricRule], required: tuple[str, ...]) -> dict[str, float] | str:
-    """The reply's ``metrics`` record as floats, every value a number within its rule, or why not."""
+def parse_metrics(message: Message, rules: Mapping[str, protocol.MetricRule], required: Sequence[str],
+                  patterns: Sequence[protocol.MetricPattern] = ()) -> dict[str, float] | str:
+    """The reply's ``metrics`` record as floats, or why it breaks the contract (``fedlora/protocol.py``):
+    at most :data:`~fedlora.protocol.MAX_METRIC_KEYS` keys, each text of at most
+    :data:`~fedlora.protocol.MAX_METRIC_KEY_LENGTH` characters, :data:`~fedlora.protocol.MAX_METRIC_BYTES`
+    in all; every key declared (in ``rules``, or matching one of ``patterns``), its value a number
+    within its rule, its ``needs`` beside it and at most its ``at_most``; the ``required`` keys there.
+    A client's text in the reason is cut short: the reason is logged and kept in the round's record."""
     record = message.content.metric_records.get(protocol.METRICS_RECORD)
     if record is None:
         return f"no {protocol.METRICS_RECORD!r} record"
-    if len(record) > MAX_METRICS:
-        return f"{len(record)} metrics (at most {MAX_METRICS})"
-    metrics: dict[str, float] = {}
-    for key, value in record.items():
+    if len(record) > protocol.MAX_METRIC_KEYS:
+        return f"{len(record)} metrics (at most {protocol.MAX_METRIC_KEYS})"
+    size = 0
+    for key in record:
         if not isinstance(key, str):
             return f"a metric key is not text ({type(key).__name__})"
+        if len(key) > protocol.MAX_METRIC_KEY_LENGTH:
+            return f"a metric key of {len(key)} characters ({_cut(key)}; at most {protocol.MAX_METRIC_KEY_LENGTH})"
+        size += len(key.encode("utf-8", "replace")) + 8
+    if size > protocol.MAX_METRIC_BYTES:
+        return f"metrics of {size} bytes (at most {protocol.MAX_METRIC_BYTES})"
+    metrics: dict[str, float] = {}
+    found: dict[str, protocol.MetricRule] = {}
+    for key, value in record.items():
+        rule = rules.get(key) or next((p.rule for p in patterns if p.pattern.fullmatch(key)), None)
+        if rule is None:
+            return f"metric {_cut(key)} is not declared (fedlora/protocol.py)"
         number = _as_number(value)
         if number is None:
-            return f"metric {key[:40]!r} is not a number ({type(value).__name__})"
-        rule = rules.get(key)
-        problem = rule.problem(number) if rule is not None else ""
+            return f"metric {_cut(key)} is not a number ({type(value).__name__})"
+        problem = rule.problem(number)
         if problem:
-            return f"metric {key!r} = {number:g} {problem}"
-        metrics[key] = number
+            return f"metric {_cut(key)} = {number:g} {problem}"
+        metrics[key], found[key] = number, rule
     missing = [key for key in required if key not in metrics]
     if missing:
         return f"metrics lack {missing}"
+    for key, rule in found.items():
+        absent = [other for other in rule.needs if other not in metrics]
+        if absent:
+            return f"metric {key!r} comes without {absent}"
+        for bound in rule.at_most:
+            if bound in metrics and not metrics[key] <= metrics[bound] * (1 + 1e-9):
+                return f"metric {key!r} = {metrics[key]:g} is above {bound!r} = {metrics[bound]:g}"
     return metrics
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    """A client's text for a reason line: at most ``limit`` characters, quoted."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 def _as_number(value: Any) -> float | None:
@@ -213,7 +184,7 @@ def parse_train_reply(
     ``expected_upload(metrics)`` gives the shapes the sender must upload once its metrics are known
     (HetLoRA's self-pruned rank is one of them).
     """
-    metrics = parse_metrics(message, TRAIN_METRICS, TRAIN_REQUIRED)
+    metrics = parse_metrics(message, protocol.TRAIN_RULES, protocol.TRAIN_REQUIRED, protocol.TRAIN_PATTERNS)
     if isinstance(metrics, str):
         return Rejection(metrics)
     claimed = int(metrics[protocol.PARTITION_ID])
@@ -240,7 +211,7 @@ def parse_train_reply(
 
 def parse_evaluate_reply(message: Message, partition: int, kind: ModelKind) -> dict[str, float] | Rejection:
     """An evaluation reply's metrics (ranges checked, speaking for the sender's ``partition``)."""
-    metrics = parse_metrics(message, EVALUATE_METRICS, EVALUATE_REQUIRED[kind])
+    metrics = parse_metrics(message, protocol.EVALUATE_RULES, protocol.EVALUATE_REQUIRED[kind])
     if isinstance(metrics, str):
         return Rejection(metrics)
     claimed = int(metrics[protocol.PARTITION_ID])
