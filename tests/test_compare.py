@@ -55,6 +55,20 @@ def fake_results(seed: int, weighted: float, unweighted: float, rounds: int = 2)
 
 
 # --------------------------------------------------------------------------- summary semantics
+def test_a_summary_of_many_mechanism_columns_warns_nothing() -> None:
+    import warnings
+
+    # Prepare: two strategies, two seeds, 150 recorded mechanism figures each
+    runs = [{"strategy": name, "seed": seed, **{f"extra.m{i}": float(i + seed) for i in range(150)}}
+            for name in ("a", "b") for seed in (0, 1)]
+    # Execute: every warning an error (pandas' PerformanceWarning of a fragmented frame included)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table = ComparisonTable(runs)
+    # Assert
+    assert table["a"]["seeds"] == 2 and table["b"]["extra.m149_mean"] == pytest.approx(149.5)
+
+
 def test_run_row_sums_costs_and_keeps_both_averages() -> None:
     # Execute
     row = run_row(fake_results(0, weighted=0.8, unweighted=0.6, rounds=2))

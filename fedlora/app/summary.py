@@ -115,10 +115,11 @@ class ComparisonTable:
         grouped = frame.groupby("strategy", sort=False)[keys]
         mean, std, count = grouped.mean(), grouped.std(ddof=1), grouped.count()
         std = std.mask(std.isna() & (count == 1), 0.0)  # one seed: no spread
-        summary = pd.concat([mean.add_suffix("_mean"), std.add_suffix("_std")], axis=1)
-        summary.insert(0, "seeds", frame.groupby("strategy", sort=False).size())
+        seeds = frame.groupby("strategy", sort=False).size().rename("seeds")
+        # one concat (an insert into a frame of a hundred columns fragments it: pandas warns)
+        summary = pd.concat([seeds, mean.add_suffix("_mean"), std.add_suffix("_std")], axis=1)
         ordered = ["seeds", *(f"{k}_{s}" for k in keys for s in ("mean", "std"))]
-        self.frame = summary[ordered].reset_index()
+        self.frame = summary[ordered].copy().reset_index()  # copy: one block again before reset_index inserts
         self.rows: list[dict[str, Any]] = self.frame.to_dict("records")
         data_seeds: dict[str, set[Any]] = {}
         for run in runs:
