@@ -82,7 +82,7 @@ class InProcessGrid(Grid):
             for i, cfg in enumerate(node_configs)
         }
         self._pending: dict[str, Message] = {}  # pushed, not yet delivered: message id -> the node's copy
-        self._busy = {node: threading.Lock() for node in self.contexts}  # one ClientApp call per node at a time
+        self._busy: dict[int, threading.Lock] = {}  # one ClientApp call per node at a time (made on first use)
         self._run = Run.create_empty(RUN_ID)
         TaskIdentity.run_id = RUN_ID
         TaskIdentity.node_id = SERVER_NODE_ID
@@ -142,13 +142,14 @@ class InProcessGrid(Grid):
         for it at most ``timeout`` seconds (None: no limit); the reply as the ServerApp receives
         it, or None for a reply that did not come in time or that Flower's link state refuses."""
         node = message.metadata.dst_node_id
+        busy = self._busy.setdefault(node, threading.Lock())  # in the caller's thread: one lock per node
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         outcome: list[tuple[Message | BaseException, float]] = []  # the reply (or the engine's own error), when
 
         def call() -> None:
             reply: Message | BaseException
-            with self._busy[node]:  # behind the node's earlier call, if that one still runs
+            with busy:  # behind the node's earlier call, if that one still runs
                 try:
                     reply = self._deliver(message)  # a client's exception is an error reply already
                 except BaseException as error:  # noqa: BLE001 - the engine's (or a subclass's) own: raised by the caller
