@@ -25,8 +25,8 @@ A reply is read in steps, each a method of its own ("reading replies" below; wha
 server never raises on what a client sent. Every key a message carries is declared in
 ``fedlora/protocol.py``. The parts that are not
 the protocol live beside it: who takes part (``roster.py``), the steps of reading a reply
-(``replies.py``), the defence against bad updates (``validation.py``), the privacy ledger
-(``ledger.py``).
+(``replies.py``), the defence against bad updates (``validation.py``), the anomaly rule for
+poisoning within the bounds (``anomaly.py``), the privacy ledger (``ledger.py``).
 """
 
 from __future__ import annotations
@@ -721,6 +721,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         checks, self.update_history = check_updates(
             [(u.partition_id, u.payload, self._downloads.get(u.partition_id, {})) for u in uploads],
             self.update_history, server_round, faults)
+        self._downloads = {}  # measured: kept no longer than the round
         kept = []
         for upload, check in zip(uploads, checks):
             partition = upload.partition_id
