@@ -74,6 +74,9 @@ class RoundRecord:
     rejected: int = 0  # replies refused by validation (fedlora/strategies/replies.py), training and evaluation
     rejections: list[str] = field(default_factory=list)  # "client <k> (node <id>): <reason>" per rejection
     refused: list[int] = field(default_factory=list)  # partition ids refused (bad profile/update)
+    # valid updates the anomaly rule flagged (fedlora/strategies/anomaly.py: "client <k> (node <id>): <why>"),
+    # aggregated (faults.anomaly_action = 'log') or also counted in rejected ('reject')
+    anomalies: list[str] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the round (train + evaluation)
     client_train_seconds: float = 0.0  # summed local training time of the clients
     train_examples: int = 0  # examples processed by local training (with repetition)

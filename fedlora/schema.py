@@ -327,6 +327,7 @@ class ClientsConfig(_Section):
 
 AggregationRule = Literal["mean", "median", "trimmed_mean"]  # faults.aggregation (fedlora.lora.Combine)
 CorruptKind = Literal["nan", "inf", "shape", "rank", "keys", "norm"]
+AnomalyAction = Literal["log", "reject"]  # faults.anomaly_action (fedlora/strategies/anomaly.py)
 CORRUPT_KINDS: tuple[CorruptKind, ...] = ("nan", "inf", "shape", "rank", "keys", "norm")
 
 
@@ -390,6 +391,30 @@ class FaultsConfig(_Section):
     trim_fraction: float = Field(
         0.2, ge=0.0, lt=0.5, description="aggregation = 'trimmed_mean': fraction of the values cut at "
         "each end of every coordinate (Flower's FedTrimmedAvg beta), in [0, 0.5)."
+    )
+    anomaly_norm_factor: float = Field(
+        3.0, ge=0.0, allow_inf_nan=False, description="Anomaly rule (fedlora/strategies/anomaly.py): flag "
+        "an accepted update whose change (the uploaded factors minus what the client downloaded) has an "
+        "L2 norm above this multiple of the round's lower median change norm (needs >= 2 updates; 0 = off)."
+    )
+    anomaly_min_cosine: float = Field(
+        0.0, ge=-1.0, le=1.0, allow_inf_nan=False, description="Anomaly rule: flag an update whose change "
+        "has a cosine similarity below this to the round's coordinate-wise median change (needs >= 3 "
+        "updates; -1 = off)."
+    )
+    duplicate_rounds: int = Field(
+        3, ge=0, le=100, description="Anomaly rule: flag an update identical (within duplicate_tolerance) "
+        "to another client's of the same round or to any client's of the last this many rounds (a "
+        "replay, a copy); the server keeps a 256-number sketch per update of those rounds (0 = off)."
+    )
+    duplicate_tolerance: float = Field(
+        1e-3, ge=0.0, le=1.0, allow_inf_nan=False, description="Anomaly rule: two uploads are duplicates "
+        "when the distance of their sketches is at most this fraction of the larger of their change norms."
+    )
+    anomaly_action: AnomalyAction = Field(
+        "log", description="What the anomaly rule does with a flagged update: 'log' (default: one warning "
+        "line naming the client and why, counted in the round's anomalies, the update is aggregated) or "
+        "'reject' (refused like a malformed update: counted in rejected and failures)."
     )
 
 

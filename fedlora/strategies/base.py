@@ -25,8 +25,8 @@ A reply is read in steps, each a method of its own ("reading replies" below; wha
 server never raises on what a client sent. Every key a message carries is declared in
 ``fedlora/protocol.py``. The parts that are not
 the protocol live beside it: who takes part (``roster.py``), the steps of reading a reply
-(``replies.py``), the defence against bad updates (``validation.py``), the privacy ledger
-(``ledger.py``).
+(``replies.py``), the defence against bad updates (``validation.py``), the anomaly rule for
+poisoning within the bounds (``anomaly.py``), the privacy ledger (``ledger.py``).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig, apply_overrides
+from fedlora.strategies.anomaly import Fingerprint, check_updates
 from fedlora.strategies.ledger import PrivacyLedger
 from fedlora.strategies.replies import (
     ClientUpload,
@@ -152,7 +153,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
-        "_awaiting", "_initial_norm", "min_evaluate_nodes", "min_available_nodes",
+        "_awaiting", "_initial_norm", "min_evaluate_nodes", "min_available_nodes", "_downloads",
     })
 
     def __init__(
@@ -197,6 +198,10 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self._experiment_json = experiment.to_json()
         self._awaiting: dict[Phase, set[int]] = {}  # partitions sent a message this round, by phase
         self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
+        # the anomaly rule (fedlora/strategies/anomaly.py): this round's training downloads by partition,
+        # and a sketch of every upload of the last faults.duplicate_rounds rounds (checkpointed)
+        self._downloads: dict[int, Payload] = {}
+        self.update_history: list[Fingerprint] = []
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -495,9 +500,11 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         record.refused = sorted(self.roster.refused_partitions)
         partitions = self.sample_train(server_round)
         self._awaiting["train"] = set(partitions)
+        self._downloads = {}
         messages = []
         for partition in partitions:
             payload = self.download(partition, server_round, "train")
+            self._downloads[partition] = payload
             record.bytes_down += payload_bytes(payload)
             messages.append(self._message(partition, server_round, payload, "train", config))
             record.wire_bytes_down += wire_size(messages[-1])
@@ -512,7 +519,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         method, below under "reading replies"):
 
         1. **parse** and **validate** each reply (:meth:`_read_train_replies`), then the round's norm
-           outliers (:meth:`_drop_outliers`);
+           outliers (:meth:`_drop_outliers`); measure every valid update and flag the anomalous ones
+           (:meth:`_watch_updates`: logged, or refused with ``faults.anomaly_action = 'reject'``);
         2. **weigh** the valid uploads (:meth:`_weigh`);
         3. **account** what arrived (:meth:`_account_train`);
         4. the failure policy (:meth:`_too_few_uploads`);
@@ -525,6 +533,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         record.wire_bytes_up += sum(_wire_size(reply) for reply in replies)
         uploads = self._read_train_replies(replies, server_round, record)  # parse -> validate
         uploads = self._drop_outliers(uploads, record)  # validate (the round)
+        uploads = self._watch_updates(server_round, uploads, record)  # validate (poisoning within the bounds)
         self._weigh(uploads)  # weigh
         self._account_train(uploads, record)  # account
         if self._too_few_uploads(uploads, server_round):
@@ -701,6 +710,34 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
             partition = uploads[index].partition_id
             _reject(record, partition, self.roster.node_of.get(partition), reason)
         return [u for i, u in enumerate(uploads) if i not in outliers]
+
+    def _watch_updates(self, server_round: int, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
+        """Measure every valid update against what its client downloaded this round, the round's
+        median update and the recent uploads (:func:`fedlora.strategies.anomaly.check_updates`):
+        the measures go into the client's ``per_client_train`` entry; a flagged update is counted
+        in the round's ``anomalies`` and logged in one line (``faults.anomaly_action = 'log'``,
+        still aggregated) or refused (``'reject'``). Returns the uploads to aggregate, in order."""
+        faults = self.experiment.faults
+        checks, self.update_history = check_updates(
+            [(u.partition_id, u.payload, self._downloads.get(u.partition_id, {})) for u in uploads],
+            self.update_history, server_round, faults)
+        self._downloads = {}  # measured: kept no longer than the round
+        kept = []
+        for upload, check in zip(uploads, checks):
+            partition = upload.partition_id
+            record.per_client_train.setdefault(str(partition), {}).update(check.entry())
+            if not check.reasons:
+                kept.append(upload)
+                continue
+            node, reason = self.roster.node_of.get(partition), "; ".join(check.reasons)
+            record.anomalies.append(f"client {partition} (node {node}): {reason}")
+            if faults.anomaly_action == "reject":
+                _reject(record, partition, node, f"anomalous update: {reason}")
+                continue
+            log(WARNING, "aggregate_train: anomalous update of client %d (node %s), aggregated "
+                "(faults.anomaly_action = 'log'): %s", partition, node, reason)
+            kept.append(upload)
+        return kept
 
     def _weigh(self, uploads: list[ClientUpload]) -> None:
         """Each upload's aggregation weight: its example count, no client above
