@@ -485,11 +485,19 @@ class OutputConfig(_Section):
 # stops matching only when the option's value really differs. Every recorded run before
 # train.precision existed ran its forward pass in fp32 (the records are CPU runs; only CUDA had bf16
 # autocast then, and no CUDA run was recorded); every FedTreeLoRA run before its tree options built
-# the tree once, on the raw B factors.
+# the tree once, on the raw B factors. The anomaly rule's options read as today's defaults: with
+# faults.anomaly_action = "log" it only observes (the model and every metric are bit-identical with
+# and without it: tests/test_poisoning.py), so an earlier run is what today's defaults compute, less
+# the per-client diagnostics it did not record.
 RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("train", None, "precision"): "fp32",
     ("strategy", "fedtreelora", "rebuild_every"): 0,
     ("strategy", "fedtreelora", "tree_distance"): "raw",
+    ("faults", None, "anomaly_norm_factor"): 3.0,
+    ("faults", None, "anomaly_min_cosine"): 0.0,
+    ("faults", None, "duplicate_rounds"): 3,
+    ("faults", None, "duplicate_tolerance"): 1e-3,
+    ("faults", None, "anomaly_action"): "log",
 }
 
 

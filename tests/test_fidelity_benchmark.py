@@ -344,6 +344,30 @@ def test_a_record_of_another_config_is_never_overwritten(tmp_path: Path) -> None
     assert (record / "results.json").read_bytes() == (run / "results.json").read_bytes() != before
 
 
+def committed_records() -> list[tuple[str, str, Path]]:
+    """(scenario, job folder, seed folder) of every committed record of a scenario's own folder."""
+    root = fidelity.ROOT / fidelity.RECORDS
+    return [(name, seed.parent.name, seed) for name in fidelity.SCENARIOS if (root / name).is_dir()
+            for seed in sorted((root / name).glob("*/seed*")) if (seed / "results.json").is_file()]
+
+
+@pytest.mark.parametrize(("name", "folder", "seed_dir"), committed_records(),
+                         ids=[f"{n}/{f}/{s.name}" for n, f, s in committed_records()])
+def test_every_committed_record_is_still_a_complete_run_of_its_job(name: str, folder: str, seed_dir: Path) -> None:
+    # Prepare: the job the record's folder names, built as the command builds it today
+    scenario = fidelity.SCENARIOS[name]
+    label, _, rest = folder.partition("[")
+    point = tuple(o for o in rest.removesuffix("]").split(",") if o)
+    spec = scenario.jobs[label]
+    job = Job(spec.strategy, int(seed_dir.name.removeprefix("seed")), spec.overrides + point, folder, fresh_partition=True)
+    config = job_config(resolve_base(str(fidelity.ROOT / scenario.config)), job, seed_dir)
+    # Assert: an option added since (RECORD_DEFAULTS) must not silently turn a record into a rerun
+    from fedlora.app.jobs import is_complete
+
+    assert is_complete(seed_dir, config), f"{seed_dir} no longer matches its job's config: declare the new option's " \
+                                          "earlier value in fedlora.schema.RECORD_DEFAULTS"
+
+
 def test_overrides_keep_their_records_apart() -> None:
     assert fidelity.records_dir(None, "fedpissa", False) == fidelity.ROOT / "docs/results/records/fedpissa"
     assert fidelity.records_dir(None, "fedpissa", False, ["train.precision=bf16", "train.device=cuda"]) == (
