@@ -107,52 +107,6 @@ def test_earlier_certs_are_never_overwritten(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- real deployments (slow)
 
 
-# A process that ignores SIGTERM (as a busy or stuck Flower process may: SIGTERM runs its exit
-# handlers) and starts a child in a session of its own that ignores it too.
-STUBBORN = (
-    "import signal, subprocess, sys, time\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    "if sys.argv[1] == 'parent':\n"
-    "    subprocess.Popen([sys.executable, '-c', sys.argv[2], 'child', ''], start_new_session=True)\n"
-    "time.sleep(600)\n"
-)
-
-
-def test_an_interrupted_stop_kills_what_ignores_sigterm_within_seconds(tmp_path: Path) -> None:
-    """stop_daemons with INTERRUPT_GRACE: a daemon that ignores SIGTERM, its child in another
-    session, and a process found only by its FLWR_HOME (no descendant of any daemon) are all
-    gone within the grace and the kill wait, loaded machine or not."""
-    from fedlora.app.deploy.processes import (
-        INTERRUPT_GRACE,
-        KILL_WAIT,
-        Daemon,
-        processes_with_home,
-        stop_daemons,
-    )
-
-    home = tmp_path / "flwr"
-    daemon = Daemon("stubborn", [sys.executable, "-c", STUBBORN, "parent", STUBBORN],
-                    {**os.environ, "FLWR_HOME": str(home / "a")}, tmp_path / "stubborn.log")
-    stray = subprocess.Popen([sys.executable, "-c", STUBBORN, "child", ""], env={**os.environ, "FLWR_HOME": str(home / "b")},
-                             start_new_session=True)
-    find = processes_with_home(home)
-    deadline = time.monotonic() + 30
-    while len(find()) < 3 and time.monotonic() < deadline:  # the daemon, its child, the stray process
-        time.sleep(0.1)
-    assert len(find()) == 3
-    try:
-        started = time.monotonic()
-        stop_daemons([daemon], grace=INTERRUPT_GRACE, others=find)
-        took = time.monotonic() - started
-        print(f"stop_daemons after an interrupt: {took:.1f}s")
-        assert find() == [] and stray.poll() is not None  # (psutil reaped it: its status is gone)
-        assert took < INTERRUPT_GRACE + 2 * KILL_WAIT + 2, took
-    finally:
-        for proc in find():
-            proc.kill()
-        stray.kill()
-
-
 @pytest.mark.slow
 def test_tls_auth_deployment_two_silos_and_refused_supernodes(no_leftovers: Path) -> None:
     # Prepare: probes that run against the live SuperLink once the run has finished
@@ -216,11 +170,6 @@ def test_tls_auth_deployment_two_silos_and_refused_supernodes(no_leftovers: Path
     assert (REPO / "pyproject.toml").read_bytes() == pyproject_before
 
 
-# The Ctrl-C test under load (one CPU-bound process per core beside it, interrupted after round 1,
-# bounded at 30 s) passed alone on a loaded 2-core machine (CLI exit 13.1 s after SIGINT) but failed
-# inside a fresh clone's whole `make test` (4 pytest workers + the burners: no exit within 60 s, the
-# deployment's processes still running): issue 40 keeps that point open. This is the check that holds
-# in the whole suite.
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(no_leftovers: Path) -> None:
     # Prepare: a CLI deployment, interrupted once both SuperNodes are up; the run is long (500
