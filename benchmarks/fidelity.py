@@ -57,7 +57,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -432,10 +431,11 @@ def complete_by_itself(path: Path) -> bool:
 
 
 def _copy(source: Path, target: Path) -> None:
-    """``source`` to ``target`` atomically (a reader never sees half a file)."""
+    """``source`` to ``target`` atomically (a reader never sees half a file); paths inside the
+    repository are written relative to it (a record names no machine's folders)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".json.partial")
-    shutil.copyfile(source, partial)
+    partial.write_text(source.read_text().replace(str(ROOT) + os.sep, ""))
     partial.replace(target)
 
 
