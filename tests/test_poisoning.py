@@ -31,13 +31,25 @@ def three_clients(overrides: tuple[str, ...] = ()) -> tuple[LoRAStrategy, InProc
     return connected("fedit", ("clients.ranks=[4, 4, 4]", *overrides), nodes)
 
 
+def _benchmark() -> Any:
+    """benchmarks/poisoning.py as a module (by path: it is not a package)."""
+    import importlib.util
+    import sys
+
+    if "fedlora_benchmark_poisoning" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "fedlora_benchmark_poisoning", Path(__file__).resolve().parents[1] / "benchmarks" / "poisoning.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fedlora_benchmark_poisoning"]
+
+
 def honest_change(download: Payload, k: int, server_round: int) -> Payload:
-    """The round's common direction (every client agrees on it) plus the client's own noise."""
-    change = {}
-    for key, value in sorted(download.items()):
-        common = np.random.default_rng([server_round, len(key)]).standard_normal(value.shape)
-        own = np.random.default_rng([server_round, k, len(key)]).standard_normal(value.shape)
-        change[key] = 0.01 * (common + 0.5 * own)
+    """The round's common direction (every client agrees on it) plus the client's own noise: the
+    benchmark's honest client, so the tests and the robustness table measure the same clients."""
+    change: Payload = _benchmark().honest_change(download, k, server_round)
     return change
 
 
