@@ -33,7 +33,15 @@ from fedlora.app.deploy.flwr_cli import (
     supernode_cmd,
     warm_superexec_cmd,
 )
-from fedlora.app.deploy.processes import Daemon, port_open, stop_daemons
+from fedlora.app.deploy.processes import (
+    INTERRUPT_GRACE,
+    STOP_GRACE,
+    Daemon,
+    port_open,
+    processes_with_home,
+    signals_held,
+    stop_daemons,
+)
 
 
 @dataclass
@@ -89,16 +97,31 @@ class LocalDeployment:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *_exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *_exc: object) -> None:
+        self.stop(interrupted=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
-    def stop(self) -> None:
-        """Stop the SuperNodes first (they outlive a vanished SuperLink), then the SuperLink."""
+    def stop(self, interrupted: bool = False) -> None:
+        """Stop every process this deployment started, each with every process it started.
+
+        After a finished run: the SuperNodes first (they outlive a vanished SuperLink), then the
+        SuperLink, each given :data:`~fedlora.app.deploy.processes.STOP_GRACE` seconds after
+        SIGTERM. ``interrupted`` (Ctrl-C, SIGTERM, SIGHUP): the running ``flwr`` calls are killed,
+        every process gets SIGTERM at once and :data:`~fedlora.app.deploy.processes.INTERRUPT_GRACE`
+        seconds, then SIGKILL; a second Ctrl-C is ignored meanwhile (the stop is bounded: a few
+        seconds). Either way every process whose ``FLWR_HOME`` is this deployment's is ended too
+        (a ClientApp or ServerApp started while the others were being stopped). The rounds the
+        ServerApp wrote are kept: results and checkpoints are written whole (a temporary file
+        renamed), so a process killed mid-write leaves the previous version."""
         started = time.monotonic()
-        nodes = [d for d in self.daemons if d is not self.superlink]
-        stop_daemons(nodes)
-        if self.superlink is not None:
-            stop_daemons([self.superlink])
+        sweep = processes_with_home(self.homes)
+        with signals_held():
+            if interrupted:
+                self.cli.kill_running()
+                stop_daemons(self.daemons, grace=INTERRUPT_GRACE, others=sweep)
+            else:
+                nodes = [d for d in self.daemons if d is not self.superlink]
+                stop_daemons(nodes, grace=STOP_GRACE)
+                stop_daemons([self.superlink] if self.superlink is not None else [], grace=STOP_GRACE, others=sweep)
         self.timings["stop_seconds"] = round(time.monotonic() - started, 2)
 
     def _spawn(self, name: str, cmd: list[str], home: str | None = None, share_log: Daemon | None = None) -> Daemon:
@@ -151,8 +174,11 @@ class LocalDeployment:
         def one(key: Path) -> int:
             return self.cli.register(public_key_path(key))
 
-        with ThreadPoolExecutor(max_workers=max(1, min(4, len(private_keys)))) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, min(4, len(private_keys))))
+        try:
             ids = list(pool.map(one, private_keys))
+        finally:  # on Ctrl-C do not wait here for the running calls: stop() kills them
+            pool.shutdown(wait=False, cancel_futures=True)
         self.timings["register_seconds"] = round(time.monotonic() - started, 2)
         return ids
 
@@ -226,23 +252,22 @@ class LocalDeployment:
         deadline = started + timeout
         stream = self._spawn(f"serverapp-{run_id}", log_stream_cmd(run_id), home="cli")
         run: dict[str, Any] = {"status": "unknown"}
-        try:
-            while True:
-                if not stream.alive():
-                    run = self.cli.run_status(run_id)
-                    if str(run.get("status", "")).startswith("finished"):
-                        break
-                self._check_alive(f"run {run_id}")
-                if time.monotonic() > deadline:
-                    self.cli.stop(run_id)
-                    raise DeployError(
-                        f"run {run_id} did not finish within {timeout:.0f}s (status {run.get('status')}); "
-                        f"stopped it (logs: {self.logs})"
-                    )
-                time.sleep(poll if not stream.alive() else 1.0)
-        finally:
-            stop_daemons([stream], grace=3.0)
-            self.daemons.remove(stream)
+        # on Ctrl-C or an error the stream stays one of the daemons: stop() ends it with the others, at once
+        while True:
+            if not stream.alive():
+                run = self.cli.run_status(run_id)
+                if str(run.get("status", "")).startswith("finished"):
+                    break
+            self._check_alive(f"run {run_id}")
+            if time.monotonic() > deadline:
+                self.cli.stop(run_id)
+                raise DeployError(
+                    f"run {run_id} did not finish within {timeout:.0f}s (status {run.get('status')}); "
+                    f"stopped it (logs: {self.logs})"
+                )
+            time.sleep(poll if not stream.alive() else 1.0)
+        stop_daemons([stream], grace=3.0)
+        self.daemons.remove(stream)
         self.timings["run_seconds"] = round(time.monotonic() - started, 2)
         return run
 

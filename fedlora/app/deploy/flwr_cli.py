@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,16 @@ class FlwrCli:
     def __init__(self, home: Path, timeout: float) -> None:
         self.home = home
         self.timeout = timeout
+        self._running: set[subprocess.Popen[str]] = set()  # the calls under way (several: parallel registrations)
+        self._lock = threading.Lock()
+
+    def kill_running(self) -> None:
+        """SIGKILL every ``flwr`` call under way (a stopping deployment does not wait for its answers)."""
+        with self._lock:
+            running = list(self._running)
+        for process in running:
+            with contextlib.suppress(OSError):
+                process.kill()
 
     def connect(self, control_port: int, ca_cert: Path | None) -> None:
         """Write the connection to the Control API on ``control_port``: TLS with ``ca_cert`` (None: insecure)."""
@@ -166,13 +177,23 @@ class FlwrCli:
     def call(self, *args: str, timeout: float | None = None) -> dict[str, Any]:
         """Run ``flwr ARGS --format json``; the parsed JSON reply."""
         cmd = [str(BIN / "flwr"), *args, "--format", "json"]
-        try:
-            done = subprocess.run(
-                cmd, env=flower_env(self.home), check=False, capture_output=True, text=True,
-                timeout=timeout or self.timeout, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            raise DeployError(f"`flwr {args[0]}` did not answer within {timeout or self.timeout:.0f}s") from None
+        # subprocess.run's own steps, with the process known to kill_running while it runs
+        with subprocess.Popen(cmd, env=flower_env(self.home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, stdin=subprocess.DEVNULL) as process:
+            with self._lock:
+                self._running.add(process)
+            try:
+                stdout, stderr = process.communicate(timeout=timeout or self.timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise DeployError(f"`flwr {args[0]}` did not answer within {timeout or self.timeout:.0f}s") from None
+            except BaseException:  # Ctrl-C: the call dies with the deployment
+                process.kill()
+                raise
+            finally:
+                with self._lock:
+                    self._running.discard(process)
+        done = subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
         output = done.stdout + done.stderr
         start, end = output.find("{"), output.rfind("}")
         try:

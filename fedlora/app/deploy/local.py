@@ -12,7 +12,9 @@ What it does, in order (Flower 1.39; docs/deployment.md, "Flower 1.39 behaviour"
 6. ``flwr run <repo> fedlora-local --run-config DIR/run_config.toml``: the ServerApp gets the
    resolved experiment (JSON) with ``output.dir = DIR`` and writes ``DIR/results.json``;
 7. waits until the run is finished, then stops every process it started (process groups, then
-   any descendant left), also on an error, Ctrl-C or SIGTERM; writes ``DIR/deployment.json``.
+   any descendant left), also on an error, Ctrl-C or SIGTERM (then within seconds: SIGTERM to
+   all at once, SIGKILL after ``processes.INTERRUPT_GRACE``; the rounds written are kept);
+   writes ``DIR/deployment.json``.
 
 Steps 2-6 are :class:`fedlora.app.deploy.federation.LocalDeployment`'s, which drives Flower's
 commands through :mod:`fedlora.app.deploy.flwr_cli` and supervises their processes with

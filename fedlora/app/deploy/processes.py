@@ -3,8 +3,12 @@
 A :class:`Daemon` runs one command in its own session with stdout + stderr in a log file (files,
 never pipes: a full pipe blocks the process writing to it); :meth:`Daemon.wait_for` waits for a
 line of that log, :func:`port_open` for a port. :func:`stop_daemons` stops processes with every
-descendant they started, :func:`terminate_on_signals` turns SIGTERM / SIGHUP into Ctrl-C so that
-``finally`` blocks get to stop them. Nothing here knows Flower.
+descendant they started, in bounded time: SIGTERM to every process group and descendant at once,
+SIGKILL to what is left after a grace period (:data:`STOP_GRACE` after a finished run,
+:data:`INTERRUPT_GRACE` after Ctrl-C, so that an interrupted deployment is gone within seconds on
+a loaded machine too). :func:`terminate_on_signals` turns SIGTERM / SIGHUP into Ctrl-C so that
+``finally`` blocks get to stop them; :func:`signals_held` keeps a second Ctrl-C from cutting that
+stop short. Nothing here knows Flower.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import psutil
+
+STOP_GRACE = 10.0  # seconds a process gets to exit after SIGTERM when a finished run is shut down
+INTERRUPT_GRACE = 2.0  # seconds it gets after Ctrl-C (SIGTERM, SIGHUP): then SIGKILL, loaded machine or not
+KILL_WAIT = 3.0  # seconds to wait for SIGKILLed processes to be gone (they cannot refuse; a busy kernel delays)
 
 
 def port_open(host: str, port: int) -> bool:
@@ -81,38 +89,99 @@ class Daemon:
             self._log.close()
 
 
-def stop_daemons(daemons: Sequence[Daemon], grace: float = 10.0) -> None:
-    """SIGTERM each process group, SIGKILL after ``grace``, then end every descendant left.
+def stop_daemons(daemons: Sequence[Daemon], grace: float = STOP_GRACE,
+                 others: Callable[[], Iterable[psutil.Process]] = tuple) -> None:
+    """Stop ``daemons`` with every process they started, in at most about ``grace + 2 * KILL_WAIT``
+    seconds: SIGTERM to each daemon's process group and to every descendant and every process of
+    ``others()`` (all at once); after ``grace`` seconds, or as soon as all are gone, SIGKILL to the
+    groups and to every process left, collected again (descendants and ``others()`` started
+    meanwhile too); wait for them at most :data:`KILL_WAIT`.
 
     A descendant may run in a session of its own (the SuperLink's SuperExec) or be orphaned when
-    its parent stops (a run's ``flwr-serverapp``), so descendants are collected before the first signal.
+    its parent stops (a run's ``flwr-serverapp``), so descendants are collected before the first
+    signal; ``others`` finds what even that misses (e.g. every process with the deployment's
+    ``FLWR_HOME``, :func:`processes_with_home`).
     """
     running = [daemon for daemon in daemons if daemon.alive()]
-    leftovers: list[psutil.Process] = []
+    procs = _collect(running, others)
     for daemon in running:
-        leftovers.extend(daemon.descendants())
         daemon.signal_group(signal.SIGTERM)
+    _signal(procs.values(), signal.SIGTERM)
     deadline = time.monotonic() + grace
-    for daemon in running:
-        try:
-            daemon.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            daemon.signal_group(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                daemon.process.wait(timeout=5)
+    while time.monotonic() < deadline and (any(d.alive() for d in running) or _alive(procs.values())):
+        time.sleep(0.1)
+    left = [daemon for daemon in running if daemon.alive()]
+    procs.update(_collect(left, others))
+    for daemon in left:
+        daemon.signal_group(signal.SIGKILL)
+    _signal(procs.values(), signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT
     for daemon in daemons:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            daemon.process.wait(timeout=0.1)  # reap
+            daemon.process.wait(timeout=max(0.1, deadline - time.monotonic()))  # reap
         daemon.close_log()
-    alive = [proc for proc in leftovers if proc.is_running()]
-    for proc in alive:
+    while _alive(procs.values()) and time.monotonic() < deadline:  # a zombie is gone (psutil.wait_procs
+        time.sleep(0.05)  # would wait for an orphan's zombie until the timeout where no init reaps it)
+
+
+def _collect(daemons: Sequence[Daemon], others: Callable[[], Iterable[psutil.Process]]) -> dict[int, psutil.Process]:
+    """Every descendant of ``daemons`` and every process of ``others()``, by pid; never this process."""
+    procs = {proc.pid: proc for daemon in daemons for proc in daemon.descendants()}
+    with contextlib.suppress(psutil.Error):
+        procs |= {proc.pid: proc for proc in others()}
+    procs.pop(os.getpid(), None)
+    return procs
+
+
+def _alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """The processes of ``procs`` still running (a zombie has exited; psutil checks the start time, so
+    a reused pid is not mistaken for the process)."""
+    alive = []
+    for proc in procs:
         with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(alive, timeout=5)
-    for proc in alive:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive
+
+
+def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
+    for proc in _alive(procs):
         with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=5)
+            proc.send_signal(sig)
+
+
+def processes_with_home(home: Path) -> Callable[[], list[psutil.Process]]:
+    """A finder of the processes (of this user) whose ``FLWR_HOME`` lies under ``home``: every process
+    a deployment starts has one, however it was started (also a ClientApp a SuperExec forked
+    while the deployment was being stopped)."""
+    prefix = str(home)
+
+    def find() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get("FLWR_HOME", "").startswith(prefix):
+                    found.append(proc)
+        return found
+
+    return find
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ignore SIGINT, SIGTERM and SIGHUP while the block runs (a bounded stop: a second Ctrl-C must
+    not leave half of the processes running); only in the main thread, where Python handles signals."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
