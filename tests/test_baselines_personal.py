@@ -295,6 +295,12 @@ def test_round_trip_contract_and_exact_byte_ledger(tmp_path: Path, name: str) ->
     assert {"strategy", "config", "rounds", "final"} <= set(results) and len(results["rounds"]) == 2
     assert all(ROUND_KEYS <= set(record) for record in results["rounds"])
     assert ROUND_KEYS | {"bytes_total"} <= set(results["final"])
+    # Assert: the global accuracy says who measured it: the server (a global model) or the clients
+    from fedlora.app.runner import final_scores
+
+    by_clients = name in {"fedsa_lora", "local"}
+    assert results["strategy_info"]["global_accuracy_from"] == ("clients" if by_clients else "server")
+    assert final_scores(results).startswith("final global (clients) accuracy " if by_clients else "final global accuracy ")
     per_round = sum(LEDGER[name](r) for r in RANKS)
     for record in writer.rounds:
         assert record.failures == 0 and record.clients == 3

@@ -197,11 +197,13 @@ def execute(config: ExperimentConfig, out: Path, *, resume: bool = False, engine
 def final_scores(results: dict[str, Any]) -> str:
     """The final scores: accuracy, or for a causal LM ROUGE-L (against round 0, zero-shot)."""
     final = results["final"]
+    # a method without a global model: the global score is the clients' report (fedlora.app.server)
+    by = " (clients)" if results.get("strategy_info", {}).get("global_accuracy_from") == "clients" else ""
     if results["config"]["model"].get("kind") == "causal_lm":
         zero_shot = results["rounds"][0].get("global_rouge_l") if results["rounds"] else None
-        return (f"final global ROUGE-L {_fmt(final.get('global_rouge_l'))} (zero-shot {_fmt(zero_shot)}), "
+        return (f"final global{by} ROUGE-L {_fmt(final.get('global_rouge_l'))} (zero-shot {_fmt(zero_shot)}), "
                 f"personalised {_fmt(final.get('personalized_rouge_l'))}, perplexity {_fmt(final.get('global_perplexity'))}")
-    return (f"final global accuracy {_fmt(final.get('global_accuracy'))}, personalised "
+    return (f"final global{by} accuracy {_fmt(final.get('global_accuracy'))}, personalised "
             f"{_fmt(final.get('personalized_accuracy'))}")
 
 

@@ -104,19 +104,30 @@ class GlobalEvaluator(SeededAdapters):
                     handle.write(json.dumps({"round": record.round, **sample}) + "\n")
 
 
-def progress_line(record: RoundRecord, rounds: int, causal: bool = False) -> str:
+# results.json strategy_info: who measured the round's global accuracy (ROUGE-L): "server" (the
+# strategy's global model on the global test set) or "clients" (a method without a global model:
+# each client's own model on it, as the clients reported it; the server cannot check that number)
+GLOBAL_ACCURACY_FROM = "global_accuracy_from"
+
+
+def progress_line(record: RoundRecord, rounds: int, causal: bool = False, by_clients: bool = False) -> str:
+    """One round's line; ``by_clients``: the global score is the clients' report (no global model),
+    shown as ``global (clients)``."""
+
     def pct(x: float) -> str:
         return "  -  " if math.isnan(x) else f"{x:.3f}"
 
+    label = "global (clients)" if by_clients else "global"
+
     if causal:
         return (
-            f"round {record.round:>3}/{rounds}  global ROUGE-L {pct(record.global_rouge_l)}  "
+            f"round {record.round:>3}/{rounds}  {label} ROUGE-L {pct(record.global_rouge_l)}  "
             f"ppl {pct(record.global_perplexity)}  personalised ROUGE-L {pct(record.personalized_rouge_l)}  "
             f"loss {pct(record.train_loss)}  up {record.bytes_up / 1e6:.2f} MB  down {record.bytes_down / 1e6:.2f} MB  "
             f"clients {record.clients} failures {record.failures}  {record.seconds:.1f}s"
         )
     return (
-        f"round {record.round:>3}/{rounds}  global {pct(record.global_accuracy)}  "
+        f"round {record.round:>3}/{rounds}  {label} {pct(record.global_accuracy)}  "
         f"personalised {pct(record.personalized_accuracy)}  received {pct(record.received_accuracy)}  loss {pct(record.train_loss)}  "
         f"up {record.bytes_up / 1e6:.2f} MB  down {record.bytes_down / 1e6:.2f} MB  "
         f"clients {record.clients} failures {record.failures}  {record.seconds:.1f}s"
@@ -186,14 +197,17 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
             return None
         record = strategy.finish_round(server_round)
         payload = strategy.global_payload()
-        if payload is not None and strategy.evaluates(server_round):
-            evaluator.evaluate_into(payload, record, out_dir)
+        if strategy.evaluates(server_round):
+            writer.strategy_info[GLOBAL_ACCURACY_FROM] = "server" if payload is not None else "clients"
+            if payload is not None:
+                evaluator.evaluate_into(payload, record, out_dir)
         writer.privacy = strategy.privacy_report()
         writer.add(record)
         checkpoint.save_server(out_dir, server_round, config, strategy.state_dict(), writer.rounds, writer.privacy,
                                partitions=strategy.roster.partitions)
         tracker.round(record)
-        progress.round_done(server_round, progress_line(record, config.train.rounds, causal))
+        progress.round_done(server_round, progress_line(record, config.train.rounds, causal,
+                                                        by_clients=payload is None))
         return MetricRecord({protocol.GLOBAL_ACCURACY: record.global_accuracy})
 
     tracker = Tracker(config, out_dir, first)

@@ -37,7 +37,8 @@ class Column:
 
 COLUMNS: tuple[Column, ...] = (
     Column("global_accuracy", "global acc", "final round: the strategy's global model on the held-out global test set "
-           "(methods without a global model: example-weighted mean of the client models on it)"),
+           "(methods without a global model, results.json strategy_info.global_accuracy_from = 'clients': the "
+           "clients' own report of their models on it, example-weighted; the server cannot check it)"),
     Column("personalized_accuracy", "pers. acc (weighted)", "final round: each client's own model on its local test "
            "split, mean weighted by the clients' test examples"),
     Column("personalized_accuracy_unweighted", "pers. acc (unweighted)", "final round: same, plain mean over clients"),
