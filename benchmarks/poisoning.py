@@ -1,16 +1,24 @@
-"""Poisoning within the bounds: which defence catches which attack (docs/robustness.md's table).
+"""Poisoning within the bounds: which defence catches which attack, and what it costs (docs/robustness.md).
 
-    python benchmarks/poisoning.py            # prints the markdown rows, about a minute on 2 cores
+    python benchmarks/poisoning.py                        # the attack table, about a minute on 2 cores
+    python benchmarks/poisoning.py --clean --seeds 0,1,2  # the cost on clean accuracy (real training)
 
-Three fedit clients of rank 4 on configs/smoke.toml's tiny random BERT, without training (as
-tests/test_poisoning.py): an honest client's upload is its download plus the round's common
-direction and its own noise (x 0.01); the attackers change theirs. For each attack and each
-``faults.aggregation`` rule it reports, in the attacked round: the clients the norm bounds refused
-(``faults.max_update_ratio`` / ``norm_outlier_factor``, defaults), the clients the anomaly rule
-flagged (defaults, ``anomaly_action = 'log'``), and how far the attack moved the aggregate: the
-distance of the global adapter from the same round without the attack, over the honest round's
-change of it (0: no effect, 1: as far as a whole honest round moves it). It measures detection
-and the aggregate's shift, not accuracy: the cost on clean accuracy is not measured here.
+**Attacks** (no training, as tests/test_poisoning.py): seven fedit clients of rank 4 on
+configs/smoke.toml's tiny random BERT; an honest client's upload is its download plus the round's
+common direction and its own noise (x 0.01); the attackers change theirs in round 2. For each
+attack it reports the clients the norm bounds refused (``faults.max_update_ratio`` /
+``norm_outlier_factor``, defaults), the clients the anomaly rule flagged (defaults,
+``anomaly_action = 'log'``; both look at the uploads, so they are the same under every rule), and
+for each ``faults.aggregation`` rule how far the attack moved the aggregate: the distance of the
+global adapter from the same round without the attack under the same rule, over the honest
+round's change of it (0: no effect, 1: as far as a whole honest round moves it). Krum, MultiKrum
+and Bulyan run with ``faults.num_malicious = 1`` (Bulyan needs 4f + 3 = 7 clients).
+
+**Clean accuracy** (``--clean``): real fedit runs without any attacker on configs/quick.toml
+(MiniLM, WordNet nouns) with seven clients, one per rule and seed, fresh partitions per seed, in
+process; the comparison folder (``--out``, default runs/poisoning-clean) gets fedlora's summary and
+the paired differences of every rule minus 'mean' (global and personalised accuracy), and
+``--resume`` continues it.
 """
 
 from __future__ import annotations
@@ -45,9 +53,13 @@ ATTACKS: dict[str, dict[int, Any]] = {  # attacked round 2; client -> what it se
     "sign flip (change x -1)": {1: ("change", -1.0)},
     "replay (its round-1 upload)": {1: ("replay", 0.0)},
     "copy (client 0's upload)": {2: ("copy", 0.0)},
-    "2 of 3 collude: +0.3 on every coordinate": {1: ("shift", 0.3), 2: ("shift", 0.3)},
+    "2 of 7 collude: +0.3 on every coordinate": {1: ("shift", 0.3), 2: ("shift", 0.3)},
+    "3 of 7 collude: +0.3 on every coordinate": {1: ("shift", 0.3), 2: ("shift", 0.3), 3: ("shift", 0.3)},
 }
-RULES = ("mean", "median", "trimmed_mean")
+RULES = ("mean", "median", "trimmed_mean", "krum", "multikrum", "bulyan")
+CLIENTS = 7
+QUICK = ROOT / "configs/quick.toml"
+CLEAN = (f"data.num_clients={CLIENTS}", "train.rounds=6")
 
 
 def profile_app(msg: Message, context: Context) -> Message:
@@ -57,10 +69,11 @@ def profile_app(msg: Message, context: Context) -> Message:
 
 
 def strategy_for(rule: str) -> tuple[Any, InProcessGrid]:
-    config = load_config(SMOKE, ["clients.ranks=[4, 4, 4]", f"faults.aggregation={rule}"])
+    config = load_config(SMOKE, [f"data.num_clients={CLIENTS}", f"clients.ranks=[{', '.join(['4'] * CLIENTS)}]",
+                                 f"faults.aggregation={rule}"])
     server = GlobalEvaluator(config, build_federated_data(config.data))
     strategy = create_strategy(config, server.initial_adapter, server.module_shapes())
-    return strategy, InProcessGrid(profile_app, [{"partition-id": k} for k in range(3)])
+    return strategy, InProcessGrid(profile_app, [{"partition-id": k} for k in range(CLIENTS)])
 
 
 def honest_change(download: dict[str, np.ndarray], k: int, server_round: int) -> dict[str, np.ndarray]:
@@ -110,10 +123,10 @@ def clients_in(lines: list[str]) -> str:
     return ", ".join(found) or "none"
 
 
-def main() -> None:
+def attack_table() -> None:
     logging.getLogger("flwr").setLevel(logging.ERROR)  # the rounds' log lines; the table says what they would
-    print("| attack | faults.aggregation | refused by the norm bounds | flagged by the anomaly rule | aggregate moved |")
-    print("|---|---|---|---|---|")
+    moved: dict[str, dict[str, float]] = {name: {} for name in ATTACKS}
+    caught: dict[str, tuple[str, str]] = {}
     for rule in RULES:
         honest, honest_grid = strategy_for(rule)
         play(honest, honest_grid, 1, {}, {})
@@ -125,8 +138,50 @@ def main() -> None:
             first = play(strategy, grid, 1, {}, {})
             play(strategy, grid, 2, attack, first)
             record = strategy.record(2)
-            moved = distance(strategy.global_payload(), honest.global_payload()) / honest_step
-            print(f"| {name} | {rule} | {clients_in(record.rejections)} | {clients_in(record.anomalies)} | {moved:.2f} |")
+            moved[name][rule] = distance(strategy.global_payload(), honest.global_payload()) / honest_step
+            if rule == "mean":
+                caught[name] = (clients_in(record.rejections), clients_in(record.anomalies))
+    print(f"| attack | refused by the norm bounds | flagged by the anomaly rule | aggregate moved: {' | '.join(RULES)} |")
+    print("|---|---|---|" + "---|" * len(RULES))
+    for name in ATTACKS:
+        print(f"| {name} | {caught[name][0]} | {caught[name][1]} | "
+              + " | ".join(f"{moved[name][rule]:.2f}" for rule in RULES) + " |")
+
+
+def clean_accuracy(out: Path, seeds: list[int], workers: int, resume: bool) -> None:
+    """Every rule without an attacker, real training: fedlora's comparison table and paired differences."""
+    from fedlora.app.jobs import Job, claim_output, resolve_base, run_jobs
+    from fedlora.app.summary import summarize
+
+    base = resolve_base(str(QUICK), CLEAN)
+    jobs = [Job("fedit", seed, (f"faults.aggregation={rule}",), label=rule, fresh_partition=True)
+            for rule in RULES for seed in seeds]
+    folder = claim_output(out, "comparison", resume, overwrite=False)
+    run_jobs(base, jobs, out, engine="inprocess", workers=workers, folder=folder)
+    table = summarize(out, labels=list(RULES), seeds=seeds)
+    paired = table.paired("mean")
+    paired.write(out)
+    with (out / "summary.md").open("a") as summary:
+        summary.write("\n" + paired.to_markdown())
+    print(table.to_text())
+    print(paired.to_markdown())
+    print(f"results: {out}/ (summary.md, paired.csv)")
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clean", action="store_true", help="the cost on clean accuracy (real training runs)")
+    parser.add_argument("--seeds", default="0,1,2", help="--clean: comma-separated train seeds (fresh partitions)")
+    parser.add_argument("--workers", type=int, default=2, help="--clean: runs at a time")
+    parser.add_argument("--out", default=str(ROOT / "runs/poisoning-clean"), help="--clean: comparison folder")
+    parser.add_argument("--resume", action="store_true", help="--clean: continue the comparison in --out")
+    args = parser.parse_args()
+    if args.clean:
+        clean_accuracy(Path(args.out), [int(s) for s in args.seeds.split(",")], args.workers, args.resume)
+    else:
+        attack_table()
 
 
 if __name__ == "__main__":

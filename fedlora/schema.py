@@ -325,7 +325,19 @@ class ClientsConfig(_Section):
         return tiers
 
 
-AggregationRule = Literal["mean", "median", "trimmed_mean"]  # faults.aggregation (fedlora.lora.Combine)
+# faults.aggregation: coordinate-wise rules (fedlora.lora.Combine) and Flower's selection rules
+# (fedlora/strategies/robust.py: Krum and MultiKrum select uploads; Bulyan selects, then combines)
+AggregationRule = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", "bulyan"]
+
+
+def minimum_uploads(rule: AggregationRule, malicious: int) -> int:
+    """Fewest uploads a round needs for ``rule`` to keep its guarantee against ``malicious``
+    Byzantine clients: Krum and MultiKrum 2f + 3, Bulyan 4f + 3 (0: any number)."""
+    if rule in ("krum", "multikrum"):
+        return 2 * malicious + 3
+    if rule == "bulyan":
+        return 4 * malicious + 3
+    return 0
 CorruptKind = Literal["nan", "inf", "shape", "rank", "keys", "norm"]
 AnomalyAction = Literal["log", "reject"]  # faults.anomaly_action (fedlora/strategies/anomaly.py)
 CORRUPT_KINDS: tuple[CorruptKind, ...] = ("nan", "inf", "shape", "rank", "keys", "norm")
@@ -383,14 +395,29 @@ class FaultsConfig(_Section):
     )
     aggregation: AggregationRule = Field(
         "mean", description="How a linear method combines the uploaded arrays: 'mean' (its weighted "
-        "mean, FedAvg), or Flower's robust rules, coordinate by coordinate and unweighted: "
-        "'median' (FedMedian) or 'trimmed_mean' (FedTrimmedAvg, cutting trim_fraction at each end). "
-        "They need 3+ uploads to resist a client (with two, both equal the mean). Methods whose "
-        "aggregate is not a mean of arrays (SVD, stacking) refuse them (capability matrix)."
+        "mean, FedAvg), or Flower's robust rules. Coordinate by coordinate and unweighted: "
+        "'median' (FedMedian) or 'trimmed_mean' (FedTrimmedAvg, cutting trim_fraction at each end); "
+        "they need 3+ uploads to resist a client (with two, both equal the mean). Selecting whole "
+        "uploads by Flower's Krum score (the sum of squared distances to the n - f - 2 nearest "
+        "uploads, f = num_malicious; on the uploaded factors, each key zero-padded to the largest "
+        "shape): 'krum' (the one best upload), 'multikrum' (the multikrum_select best, then their "
+        "weighted mean); 'bulyan' (Flower's Bulyan: the n - 2f best by Krum score, then per "
+        "coordinate the mean of the n - 4f values nearest their median). Krum and MultiKrum need "
+        "2f + 3 uploads a round, Bulyan 4f + 3: a config that samples fewer is refused, a round that "
+        "gets fewer leaves the state unchanged (as Flower's Bulyan). Methods whose aggregate is not "
+        "a mean of arrays (SVD, stacking, clustering) refuse every rule but 'mean' (capability matrix)."
     )
     trim_fraction: float = Field(
         0.2, ge=0.0, lt=0.5, description="aggregation = 'trimmed_mean': fraction of the values cut at "
         "each end of every coordinate (Flower's FedTrimmedAvg beta), in [0, 0.5)."
+    )
+    num_malicious: int = Field(
+        1, ge=0, le=1000, description="aggregation = 'krum' | 'multikrum' | 'bulyan': f, the Byzantine "
+        "clients a round must tolerate (Flower's num_malicious_nodes), in [0, 1000]."
+    )
+    multikrum_select: int = Field(
+        0, ge=0, le=MAX_CLIENTS, description="aggregation = 'multikrum': m, the uploads kept and averaged "
+        "(Flower's num_nodes_to_select); 0 = n - f, every upload but the f worst scored."
     )
     anomaly_norm_factor: float = Field(
         3.0, ge=0.0, allow_inf_nan=False, description="Anomaly rule (fedlora/strategies/anomaly.py): flag "
@@ -498,6 +525,8 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("faults", None, "duplicate_rounds"): 3,
     ("faults", None, "duplicate_tolerance"): 1e-3,
     ("faults", None, "anomaly_action"): "log",
+    ("faults", None, "num_malicious"): 1,
+    ("faults", None, "multikrum_select"): 0,
 }
 
 

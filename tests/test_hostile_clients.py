@@ -75,9 +75,9 @@ def evaluator(name: str) -> tuple[GlobalEvaluator, dict[str, tuple[int, int]]]:
 def profile_app(msg: Message, context: Context) -> Message:
     """A ClientApp that only answers the query: partition k with rank and declared examples from
     its node config (defaults RANKS[k], DECLARED[k])."""
-    k = int(context.node_config["partition-id"])
-    profile = ClientProfile(partition_id=k, rank=int(context.node_config.get("rank", RANKS[k])),
-                            num_train_examples=int(context.node_config.get("declared", DECLARED[k])))
+    k, node = int(context.node_config["partition-id"]), context.node_config
+    profile = ClientProfile(partition_id=k, rank=int(node["rank"] if "rank" in node else RANKS[k]),
+                            num_train_examples=int(node["declared"] if "declared" in node else DECLARED[k]))
     return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
 
 

@@ -31,8 +31,9 @@ COLUMNS = (
                    "clipping with fixedclipping_mod (a 'no' refuses it with one line saying why: docs/flower.md)")),
     ("causal LM", ("runs on model.kind = 'causal_lm' (tests/test_causal_lm.py runs every strategy on "
                   "configs/llm_smoke.toml; a 'no' refuses it with one line)")),
-    ("robust aggregation", ("faults.aggregation = 'median' / 'trimmed_mean' replaces its weighted means "
-                            "(a 'no' refuses them with one line saying why: docs/robustness.md)")),
+    ("robust aggregation", ("faults.aggregation = 'median' / 'trimmed_mean' / 'bulyan' replaces its weighted "
+                            "means, 'krum' / 'multikrum' / 'bulyan' select its uploads first (a 'no' refuses "
+                            "them with one line saying why: docs/robustness.md)")),
     ("deployment", "exercised over real gRPC SuperLink/SuperNodes by the test suite"),
     ("paper", "reference"),
 )

@@ -162,17 +162,23 @@ def normalise(weights: Weights) -> np.ndarray:
 class Combine:
     """How the clients' arrays of one key are combined: the weighted mean (FedAvg), or one of
     Flower's robust rules, coordinate by coordinate and unweighted as Flower's own strategies
-    are: the median (``FedMedian``) or the mean after cutting the ``trim`` fraction of the values
+    are: the median (``FedMedian``), the mean after cutting the ``trim`` fraction of the values
     at each end (``FedTrimmedAvg``, beta = ``trim``: scipy's ``trim_mean``, which Flower's own
-    ``trim_mean`` copies line for line). With two clients both equal the mean (nothing is cut from
-    two values); they need three or more to resist one."""
+    ``trim_mean`` copies line for line), or Bulyan's second step (``Bulyan``: per coordinate the
+    mean of the K - 2 ``malicious`` values nearest the median, Flower's
+    ``aggregate_n_closest_weights``; its first step, selecting uploads by Krum score, happens
+    before, in ``fedlora/strategies/robust.py``). With two clients the median and the trimmed mean
+    equal the mean (nothing is cut from two values); they need three or more to resist one.
+    'krum' and 'multikrum' only select uploads: their arrays are then combined by the mean."""
 
     rule: AggregationRule = "mean"
     trim: float = 0.2  # trimmed_mean: fraction cut at each end, in [0, 0.5)
+    malicious: int = 1  # bulyan: f (the K - 2f values nearest the median are averaged)
 
     @property
     def robust(self) -> bool:
-        return self.rule != "mean"
+        """Whether the arrays are combined by a coordinate-wise rule instead of the weighted mean."""
+        return self.rule in ("median", "trimmed_mean", "bulyan")
 
     def __call__(self, arrays: Sequence[np.ndarray], weights: Weights) -> np.ndarray:
         """(K arrays of one shape) -> the combined array (float64); ``weights`` count for the mean only."""
@@ -183,6 +189,12 @@ class Combine:
             from scipy.stats import trim_mean
 
             return np.asarray(trim_mean(stacked, self.trim, axis=0))
+        if self.rule == "bulyan":
+            from flwr.serverapp.strategy.bulyan import aggregate_n_closest_weights
+
+            beta = max(1, len(arrays) - 2 * self.malicious)
+            median = np.median(stacked, axis=0)
+            return np.asarray(aggregate_n_closest_weights([median], [[a] for a in stacked], beta)[0])
         return np.asarray(np.tensordot(normalise(weights), stacked, axes=1))
 
 

@@ -110,8 +110,22 @@ def _check_causal_lm(declared: Method[Any], config: ExperimentConfig) -> None:
 
 
 def _check_robust_aggregation(declared: Method[Any], config: ExperimentConfig) -> None:
-    """``faults.aggregation`` other than 'mean' with a method whose aggregate is not a mean of arrays."""
-    if config.faults.aggregation == "mean" or declared.capabilities.robust_aggregation:
+    """``faults.aggregation`` other than 'mean' with a method whose aggregate is not a mean of arrays;
+    a Byzantine-robust selection whose rounds sample fewer uploads than its guarantee needs."""
+    faults = config.faults
+    if faults.aggregation == "mean":
+        return
+    if declared.capabilities.robust_aggregation:
+        from fedlora.schema import minimum_uploads
+
+        clients = config.data.num_clients
+        sampled = min(clients, max(config.federation.min_clients, round(config.federation.fraction_train * clients)))
+        needed = minimum_uploads(faults.aggregation, faults.num_malicious)
+        if sampled < needed:
+            raise ConfigError(f"faults.aggregation = '{faults.aggregation}' with faults.num_malicious = "
+                              f"{faults.num_malicious} needs {needed} uploads a round, but a round samples "
+                              f"{sampled} of data.num_clients = {clients}; sample more clients, lower "
+                              "faults.num_malicious, or use 'median' / 'trimmed_mean'")
         return
     usable = ", ".join(n for n in method_names() if method(n).capabilities.robust_aggregation)
     raise ConfigError(f"faults.aggregation = '{config.faults.aggregation}' is not supported by strategy "

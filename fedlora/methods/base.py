@@ -38,8 +38,9 @@ class Capabilities:
     dp_compatible: bool = True  # its client step runs under Opacus DP-SGD
     paper: str = ""
     causal_lm: str = ""  # why the method refuses model.kind = 'causal_lm' ('' = it runs on causal LMs)
-    # faults.aggregation = median / trimmed_mean replaces the method's weighted means of uploaded
-    # arrays coordinate by coordinate (a linear method only); False: the method refuses it, saying why
+    # faults.aggregation = median / trimmed_mean / bulyan replaces the method's weighted means of uploaded
+    # arrays coordinate by coordinate, krum / multikrum / bulyan select whole uploads first
+    # (fedlora/strategies/robust.py; a linear method only); False: the method refuses them, saying why
     robust_aggregation: bool = False
     not_robust: str = ""  # why a method refuses faults.aggregation other than 'mean' (robust_aggregation False)
     # Flower's DifferentialPrivacyClientSideFixedClipping can wrap the strategy (with fixedclipping_mod on

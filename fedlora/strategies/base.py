@@ -65,7 +65,7 @@ from fedlora.methods import Capabilities, Method, OptionsT
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
-from fedlora.schema import ExperimentConfig, apply_overrides
+from fedlora.schema import AggregationRule, ExperimentConfig, apply_overrides
 from fedlora.strategies.anomaly import Fingerprint, check_updates
 from fedlora.strategies.ledger import PrivacyLedger
 from fedlora.strategies.replies import (
@@ -76,6 +76,7 @@ from fedlora.strategies.replies import (
     parse_evaluate_reply,
     parse_train_reply,
 )
+from fedlora.strategies.robust import SELECTING, minimum_uploads, select_uploads
 from fedlora.strategies.roster import ClientRoster
 from fedlora.strategies.validation import norm_outliers, reference_norm, update_norm
 
@@ -306,8 +307,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return self.sample(self.fraction_train, self.min_train_nodes)
 
     def min_uploads(self) -> int:
-        """Fewest valid uploads a round needs to aggregate (``federation.min_clients``)."""
-        return self.min_train_nodes
+        """Fewest valid uploads a round needs to aggregate: ``federation.min_clients``, and what a
+        Byzantine-robust selection needs to keep its guarantee (Krum 2f + 3, Bulyan 4f + 3)."""
+        return max(self.min_train_nodes, minimum_uploads(self.aggregation_rule, self.experiment.faults.num_malicious))
 
     def global_arrays(self) -> Payload:
         """What :meth:`aggregate_train` returns and ``configure_*`` read back (Flower's
@@ -329,7 +331,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         wrapper's clipping norm."""
         if not self.capabilities.flower_dp:
             return self.capabilities.not_flower_dp
-        if self.combine.robust:
+        if self.aggregation_rule != "mean":
             return (f"faults.aggregation = '{self.experiment.faults.aggregation}' replaces the weighted mean the "
                     "noise is calibrated for; use faults.aggregation = 'mean'")
         return ""
@@ -393,12 +395,17 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return weighted_average([head_only(u.payload) for u in uploads], weights, self.combine)
 
     @property
+    def aggregation_rule(self) -> AggregationRule:
+        """``faults.aggregation``; 'mean' unless the method declares
+        ``capabilities.robust_aggregation`` (which the config check enforces)."""
+        return self.experiment.faults.aggregation if self.capabilities.robust_aggregation else "mean"
+
+    @property
     def combine(self) -> Combine:
-        """How the method's means combine arrays (``faults.aggregation``; 'mean' unless the method
-        declares ``capabilities.robust_aggregation``, which the config check enforces)."""
+        """How the method's means combine arrays (:attr:`aggregation_rule`: Krum and MultiKrum
+        select uploads, then the mean combines them; :meth:`_select_byzantine`)."""
         faults = self.experiment.faults
-        rule = faults.aggregation if self.capabilities.robust_aggregation else "mean"
-        return Combine(rule, faults.trim_fraction)
+        return Combine(self.aggregation_rule, faults.trim_fraction, faults.num_malicious)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
         """p_k = n_k / sum n over this round's uploads (n_k cut down so that no client weighs more
@@ -524,7 +531,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         2. **weigh** the valid uploads (:meth:`_weigh`);
         3. **account** what arrived (:meth:`_account_train`);
         4. the failure policy (:meth:`_too_few_uploads`);
-        5. **aggregate** them (:meth:`aggregate`, the method's; :meth:`_aggregate_round`).
+        5. **aggregate** them (:meth:`aggregate`, the method's; :meth:`_aggregate_round`), the ones
+           a Byzantine-robust selection keeps (:meth:`_select_byzantine`) where one is configured.
 
         Returns the new :meth:`global_arrays` and the round's train loss and client count; (None,
         None) when too few updates were valid (the state is unchanged, as are Flower's arrays)."""
@@ -538,6 +546,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self._account_train(uploads, record)  # account
         if self._too_few_uploads(uploads, server_round):
             return None, None
+        uploads = self._select_byzantine(uploads, record)  # Krum / MultiKrum / Bulyan (faults.aggregation)
         self._aggregate_round(server_round, uploads, record)  # aggregate
         metrics = MetricRecord({protocol.TRAIN_LOSS: record.train_loss, protocol.CLIENTS: len(uploads)})
         return to_array_record(self.global_arrays()), metrics
@@ -739,6 +748,24 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
             kept.append(upload)
         return kept
 
+    def _select_byzantine(self, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
+        """The uploads a Byzantine-robust selection keeps (``faults.aggregation = 'krum' |
+        'multikrum' | 'bulyan'``, :func:`fedlora.strategies.robust.select_uploads`, Flower's Krum
+        score), weighed again among themselves; every upload's ``per_client_train`` entry says
+        ``byzantine_kept``. All of them, untouched, under any other rule."""
+        rule, faults = self.aggregation_rule, self.experiment.faults
+        if rule not in SELECTING:
+            return uploads
+        kept = set(select_uploads([u.payload for u in uploads], rule, faults.num_malicious, faults.multikrum_select))
+        for index, upload in enumerate(uploads):
+            record.per_client_train.setdefault(str(upload.partition_id), {})["byzantine_kept"] = index in kept
+        left = [u.partition_id for i, u in enumerate(uploads) if i not in kept]
+        log(INFO, "aggregate_train: %s (f = %d) kept %d of %d uploads; not aggregated: clients %s",
+            rule, faults.num_malicious, len(kept), len(uploads), left)
+        selected = [u for i, u in enumerate(uploads) if i in kept]
+        self._weigh(selected)
+        return selected
+
     def _weigh(self, uploads: list[ClientUpload]) -> None:
         """Each upload's aggregation weight: its example count, no client above
         ``faults.max_client_share`` of the round (:func:`fedlora.strategies.replies.capped_weights`)."""
@@ -771,7 +798,10 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
             self.failed_rounds = 0
             return False
         self.failed_rounds += 1
-        message = f"round {server_round}: {len(uploads)} valid updates < federation.min_clients={self.min_uploads()}"
+        needed = (f"federation.min_clients={self.min_train_nodes}" if self.min_uploads() == self.min_train_nodes else
+                  f"{self.min_uploads()}, what faults.aggregation = '{self.aggregation_rule}' needs for "
+                  f"faults.num_malicious = {self.experiment.faults.num_malicious}")
+        message = f"round {server_round}: {len(uploads)} valid updates < {needed}"
         if self.failed_rounds >= self.experiment.faults.max_failed_rounds:
             raise RoundFailedError(f"{message}, {self.failed_rounds} rounds in a row "
                                    f"(faults.max_failed_rounds); stopping the run")
