@@ -130,6 +130,8 @@ CASES: list[tuple[str, Argv, str]] = [
     ("train-seed-too-large", lambda d, o, e, c: ["run", SMOKE, "--out", str(o), "--set", "train.seed=4294967296"],
      "train.seed"),
     ("faults-seed-negative", lambda d, o, e, c: ["run", SMOKE, "--out", str(o), "--set", "faults.seed=-1"], "faults.seed"),
+    ("gpu-fraction-beyond-the-machine", lambda d, o, e, c: ["run", SMOKE, "--out", str(o), "--set", "federation.num_gpus=64"],
+     "federation.num_gpus = 64 asks each simulated client"),
     ("lr-inf", lambda d, o, e, c: ["run", SMOKE, "--out", str(o), "--set", "train.lr=inf"], "train.lr"),
     ("weight-decay-nan", lambda d, o, e, c: ["run", SMOKE, "--out", str(o), "--set", "train.weight_decay=nan"],
      "train.weight_decay"),

@@ -77,6 +77,30 @@ def test_ray_simulation_writes_valid_results(tmp_path: Path) -> None:
     assert proc.stderr == "", proc.stderr[-3000:]
 
 
+def test_each_simulated_client_asks_ray_for_its_gpu_fraction_and_a_machine_without_one_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from fedlora.app.runner import backend_config, check_ray_resources
+    from fedlora.config import ConfigError
+
+    # Prepare: a quarter of a GPU per client (four clients share one)
+    config = load_config("configs/smoke.toml", ["federation.num_gpus=0.25", "federation.num_cpus=1"])
+    # Assert: Flower's Ray backend gets it as each client's resources (its client_resources keys)
+    assert backend_config(config, tmp_path)["client_resources"] == {"num_cpus": 1, "num_gpus": 0.25}
+    # Assert: a machine with one CUDA GPU takes it; one without, or a fraction above its count, is one line
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_ray_resources(config)
+    with pytest.raises(ConfigError, match=r"has 1 CUDA GPU; set federation.num_gpus = 0 \(CPU\) or at most 1"):
+        check_ray_resources(load_config("configs/smoke.toml", ["federation.num_gpus=2"]))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="this machine has no CUDA GPU"):
+        check_ray_resources(config)
+    # Assert: a cluster owns its resources: not checked here
+    check_ray_resources(load_config("configs/smoke.toml", ["federation.num_gpus=0.25",
+                                                           'federation.ray_address="127.0.0.1:6379"']))
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

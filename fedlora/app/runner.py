@@ -70,6 +70,24 @@ def backend_config(config: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
     return {"client_resources": {"num_cpus": fed.num_cpus, "num_gpus": fed.num_gpus}, "init_args": init_args}
 
 
+def check_ray_resources(config: ExperimentConfig) -> None:
+    """``federation.num_gpus`` a local Ray cannot give: a GPU fraction per simulated client on a
+    machine where torch sees no CUDA GPU, or more GPUs per client than it has. Ray would start and
+    place no client at all (Flower's "ActorPool is empty" after the engine started); a cluster at
+    ``federation.ray_address`` owns its resources and is not checked here."""
+    fed = config.federation
+    if fed.num_gpus <= 0 or fed.ray_address:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if fed.num_gpus > gpus:
+        have = "no CUDA GPU" if gpus == 0 else f"{gpus} CUDA GPU{'s' if gpus > 1 else ''}"
+        raise ConfigError(f"federation.num_gpus = {fed.num_gpus:g} asks each simulated client for that much of a GPU, "
+                          f"but this machine has {have}; set federation.num_gpus = 0 (CPU) or at most {gpus}, or "
+                          "run on a Ray cluster with GPUs (--ray-address)")
+
+
 def resolve(config: ExperimentConfig | str | Path | dict, overrides: list[str] | None = None) -> ExperimentConfig:
     """Accept a config object, a TOML path or a raw dict (notebooks), apply overrides."""
     if isinstance(config, ExperimentConfig):
@@ -185,6 +203,8 @@ def execute(config: ExperimentConfig, out: Path, *, resume: bool = False, engine
         strategy_class(config.strategy.name)  # imports the strategies: their state types decode
         load_server(out, config)  # a missing, corrupt or tampered checkpoint or another config: one line
     check_inputs(config)
+    if engine != "inprocess":
+        check_ray_resources(config)
     if folder is not None:
         folder.take()
     with run_folder(out, fresh=not resume), run_log(out / LOG_FILE):
