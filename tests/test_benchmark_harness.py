@@ -253,3 +253,27 @@ def test_llm_throughput_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as stop:
         llm.main(["--model", "tiny-llama", "--device", "cpu", "--steps", "0"])
     assert stop.value.code == 2 and capsys.readouterr().err.strip().startswith("error: need --steps >= 1")
+
+
+def test_step_buckets_the_same_examples_by_length_and_counts_a_train_step_above_its_forward_pass() -> None:
+    # Prepare: tiny-bert and one client's real batches (benchmarks/precision.py's build)
+    step = load("step")
+    from fedlora.backbones import load_tokenizer
+
+    model, batches = load("precision").build("tiny-bert", 48, 16, 32)
+    # Execute
+    buckets = step.bucketed(batches, load_tokenizer("tiny-bert"))
+    train_flops, eval_flops = step.counted_flops(model, batches)
+
+    # Assert: the same examples (tokens and labels), batches of one size in length order, no more padding
+    def examples(of: list) -> list:
+        return sorted((tuple(b["input_ids"][i][b["attention_mask"][i].bool()].tolist()), int(b["labels"][i]))
+                      for b in of for i in range(len(b["labels"])))
+
+    assert examples(buckets) == examples(batches) and [len(b["labels"]) for b in buckets] == [16, 16, 16]
+    lengths = [int(b["attention_mask"][i].sum()) for b in buckets for i in range(len(b["labels"]))]
+    assert lengths == sorted(lengths)
+    assert sum(b["attention_mask"].numel() for b in buckets) <= sum(b["attention_mask"].numel() for b in batches)
+    assert step.real_tokens(buckets) == step.real_tokens(batches)
+    # Assert: a train step (forward + backward) counts more FLOPs than a forward pass, both counted
+    assert eval_flops > 0 and train_flops > 1.5 * eval_flops
