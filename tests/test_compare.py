@@ -117,7 +117,10 @@ def test_the_terminal_table_fits_100_columns_and_the_files_keep_every_column() -
     assert "| global " in text and "| pers. (weighted) " in text and "0.7300 ± 0.1000" in text
     assert "pers. (weighted): final round: each client's own model" in text.replace("\n  ", " ")
     assert max(len(line) for line in markdown.splitlines()) > 100 and "wall s" in markdown
-    assert "mean ± std over 3 seed(s)" in text
+    assert "mean ± std over 3 seed(s); the partitions are identical." in text
+    # ... a fresh partition per seed says so (each run's data.seed differs)
+    fresh = ComparisonTable([run | {"data_seed": run["seed"]} for run in runs])
+    assert "mean ± std over 3 seed(s); a fresh partition per seed." in fresh.to_text()
     # ... and a narrower terminal drops the lowest-priority columns first, never the accuracies
     narrow = table.to_text(width=70)
     assert max(len(line) for line in narrow.splitlines() if line.startswith("|")) <= 70

@@ -232,7 +232,8 @@ class ComparisonTable:
                 break
             shown.pop()
         average = "mean ± std over" if seeds[-1:] != [1] else "one run per strategy,"
-        notes = [f"{average} {'/'.join(map(str, seeds))} seed(s); the partitions are identical."]
+        partitions = "a fresh partition per seed" if self.fresh_partitions else "the partitions are identical"
+        notes = [f"{average} {'/'.join(map(str, seeds))} seed(s); {partitions}."]
         notes += [f"{header}: {by_key[key].meaning}." for key, header in shown]
         wrap = textwrap.TextWrapper(width=width, subsequent_indent="  ")
         lines = wrap.wrap(f"Scale: {self.scale}") if self.scale else []
