@@ -388,3 +388,39 @@ def test_realised_rate_is_within_two_points(n: int, seed: int) -> None:
 
     # Assert
     assert abs(flipped.mean() - 0.2) <= 0.02
+
+
+def test_an_evaluation_loader_batches_rows_shortest_first_and_scores_as_in_dataset_order() -> None:
+    import torch
+    from transformers import DataCollatorWithPadding
+
+    from fedlora.backbones import load_tokenizer
+    from fedlora.config import load_config
+    from fedlora.models import build_model
+    from fedlora.training import batch_loader, cached_tokenized, evaluate, make_loader
+
+    # Prepare: the smoke experiment's first client, its tiny random BERT, and its test rows in dataset order
+    config = load_config(Path(__file__).resolve().parents[1] / "configs/smoke.toml")
+    federated_data = build_federated_data(config.data)
+    rows = federated_data.client(0).train
+    tokenizer = load_tokenizer(config.model.path)
+    torch.manual_seed(0)
+    model = build_model(config.model, len(federated_data.label_names), config.model.lora_rank, device="cpu")
+    encoded = cached_tokenized(None, rows, tokenizer, config.train.max_length)
+    keep = [c for c in ("input_ids", "attention_mask", "token_type_ids", "label") if c in encoded.column_names]
+    in_order = batch_loader(encoded.select_columns(keep), DataCollatorWithPadding(tokenizer, return_tensors="pt"),
+                            8, shuffle=False, seed=0)
+    # Execute
+    loader = make_loader(rows, tokenizer, 8, config.train.max_length, shuffle=False)
+    batches = list(loader)
+    # Assert: every row once (index: its row in the dataset), shortest first, less padding than in dataset order
+    index = torch.cat([b["index"] for b in batches]).tolist()
+    assert sorted(index) == list(range(len(rows))) and index != list(range(len(rows)))
+    lengths = [int(b["attention_mask"][i].sum()) for b in batches for i in range(len(b["labels"]))]
+    assert lengths == sorted(lengths)
+    assert sum(b["attention_mask"].numel() for b in batches) < sum(b["attention_mask"].numel() for b in in_order)
+    assert torch.equal(torch.cat([b["labels"] for b in batches]), torch.tensor(rows["label"])[index])
+    # Assert: the same accuracy and loss as in dataset order (padding is masked out)
+    sorted_scores, plain = evaluate(model, loader, torch.device("cpu")), evaluate(model, in_order, torch.device("cpu"))
+    assert sorted_scores.accuracy == plain.accuracy and sorted_scores.examples == plain.examples == len(rows)
+    assert sorted_scores.loss == pytest.approx(plain.loss, abs=1e-5)
