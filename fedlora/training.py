@@ -102,8 +102,11 @@ def make_loader(
     shuffle: bool,
     seed: int = 0,
     cache_key: str | None = None,
+    group_by_length: bool = False,
 ) -> DataLoader[Any]:
-    """A DataLoader of dynamically padded batches with ``labels`` (and ``index``) tensors.
+    """A DataLoader of dynamically padded batches with ``labels`` (and ``index``) tensors;
+    ``group_by_length`` (``train.group_by_length``, with ``shuffle``): batches of similar-length rows
+    drawn by transformers' ``LengthGroupedSampler`` from ``seed``.
 
     Without ``shuffle`` (evaluation) the rows come shortest first, so every batch holds rows of
     similar length and carries little padding (about half of a batch of WordNet glosses is padding
@@ -116,18 +119,21 @@ def make_loader(
     encoded = cached_tokenized(cache_key, dataset, tokenizer, max_length)
     encoded = encoded.add_column("index", list(range(len(encoded))))
     if not shuffle and len(encoded) > 1:
-        lengths = np.array([len(ids) for ids in encoded["input_ids"]])
-        encoded = encoded.select(np.argsort(lengths, kind="stable"))
+        by_length = np.argsort([len(ids) for ids in encoded["input_ids"]], kind="stable")
+        encoded = encoded.select(by_length)
     # transformers' collator pads per batch and renames ``label`` to ``labels``; ``index`` (the row
     # in ``dataset``) rides along for methods that track samples (FedDR-LoRA's split)
     collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")
     keep = [c for c in ("input_ids", "attention_mask", "token_type_ids", "label", "index") if c in encoded.column_names]
-    return batch_loader(encoded.select_columns(keep), collator, batch_size, shuffle, seed)
+    grouped = [len(ids) for ids in encoded["input_ids"]] if shuffle and group_by_length else None
+    return batch_loader(encoded.select_columns(keep), collator, batch_size, shuffle, seed, grouped)
 
 
-def batch_loader(encoded: datasets.Dataset, collator: Any, batch_size: int, shuffle: bool, seed: int) -> DataLoader[Any]:
+def batch_loader(encoded: datasets.Dataset, collator: Any, batch_size: int, shuffle: bool, seed: int,
+                 lengths: list[int] | None = None) -> DataLoader[Any]:
     """A DataLoader of the tokenized rows ``encoded``, batched by the transformers ``collator`` (its
-    output as a plain dict), in an order drawn from ``seed`` when ``shuffle``."""
+    output as a plain dict), in an order drawn from ``seed`` when ``shuffle``; with ``lengths``
+    (one per row) and ``shuffle``, batches of similar lengths (transformers' ``LengthGroupedSampler``)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -135,6 +141,11 @@ def batch_loader(encoded: datasets.Dataset, collator: Any, batch_size: int, shuf
         return dict(collator(rows))
 
     generator = torch.Generator().manual_seed(seed)
+    if shuffle and lengths is not None:
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+
+        sampler = LengthGroupedSampler(batch_size, lengths=lengths, generator=generator)
+        return DataLoader(encoded, batch_size=batch_size, sampler=sampler, collate_fn=collate)
     return DataLoader(encoded, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator)
 
 

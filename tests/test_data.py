@@ -424,3 +424,27 @@ def test_an_evaluation_loader_batches_rows_shortest_first_and_scores_as_in_datas
     sorted_scores, plain = evaluate(model, loader, torch.device("cpu")), evaluate(model, in_order, torch.device("cpu"))
     assert sorted_scores.accuracy == plain.accuracy and sorted_scores.examples == plain.examples == len(rows)
     assert sorted_scores.loss == pytest.approx(plain.loss, abs=1e-5)
+
+
+def test_group_by_length_draws_every_row_once_in_batches_of_similar_length_from_the_seed() -> None:
+    import torch
+
+    from fedlora.backbones import load_tokenizer
+    from fedlora.config import load_config
+    from fedlora.training import make_loader
+
+    # Prepare: the smoke experiment's first client's training rows
+    config = load_config(Path(__file__).resolve().parents[1] / "configs/smoke.toml")
+    rows = build_federated_data(config.data).client(0).train
+    tokenizer = load_tokenizer(config.model.path)
+
+    def batches(group: bool, seed: int) -> list[dict[str, Any]]:
+        return list(make_loader(rows, tokenizer, 4, config.train.max_length, shuffle=True, seed=seed, group_by_length=group))
+
+    # Execute
+    grouped, again, other, plain = batches(True, 3), batches(True, 3), batches(True, 4), batches(False, 3)
+    # Assert: an epoch draws every row once; the seed fixes the order and another seed changes it
+    order = [torch.cat([b["index"] for b in of]).tolist() for of in (grouped, again, other)]
+    assert sorted(order[0]) == list(range(len(rows))) and order[0] == order[1] and order[0] != order[2]
+    # Assert: less padding than the plain shuffle of the same seed
+    assert sum(b["attention_mask"].numel() for b in grouped) < sum(b["attention_mask"].numel() for b in plain)

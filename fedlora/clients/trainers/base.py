@@ -205,18 +205,13 @@ class LocalTrainer:
         cfg = self.config.train
         owner = "" if split == "global" else f"{self.job.profile.partition_id}|{self.job.profile.data_path}"  # one global test
         key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{owner}|{split}"
-        make = make_loader
+        seed = self.config.train.seed + 1000 * self.job.server_round + self.job.profile.partition_id
+        size = cfg.batch_size if shuffle else cfg.eval_batch_size
         if self.causal:
-            make, key = make_causal_loader, f"{key}|{cfg.max_length}"
-        return make(
-            dataset,
-            self.tokenizer,
-            cfg.batch_size if shuffle else cfg.eval_batch_size,
-            cfg.max_length,
-            shuffle=shuffle,
-            seed=self.config.train.seed + 1000 * self.job.server_round + self.job.profile.partition_id,
-            cache_key=key,
-        )
+            return make_causal_loader(dataset, self.tokenizer, size, cfg.max_length, shuffle=shuffle, seed=seed,
+                                      cache_key=f"{key}|{cfg.max_length}")
+        return make_loader(dataset, self.tokenizer, size, cfg.max_length, shuffle=shuffle, seed=seed, cache_key=key,
+                           group_by_length=cfg.group_by_length)
 
     def received_metrics(self, model: PeftModel) -> dict[str, float]:
         """``received-accuracy`` / ``-examples``: the model as received (before local training) on
