@@ -1,5 +1,5 @@
 # fedlora: two commands on a fresh machine.
-#   make demo   creates .venv, installs system data + packages, runs configs/quickstart.toml
+#   make demo   creates .venv, installs system data + packages, runs configs/demo.toml (in process)
 #   make test   installs if needed, runs the whole test suite (slow end-to-end tests included)
 SHELL := /bin/bash
 VENV ?= .venv
@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/fedlora run configs/quickstart.toml
+	$(VENV)/bin/fedlora run configs/demo.toml --engine inprocess
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 # Four pytest workers on two cores (pytest-xdist); tests/conftest.py hands out a test module as one
