@@ -95,5 +95,5 @@ def test_record_defaults_fill_only_what_is_missing() -> None:
     filled = with_record_defaults({"train": {"lr": 0.1}, "model": {"path": "x"}})
     kept = with_record_defaults({"train": {"precision": "bf16"}})
     # Assert
-    assert filled == {"train": {"lr": 0.1, "precision": "fp32"}, "model": {"path": "x"}}
-    assert kept == {"train": {"precision": "bf16"}}
+    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False}, "model": {"path": "x"}}
+    assert kept == {"train": {"precision": "bf16", "group_by_length": False}}

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from fedlora import protocol
 from fedlora.schema import AggregationRule, minimum_uploads
 
 SELECTING: tuple[AggregationRule, ...] = ("krum", "multikrum", "bulyan")
@@ -76,7 +77,7 @@ def select_uploads(payloads: Sequence[Mapping[str, np.ndarray]], rule: Aggregati
     from flwr.app import Array, ArrayRecord, RecordDict
     from flwr.serverapp.strategy.multikrum import select_multikrum
 
-    contents = [RecordDict({"arrays": ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in payload.items()})})
+    contents = [RecordDict({protocol.ARRAYS_RECORD: ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in payload.items()})})
                 for payload in padded(payloads)]
     position = {id(content): index for index, content in enumerate(contents)}
     chosen = select_multikrum(contents, malicious, kept_count(rule, len(payloads), malicious, select))
