@@ -338,6 +338,11 @@ class ClientsConfig(_Section):
 AggregationRule = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", "bulyan"]
 
 
+def sample_size(clients: int, fraction: float, minimum: int) -> int:
+    """How many of ``clients`` a round samples: ``fraction`` of them, at least ``minimum``, at most all."""
+    return min(clients, max(minimum, round(fraction * clients)))
+
+
 def minimum_uploads(rule: AggregationRule, malicious: int) -> int:
     """Fewest uploads a round needs for ``rule`` to keep its guarantee against ``malicious``
     Byzantine clients: Krum and MultiKrum 2f + 3, Bulyan 4f + 3 (0: any number)."""

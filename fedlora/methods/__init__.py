@@ -116,10 +116,10 @@ def _check_robust_aggregation(declared: Method[Any], config: ExperimentConfig) -
     if faults.aggregation == "mean":
         return
     if declared.capabilities.robust_aggregation:
-        from fedlora.schema import minimum_uploads
+        from fedlora.schema import minimum_uploads, sample_size
 
         clients = config.data.num_clients
-        sampled = min(clients, max(config.federation.min_clients, round(config.federation.fraction_train * clients)))
+        sampled = sample_size(clients, config.federation.fraction_train, config.federation.min_clients)
         needed = minimum_uploads(faults.aggregation, faults.num_malicious)
         if sampled < needed:
             raise ConfigError(f"faults.aggregation = '{faults.aggregation}' with faults.num_malicious = "

@@ -65,7 +65,7 @@ from fedlora.methods import Capabilities, Method, OptionsT
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
-from fedlora.schema import AggregationRule, ExperimentConfig, apply_overrides
+from fedlora.schema import AggregationRule, ExperimentConfig, apply_overrides, sample_size
 from fedlora.strategies.anomaly import Fingerprint, check_updates
 from fedlora.strategies.ledger import PrivacyLedger
 from fedlora.strategies.replies import (
@@ -415,7 +415,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     def sample(self, fraction: float, minimum: int) -> list[int]:
         """Seeded sample of accepted partitions, at least ``minimum`` (Flower's sample_nodes uses the global RNG)."""
         partitions = self.roster.partitions
-        size = min(len(partitions), max(minimum, round(fraction * len(partitions))))
+        size = sample_size(len(partitions), fraction, minimum)
         chosen = self.rng.choice(len(partitions), size=size, replace=False)
         return [partitions[i] for i in sorted(chosen)]
 
