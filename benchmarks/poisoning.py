@@ -42,6 +42,7 @@ from fedlora.data import build_federated_data
 from fedlora.profile import ClientProfile
 from fedlora.simulations.inprocess import InProcessGrid
 from fedlora.strategies.registry import create_strategy
+from fedlora.version import __version__
 
 SMOKE = ROOT / "configs/smoke.toml"
 NODE = 1000  # InProcessGrid: node 1000 + k holds partition k
@@ -64,7 +65,7 @@ CLEAN = (f"data.num_clients={CLIENTS}", "train.rounds=6")
 
 def profile_app(msg: Message, context: Context) -> Message:
     k = int(context.node_config["partition-id"])
-    profile = ClientProfile(partition_id=k, rank=4, num_train_examples=100)
+    profile = ClientProfile(partition_id=k, rank=4, num_train_examples=100, fedlora_version=__version__)
     return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
 
 

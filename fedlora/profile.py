@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedlora import protocol
 from fedlora.schema import ClientsConfig, ExperimentConfig
+from fedlora.version import __version__
 
 
 class ClientProfile(BaseModel):
@@ -30,6 +31,9 @@ class ClientProfile(BaseModel):
         description="Resource budgets (e.g. FedHera's download bytes / time / memory units).",
     )
     data_path: str = Field("", description="Silo-local data folder/file, if not simulated.")
+    fedlora_version: str = Field(
+        "", description="The fedlora version the client runs; the server refuses a client whose version differs from its own."
+    )
 
 
 def tier_ranks(tiers: Mapping[str, float], num_clients: int) -> list[int]:
@@ -95,4 +99,5 @@ def resolve_profile(config: ExperimentConfig, node_config: Mapping[str, Any]) ->
         rank=rank,
         budgets=budgets,
         data_path=str(node_config.get(protocol.NODE_DATA_PATH, "")),
+        fedlora_version=__version__,
     )

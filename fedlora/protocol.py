@@ -23,7 +23,7 @@ Flower's loop. ``tests/test_wire_contract.py`` holds the code to it.
   builds under its prefix in :data:`TRAIN_PATTERNS`, the keys a reply must carry
   (:data:`TRAIN_REQUIRED`, :data:`EVALUATE_REQUIRED`) and the size of a metrics record
   (:data:`MAX_METRIC_KEYS`, :data:`MAX_METRIC_KEY_LENGTH`, :data:`MAX_METRIC_BYTES`). The server
-  refuses a reply that breaks it (``fedlora/strategies/replies.py``).
+  refuses a reply that breaks it (``strategies/replies.py``).
 - A SuperNode's node config (``flower-supernode --node-config``, or the simulation engine's) holds
   :data:`NODE_CONFIG_KEYS` and ``budget-<name>`` entries (:data:`NODE_BUDGET_PREFIX`).
 - ``aggregate_train`` / ``aggregate_evaluate`` and the ServerApp's ``evaluate_fn`` return
@@ -159,7 +159,7 @@ STARTUP_SECONDS: Final = MetricRule(low=0.0, high=MAX_SECONDS, nan=True)  # NaN:
 # both replies
 NUM_EXAMPLES: Final = "num-examples"  # train: training examples; evaluate: local test examples
 PARTITION_ID: Final = "partition-id"  # the partition the reply speaks for (checked against its sender)
-# a reply's start-up cost (fedlora/clients/app.py; results.json per_client / per_client_train): message
+# a reply's start-up cost (clients/app.py; results.json per_client / per_client_train): message
 # arrival (process start, or the warm SuperExec's hand-over) -> ClientApp module imported, the setup
 # phases, -> local work starts, -> the first training step (the last two: a process's first message)
 IMPORT_SECONDS: Final = "import-seconds"  # arrival -> the ClientApp module imported (FAB install included)

@@ -71,10 +71,10 @@ class RoundRecord:
     sampled: int = 0  # clients sent a training message
     clients: int = 0  # successful training replies
     failures: int = 0  # sampled clients not aggregated: error replies, no reply (timeout), rejected updates
-    rejected: int = 0  # replies refused by validation (fedlora/strategies/replies.py), training and evaluation
+    rejected: int = 0  # replies refused by validation (strategies/replies.py), training and evaluation
     rejections: list[str] = field(default_factory=list)  # "client <k> (node <id>): <reason>" per rejection
     refused: list[int] = field(default_factory=list)  # partition ids refused (bad profile/update)
-    # valid updates the anomaly rule flagged (fedlora/strategies/anomaly.py: "client <k> (node <id>): <why>"),
+    # valid updates the anomaly rule flagged (strategies/anomaly.py: "client <k> (node <id>): <why>"),
     # aggregated (faults.anomaly_action = 'log') or also counted in rejected ('reject')
     anomalies: list[str] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the round (train + evaluation)

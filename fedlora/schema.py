@@ -334,7 +334,7 @@ class ClientsConfig(_Section):
 
 
 # faults.aggregation: coordinate-wise rules (fedlora.lora.Combine) and Flower's selection rules
-# (fedlora/strategies/robust.py: Krum and MultiKrum select uploads; Bulyan selects, then combines)
+# (strategies/robust.py: Krum and MultiKrum select uploads; Bulyan selects, then combines)
 AggregationRule = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", "bulyan"]
 
 
@@ -352,7 +352,7 @@ def minimum_uploads(rule: AggregationRule, malicious: int) -> int:
         return 4 * malicious + 3
     return 0
 CorruptKind = Literal["nan", "inf", "shape", "rank", "keys", "norm"]
-AnomalyAction = Literal["log", "reject"]  # faults.anomaly_action (fedlora/strategies/anomaly.py)
+AnomalyAction = Literal["log", "reject"]  # faults.anomaly_action (strategies/anomaly.py)
 CORRUPT_KINDS: tuple[CorruptKind, ...] = ("nan", "inf", "shape", "rank", "keys", "norm")
 
 
@@ -433,7 +433,7 @@ class FaultsConfig(_Section):
         "(Flower's num_nodes_to_select); 0 = n - f, every upload but the f worst scored."
     )
     anomaly_norm_factor: float = Field(
-        3.0, ge=0.0, allow_inf_nan=False, description="Anomaly rule (fedlora/strategies/anomaly.py): flag "
+        3.0, ge=0.0, allow_inf_nan=False, description="Anomaly rule (strategies/anomaly.py): flag "
         "an accepted update whose change (the uploaded factors minus what the client downloaded) has an "
         "L2 norm above this multiple of the round's lower median change norm (needs >= 2 updates; 0 = off)."
     )

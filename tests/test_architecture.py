@@ -1,8 +1,8 @@
 """The house holds: imports form no cycle, and every layer imports only the layers below it.
 
 Layers, bottom to top (docs/design.md): the core (``fedlora/`` except ``fedlora/app/`` and the
-package facade ``fedlora/__init__.py``), the protocol (``fedlora/strategies/``, ``fedlora/clients/``), the engines
-(``fedlora/simulations/``), the application (``fedlora/app/``), and the facade on top. Every import counts,
+package facade ``fedlora/__init__.py``), the protocol (``strategies/``, ``clients/``: installed as
+``fedlora.strategies``, ``fedlora.clients``), the engines (``simulations/``), the application (``fedlora/app/``), and the facade on top. Every import counts,
 including those inside functions and under ``TYPE_CHECKING``: a cycle through a lazy import is
 still a cycle for the reader. And Flower's code is used through its public API, or at a place
 docs/design.md's table of Flower internals names, with the reason.
@@ -15,9 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedlora",)
+from sources import ROOT, SOURCE_FOLDERS, module_name, source_files
 
 
 def layer(module: str) -> int:
@@ -32,13 +30,8 @@ def layer(module: str) -> int:
     return 0  # the core
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    return {module_name(p): p for p in source_files()}
 
 
 def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -129,7 +122,7 @@ def test_no_file_refers_to_a_document_outside_the_repository() -> None:
 
 
 # ------------------------------------------------------------------ Flower's internals (docs/design.md)
-FLOWER_SCANNED = ("fedlora", "examples", "benchmarks")
+FLOWER_SCANNED = (*SOURCE_FOLDERS, "examples", "benchmarks")
 FLOWER_PUBLIC = ("flwr", "flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp",
                  "flwr.clientapp.mod", "flwr.simulation")  # their __all__ is Flower's API reference
 FLOWER_TABLE = "## Flower's internals: every use, and why"
@@ -212,26 +205,49 @@ def test_every_use_of_a_flower_internal_is_documented_and_every_documented_one_i
 
 
 # ------------------------------------------------------------------ one top-level package
-def test_the_install_puts_only_fedlora_at_the_top_level_of_site_packages(tmp_path: Path) -> None:
-    """``pip install`` must not put packages named ``strategies``, ``clients`` or ``simulations`` at the
-    top of site-packages (they would collide with a user's own modules): they are ``fedlora.*``."""
-    import subprocess
-    import sys
+def test_pyproject_installs_every_package_folder_of_the_repository() -> None:
+    """pyproject lists the packages by hand (a mapped layout has no discovery): the list names every
+    folder of ``fedlora/``, ``strategies/``, ``clients/`` and ``simulations/`` that holds an ``__init__.py``."""
     import tomllib
 
-    from setuptools import find_packages
+    # Execute
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = {module_name(path) for path in source_files() if path.name == "__init__.py"}
+    # Assert
+    assert sorted(listed) == sorted(folders)
 
-    # Prepare: what the build installs (pyproject's package discovery) and an interpreter run outside the repo
-    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    installed = find_packages(str(ROOT), include=find["include"])
+
+@pytest.mark.slow
+def test_the_wheel_holds_only_fedlora_and_strategies_is_not_importable_outside_the_repository(tmp_path: Path) -> None:
+    """A wheel built from the repository puts nothing but ``fedlora`` at the top of site-packages (a
+    ``strategies``, ``clients`` or ``simulations`` there would collide with a user's own modules):
+    the three top-level folders of the repository install as ``fedlora.strategies`` etc."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    # Prepare: the files a build reads, copied (a build in the repository would leave build/ there)
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in SOURCE_FOLDERS:
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     probe = ("import importlib.util as u, fedlora.strategies.registry as r, fedlora.clients.app as a; "
              "print([n for n in ('strategies', 'clients', 'simulations') if u.find_spec(n)], "
              "len(r.strategy_names()), a.app is not None)")
-    # Execute
+    # Execute: Flower-free build of the wheel; the installed package probed from a folder outside the repository
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, check=False)
+    assert build.returncode == 0, build.stderr[-2000:]
+    names = zipfile.ZipFile(next((tmp_path / "wheel").glob("fedlora-*.whl"))).namelist()
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=False,
                           env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
     # Assert
-    assert {name.split(".")[0] for name in installed} == {"fedlora"}
-    assert {"fedlora.strategies", "fedlora.clients.trainers", "fedlora.simulations"} <= set(installed)
+    assert {name.split("/")[0] for name in names} == {"fedlora", "fedlora-0.1.0.dist-info"}
+    assert {"fedlora/strategies/base.py", "fedlora/clients/trainers/fedhera.py", "fedlora/simulations/inprocess.py",
+            "fedlora/app/server.py"} <= set(names)
+    assert len([n for n in names if n.endswith(".py")]) == len(source_files())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["[]", "13", "True"], proc.stdout

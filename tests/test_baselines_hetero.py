@@ -35,6 +35,7 @@ from fedlora.strategies.flexlora import FlexLoRA
 from fedlora.strategies.flora import FLoRA
 from fedlora.strategies.hetlora import HetLoRA
 from fedlora.strategies.validation import check_upload
+from fedlora.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -489,7 +490,7 @@ def test_one_rank_roster_trains_every_client_at_the_smallest_rank(refuse: bool) 
 
     # Prepare: three clients of ranks 4, 2, 8
     roster = ClientRoster()
-    roster.profiles = {k: ClientProfile(partition_id=k, rank=r) for k, r in enumerate([4, 2, 8])}
+    roster.profiles = {k: ClientProfile(partition_id=k, rank=r, fedlora_version=__version__) for k, r in enumerate([4, 2, 8])}
     # Execute / Assert
     if refuse:
         with pytest.raises(MixedRanksError, match="needs one LoRA rank"):

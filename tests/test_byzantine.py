@@ -1,5 +1,5 @@
 """Byzantine-robust aggregation: Flower's Krum, MultiKrum and Bulyan on LoRA uploads
-(fedlora/strategies/robust.py, fedlora.lora.Combine's 'bulyan'; issue 40 item 3).
+(strategies/robust.py, fedlora.lora.Combine's 'bulyan'; issue 40 item 3).
 
 The rules are checked against their formulas computed here (Krum's score: the sum of squared
 distances to the n - f - 2 nearest uploads; Bulyan: the mean of the n - 4f values nearest the

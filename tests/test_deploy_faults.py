@@ -94,11 +94,12 @@ def test_a_hostile_supernode_is_refused_and_the_run_completes_over_tls(no_leftov
     # own ClientApp except on a node with `hostile = true`); SuperNode 2 of 3 is hostile. Its replies:
     # text arrays (round 1), a 1e30 update (round 2), an accuracy of 7 and a spoofed partition.
     app = no_leftovers / "app"
-    for package in ("fedlora", "configs"):
-        shutil.copytree(REPO / package, app / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "configs", app / "configs")  # the app's configs; the code is the installed fedlora
     shutil.copy(REPO / "tests" / "hostile_clientapp.py", app / "hostile_clientapp.py")
     pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
     assert 'clientapp = "fedlora.clients.app:app"' in pyproject
+    assert 'fab-include = ["configs/**/*.toml"]' in pyproject
+    pyproject = pyproject.replace('fab-include = ["configs/**/*.toml"]', 'fab-include = ["configs/**/*.toml", "*.py"]')
     (app / "pyproject.toml").write_text(pyproject.replace('clientapp = "fedlora.clients.app:app"',
                                                           'clientapp = "hostile_clientapp:app"'), encoding="utf-8")
     out = no_leftovers / "results"

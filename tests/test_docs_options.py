@@ -85,17 +85,17 @@ def test_docs_and_docstrings_are_in_step_with_the_options_models() -> None:
 def test_a_drifted_table_or_docstring_is_found_and_rewritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Prepare: a copy of the docs and strategies with a hand-edited fedhera row and docstring
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png", "*.csv", "img"))
-    (tmp_path / "fedlora" / "strategies").mkdir(parents=True)
-    shutil.copy(ROOT / "fedlora" / "strategies" / "fedhera.py", tmp_path / "fedlora" / "strategies" / "fedhera.py")
-    page, source = tmp_path / "docs" / "results" / "fedhera.md", tmp_path / "fedlora" / "strategies" / "fedhera.py"
+    (tmp_path / "strategies").mkdir(parents=True)
+    shutil.copy(ROOT / "strategies" / "fedhera.py", tmp_path / "strategies" / "fedhera.py")
+    page, source = tmp_path / "docs" / "results" / "fedhera.md", tmp_path / "strategies" / "fedhera.py"
     page.write_text(page.read_text().replace("| `strategy.coupled` | bool | `false` |", "| `strategy.coupled` | bool | `true` |"))
     source.write_text(source.read_text().replace("coupled : bool, default False", "coupled : bool, default True"))
     # Execute / Assert: reported (exit 1), then rewritten to the repository's text
     assert main(["--root", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "docs/results/fedhera.md: the options table of 'fedhera'" in out
-    assert "fedlora/strategies/fedhera.py: the Parameters section" in out
+    assert "strategies/fedhera.py: the Parameters section" in out
     assert main(["--root", str(tmp_path), "--write"]) == 0
     assert page.read_text() == (ROOT / "docs" / "results" / "fedhera.md").read_text()
-    assert source.read_text() == (ROOT / "fedlora" / "strategies" / "fedhera.py").read_text()
+    assert source.read_text() == (ROOT / "strategies" / "fedhera.py").read_text()
     assert drift(tmp_path) == []

@@ -31,6 +31,7 @@ from fedlora.profile import ClientProfile
 from fedlora.simulations.inprocess import InProcessGrid, node_configs
 from fedlora.strategies.base import ArraysError, LoRAStrategy
 from fedlora.strategies.registry import strategy_class, strategy_names
+from fedlora.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -43,7 +44,7 @@ NODE = 1000  # InProcessGrid: node 1000 + k holds partition k
 def profile_app(msg: Message, context: Context) -> Message:
     """A ClientApp that only answers the profile query (partition k: RANKS[k], DECLARED[k])."""
     k = int(context.node_config["partition-id"])
-    profile = ClientProfile(partition_id=k, rank=RANKS[k], num_train_examples=DECLARED[k])
+    profile = ClientProfile(partition_id=k, rank=RANKS[k], num_train_examples=DECLARED[k], fedlora_version=__version__)
     return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
 
 

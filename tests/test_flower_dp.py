@@ -30,6 +30,7 @@ from fedlora.simulations.inprocess import InProcessGrid, node_configs
 from fedlora.strategies.base import LoRAStrategy
 from fedlora.strategies.fedit import FedIT
 from fedlora.strategies.registry import strategy_class
+from fedlora.version import __version__
 
 SETTINGS: dict[str, Any] = SMOKE_SETTINGS | {"clients": {"ranks": [4, 4, 4]}}  # configs/smoke.toml, every client at rank 4
 DECLARED = [100, 110, 120]  # training examples each client declares
@@ -104,7 +105,7 @@ def profile_app(msg: Message, ctx: Context) -> Message:
     """A ClientApp that only answers the profile query: its rank from the experiment's clients.ranks."""
     k = int(ctx.node_config["partition-id"])
     rank = config_from_json(str(msg.content.config_records["config"]["experiment"])).clients.ranks[k]
-    profile = ClientProfile(partition_id=k, rank=rank, num_train_examples=DECLARED[k])
+    profile = ClientProfile(partition_id=k, rank=rank, num_train_examples=DECLARED[k], fedlora_version=__version__)
     return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
 
 

@@ -48,6 +48,7 @@ from fedlora.strategies.base import LoRAStrategy
 from fedlora.strategies.registry import create_strategy, strategy_names
 from fedlora.strategies.replies import capped_weights
 from fedlora.strategies.validation import norm_outliers, ratio_bound, reference_norm
+from fedlora.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -77,7 +78,8 @@ def profile_app(msg: Message, context: Context) -> Message:
     its node config (defaults RANKS[k], DECLARED[k])."""
     k, node = int(context.node_config["partition-id"]), context.node_config
     profile = ClientProfile(partition_id=k, rank=int(node["rank"] if "rank" in node else RANKS[k]),
-                            num_train_examples=int(node["declared"] if "declared" in node else DECLARED[k]))
+                            num_train_examples=int(node["declared"] if "declared" in node else DECLARED[k]),
+                            fedlora_version=str(node.get("version", __version__)))
     return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
 
 
@@ -866,12 +868,25 @@ def test_a_second_node_claiming_an_accepted_partition_is_refused_at_join() -> No
     assert "already held by node 1000" in strategy.roster.refused["node 1002"]
 
 
+def test_a_client_running_another_fedlora_version_is_refused_in_one_line() -> None:
+    """Every node runs its installed fedlora (a run's FAB carries no code): a client of another
+    version, or one whose profile does not say, is refused at join; the others take part."""
+    strategy, grid = connected("fedit", nodes=[{"partition-id": 0}, {"partition-id": 1, "version": "0.0.9"},
+                                               {"partition-id": 2, "version": ""}])
+    strategy.connect(grid)
+    assert strategy.roster.partitions == [0]
+    assert strategy.roster.refused["partition 1"] == (
+        f"1: it runs fedlora 0.0.9, this server runs fedlora {__version__}: install the same fedlora on every node")
+    assert "2: it does not say which fedlora it runs" in strategy.roster.refused["partition 2"]
+
+
 def test_a_query_reply_that_is_not_a_profile_refuses_the_node_only() -> None:
     def app(msg: Message, context: Context) -> Message:
         if context.node_config["partition-id"] == 1:
             return Message(RecordDict({"profile": ConfigRecord({"json": "{not json"})}), reply_to=msg)
         if context.node_config["partition-id"] == 2:
             return Message(RecordDict({"profile": ConfigRecord({"json": '{"partition_id": 2, "rank": 4, '
+                                                                 f'"fedlora_version": "{__version__}", '
                                                                  '"num_train_examples": -7}'})}), reply_to=msg)
         return profile_app(msg, context)
 
@@ -884,7 +899,7 @@ def test_a_query_reply_that_is_not_a_profile_refuses_the_node_only() -> None:
 
 # ------------------------------------------------ the in-process engine keeps Flower's rules
 def test_in_process_a_late_reply_and_a_reply_for_another_node_are_failures_and_the_run_goes_on() -> None:
-    """fedlora/simulations/inprocess.py: with federation.round_timeout = 1 s, node 1001 answers its
+    """simulations/inprocess.py: with federation.round_timeout = 1 s, node 1001 answers its
     first training message after 2 s and node 1002 answers every message as node 1000. Both are
     failures of the round (no reply reached the strategy: Flower's grid leaves a late reply out,
     its link state refuses a reply from another node), nothing is rejected, and the run goes on."""

@@ -1,4 +1,4 @@
-"""The in-process engine carries messages as Flower's wire does (fedlora/simulations/inprocess.py).
+"""The in-process engine carries messages as Flower's wire does (simulations/inprocess.py).
 
 Each message and each reply is deflated into Flower's object tree and inflated on the other side,
 so the two sides share no object and what Flower cannot serialise fails in process too, as it

@@ -1,4 +1,4 @@
-"""Poisoning within the norm bounds is seen, every round (fedlora/strategies/anomaly.py; issue 40 item 3).
+"""Poisoning within the norm bounds is seen, every round (strategies/anomaly.py; issue 40 item 3).
 
 Three fedit clients of rank 4 on the tiny random BERT of configs/smoke.toml, without training: an
 in-process grid answers the profile query, the training replies are made here. An honest client's

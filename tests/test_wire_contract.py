@@ -9,13 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sources import ROOT, source_files  # the code that builds or reads messages: every layer
 
 from fedlora import protocol
 from fedlora.lora import from_peft_state, payload_key, peft_key, peft_module, to_peft_state
 
-ROOT = Path(__file__).resolve().parents[1]
-# the code that builds or reads messages: the protocol layer, the engines, the core, the app
-SCANNED = ("fedlora",)
 # lowercase words joined by hyphens, Flower's style for record keys: fedlora's own are all declared
 KEY_SHAPED = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)+-?$")
 # hyphenated strings in key positions that are no wire keys of fedlora's: Flower's CLI JSON
@@ -34,7 +32,7 @@ WORDS = protocol.RECORDS | {
                     | protocol.EVALUATE_METRICS | protocol.WORKER_ENTRIES | {protocol.PROFILE_JSON})
     if "-" not in key
 }
-PROTOCOL_LAYER = ("fedlora/strategies/", "fedlora/clients/", "fedlora/simulations/")
+PROTOCOL_LAYER = ("strategies/", "clients/", "simulations/")
 
 
 def key_literals(tree: ast.AST) -> list[tuple[int, str]]:
@@ -61,17 +59,16 @@ def key_literals(tree: ast.AST) -> list[tuple[int, str]]:
 
 def bare_keys() -> list[str]:
     problems = []
-    for package in SCANNED:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            name = path.relative_to(ROOT).as_posix()
-            if name == "fedlora/protocol.py":
+    for path in source_files():
+        name = path.relative_to(ROOT).as_posix()
+        if name == "fedlora/protocol.py":
+            continue
+        layer = name.startswith(PROTOCOL_LAYER)
+        for line, text in key_literals(ast.parse(path.read_text(encoding="utf-8"))):
+            if text in NOT_OURS.get(name, ()):
                 continue
-            layer = name.startswith(PROTOCOL_LAYER)
-            for line, text in key_literals(ast.parse(path.read_text(encoding="utf-8"))):
-                if text in NOT_OURS.get(name, ()):
-                    continue
-                if KEY_SHAPED.match(text) or text in protocol.WIRE_PREFIXES or (layer and text in WORDS):
-                    problems.append(f"{name}:{line}: {text!r}")
+            if KEY_SHAPED.match(text) or text in protocol.WIRE_PREFIXES or (layer and text in WORDS):
+                problems.append(f"{name}:{line}: {text!r}")
     return problems
 
 
@@ -147,8 +144,7 @@ def test_no_code_writes_another_objects_private_attribute() -> None:
         '1: layer._active_adapter']
     assert private_writes(ast.parse("self._cache = {}\nlayer.set_adapter(['default'])")) == []
     # Execute
-    problems = [f"{path.relative_to(ROOT)}:{problem}" for package in SCANNED
-                for path in sorted((ROOT / package).rglob("*.py"))
+    problems = [f"{path.relative_to(ROOT)}:{problem}" for path in source_files()
                 for problem in private_writes(ast.parse(path.read_text(encoding="utf-8")))]
     # Assert: peft's (and Flower's) state is changed through their public API only
     assert not problems, problems

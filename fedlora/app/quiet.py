@@ -5,8 +5,8 @@ shows *fedlora lines* only:
 
 - records of the ``fedlora`` logger (and its children) at INFO or above: the per-round progress
   line, the data summary, the final figures and where the results are, ``compare:`` steps;
-- warnings and errors that fedlora's own code (``fedlora/``, ``fedlora/strategies/``, ``fedlora/clients/``,
-  ``fedlora/simulations/``) logs through Flower's logger, printed as ``warning: ...`` / ``error: ...``.
+- warnings and errors that fedlora's own code (``fedlora/``, ``strategies/``, ``clients/``,
+  ``simulations/``) logs through Flower's logger, printed as ``warning: ...`` / ``error: ...``.
 
 Everything else that libraries emit keeps going to the run's log file (``<run dir>/run.log``),
 and the console drops it only when it is listed in :data:`NOISE`: one logger, or one message of one
@@ -22,6 +22,7 @@ worker before it runs a ClientApp.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -37,7 +38,20 @@ ENV_LOG_FILE = "FEDLORA_RUN_LOG"  # Ray workers: the run's log file, appended to
 WORKER_HOOK = "fedlora.app.quiet.setup_ray_worker"
 # Loggers that come with their own console handler: theirs is replaced by ours while a run lasts.
 TAKEN_OVER = ("flwr", "transformers")
-OUR_ROOTS = (str(Path(__file__).resolve().parents[1]) + os.sep,)  # fedlora/: the package, every layer
+
+
+def _our_roots() -> tuple[str, ...]:
+    """fedlora's source folders: the package, and the layers pyproject maps into it (in a source
+    checkout strategies/, clients/ and simulations/ sit beside fedlora/; installed, inside it)."""
+    roots = {Path(__file__).resolve().parents[1]}
+    for layer in ("strategies", "clients", "simulations"):
+        spec = importlib.util.find_spec(f"fedlora.{layer}")
+        if spec is not None and spec.submodule_search_locations:
+            roots.update(Path(folder).resolve() for folder in spec.submodule_search_locations)
+    return tuple(sorted(str(root) + os.sep for root in roots))
+
+
+OUR_ROOTS = _our_roots()
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ def run(
     round (same config; ``train.rounds`` may grow); ``overwrite``: move an earlier run in
     ``out_dir`` aside (``DIR.old-<time>``, never deleted) and start afresh. ``engine``: ``ray``
     (Flower's simulation engine) or ``inprocess`` (the same apps in this process,
-    fedlora/simulations/inprocess.py). Every check (config, folder, checkpoint, model, data) runs before
+    simulations/inprocess.py). Every check (config, folder, checkpoint, model, data) runs before
     anything is created or moved. Quiet unless ``verbose`` (fedlora.app.quiet): one line per
     round, then the final scores and where the results are; everything else goes to
     ``<out>/run.log``."""
@@ -304,7 +304,7 @@ def stop_ray() -> None:
 
 def run_inprocess(config: ExperimentConfig, out_dir: str | Path, configs: list[dict[str, Any]] | None = None,
                   resume: bool = False) -> ResultsWriter:
-    """Run the real ServerApp logic against in-process ClientApps (fedlora/simulations/inprocess.py, no
+    """Run the real ServerApp logic against in-process ClientApps (simulations/inprocess.py, no
     Ray); returns the ResultsWriter (``resume``: continue the checkpointed run in ``out_dir``)."""
     from fedlora.app.server import run_server
     from fedlora.clients.app import app as client_app

@@ -302,7 +302,7 @@ def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None 
             run_server(grid, config, out_dir or config.output.dir, resume=resume)
             return
         try:
-            cfg = config_from_run_config(dict(context.run_config))
+            cfg = config_from_run_config(dict(context.run_config), run_app_dir(grid))
             again = resume or str(context.run_config.get("resume", "")).lower() in ("1", "true")
             run_server(grid, cfg, out_dir or cfg.output.dir, resume=again, client_checkpoints=False,
                        flower_logger=True)
@@ -335,22 +335,30 @@ def _toml_literal(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a TOML basic string
 
 
-def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
+def run_app_dir(grid: Grid) -> Path | None:
+    """The folder where Flower installed this run's app (its FAB: pyproject.toml and configs/);
+    None without a FAB (fedlora's in-process engine)."""
+    from flwr.common.config import get_project_dir
+
+    run = grid.run
+    return get_project_dir(run.fab_id, run.fab_version, run.fab_hash) if run.fab_hash else None
+
+
+def config_from_run_config(run_config: dict[str, Any], app_dir: Path | None = None) -> ExperimentConfig:
     """Deployment and ``flwr run .``: the config arrives as JSON (``experiment``, what ``fedlora
     deploy`` sends) or as a TOML path (``config``), with overrides: the dotted keys
     (:func:`flat_overrides`), then ``set`` (``section.key=value`` items separated by ``;``; the
     later wins). A relative ``config`` path is looked up in the working directory, then in the
-    app's own folder (the installed FAB or the repository), so ``flwr run . --run-config
-    'config="configs/smoke.toml"'`` works from anywhere."""
+    run's app folder ``app_dir`` (the installed FAB, which carries configs/), so ``flwr run .
+    --run-config 'config="configs/smoke.toml"'`` works from anywhere."""
     overrides = [*flat_overrides(run_config),
                  *(item.strip() for item in str(run_config.get("set", "")).split(";") if item.strip())]
     if run_config.get("experiment"):
         text = str(run_config["experiment"])
         return build_config(apply_overrides(json.loads(text), overrides)) if overrides else config_from_json(text)
     path = Path(str(run_config.get("config") or "configs/quickstart.toml"))
-    app_root = Path(__file__).resolve().parents[2]
-    if not path.is_absolute() and not path.is_file() and (app_root / path).is_file():
-        path = app_root / path
+    if app_dir is not None and not path.is_absolute() and not path.is_file() and (app_dir / path).is_file():
+        path = app_dir / path
     return load_config(path, overrides)
 
 

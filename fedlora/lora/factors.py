@@ -167,7 +167,7 @@ class Combine:
     ``trim_mean`` copies line for line), or Bulyan's second step (``Bulyan``: per coordinate the
     mean of the K - 2 ``malicious`` values nearest the median, Flower's
     ``aggregate_n_closest_weights``; its first step, selecting uploads by Krum score, happens
-    before, in ``fedlora/strategies/robust.py``). With two clients the median and the trimmed mean
+    before, in ``strategies/robust.py``). With two clients the median and the trimmed mean
     equal the mean (nothing is cut from two values); they need three or more to resist one.
     'krum' and 'multikrum' only select uploads: their arrays are then combined by the mean."""
 

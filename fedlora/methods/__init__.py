@@ -2,7 +2,7 @@
 
 A method registers itself by existing: every module of this package (except ``base``) defines
 ``METHOD = Method(...)``; adding a method means adding one module here, its strategy in
-``fedlora/strategies/`` and its trainer in ``fedlora/clients/trainers/``, with no list to edit.
+``strategies/`` and its trainer in ``clients/trainers/``, with no list to edit.
 """
 
 from __future__ import annotations

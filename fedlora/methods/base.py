@@ -3,8 +3,8 @@
 A method home (``fedlora/methods/<name>.py``) is the one place a method's defaults live. It holds
 the method's :class:`MethodOptions` subclass (every ``[strategy]`` key with its default, allowed
 values and help text), the wire keys its strategy and trainer exchange, and its pure math (numpy
-functions over per-module factors). Its Flower strategy (``fedlora/strategies/<name>.py``, the server
-protocol) and its client trainer (``fedlora/clients/trainers/<name>.py``, the client step) import them;
+functions over per-module factors). Its Flower strategy (``strategies/<name>.py``, the server
+protocol) and its client trainer (``clients/trainers/<name>.py``, the client step) import them;
 neither restates a default.
 """
 
@@ -40,7 +40,7 @@ class Capabilities:
     causal_lm: str = ""  # why the method refuses model.kind = 'causal_lm' ('' = it runs on causal LMs)
     # faults.aggregation = median / trimmed_mean / bulyan replaces the method's weighted means of uploaded
     # arrays coordinate by coordinate, krum / multikrum / bulyan select whole uploads first
-    # (fedlora/strategies/robust.py; a linear method only); False: the method refuses them, saying why
+    # (strategies/robust.py; a linear method only); False: the method refuses them, saying why
     robust_aggregation: bool = False
     not_robust: str = ""  # why a method refuses faults.aggregation other than 'mean' (robust_aggregation False)
     # Flower's DifferentialPrivacyClientSideFixedClipping can wrap the strategy (with fixedclipping_mod on

@@ -7,7 +7,7 @@ repository, so a reader of the docs or of the source sees them without running a
 - the option table of the method in the docs: a marked region of any markdown file under ``docs/``
   (``<!-- options:fedhera -->`` ... ``<!-- /options -->``; docs/algorithms.md has one per method
   with options, a results page may repeat it), from :func:`markdown_table`;
-- the ``Parameters`` section of the method's strategy docstring (``fedlora/strategies/<name>.py``, the
+- the ``Parameters`` section of the method's strategy docstring (``strategies/<name>.py``, the
   strategy's keyword options, numpydoc), from :func:`parameters_section`.
 
 ``python -m fedlora.methods.docs`` lists what is out of step (exit 1 if anything is);
@@ -33,7 +33,7 @@ from pydantic.fields import FieldInfo
 
 from fedlora.methods.base import Method, MethodOptions
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/, fedlora/strategies/)
+ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/, strategies/)
 REGION = re.compile(r"(<!-- options:(\w+) -->\n)(.*?)(<!-- /options -->)", re.DOTALL)
 NO_OPTIONS = "(none beyond the experiment config)"
 DOCSTRING_WIDTH = 106  # a docstring line, indentation included (ruff's limit is 110)
@@ -217,7 +217,7 @@ def drift(root: Path = ROOT, write: bool = False) -> list[str]:
             path.write_text(new)
     listed = regions((root / "docs" / "algorithms.md").read_text())
     problems += [f"docs/algorithms.md: no <!-- options:{name} --> region" for name in tables if name not in listed]
-    for path in sorted((root / "fedlora" / "strategies").glob("*.py")):
+    for path in sorted((root / "strategies").glob("*.py")):
         text = path.read_text()
         declared = STRATEGY_METHOD.search(text)
         if declared is None:

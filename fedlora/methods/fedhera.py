@@ -4,8 +4,8 @@ FedHera (2026). Taken from the official implementation (github.com/shock-xiaoke/
 ``main.py``, ``fed_utils/model_aggregation.py``, ``fed_utils/rank_allocator.py``,
 ``fed_utils/adaptive_peft.py``); every choice that code does not make is a [RECON] option below
 (docs/algorithms.md). Pure math over ``dict[str, Factors]`` / ``dict[str, LowRankSVD]`` (one entry
-per adapted module); the protocol is ``fedlora/strategies/fedhera.py``, the client step
-``fedlora/clients/trainers/fedhera.py``.
+per adapted module); the protocol is ``strategies/fedhera.py``, the client step
+``clients/trainers/fedhera.py``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class HetLoRAOptions(MethodOptions):
     self_prune: bool = Field(
         False,
         description="Local rank self-pruning (Cho et al. 2024, Sec. 3; client side, "
-        "fedlora/clients/trainers/hetlora.py): each client adds prune_lambda * sum_modules ||B_tail||_F "
+        "clients/trainers/hetlora.py): each client adds prune_lambda * sum_modules ||B_tail||_F "
         "||A_tail||_F (the components beyond floor(prune_decay * r_k)) to its loss and, when that "
         "tail norm is smaller than in its previous round at the same rank, drops them: it uploads "
         "rank floor(prune_decay * r_k) and keeps it from then on [RECON: the comparison rule; a "

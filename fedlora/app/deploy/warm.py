@@ -14,8 +14,9 @@ which the operator runs the SuperExec): it imports :data:`HEAVY_MODULES` once, t
 API like Flower's and, for every ClientApp token, forks a child that runs Flower's own
 ``run_clientapp`` with that token, exactly as ``flwr-clientapp`` does. Each message still runs in
 its own process that handles one token and exits (Flower's isolation); only third-party modules
-are imported before the message arrives: the ClientApp and fedlora are loaded by Flower from the
-run's FAB in the child, and every fedlora cache starts empty. The parent never runs a model, opens
+are imported before the message arrives: Flower installs the run's FAB (its configs) in the child
+and loads the ClientApp, which imports the installed fedlora afresh there, so every fedlora cache
+starts empty. The parent never runs a model, opens
 no thread and holds no connection a child uses.
 
     flower-supernode ... --isolation process --port 9094
@@ -35,11 +36,11 @@ import time
 from logging import ERROR, INFO, getLogger
 
 log = getLogger("flwr").log  # Flower's logger, by its name: the SuperNode log shows its lines
-TASK_STARTED_ENV = "FEDLORA_TASK_STARTED"  # fedlora/clients/app.py: when this process was handed its message
+TASK_STARTED_ENV = "FEDLORA_TASK_STARTED"  # clients/app.py: when this process was handed its message
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec setting, honoured here (seconds)
 DEFAULT_POLL_SECONDS = 1.0  # Flower's SuperExec default
-# Third-party modules every fedlora ClientApp message imports (fedlora itself is not: Flower loads
-# it from the run's FAB in the child).
+# Third-party modules every fedlora ClientApp message imports (fedlora itself is not: the child
+# imports it afresh, as a fresh flwr-clientapp does).
 HEAVY_MODULES = ("numpy", "psutil", "pydantic", "torch", "transformers", "peft", "datasets", "flwr_datasets.partitioner",
                  "safetensors", "rouge_score.rouge_scorer", "flwr.clientapp.mod")
 # transformers loads its classes lazily on first attribute access: touch the ones fedlora uses.
@@ -93,12 +94,12 @@ def _reap(children: set[int]) -> None:
             children.discard(pid)
 
 
-PROJECT_PACKAGES = ("fedlora", "clients", "strategies", "simulations")  # what a run's FAB holds (pyproject)
+PROJECT_PACKAGES = ("fedlora",)  # the installed package (a run's FAB carries configs, no code)
 
 
 def _forget_project_modules() -> None:
     """Drop the project's modules this parent imported (this module's own package): the child
-    loads the ClientApp and fedlora from the run's FAB, as a fresh ``flwr-clientapp`` does."""
+    imports the ClientApp and fedlora afresh, as a fresh ``flwr-clientapp`` does."""
     for name in list(sys.modules):
         if name.split(".", 1)[0] in PROJECT_PACKAGES:
             del sys.modules[name]

@@ -17,6 +17,7 @@ from flwr.serverapp import Grid
 
 from fedlora import protocol
 from fedlora.profile import ClientProfile
+from fedlora.version import __version__
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -110,7 +111,7 @@ class ClientRoster:
                                                    f"{self.node_of[profile.partition_id]}")
                 log(WARNING, "query: node %d: %s", node_id, self.refused[f"node {node_id}"])
                 continue
-            problem = check_profile(profile)
+            problem = version_problem(profile) or check_profile(profile)
             if problem:
                 self.refused[f"partition {profile.partition_id}"] = f"{profile.partition_id}: {problem}"
                 self.refused_partitions.append(profile.partition_id)
@@ -172,6 +173,15 @@ class ClientRoster:
         log(WARNING, "query: '%s' needs one rank, clients declared %s: every client trains at rank %d "
             "(clients.mixed_rank_policy=smallest)", method_name, ranks, ranks[0])
         return ranks[0]
+
+
+def version_problem(profile: ClientProfile) -> str:
+    """Why a client running another fedlora version cannot take part ('' = same version): the
+    server and every client must run the same installed fedlora (the FAB carries no code)."""
+    if profile.fedlora_version == __version__:
+        return ""
+    runs = f"runs fedlora {profile.fedlora_version}" if profile.fedlora_version else "does not say which fedlora it runs"
+    return f"it {runs}, this server runs fedlora {__version__}: install the same fedlora on every node"
 
 
 def read_profile(reply: Message) -> ClientProfile | str:

@@ -95,7 +95,7 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     Download (one message per client): its cluster's expert (``<module>::A/B``), the external
     expert of its cluster (``external::<module>::A/B``, blocks with c*_l > 1 only) and the head.
     The client mixes them per block, h = W0 x + lam B_c A_c x + (1 - lam) B_e A_e x with a local
-    learnable lam = sigmoid(theta_l) and the external expert frozen (fedlora/clients/trainers/fedtreelora).
+    learnable lam = sigmoid(theta_l) and the external expert frozen (clients/trainers/fedtreelora).
 
     Record (round ``extra``): the cuts, the memberships, the cluster sizes per block and lam per
     block (mean / min / max over the clients that trained this round, reported by them after

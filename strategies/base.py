@@ -199,7 +199,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self._experiment_json = experiment.to_json()
         self._awaiting: dict[Phase, set[int]] = {}  # partitions sent a message this round, by phase
         self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
-        # the anomaly rule (fedlora/strategies/anomaly.py): this round's training downloads by partition,
+        # the anomaly rule (strategies/anomaly.py): this round's training downloads by partition,
         # and a sketch of every upload of the last faults.duplicate_rounds rounds (checkpointed)
         self._downloads: dict[int, Payload] = {}
         self.update_history: list[Fingerprint] = []

@@ -34,12 +34,11 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
         sparsity-weighted aggregation, Cho et al. 2024, Sec. 3), the norm computed in factor space
         (trace((B^T B)(A A^T))); 'examples' = n_k / sum n (plain zero-padding FedAvg, an ablation).
     self_prune : bool, default False
-        Local rank self-pruning (Cho et al. 2024, Sec. 3; client side,
-        fedlora/clients/trainers/hetlora.py): each client adds prune_lambda * sum_modules ||B_tail||_F
-        ||A_tail||_F (the components beyond floor(prune_decay * r_k)) to its loss and, when that tail norm
-        is smaller than in its previous round at the same rank, drops them: it uploads rank
-        floor(prune_decay * r_k) and keeps it from then on [RECON: the comparison rule; a fresh rank needs
-        two rounds of evidence].
+        Local rank self-pruning (Cho et al. 2024, Sec. 3; client side, clients/trainers/hetlora.py): each
+        client adds prune_lambda * sum_modules ||B_tail||_F ||A_tail||_F (the components beyond
+        floor(prune_decay * r_k)) to its loss and, when that tail norm is smaller than in its previous
+        round at the same rank, drops them: it uploads rank floor(prune_decay * r_k) and keeps it from
+        then on [RECON: the comparison rule; a fresh rank needs two rounds of evidence].
     prune_decay : float in (0, 1), default 0.75
         gamma: a pruning client keeps floor(gamma * r_k) components (at least 1).
     prune_lambda : float >= 0, default 0.01
