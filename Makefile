@@ -1,6 +1,7 @@
 # fedlora: two commands on a fresh machine.
 #   make demo   creates .venv, installs system data + packages, runs configs/demo.toml (in process)
 #   make test   installs if needed, runs the whole test suite (slow end-to-end tests included)
+#   make docs   installs if needed, builds the documentation site offline into site/ (strict)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.fedlora-installed
 PYTEST_ARGS ?=
 
-.PHONY: install system-data demo test test-fast lint clean
+.PHONY: install system-data demo test test-fast lint docs clean
 
 install: system-data $(STAMP)
 
@@ -62,5 +63,10 @@ lint: install
 	cd .lint && ../$(VENV)/bin/mypy --config-file ../pyproject.toml --strict $(CORE)
 	cd .lint && ../$(VENV)/bin/mypy --config-file ../pyproject.toml fedlora/app fedlora/strategies fedlora/clients fedlora/simulations ../examples/flower_serverapp/server_app.py
 
+# The documentation site (mkdocs.yml): every page under docs/ plus the API reference generated from
+# the docstrings; --strict fails on a broken link or anchor and on a page missing from the nav.
+docs: install
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

@@ -1,5 +1,5 @@
 """Saved adapters as Hugging Face users load them: the base named as configured, the task type, the
-class names beside the adapter, the README's loading snippet, and heads not called ``classifier``."""
+class names beside the adapter, the loading snippet of docs/usage.md, and heads not called ``classifier``."""
 
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
 
 
-def readme_block(marker: str) -> str:
-    """The README's ```python block that contains ``marker``."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.DOTALL)
+USAGE = ROOT / "docs" / "usage.md"  # the usage guide, where the adapter-loading snippet lives
+
+
+def usage_block(marker: str) -> str:
+    """The ```python block of docs/usage.md that contains ``marker``."""
+    blocks = re.findall(r"```python\n(.*?)```", USAGE.read_text(encoding="utf-8"), flags=re.DOTALL)
     found = [block for block in blocks if marker in block]
-    assert len(found) == 1, f"README.md: {len(found)} python blocks contain {marker!r}"
+    assert len(found) == 1, f"docs/usage.md: {len(found)} python blocks contain {marker!r}"
     return found[0]
 
 
@@ -144,7 +147,7 @@ def test_a_saved_classifier_adapter_names_its_base_as_configured_its_task_and_it
     assert not (tmp_path / "config.json").exists()  # transformers would take the folder for a whole model
 
 
-def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_readme_says(tmp_path: Path) -> None:
+def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_usage_guide_says(tmp_path: Path) -> None:
     import torch
     from peft import LoraConfig, PeftModel
 
@@ -170,7 +173,7 @@ def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_rea
     root, local = (json.loads((tmp_path / p / "adapter_config.json").read_text()) for p in ("", "local"))
     assert root["base_model_name_or_path"] == local["base_model_name_or_path"] == "tiny-bert"
     assert root["task_type"] is None and model.peft_config["default"].task_type == "SEQ_CLS"
-    # Assert: the README's FedDPA recipe rebuilds the same model
+    # Assert: the FedDPA recipe of docs/strategies.md rebuilds the same model
     loaded = PeftModel.from_pretrained(copy.deepcopy(base_classifier("tiny-bert", 4, 0)), str(tmp_path))
     loaded.load_adapter(str(tmp_path / "local"), adapter_name="local")
     loaded.base_model.set_adapter(["default", "local"])
@@ -178,8 +181,8 @@ def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_rea
         assert torch.allclose(loaded.eval()(input_ids=x).logits, expected, atol=1e-6)
 
 
-# ------------------------------------------------------------------------------ the README, verbatim
-def test_the_readme_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(tmp_path: Path, monkeypatch, capsys) -> None:
+# ------------------------------------------------------------------------ docs/usage.md, verbatim
+def test_the_usage_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(tmp_path: Path, monkeypatch, capsys) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -197,11 +200,11 @@ def test_the_readme_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(t
         "model.path=models/tiny-bert-cls", "data.task=pos", "train.rounds=1", "output.dir=runs/quick"])
     results = run_inprocess(config, tmp_path / "runs/quick").to_dict()
     capsys.readouterr()  # the run's own lines (printed when an earlier test in this worker set up fedlora's console)
-    code = readme_block("AutoPeftModelForSequenceClassification")
+    code = usage_block("AutoPeftModelForSequenceClassification")
     assert 'Path("runs/quick/adapters/global")' in code
-    # Execute: the README's code, as written, in the folder the run was started from
+    # Execute: the guide's code, as written, in the folder the run was started from
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code, on purpose
+    exec(compile(code, "docs/usage.md", "exec"), namespace)  # noqa: S102 - the guide's own code, on purpose
     # Assert: it printed one of the run's class names; the model has the run's 4-way head, named
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and printed[0] in {"noun", "verb", "adj", "adv"}

@@ -1,9 +1,9 @@
-"""The Flower way: ``flwr run .`` as the README writes it, on a fresh Flower home.
+"""The Flower way: ``flwr run .`` as docs/beyond-one-machine.md writes it, on a fresh Flower home.
 
 Flower 1.39's default local simulation federation has 2 SuperNodes; ``configs/smoke.toml`` needs 3.
 End to end (a fresh ``FLWR_HOME`` with its own ports; ``flwr`` starts its managed local SuperLink,
 which the module stops): on the default federation the run stops within 60 s with one line naming the
-SuperNodes it needs and how to set them; the README's command (``--federation-config
+SuperNodes it needs and how to set them; the documented command (``--federation-config
 "num-supernodes=3"``) runs the ServerApp and ClientApp, logs every round through Flower's logger
 (what ``flwr log`` shows) and gives the results of the same config on the in-process engine (FedIT)
 to 1e-6. A user's own ServerApp (examples/flower_serverapp: a fedlora strategy in Flower's ``start``,
@@ -232,7 +232,7 @@ def flower_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowerHome
         "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # the README's export: use this environment
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # the documented export: use this environment
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
     try:
@@ -243,7 +243,7 @@ def flower_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowerHome
 
 
 @pytest.mark.slow
-def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_readme_command(
+def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_documented_command(
         flower_home: FlowerHome, tmp_path: Path) -> None:
     # Prepare: the module's fresh Flower home (Flower's default local federation, 2 SuperNodes)
     home = flower_home.home
@@ -255,7 +255,7 @@ def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_rea
                                                     f'output.dir="{refused_out}"', timeout=120)
     refused_seconds = time.monotonic() - started
     left_by_refused = run_processes(home)
-    # Execute 2: the README's command
+    # Execute 2: the documented command (docs/beyond-one-machine.md)
     proc = flower_home.run(ROOT, "--federation-config", "num-supernodes=3",
                            "--run-config", f'config="{SMOKE}" set="output.dir={out}"', timeout=900)
     left_by_run = run_processes(home)
@@ -269,7 +269,7 @@ def test_flwr_run_dot_on_a_fresh_flower_home_refuses_in_one_line_or_runs_the_rea
     assert "Traceback" not in refusal and "Exit Code" not in refusal, refusal[-3000:]
     assert refused_seconds < 60, refused_seconds
     assert not refused_out.exists()  # nothing written before the clients are there
-    # Assert: the README's command finished and wrote the smoke experiment's results, equal to the in-process engine's
+    # Assert: the documented command finished and wrote the smoke experiment's results, equal to the in-process engine's
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["output"]["dir"] == str(out)

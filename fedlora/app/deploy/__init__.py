@@ -7,7 +7,7 @@ lines, ``flwr`` JSON replies), ``processes`` supervises processes, ``certs`` wri
 and SuperNode keys, ``warm`` is fedlora's SuperExec for warm ClientApps.
 
 ``fedlora deploy certs DIR`` and ``fedlora deploy local CONFIG --nodes N`` are the command-line
-entry points; README "Cross-silo deployment" shows the commands a real operator and each silo run.
+entry points; docs/deployment.md shows the commands a real operator and each silo run.
 """
 
 from fedlora.app.deploy.certs import CertPaths, write_certs, write_node_key
