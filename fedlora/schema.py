@@ -293,8 +293,8 @@ class ClientsConfig(_Section):
         "capabilities.mixed_ranks = False) does when clients declare different ranks: 'smallest' "
         "trains every client at the smallest declared rank (never above a client's own budget; "
         "the homogeneous-rank baseline of the HetLoRA paper), 'refuse' stops with an error. "
-        "Strategies that handle mixed ranks (flexlora, hetlora, flora, fedhera, and the "
-        "zero-padding fedit / ffa_lora / fedsa_lora) use each client's own rank.",
+        "Strategies that handle mixed ranks (capabilities.mixed_ranks = True: the capability "
+        "matrix's 'mixed ranks' column) use each client's own rank.",
     )
     budget_tiers: list[BudgetTier] = Field(
         default_factory=list,

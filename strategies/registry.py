@@ -1,51 +1,27 @@
-"""Strategies by name: ``strategy.name`` -> the Flower strategy class of that method.
+"""Strategies by name: ``strategy.name`` -> the Flower strategy class its method declares.
 
-A strategy registers itself by existing: every module of the ``strategies`` package is scanned
-for :class:`~fedlora.strategies.base.LoRAStrategy` subclasses with a ``method``; the names and their
-options come from the method homes (:mod:`fedlora.methods`), so adding a method means adding its
-home, one module here and its trainer, with no list to edit.
+The names, options and classes come from the method declarations (:mod:`fedlora.methods`:
+``Method.strategy`` is the class's ``"module:Class"``), so there is no list here to edit.
 """
 
 from __future__ import annotations
-
-import importlib
-import inspect
-import pkgutil
-from functools import cache
 
 from fedlora import methods
 from fedlora.schema import ExperimentConfig
 from fedlora.strategies.base import InitialAdapter, LoRAStrategy
 
-_NOT_STRATEGIES = {"base", "registry", "roster", "validation", "ledger", "replies"}
-
-
-@cache
-def _discover() -> dict[str, type[LoRAStrategy]]:
-    from fedlora import strategies
-
-    found: dict[str, type[LoRAStrategy]] = {}
-    for info in pkgutil.iter_modules(strategies.__path__):
-        if info.name in _NOT_STRATEGIES:
-            continue
-        module = importlib.import_module(f"{strategies.__name__}.{info.name}")
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if issubclass(cls, LoRAStrategy) and cls.__module__ == module.__name__ and hasattr(cls, "method"):
-                name = cls.method.name
-                if name in found and found[name] is not cls:
-                    raise RuntimeError(f"two strategies for method '{name}'")
-                found[name] = cls
-    return found
-
 
 def strategy_names() -> list[str]:
-    return sorted(_discover())
+    return methods.method_names()
 
 
 def strategy_class(name: str) -> type[LoRAStrategy]:
-    """The class registered under ``name`` (ConfigError listing the known names otherwise)."""
-    methods.method(name)  # ConfigError for an unknown name
-    return _discover()[name]
+    """The class the method ``name`` declares (ConfigError listing the known names otherwise)."""
+    declared = methods.method(name)
+    cls = methods.load_reference(declared.strategy)
+    if not (isinstance(cls, type) and issubclass(cls, LoRAStrategy)) or getattr(cls, "method", None) is not declared:
+        raise TypeError(f"method '{name}': {declared.strategy} is not a LoRAStrategy whose `method` is its declaration")
+    return cls
 
 
 def create_strategy(

@@ -27,7 +27,8 @@ class HandOptions(MethodOptions):
     on: bool = Field(False, description="A switch.")
 
 
-HAND = Method(name="hand", options=HandOptions, capabilities=Capabilities(personalized=False, uploads="", downloads=""))
+HAND = Method(name="hand", options=HandOptions, capabilities=Capabilities(personalized=False, uploads="", downloads=""),
+              strategy="fedlora.strategies.fedit:FedIT")
 
 
 def test_the_table_and_the_parameters_of_a_hand_made_options_model() -> None:

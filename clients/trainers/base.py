@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from fedlora import protocol
 from fedlora.backbones import load_tokenizer, resolve_device
@@ -73,7 +73,6 @@ class LocalTrainer:
     """FedIT's and FlexLoRA's client (and the default): train A, B and the head at the rank the
     server decided; upload them all."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("fedit", "flexlora")  # the strategies this client serves
 
     def __init__(self, job: ClientJob) -> None:
         self.job = job

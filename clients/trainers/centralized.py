@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from fedlora import protocol
 from fedlora.clients.trainers.base import LocalTrainer
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 class CentralizedTrainer(LocalTrainer):
     """Trains on the union of all clients' training splits with the federation's step budget."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("centralized",)
 
     def fit(self, model: PeftModel) -> TrainStats:
         import datasets

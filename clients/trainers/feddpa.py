@@ -10,7 +10,7 @@ subfolder; reload with ``PeftModel.from_pretrained(base, dir)``, then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from fedlora import protocol
 from fedlora.clients.trainers.base import LocalTrainer
@@ -101,7 +101,6 @@ def instance_weighted(model: PeftModel, reference: torch.Tensor, weight_max: flo
 class FedDPATrainer(LocalTrainer):
     """g at the common global rank, l at this client's own rank; upload g (+head), keep both."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("feddpa",)
 
     def model_rank(self) -> int:
         """Rank of g (``strategy.global_rank``, 0 = ``model.lora_rank``)."""

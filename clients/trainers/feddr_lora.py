@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -146,7 +146,6 @@ class EpochSplitBatches:
 class FedDRLoRATrainer(LocalTrainer):
     """FedDR-LoRA's client: train A, B^r, B^n (and the head); upload B^r (and a global head)."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("feddr_lora",)
 
     def __init__(self, job: Any) -> None:
         import torch

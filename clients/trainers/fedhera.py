@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, cast
 
 from fedlora import protocol
 from fedlora.clients.trainers.base import LocalTrainer
@@ -57,7 +57,6 @@ def gate_prefix(parameters: Mapping[str, tuple[torch.nn.Parameter, torch.nn.Para
 class FedHeraTrainer(LocalTrainer):
     """FedHera's client (see the module docstring)."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("fedhera",)
 
     def model_rank(self) -> int | dict[str, int]:
         return {m: max(r, 1) for m, r in self.r_tot.items()}  # r_tot = 0: a rank-1 zero placeholder

@@ -9,7 +9,7 @@ exact SVD makes the frozen residual W0 - s B A identical on every client and on 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.models import build_model
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 class FedPissaTrainer(LocalTrainer):
     """Train A_k and B_k from (A_k kept locally, B_agg received); upload A_k, B_k and the head."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("fedpissa",)
 
     def build(self) -> PeftModel:
         init = self.options.init

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.lora import B_SUFFIX, Payload
@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 class FedSALoRATrainer(LocalTrainer):
     """The default overlay (local A, B, head <- global A, head) keeps B_k; only A goes up."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("fedsa_lora",)
 
     def upload(self, model: PeftModel) -> Payload:
         """A of every module (and the head when it is global); B_k never leaves."""

@@ -16,7 +16,7 @@ logit(lam0). After training, the client reports lam of every mixed block
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -84,7 +84,6 @@ def attach_mixer(model: PeftModel, theta: torch.nn.Parameter, mixed_modules: lis
 class FedTreeLoRATrainer(LocalTrainer):
     """Cluster expert (trainable, uploaded) + frozen external expert, mixed by a local lam."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("fedtreelora",)
 
     def prepare(self, download: Payload) -> PeftModel:
         import torch

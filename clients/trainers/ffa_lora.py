@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.lora import A_SUFFIX, Payload, nested_A_payload
@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 class FFALoRATrainer(LocalTrainer):
     """Local state overlaid with the download (B, head); A reset to the shared init and frozen."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("ffa_lora",)
 
     def prepare(self, download: Payload) -> PeftModel:
         model = super().prepare(download)

@@ -8,7 +8,7 @@ fresh ClientApp process (deployment) rebuilds the same base: W0 + merged. A stac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -26,7 +26,6 @@ MERGED_ROUNDS_KEY = "merged-rounds"
 class FLoRATrainer(LocalTrainer):
     """FLoRA's client (see the module docstring)."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("flora",)
 
     def prepare(self, download: Payload) -> PeftModel:
         model = self.build()

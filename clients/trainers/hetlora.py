@@ -10,7 +10,7 @@ for good.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from fedlora import protocol
 from fedlora.clients.trainers.base import ClientJob, LocalTrainer
@@ -51,7 +51,6 @@ def prune_payload(payload: Payload, rank: int) -> Payload:
 class HetLoRATrainer(LocalTrainer):
     """HetLoRA's client: the default trainer at the client's own rank r_k, optionally self-pruning."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("hetlora",)
     options: HetLoRAOptions
 
     def __init__(self, job: ClientJob) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from fedlora.clients.trainers.base import LocalTrainer
 from fedlora.lora import Payload
@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 class LocalOnlyTrainer(LocalTrainer):
     """The default local-state overlay with an empty download; the upload is empty too."""
 
-    strategy_names: ClassVar[tuple[str, ...]] = ("local",)
 
     def upload(self, model: PeftModel) -> Payload:
         """Nothing leaves the client."""

@@ -1,13 +1,17 @@
 """Method homes by name: the one place that maps ``strategy.name`` to a method's declaration.
 
-A method registers itself by existing: every module of this package (except ``base``) defines
-``METHOD = Method(...)``; adding a method means adding one module here, its strategy in
-``strategies/`` and its trainer in ``clients/trainers/``, with no list to edit.
+A method is declared once, by a ``METHOD = Method(...)`` that names its options, capabilities,
+strategy and trainer (:class:`fedlora.methods.base.Method`). The built-in methods are the modules
+of this package; a method of your own is a module anywhere on the path, announced by an entry
+point in the group ``fedlora.methods`` (``toy = "my_package.toy:METHOD"`` under
+``[project.entry-points."fedlora.methods"]`` of its pyproject), with nothing of fedlora's to edit
+(docs/design.md, "Adding a method").
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -15,26 +19,57 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from fedlora.errors import ConfigError, did_you_mean, shown
-from fedlora.methods.base import Capabilities, Method, MethodOptions, NoOptions, OptionsT
+from fedlora.methods.base import Capabilities, Method, MethodOptions, NoOptions, OptionsT, load_reference
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
 
-__all__ = ["Capabilities", "Method", "MethodOptions", "NoOptions", "OptionsT", "method", "method_names", "options_of", "validate"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Capabilities",
+    "Method",
+    "MethodOptions",
+    "NoOptions",
+    "OptionsT",
+    "forget",
+    "load_reference",
+    "method",
+    "method_names",
+    "options_of",
+    "validate",
+]
+
+ENTRY_POINT_GROUP = "fedlora.methods"  # entry points naming a ``Method`` declared outside fedlora
+
+
+def _declarations() -> list[tuple[str, Any]]:
+    """(where, what) for every declaration: the built-in homes, then the entry points."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.name not in ("base", "docs"):
+            found.append((f"{__name__}.{info.name}", getattr(importlib.import_module(f"{__name__}.{info.name}"), "METHOD", None)))
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.append((f"entry point {entry.name} = {entry.value}", entry.load()))
+    return found
 
 
 @cache
 def _discover() -> dict[str, Method[Any]]:
     found: dict[str, Method[Any]] = {}
-    for info in pkgutil.iter_modules(__path__):
-        if info.name in ("base", "docs"):
-            continue
-        declared = getattr(importlib.import_module(f"{__name__}.{info.name}"), "METHOD", None)
-        if isinstance(declared, Method):
-            if declared.name in found:
-                raise RuntimeError(f"method name '{declared.name}' declared twice")
-            found[declared.name] = declared
+    for where, declared in _declarations():
+        if declared is None and where.startswith(__name__):
+            continue  # a helper module of the package
+        if not isinstance(declared, Method):
+            raise TypeError(f"{where}: not a fedlora.methods.Method")
+        if declared.name in found:
+            raise RuntimeError(f"method name '{declared.name}' declared twice ({where})")
+        found[declared.name] = declared
     return found
+
+
+def forget() -> None:
+    """Discover the methods again on the next lookup (after installing a method's package)."""
+    _discover.cache_clear()
 
 
 def method_names() -> list[str]:
@@ -138,7 +173,8 @@ def _check_rank_policy(declared: Method[Any], config: ExperimentConfig) -> None:
     ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
     if declared.capabilities.mixed_ranks or config.clients.mixed_rank_policy != "refuse" or len(ranks) < 2:
         return
+    usable = ", ".join(n for n in method_names() if method(n).capabilities.mixed_ranks)
     raise ConfigError(
         f"strategy '{declared.name}' needs one LoRA rank for every client but clients declare ranks "
-        f"{sorted(ranks)}; use flexlora, hetlora, flora or fedhera, or set clients.mixed_rank_policy=smallest"
+        f"{sorted(ranks)}; use one of {usable}, or set clients.mixed_rank_policy=smallest"
     )

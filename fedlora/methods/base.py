@@ -10,9 +10,10 @@ neither restates a default.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -55,7 +56,8 @@ OptionsT = TypeVar("OptionsT", bound=MethodOptions)
 
 @dataclass(frozen=True)
 class Method(Generic[OptionsT]):
-    """A method home's declaration: ``METHOD = Method(...)`` at the bottom of its module.
+    """A method home's declaration: ``METHOD = Method(...)`` at the bottom of its module, the one
+    place a method is declared: its name, options, capabilities, strategy and trainer.
 
     Generic over its options model: ``Method(options=FedHeraOptions, ...)`` is a
     ``Method[FedHeraOptions]``, so :meth:`parse` and ``check`` see the method's own options type
@@ -68,6 +70,12 @@ class Method(Generic[OptionsT]):
     name: str
     options: type[OptionsT]
     capabilities: Capabilities
+    # "module:Class" of the Flower strategy (the server protocol, a LoRAStrategy subclass whose
+    # ``method`` is this declaration); imported when a run first needs it, so the core imports
+    # nothing above it
+    strategy: str
+    # "module:Class" of the client trainer (a LocalTrainer subclass); the default trains A and B
+    trainer: str = "fedlora.clients.trainers.base:LocalTrainer"
     check: Callable[[ExperimentConfig, OptionsT], None] | None = None
 
     def parse(self, experiment: ExperimentConfig) -> OptionsT:
@@ -77,3 +85,11 @@ class Method(Generic[OptionsT]):
 
 class NoOptions(MethodOptions):
     """A method without options of its own."""
+
+
+def load_reference(reference: str) -> Any:
+    """The object a ``"package.module:Name"`` reference names (a Method's strategy or trainer)."""
+    module, _, name = reference.partition(":")
+    if not module or not name:
+        raise ValueError(f"not a 'module:Name' reference: {reference!r}")
+    return getattr(importlib.import_module(module), name)

@@ -24,4 +24,6 @@ METHOD = Method(
         not_robust="one trainer: there is no second upload to combine",
         not_flower_dp="one trainer on the pooled data of every client: there are no per-client updates to clip",
     ),
+    strategy="fedlora.strategies.centralized:Centralized",
+    trainer="fedlora.clients.trainers.centralized:CentralizedTrainer",
 )

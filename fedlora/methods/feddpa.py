@@ -66,4 +66,6 @@ METHOD = Method(
         robust_aggregation=True,
         flower_dp=True,  # the weighted mean of g (l never leaves the client)
     ),
+    strategy="fedlora.strategies.feddpa:FedDPA",
+    trainer="fedlora.clients.trainers.feddpa:FedDPATrainer",
 )

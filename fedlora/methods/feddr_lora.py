@@ -254,4 +254,6 @@ METHOD = Method(
         "instruction tuning does not have",
         flower_dp=True,  # the weighted mean of B^r (A and the noise branch never leave the client)
     ),
+    strategy="fedlora.strategies.feddr_lora:FedDRLoRA",
+    trainer="fedlora.clients.trainers.feddr_lora:FedDRLoRATrainer",
 )

@@ -434,5 +434,7 @@ METHOD = Method(
             "mean of the uploads, so noise on them is not noise on a mean of clipped updates"
         ),
     ),
+    strategy="fedlora.strategies.fedhera:FedHera",
+    trainer="fedlora.clients.trainers.fedhera:FedHeraTrainer",
     check=check,
 )

@@ -21,4 +21,5 @@ METHOD = Method(
         robust_aggregation=True,
         flower_dp=True,  # the weighted means of A and B (zero-padded to r_max)
     ),
+    strategy="fedlora.strategies.fedit:FedIT",
 )

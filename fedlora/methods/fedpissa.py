@@ -285,5 +285,7 @@ METHOD = Method(
             "an update (Flower's mod needs the same keys), and the projectors come from the unclipped A"
         ),
     ),
+    strategy="fedlora.strategies.fedpissa:FedPissa",
+    trainer="fedlora.clients.trainers.fedpissa:FedPissaTrainer",
     check=check,
 )

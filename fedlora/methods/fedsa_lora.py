@@ -89,5 +89,7 @@ METHOD = Method(
         paper="Guo et al., ICLR 2025 (arXiv:2410.01463)",
         flower_dp=True,  # the weighted mean of A with one rank (mixed ranks average rows over their holders: refused)
     ),
+    strategy="fedlora.strategies.fedsa_lora:FedSALoRA",
+    trainer="fedlora.clients.trainers.fedsa_lora:FedSALoRATrainer",
     check=check,
 )

@@ -361,5 +361,7 @@ METHOD = Method(
             "(Flower's arrays are only the all-client mean), and the tree is built from the raw B"
         ),
     ),
+    strategy="fedlora.strategies.fedtreelora:FedTreeLoRA",
+    trainer="fedlora.clients.trainers.fedtreelora:FedTreeLoRATrainer",
     check=check,
 )

@@ -91,5 +91,7 @@ METHOD = Method(
         paper="Sun et al., ICLR 2024 (arXiv:2403.12313)",
         flower_dp=True,  # the weighted mean of B with one rank (mixed ranks rescale B_k by R / r_k: refused)
     ),
+    strategy="fedlora.strategies.ffa_lora:FFALoRA",
+    trainer="fedlora.clients.trainers.ffa_lora:FFALoRATrainer",
     check=check,
 )

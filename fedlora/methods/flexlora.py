@@ -84,4 +84,5 @@ METHOD = Method(
             "clipped factor update does not bound a client's change of G and noise on them is not noise on a mean"
         ),
     ),
+    strategy="fedlora.strategies.flexlora:FlexLoRA",
 )

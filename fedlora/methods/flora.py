@@ -42,5 +42,7 @@ METHOD = Method(
             "plus an update, and the strategy cannot continue from noised arrays"
         ),
     ),
+    strategy="fedlora.strategies.flora:FLoRA",
+    trainer="fedlora.clients.trainers.flora:FLoRATrainer",
     check=check,
 )

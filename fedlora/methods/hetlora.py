@@ -83,4 +83,6 @@ METHOD = Method(
             "depends on its data and the noise is not calibrated to the clipped updates"
         ),
     ),
+    strategy="fedlora.strategies.hetlora:HetLoRA",
+    trainer="fedlora.clients.trainers.hetlora:HetLoRATrainer",
 )

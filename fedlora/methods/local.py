@@ -20,4 +20,6 @@ METHOD = Method(
         not_robust="nothing is aggregated",
         not_flower_dp="nothing is uploaded or aggregated: no update to clip, no aggregate to noise",
     ),
+    strategy="fedlora.strategies.local:LocalOnly",
+    trainer="fedlora.clients.trainers.local:LocalOnlyTrainer",
 )

@@ -1,0 +1,132 @@
+"""Adding a method is writing its files: a toy method declared in a temporary folder, outside
+fedlora, announced by an entry point, runs end to end with no edit of fedlora (docs/design.md,
+"Adding a method")."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedlora import methods
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The whole method: its declaration, its Flower strategy, and (by default) fedlora's A-and-B trainer.
+UNIFORM = '''
+"""Uniform FedAvg-LoRA: FedIT with every sampled client weighted equally, whatever its data size."""
+
+from typing import Any
+
+import numpy as np
+
+from fedlora.lora import Payload, padded_average, truncate_payload
+from fedlora.methods import Capabilities, Method, NoOptions
+from fedlora.protocol import Phase
+from fedlora.strategies.base import ClientUpload, LoRAStrategy
+
+METHOD = Method(
+    name="uniform_fedavg",
+    options=NoOptions,
+    capabilities=Capabilities(personalized=False, uploads="A, B, head", downloads="A, B, head", mixed_ranks=True,
+                              paper="a toy: FedIT with equal client weights"),
+    strategy="uniform_fedavg:UniformFedAvg",
+)
+
+
+class UniformFedAvg(LoRAStrategy[NoOptions]):
+    """FedIT's protocol with p_k = 1 / K over the K uploads of a round."""
+
+    method = METHOD
+
+    def setup(self) -> None:
+        self.max_rank = max(p.rank for p in self.roster.profiles.values())
+        self.global_adapter: Payload = self.initial_adapter(self.max_rank)
+        self.last_weights: list[float] = []
+
+    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+        return truncate_payload(self.global_adapter, self.rank_of(partition))
+
+    def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
+        weights = np.full(len(uploads), 1.0 / len(uploads))
+        self.last_weights = weights.tolist()
+        self.global_adapter = padded_average([u.payload for u in uploads], weights, self.max_rank, self.combine)
+
+    def load_arrays(self, payload: Payload) -> None:
+        self.global_adapter = dict(payload)
+
+    def global_payload(self) -> Payload:
+        return self.global_adapter
+
+    def round_extra(self, server_round: int) -> dict[str, Any]:
+        return {"uniform_weights": self.last_weights}
+'''
+
+
+@pytest.fixture
+def installed_toy(tmp_path: Path) -> Path:
+    """The toy's module and a distribution's metadata with its entry point, in a folder put on the
+    path (what ``pip install`` of a package declaring the entry point leaves in site-packages)."""
+    folder = tmp_path / "site"
+    (folder / "uniform_fedavg-0.1.dist-info").mkdir(parents=True)
+    (folder / "uniform_fedavg.py").write_text(textwrap.dedent(UNIFORM), encoding="utf-8")
+    (folder / "uniform_fedavg-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: uniform-fedavg\nVersion: 0.1\n", encoding="utf-8")
+    (folder / "uniform_fedavg-0.1.dist-info" / "entry_points.txt").write_text(
+        f"[{methods.ENTRY_POINT_GROUP}]\nuniform_fedavg = uniform_fedavg:METHOD\n", encoding="utf-8")
+    sys.path.insert(0, str(folder))
+    methods.forget()
+    yield folder
+    sys.path.remove(str(folder))
+    sys.modules.pop("uniform_fedavg", None)
+    methods.forget()
+
+
+@pytest.mark.slow
+def test_a_method_declared_outside_fedlora_runs_end_to_end(installed_toy: Path, tmp_path: Path) -> None:
+    import fedlora
+    from fedlora.clients.trainers import trainer_class
+    from fedlora.clients.trainers.base import LocalTrainer
+    from fedlora.strategies.registry import strategy_class, strategy_names
+
+    # Prepare: the smoke experiment (3 clients of ranks 2, 4, 8; unequal data) with the toy method
+    out = tmp_path / "run"
+    # Execute
+    results = fedlora.run(ROOT / "configs/smoke.toml", ["strategy.name=uniform_fedavg", "train.rounds=2"], out_dir=out,
+                          engine="inprocess")
+    # Assert: found by name everywhere a built-in is (registry, trainer, config), and really aggregated by it
+    assert "uniform_fedavg" in strategy_names() and strategy_class("uniform_fedavg").__name__ == "UniformFedAvg"
+    assert trainer_class("uniform_fedavg") is LocalTrainer
+    written = json.loads((out / "results.json").read_text())
+    assert written["config"]["strategy"]["name"] == results["config"]["strategy"]["name"] == "uniform_fedavg"
+    rounds = written["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2] and all(r["clients"] == 3 for r in rounds)
+    for r in rounds:
+        weights = r["extra"]["uniform_weights"]
+        assert weights == pytest.approx([1 / 3] * 3)
+    assert all(np.isfinite(r["global_accuracy"]) for r in rounds)
+
+
+def test_a_declaration_that_is_not_a_method_is_refused_by_name(tmp_path: Path) -> None:
+    # Prepare: an entry point naming something that is not a Method
+    folder = tmp_path / "site"
+    (folder / "broken-0.1.dist-info").mkdir(parents=True)
+    (folder / "broken_method.py").write_text("METHOD = 'fedit'\n", encoding="utf-8")
+    (folder / "broken-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
+    (folder / "broken-0.1.dist-info" / "entry_points.txt").write_text(
+        f"[{methods.ENTRY_POINT_GROUP}]\nbroken = broken_method:METHOD\n")
+    sys.path.insert(0, str(folder))
+    methods.forget()
+    try:
+        # Execute / Assert
+        with pytest.raises(TypeError, match="entry point broken = broken_method:METHOD: not a fedlora.methods.Method"):
+            methods.method_names()
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("broken_method", None)
+        methods.forget()
+    assert "fedit" in methods.method_names()
