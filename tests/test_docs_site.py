@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from markdown.extensions.toc import slugify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,11 +77,24 @@ def defined_tests(path: Path) -> set[str]:
     return names
 
 
-def test_the_site_builds_in_strict_mode_with_a_generated_api_reference(tmp_path: Path) -> None:
-    # Execute: the build `make docs` runs, into a temporary folder
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The build `make docs` runs, into a temporary folder (once for the tests of this module)."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    return proc, site
+
+
+def page_text(page: str) -> str:
+    """A built page's text: tags removed, entities unescaped, whitespace collapsed."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
+
+
+def test_the_site_builds_in_strict_mode_with_a_generated_api_reference(
+        built_site: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    # Execute: the build `make docs` runs, into a temporary folder
+    proc, site = built_site
     # Assert: no warning (strict), and the reference page of fedlora.schema carries the module's
     # docstring, rendered from the code (the page's source is a `::: fedlora.schema` directive)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -89,10 +103,44 @@ def test_the_site_builds_in_strict_mode_with_a_generated_api_reference(tmp_path:
     assert docstring
     first_paragraph = " ".join(docstring.split("\n\n")[0].split())
     page = (site / "reference" / "schema" / "index.html").read_text(encoding="utf-8")
-    text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
-    assert first_paragraph in text
+    assert first_paragraph in page_text(page)
     # ... and the fidelity records are data, left out of the site
     assert not (site / "results" / "records").exists()
+
+
+def test_the_reference_documents_the_mapped_layers_under_their_installed_names(
+        built_site: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    """strategies/, clients/ and simulations/ are documented as pyproject installs them
+    (fedlora.strategies...), through the griffe extension docs/griffe_layers.py."""
+    # Prepare: the first paragraph of the FedHera strategy class's docstring (strategies/fedhera.py)
+    proc, site = built_site
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tree = ast.parse((ROOT / "strategies" / "fedhera.py").read_text(encoding="utf-8"))
+    fedhera = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "FedHera")
+    docstring = ast.get_docstring(fedhera)
+    assert docstring
+    first_paragraph = " ".join(docstring.split("\n\n")[0].split())
+    # Assert: the FedHera strategy page carries it, names the class by its installed path, and links
+    # its base class to the page of fedlora.strategies.base (the imports between the layers resolve)
+    page = (site / "reference" / "strategies-fedhera" / "index.html").read_text(encoding="utf-8")
+    assert first_paragraph in page_text(page)
+    assert 'id="fedlora.strategies.fedhera.FedHera"' in page
+    assert 'href="../strategies-base/#fedlora.strategies.base.LoRAStrategy"' in page
+    # ... and every page of the three layers documents its objects under fedlora, none under the folder's name
+    anchors = {
+        "strategies-base": "fedlora.strategies.base.LoRAStrategy",
+        "strategies-registry": "fedlora.strategies.registry.create_strategy",
+        "strategies-fedpissa": "fedlora.strategies.fedpissa",
+        "strategies-feddr-lora": "fedlora.strategies.feddr_lora",
+        "strategies-fedtreelora": "fedlora.strategies.fedtreelora",
+        "clients-app": "fedlora.clients.app",
+        "clients-trainers-base": "fedlora.clients.trainers.base.LocalTrainer",
+        "simulations-inprocess": "fedlora.simulations.inprocess.InProcessGrid",
+    }
+    for name, anchor in {"strategies-fedhera": "fedlora.strategies.fedhera", **anchors}.items():
+        page = (site / "reference" / name / "index.html").read_text(encoding="utf-8")
+        assert f'id="{anchor}"' in page, name
+        assert not re.search(r'id="(strategies|clients|simulations)\.', page), name
 
 
 def test_the_readme_is_at_most_250_lines() -> None:
