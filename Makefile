@@ -57,7 +57,7 @@ CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema
 	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/backbones.py fedlora/models.py \
 	fedlora/training.py fedlora/privacy.py fedlora/data fedlora/cache.py
 lint: install
-	$(VENV)/bin/ruff check fedlora strategies clients simulations tests benchmarks examples
+	$(VENV)/bin/ruff check fedlora strategies clients simulations tests benchmarks examples docs
 	@rm -rf .lint && mkdir -p .lint/fedlora && for f in fedlora/*; do ln -s "../../$$f" .lint/fedlora/; done \
 	  && for d in strategies clients simulations; do ln -s "../../$$d" ".lint/fedlora/$$d"; done
 	cd .lint && ../$(VENV)/bin/mypy --config-file ../pyproject.toml --strict $(CORE)
