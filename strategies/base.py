@@ -26,7 +26,9 @@ server never raises on what a client sent. Every key a message carries is declar
 ``fedlora/protocol.py``. The parts that are not
 the protocol live beside it: who takes part (``roster.py``), the steps of reading a reply
 (``replies.py``), the defence against bad updates (``validation.py``), the anomaly rule for
-poisoning within the bounds (``anomaly.py``), the privacy ledger (``ledger.py``).
+poisoning within the bounds (``anomaly.py``), the privacy ledger (``ledger.py``), reading a round's
+replies (``reading.py``), the round's record (``accounting.py``), the personalised evaluation's
+aggregates (``evaluation.py``).
 """
 
 from __future__ import annotations
@@ -66,19 +68,16 @@ from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import AggregationRule, ExperimentConfig, apply_overrides, sample_size
-from fedlora.strategies.anomaly import Fingerprint, check_updates
+from fedlora.strategies.accounting import account_train, reply_wire_size
+from fedlora.strategies.anomaly import Fingerprint
+from fedlora.strategies.evaluation import aggregate_accuracy, aggregate_generation
 from fedlora.strategies.ledger import PrivacyLedger
-from fedlora.strategies.replies import (
-    ClientUpload,
-    Expectation,
-    Rejection,
-    capped_weights,
-    parse_evaluate_reply,
-    parse_train_reply,
-)
-from fedlora.strategies.robust import SELECTING, minimum_uploads, select_uploads
+from fedlora.strategies.reading import read_evaluate_replies, read_train_replies
+from fedlora.strategies.replies import ClientUpload, Expectation
+from fedlora.strategies.robust import minimum_uploads
 from fedlora.strategies.roster import ClientRoster
-from fedlora.strategies.validation import norm_outliers, reference_norm, update_norm
+from fedlora.strategies.screening import drop_outliers, select_byzantine, watch_updates, weigh
+from fedlora.strategies.validation import reference_norm, update_norm
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -403,7 +402,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     @property
     def combine(self) -> Combine:
         """How the method's means combine arrays (:attr:`aggregation_rule`: Krum and MultiKrum
-        select uploads, then the mean combines them; :meth:`_select_byzantine`)."""
+        select uploads, then the mean combines them: :func:`fedlora.strategies.screening.select_byzantine`)."""
         faults = self.experiment.faults
         return Combine(self.aggregation_rule, faults.trim_fraction, faults.num_malicious)
 
@@ -525,28 +524,28 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         """Read the round's training replies and aggregate the valid uploads, in steps (each its own
         method, below under "reading replies"):
 
-        1. **parse** and **validate** each reply (:meth:`_read_train_replies`), then the round's norm
-           outliers (:meth:`_drop_outliers`); measure every valid update and flag the anomalous ones
-           (:meth:`_watch_updates`: logged, or refused with ``faults.anomaly_action = 'reject'``);
+        1. **parse** and **validate** each reply (:meth:`_read_train_replies`), then over the round
+           (:meth:`_screen`): the norm outliers; every valid update measured and the anomalous ones
+           flagged (logged, or refused with ``faults.anomaly_action = 'reject'``);
         2. **weigh** the valid uploads (:meth:`_weigh`);
         3. **account** what arrived (:meth:`_account_train`);
         4. the failure policy (:meth:`_too_few_uploads`);
         5. **aggregate** them (:meth:`aggregate`, the method's; :meth:`_aggregate_round`), the ones
-           a Byzantine-robust selection keeps (:meth:`_select_byzantine`) where one is configured.
+           a Byzantine-robust selection keeps (:func:`fedlora.strategies.screening.select_byzantine`)
+           where one is configured.
 
         Returns the new :meth:`global_arrays` and the round's train loss and client count; (None,
         None) when too few updates were valid (the state is unchanged, as are Flower's arrays)."""
         record = self.record(server_round)
         replies = list(replies)
-        record.wire_bytes_up += sum(_wire_size(reply) for reply in replies)
+        record.wire_bytes_up += sum(reply_wire_size(reply) for reply in replies)
         uploads = self._read_train_replies(replies, server_round, record)  # parse -> validate
-        uploads = self._drop_outliers(uploads, record)  # validate (the round)
-        uploads = self._watch_updates(server_round, uploads, record)  # validate (poisoning within the bounds)
-        self._weigh(uploads)  # weigh
+        uploads = self._screen(server_round, uploads, record)  # validate (the round) -> weigh
         self._account_train(uploads, record)  # account
         if self._too_few_uploads(uploads, server_round):
             return None, None
-        uploads = self._select_byzantine(uploads, record)  # Krum / MultiKrum / Bulyan (faults.aggregation)
+        uploads = select_byzantine(uploads, self.aggregation_rule, self.experiment.faults, record,
+                                   self._weigh)  # Krum / MultiKrum / Bulyan (faults.aggregation)
         self._aggregate_round(server_round, uploads, record)  # aggregate
         metrics = MetricRecord({protocol.TRAIN_LOSS: record.train_loss, protocol.CLIENTS: len(uploads)})
         return to_array_record(self.global_arrays()), metrics
@@ -574,19 +573,20 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Personalised evaluation over the round's valid replies: **parse** and **validate** each
-        (:meth:`_read_evaluate_replies`), then **weigh** and **aggregate**: a classifier's accuracy
-        (:meth:`_aggregate_accuracy`), a causal LM's ROUGE-L and loss (:meth:`_aggregate_generation`),
+        (:func:`fedlora.strategies.reading.read_evaluate_replies`), then **weigh** and **aggregate**: a
+        classifier's accuracy (:func:`fedlora.strategies.evaluation.aggregate_accuracy`), a causal LM's
+        ROUGE-L and loss (:func:`fedlora.strategies.evaluation.aggregate_generation`),
         example-weighted (no client above ``faults.max_client_share``) and unweighted, worst client
-        and 10th percentile. None when no reply was valid."""
+        and 10th percentile (``evaluation.py``). None when no reply was valid."""
         record = self.record(server_round)
         replies = list(replies)
-        record.wire_bytes_eval += sum(_wire_size(reply) for reply in replies)
-        rows = self._read_evaluate_replies(replies, record)  # parse -> validate
+        record.wire_bytes_eval += sum(reply_wire_size(reply) for reply in replies)
+        kind = self.experiment.model.kind
+        rows = read_evaluate_replies(replies, self.roster, self._awaiting, kind, record)  # parse -> validate
         if not rows:
             return None
-        if self.experiment.model.kind == "causal_lm":
-            return self._aggregate_generation(record, rows)  # weigh -> aggregate -> account
-        return self._aggregate_accuracy(record, rows)  # weigh -> aggregate -> account
+        aggregate = aggregate_generation if kind == "causal_lm" else aggregate_accuracy  # weigh -> aggregate -> account
+        return aggregate(record, rows, self.experiment.faults.max_client_share, self.global_payload() is None)
 
     # ---------------------------------------------------------------- results
     def record(self, server_round: int) -> RoundRecord:
@@ -632,28 +632,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return Message(content=content, dst_node_id=self.roster.node_of[partition], message_type=message_type)
 
     # ---------------------------------------------------------------- reading replies
-    # parse -> validate -> weigh -> aggregate -> account; what the steps check is in replies.py
-    def _sender(self, msg: Message, phase: Phase, seen: set[int]) -> int | Rejection:
-        """The partition of the reply's sender (the roster's map, never what the reply claims), if it
-        was sent a message of ``phase`` this round and has not replied yet (then added to ``seen``)."""
-        try:
-            partition = self.roster.partition_of(msg.metadata.src_node_id)
-        except KeyError:
-            return Rejection(f"node {msg.metadata.src_node_id} is not an accepted client")
-        if partition in seen:
-            return Rejection(f"a second reply from client {partition} this round")
-        if partition not in self._awaiting.get(phase, {partition}):  # unknown (no configure call): any accepted
-            return Rejection(f"client {partition} was sent no {phase} message this round")
-        seen.add(partition)
-        return partition
-
-    def _known(self, node: int) -> int | None:
-        """The partition of ``node``, None for a node the roster does not know."""
-        try:
-            return self.roster.partition_of(node)
-        except KeyError:
-            return None
-
+    # parse -> validate (reading.py, replies.py) -> weigh -> aggregate -> account (accounting.py)
     def _expectation(self, partition: int) -> Expectation:
         """What the server knows about ``partition``'s training reply before reading it."""
         faults = self.experiment.faults
@@ -663,132 +642,35 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return Expectation(partition, self.roster.profiles[partition].num_train_examples, faults.max_examples,
                            reference, faults.max_update_ratio)
 
-    def _read_train_reply(self, msg: Message, server_round: int, seen: set[int],
-                          record: RoundRecord) -> tuple[int, ClientUpload | Rejection] | None:
-        """Parse and validate one training reply: the sender's partition and its upload or the
-        :class:`Rejection` of the reply's first problem (:func:`fedlora.strategies.replies.parse_train_reply`,
-        against :meth:`_expectation` and, once its metrics are known, :meth:`expected_upload`).
-        None for a reply there is nothing to read in: an error reply (a sampled client's is a
-        failure of the round, a stray one is only logged) or one from a sender that was not
-        waited for (:meth:`_sender`: counted as rejected, not as a failure)."""
-        node = msg.metadata.src_node_id
-        partition = self._sender(msg, "train", seen)
-        if msg.has_error():
-            log(WARNING, "aggregate_train: node %d failed: %s", node, _short(msg.error.reason))
-            record.failures += not isinstance(partition, Rejection)
-            return None
-        if isinstance(partition, Rejection):
-            _reject(record, self._known(node), node, partition.reason, failure=False)
-            return None
-
-        def expected(metrics: Mapping[str, float], partition: int = partition) -> dict[str, tuple[int, ...]]:
+    def _read_train_replies(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
+        """Parse and validate every training reply (:func:`fedlora.strategies.reading.read_train_replies`),
+        each upload against :meth:`expected_upload` once :meth:`observe_reply` has seen its metrics."""
+        def expected(partition: int, metrics: Mapping[str, float]) -> dict[str, tuple[int, ...]]:
             self.observe_reply(partition, metrics)
             return self.expected_upload(partition, server_round)
 
-        return partition, parse_train_reply(msg, self._expectation(partition), expected)
+        return read_train_replies(replies, self.roster, self._awaiting, self._expectation, expected, self.ledger,
+                                  record)
 
-    def _read_train_replies(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
-        """Parse and validate every training reply (:meth:`_read_train_reply`); count the
-        rejections and the sampled clients that did not reply; note in the privacy ledger the DP
-        epsilon each client reported (spent even when its update is refused). Returns the valid
-        uploads by partition (the result does not depend on the replies' arrival order)."""
-        uploads: list[ClientUpload] = []
-        seen: set[int] = set()  # sampled partitions that replied (an error reply too)
-        spent: dict[int, float] = {}
-        for msg in replies:
-            read = self._read_train_reply(msg, server_round, seen, record)
-            if read is None:
-                continue
-            partition, parsed = read
-            if parsed.metrics is not None and protocol.DP_EPSILON in parsed.metrics:
-                spent[partition] = parsed.metrics[protocol.DP_EPSILON]
-            if isinstance(parsed, Rejection):
-                _reject(record, partition, msg.metadata.src_node_id, parsed.reason)
-                continue
-            uploads.append(parsed)
-            record.per_client_train[str(partition)] = _client_train(parsed)
-        _count_missing(record, replied=len(seen))
-        self.ledger.note(spent, record)
-        return sorted(uploads, key=lambda u: u.partition_id)
-
-    def _drop_outliers(self, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
-        """Validate over the round: reject the uploads whose norm is an outlier among this round's
-        (:func:`fedlora.strategies.validation.norm_outliers`, ``faults``); the others, in order."""
-        outliers = norm_outliers([u.payload for u in uploads], self.experiment.faults)
-        for index, reason in outliers.items():
-            partition = uploads[index].partition_id
-            _reject(record, partition, self.roster.node_of.get(partition), reason)
-        return [u for i, u in enumerate(uploads) if i not in outliers]
-
-    def _watch_updates(self, server_round: int, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
-        """Measure every valid update against what its client downloaded this round, the round's
-        median update and the recent uploads (:func:`fedlora.strategies.anomaly.check_updates`):
-        the measures go into the client's ``per_client_train`` entry; a flagged update is counted
-        in the round's ``anomalies`` and logged in one line (``faults.anomaly_action = 'log'``,
-        still aggregated) or refused (``'reject'``). Returns the uploads to aggregate, in order."""
-        faults = self.experiment.faults
-        checks, self.update_history = check_updates(
-            [(u.partition_id, u.payload, self._downloads.get(u.partition_id, {})) for u in uploads],
-            self.update_history, server_round, faults)
+    def _screen(self, server_round: int, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
+        """Validate over the round (``screening.py``): drop the norm outliers, measure every update
+        by the anomaly rule (logged, or refused with ``faults.anomaly_action = 'reject'``), then
+        weigh what is left (:meth:`_weigh`)."""
+        faults, node_of = self.experiment.faults, self.roster.node_of
+        uploads = drop_outliers(uploads, faults, node_of, record)
+        uploads, self.update_history = watch_updates(server_round, uploads, self._downloads, self.update_history,
+                                                     faults, node_of, record)
         self._downloads = {}  # measured: kept no longer than the round
-        kept = []
-        for upload, check in zip(uploads, checks):
-            partition = upload.partition_id
-            record.per_client_train.setdefault(str(partition), {}).update(check.entry())
-            if not check.reasons:
-                kept.append(upload)
-                continue
-            node, reason = self.roster.node_of.get(partition), "; ".join(check.reasons)
-            record.anomalies.append(f"client {partition} (node {node}): {reason}")
-            if faults.anomaly_action == "reject":
-                _reject(record, partition, node, f"anomalous update: {reason}")
-                continue
-            log(WARNING, "aggregate_train: anomalous update of client %d (node %s), aggregated "
-                "(faults.anomaly_action = 'log'): %s", partition, node, reason)
-            kept.append(upload)
-        return kept
-
-    def _select_byzantine(self, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
-        """The uploads a Byzantine-robust selection keeps (``faults.aggregation = 'krum' |
-        'multikrum' | 'bulyan'``, :func:`fedlora.strategies.robust.select_uploads`, Flower's Krum
-        score), weighed again among themselves; every upload's ``per_client_train`` entry says
-        ``byzantine_kept``. All of them, untouched, under any other rule."""
-        rule, faults = self.aggregation_rule, self.experiment.faults
-        if rule not in SELECTING:
-            return uploads
-        kept = set(select_uploads([u.payload for u in uploads], rule, faults.num_malicious, faults.multikrum_select))
-        for index, upload in enumerate(uploads):
-            record.per_client_train.setdefault(str(upload.partition_id), {})["byzantine_kept"] = index in kept
-        left = [u.partition_id for i, u in enumerate(uploads) if i not in kept]
-        log(INFO, "aggregate_train: %s (f = %d) kept %d of %d uploads; not aggregated: clients %s",
-            rule, faults.num_malicious, len(kept), len(uploads), left)
-        selected = [u for i, u in enumerate(uploads) if i in kept]
-        self._weigh(selected)
-        return selected
+        self._weigh(uploads)
+        return uploads
 
     def _weigh(self, uploads: list[ClientUpload]) -> None:
-        """Each upload's aggregation weight: its example count, no client above
-        ``faults.max_client_share`` of the round (:func:`fedlora.strategies.replies.capped_weights`)."""
-        max_share = self.experiment.faults.max_client_share
-        weights = capped_weights([u.num_examples for u in uploads], max_share)
-        for upload, weight in zip(uploads, weights):
-            if weight != upload.num_examples:
-                log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples "
-                    "(faults.max_client_share = %g)", upload.partition_id, weight, upload.num_examples, max_share)
-            upload.weight = float(weight)
+        """Each upload's aggregation weight (:func:`fedlora.strategies.screening.weigh`)."""
+        weigh(uploads, self.experiment.faults.max_client_share)
 
     def _account_train(self, uploads: list[ClientUpload], record: RoundRecord) -> None:
-        """The round's record of what arrived: clients, upload bytes, the received accuracy
-        (:func:`_note_received`), the weighted train loss, the clients' training time and examples."""
-        record.clients = len(uploads)
-        record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
-        if uploads:
-            _note_received(uploads, record)
-            record.train_loss = float(np.average([u.metrics.get(protocol.TRAIN_LOSS, math.nan) for u in uploads],
-                                                 weights=self.weights(uploads)))
-            record.client_train_seconds = float(sum(u.metrics.get(protocol.TRAIN_SECONDS, 0.0) for u in uploads))
-            record.train_examples = int(sum(u.metrics.get(protocol.TRAIN_EXAMPLES, 0.0) for u in uploads))
-        log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), record.failures)
+        """The round's record of what arrived (:func:`fedlora.strategies.accounting.account_train`)."""
+        account_train(uploads, record, self.weights(uploads) if uploads else np.ones(0))
 
     def _too_few_uploads(self, uploads: list[ClientUpload], server_round: int) -> bool:
         """The failure policy: fewer valid uploads than :meth:`min_uploads` leave the state as it
@@ -817,83 +699,6 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
         record.extra.update(self.round_extra(server_round))
 
-    def _read_evaluate_replies(self, replies: list[Message], record: RoundRecord) -> list[dict[str, float]]:
-        """Parse and validate every evaluation reply (:func:`fedlora.strategies.replies.parse_evaluate_reply`,
-        from a client sent an evaluation message this round, once: :meth:`_sender`); a failed or
-        refused evaluation is no failure of the round. Returns the valid metrics by partition (each
-        also the round's per-client entry)."""
-        rows: list[dict[str, float]] = []
-        seen: set[int] = set()
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            partition = self._sender(msg, "evaluate", seen)
-            if msg.has_error():  # the client's evaluation failed: nothing to count (or a stray error)
-                log(WARNING, "aggregate_evaluate: node %d failed: %s", node, _short(msg.error.reason))
-                continue
-            if isinstance(partition, Rejection):
-                _reject(record, self._known(node), node, partition.reason, "aggregate_evaluate", failure=False)
-                continue
-            parsed = parse_evaluate_reply(msg, partition, self.experiment.model.kind)
-            if isinstance(parsed, Rejection):
-                _reject(record, partition, node, parsed.reason, "aggregate_evaluate", failure=False)
-                continue
-            rows.append(parsed)
-            record.per_client[str(partition)] = dict(parsed)
-        return sorted(rows, key=lambda r: r[protocol.PARTITION_ID])  # independent of the arrival order
-
-    def _evaluation_weights(self, counts: list[float]) -> np.ndarray:
-        """Evaluation example counts as weights: no client above ``faults.max_client_share``, and
-        uniform when every count is zero (a weighted mean needs a positive total)."""
-        weights = capped_weights(counts, self.experiment.faults.max_client_share)
-        return weights if weights.sum() > 0 else np.ones(len(counts))
-
-    def _aggregate_accuracy(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord | None:
-        """A classifier's personalised evaluation: accuracy example-weighted and unweighted, worst,
-        p10; validation accuracy weighted by the validation examples; the global-test accuracy of a
-        method without a global model (each client's own model on the global test set). An
-        evaluation of no examples counts in none of them (None: no client evaluated an example)."""
-        rows = [r for r in rows if r[protocol.NUM_EXAMPLES] > 0]
-        if not rows:
-            return None
-        accuracy = np.array([r[protocol.ACCURACY] for r in rows])
-        examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
-        record.personalized_accuracy = float(np.average(accuracy, weights=examples))
-        record.personalized_accuracy_unweighted = float(accuracy.mean())
-        record.personalized_accuracy_worst = float(accuracy.min())
-        record.personalized_accuracy_p10 = float(np.percentile(accuracy, 10))
-        validated = [r for r in rows if r.get(protocol.VAL_EXAMPLES, 0.0) > 0]
-        if validated and all(protocol.VAL_ACCURACY in r for r in rows):
-            val_examples = self._evaluation_weights([r[protocol.VAL_EXAMPLES] for r in validated])
-            record.validation_accuracy = float(np.average([r[protocol.VAL_ACCURACY] for r in validated],
-                                                          weights=val_examples))
-        if all(protocol.GLOBAL_ACCURACY in r for r in rows) and self.global_payload() is None:
-            record.global_accuracy = float(np.average([r[protocol.GLOBAL_ACCURACY] for r in rows], weights=examples))
-        return MetricRecord({protocol.PERSONALIZED_ACCURACY: record.personalized_accuracy})
-
-    def _aggregate_generation(self, record: RoundRecord, rows: list[dict[str, float]]) -> MetricRecord | None:
-        """A causal LM's personalised evaluation: ROUGE-L example-weighted (by the examples each
-        client scored) and unweighted, worst, p10; loss and perplexity token-weighted. An evaluation
-        of no examples (none generated) counts in none of them (None: no client generated any)."""
-        rows = [r for r in rows if r[protocol.NUM_EXAMPLES] > 0 and r.get(protocol.ROUGE_EXAMPLES, 1.0) > 0]
-        if not rows:
-            return None
-        rouge = np.array([r[protocol.ROUGE_L] for r in rows])
-        scored = self._evaluation_weights([r.get(protocol.ROUGE_EXAMPLES, r[protocol.NUM_EXAMPLES]) for r in rows])
-        record.personalized_rouge_l = float(np.average(rouge, weights=scored))
-        record.personalized_rouge_l_unweighted = float(rouge.mean())
-        record.personalized_rouge_l_worst = float(rouge.min())
-        record.personalized_rouge_l_p10 = float(np.percentile(rouge, 10))
-        record.personalized_loss = _token_mean(rows, protocol.LOSS, protocol.TOKENS)
-        record.personalized_perplexity = math.exp(min(record.personalized_loss, 700.0))
-        if all(protocol.VAL_LOSS in r for r in rows):
-            record.validation_loss = _token_mean(rows, protocol.VAL_LOSS, protocol.VAL_TOKENS)
-        if all(protocol.GLOBAL_ROUGE_L in r for r in rows) and self.global_payload() is None:
-            examples = self._evaluation_weights([r[protocol.NUM_EXAMPLES] for r in rows])
-            record.global_rouge_l = float(np.average([r[protocol.GLOBAL_ROUGE_L] for r in rows], weights=examples))
-            record.global_loss = float(np.average([r[protocol.GLOBAL_LOSS] for r in rows], weights=examples))
-            record.global_perplexity = math.exp(min(record.global_loss, 700.0))
-        return MetricRecord({protocol.PERSONALIZED_ROUGE_L: record.personalized_rouge_l})
-
 
 def evaluation_round(experiment: ExperimentConfig, server_round: int) -> bool:
     """Whether the server evaluates in ``server_round``: every ``federation.evaluate_every`` rounds,
@@ -914,76 +719,3 @@ def _arrays_problem(payload: Payload, expected: Payload) -> str:
         if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
             return f"{key!r} is not finite numbers"
     return ""
-
-
-def _token_mean(rows: list[dict[str, float]], key: str, tokens: str) -> float:
-    """The token-weighted mean of a per-token loss over clients (nan when no client has tokens)."""
-    weights = np.array([r.get(tokens, 0.0) for r in rows], dtype=float)
-    if weights.sum() <= 0:
-        return math.nan
-    return float(np.average([r[key] for r in rows], weights=weights))
-
-
-def _reject(record: RoundRecord, partition: int | None, node: int | None, reason: str,
-            hook: str = "aggregate_train", failure: bool = True) -> None:
-    """Count and log a refused reply, with the client's partition and node id. ``failure``: it
-    was a sampled client's reply of this round (not a stray, duplicate or evaluation reply)."""
-    if failure:
-        record.failures += 1
-    record.rejected += 1
-    who = f"client {partition}" if partition is not None else "unknown client"
-    phase = "" if hook == "aggregate_train" else "evaluation: "
-    record.rejections.append(f"{phase}{who} (node {node}): {reason}")
-    log(WARNING, "%s: rejecting the reply of %s (node %s): %s", hook, who, node, reason)
-
-
-def _client_train(upload: ClientUpload) -> dict[str, Any]:
-    """An upload's per-client entry of the round (results.json ``per_client_train``)."""
-    metrics = upload.metrics
-    return {"train_loss": metrics.get(protocol.TRAIN_LOSS), "train_seconds": metrics.get(protocol.TRAIN_SECONDS),
-            "examples": metrics.get(protocol.TRAIN_EXAMPLES), **upload.worker,
-            **{key: metrics[key] for key in sorted(protocol.STARTUP_METRICS) if key in metrics}}
-
-
-def _count_missing(record: RoundRecord, replied: int) -> None:
-    """Count the sampled clients that did not reply before ``federation.round_timeout`` as failures."""
-    missing = max(record.sampled - replied, 0)
-    if missing:
-        record.failures += missing
-        log(WARNING, "aggregate_train: %d of %d sampled clients did not reply within federation.round_timeout",
-            missing, record.sampled)
-
-
-def _short(text: object, limit: int = 300) -> str:
-    """A client-supplied text for a log line: one line, at most ``limit`` characters."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[:limit] + "..."
-
-
-def _wire_size(message: Message) -> int:
-    """:func:`fedlora.protocol.wire_size`, 0 for a reply Flower cannot serialise (it is refused anyway)."""
-    try:
-        return wire_size(message)
-    except Exception:  # noqa: BLE001 - a reply's size must not end the run
-        return 0
-
-
-def _note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:
-    """Received accuracy: each sampled client's model as it received it (the download overlaid on
-    its kept state; FedHera's tail scaled by lambda), on its local test split, before local
-    training (FedHera's official metric; evaluation rounds only). A causal LM's is teacher-forced:
-    token accuracy and loss per response token, token-weighted over the clients."""
-    scored = [u.metrics for u in uploads if protocol.RECEIVED_TOKEN_ACCURACY in u.metrics]
-    tokens = np.array([r.get(protocol.RECEIVED_TOKENS, 0.0) for r in scored])  # >= 1 each (protocol.TRAIN_RULES)
-    if scored and tokens.sum() > 0:
-        record.received_token_accuracy = float(np.average([r[protocol.RECEIVED_TOKEN_ACCURACY] for r in scored], weights=tokens))
-        record.received_loss = float(np.average([r[protocol.RECEIVED_LOSS] for r in scored], weights=tokens))
-    # an evaluation of no examples counts in neither (received-examples comes with it: protocol.TRAIN_RULES)
-    rows = [u.metrics for u in uploads if u.metrics.get(protocol.RECEIVED_EXAMPLES, 0.0) > 0
-            and protocol.RECEIVED_ACCURACY in u.metrics]
-    if not rows:
-        return
-    accuracy = np.array([r[protocol.RECEIVED_ACCURACY] for r in rows])
-    examples = np.array([r[protocol.RECEIVED_EXAMPLES] for r in rows])
-    record.received_accuracy = float(np.average(accuracy, weights=examples))
-    record.received_accuracy_unweighted = float(accuracy.mean())

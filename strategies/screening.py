@@ -1,0 +1,94 @@
+"""The round's checks after each reply is read, before the method aggregates: norm outliers among
+the round's uploads, the anomaly rule for poisoning within the bounds, the aggregation weights,
+and a Byzantine-robust selection where one is configured.
+
+Plain functions over the round's valid uploads (``reading.py``); each refusal is counted in the
+round's record (``accounting.py``). What they measure lives in ``validation.py`` (norms),
+``anomaly.py`` (the anomaly rule) and ``robust.py`` (Krum's score).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from logging import INFO, WARNING, getLogger
+
+from fedlora.lora import Payload
+from fedlora.results import RoundRecord
+from fedlora.schema import AggregationRule, FaultsConfig
+from fedlora.strategies.accounting import reject
+from fedlora.strategies.anomaly import Fingerprint, check_updates
+from fedlora.strategies.replies import ClientUpload, capped_weights
+from fedlora.strategies.robust import SELECTING, select_uploads
+from fedlora.strategies.validation import norm_outliers
+
+log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
+
+
+def drop_outliers(uploads: list[ClientUpload], faults: FaultsConfig, node_of: Mapping[int, int],
+                  record: RoundRecord) -> list[ClientUpload]:
+    """Reject the uploads whose norm is an outlier among this round's
+    (:func:`fedlora.strategies.validation.norm_outliers`, ``faults``); the others, in order."""
+    outliers = norm_outliers([u.payload for u in uploads], faults)
+    for index, reason in outliers.items():
+        partition = uploads[index].partition_id
+        reject(record, partition, node_of.get(partition), reason)
+    return [u for i, u in enumerate(uploads) if i not in outliers]
+
+
+def watch_updates(server_round: int, uploads: list[ClientUpload], downloads: Mapping[int, Payload],
+                  history: list[Fingerprint], faults: FaultsConfig, node_of: Mapping[int, int],
+                  record: RoundRecord) -> tuple[list[ClientUpload], list[Fingerprint]]:
+    """Measure every valid update against what its client downloaded this round (``downloads``),
+    the round's median update and the recent uploads (``history``;
+    :func:`fedlora.strategies.anomaly.check_updates`): the measures go into the client's
+    ``per_client_train`` entry; a flagged update is counted in the round's ``anomalies`` and
+    logged in one line (``faults.anomaly_action = 'log'``, still aggregated) or refused
+    (``'reject'``). Returns the uploads to aggregate, in order, and the new history."""
+    checks, history = check_updates([(u.partition_id, u.payload, downloads.get(u.partition_id, {})) for u in uploads],
+                                    history, server_round, faults)
+    kept = []
+    for upload, check in zip(uploads, checks):
+        partition = upload.partition_id
+        record.per_client_train.setdefault(str(partition), {}).update(check.entry())
+        if not check.reasons:
+            kept.append(upload)
+            continue
+        node, reason = node_of.get(partition), "; ".join(check.reasons)
+        record.anomalies.append(f"client {partition} (node {node}): {reason}")
+        if faults.anomaly_action == "reject":
+            reject(record, partition, node, f"anomalous update: {reason}")
+            continue
+        log(WARNING, "aggregate_train: anomalous update of client %d (node %s), aggregated "
+            "(faults.anomaly_action = 'log'): %s", partition, node, reason)
+        kept.append(upload)
+    return kept, history
+
+
+def weigh(uploads: list[ClientUpload], max_share: float) -> None:
+    """Each upload's aggregation weight: its example count, no client above ``max_share`` of the
+    round (``faults.max_client_share``; :func:`fedlora.strategies.replies.capped_weights`)."""
+    weights = capped_weights([u.num_examples for u in uploads], max_share)
+    for upload, weight in zip(uploads, weights):
+        if weight != upload.num_examples:
+            log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples "
+                "(faults.max_client_share = %g)", upload.partition_id, weight, upload.num_examples, max_share)
+        upload.weight = float(weight)
+
+
+def select_byzantine(uploads: list[ClientUpload], rule: AggregationRule, faults: FaultsConfig, record: RoundRecord,
+                     reweigh: Callable[[list[ClientUpload]], None]) -> list[ClientUpload]:
+    """The uploads a Byzantine-robust selection keeps (``faults.aggregation = 'krum' |
+    'multikrum' | 'bulyan'``, :func:`fedlora.strategies.robust.select_uploads`, Flower's Krum
+    score), weighed again among themselves (``reweigh``); every upload's ``per_client_train``
+    entry says ``byzantine_kept``. All of them, untouched, under any other rule."""
+    if rule not in SELECTING:
+        return uploads
+    kept = set(select_uploads([u.payload for u in uploads], rule, faults.num_malicious, faults.multikrum_select))
+    for index, upload in enumerate(uploads):
+        record.per_client_train.setdefault(str(upload.partition_id), {})["byzantine_kept"] = index in kept
+    left = [u.partition_id for i, u in enumerate(uploads) if i not in kept]
+    log(INFO, "aggregate_train: %s (f = %d) kept %d of %d uploads; not aggregated: clients %s",
+        rule, faults.num_malicious, len(kept), len(uploads), left)
+    selected = [u for i, u in enumerate(uploads) if i in kept]
+    reweigh(selected)
+    return selected
