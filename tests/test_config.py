@@ -128,6 +128,8 @@ def test_a_run_ignores_the_fidelity_benchmarks_table_and_set_cannot_reach_it(tmp
     assert load_config(path).hash() == load_config(CONFIGS / "smoke.toml").hash()
     with pytest.raises(ConfigError, match="unknown config key 'fidelity'"):
         load_config(path, ["fidelity.claim=y"])
+    for scenario in sorted((CONFIGS / "scenarios").glob("*.toml")):  # every scenario config carries one
+        assert "\n[fidelity]\n" in scenario.read_text() and isinstance(load_config(scenario), ExperimentConfig)
 
 
 def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
