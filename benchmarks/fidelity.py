@@ -5,16 +5,19 @@
     python benchmarks/fidelity.py --scenario fedhera_llm --gpu     # the full LLM version, one GPU
 
 One scenario = one config under ``configs/scenarios/`` (its header says the setting and the cost
-cuts) and the jobs of :data:`SCENARIOS`: the method, its ablations (the method without its
-mechanism), the baselines its paper compares against, and the centralised reference with the same
-total optimiser steps. The rules (docs/results/fidelity.md explains them):
+cuts) whose ``[fidelity]`` table (read and validated here: :class:`Scenario`, :class:`JobSpec`;
+``fedlora run`` ignores the table) declares the jobs: the method, its ablations (the method
+without its mechanism), the baselines its paper compares against, and the centralised reference
+with the same total optimiser steps; and the seeds, the tuning budget, the primary comparison
+and the regime rule. The rules (docs/results/fidelity.md explains them):
 
 - **Fresh partitions.** Seed k sets ``train.seed = k`` and ``data.seed = <config's> + k``: every
   seed is a new partition, shared by every job of that seed, so differences stay paired.
 - **Seeds.** The ``core`` jobs (the method, its ablations, the baseline its paper leads with) run
-  every ``--seeds`` value (default 0..4); the other rows the first ``--other-seeds`` (default 3).
+  every seed (``--seeds``, default the scenario's ``seeds.core``); the other rows the first
+  ``--other-seeds`` (default ``seeds.other``).
 - **Tuned alike.** Every tuned job (the method, the baselines, the reference) gets the same number
-  of configurations (:class:`fedlora.app.tune.Budget`, default 4) on the first seed, chosen on the
+  of configurations (``budget``, :class:`fedlora.app.tune.Budget`) on the first seed, chosen on the
   clients' validation splits (never a test split): learning rates, a method's own knob counted
   inside the budget, and a grid widened where the choice sits at its edge. The chosen
   configuration is reused for every seed (its first-seed run is the tuning run itself). An
@@ -33,14 +36,13 @@ from the committed records: stop it at any moment and only the runs in progress 
 ``--status`` prints how far each scenario is (runs done / planned) and runs nothing. Runs go through the in-process engine in
 ``--workers`` processes (on a CUDA machine, ``--set train.device=cuda``: they share the GPU).
 
-**LLM scenarios** (``fedhera_llm``, ``fedtreelora_llm``: SmolLM2 instruction tuning) follow the same
-rules on the causal-LM metrics: tuning on the clients' validation loss, the paired statistics on
-the received next-token accuracy (teacher-forced) and ROUGE-L, the regime line on ROUGE-L. Their
-configs are CPU-sized (one seed on 2 cores); ``--gpu`` is the full version in one command: the
-scenario's :attr:`Scenario.gpu` overrides (more clients, rounds and data), ``train.device=cuda``,
-seeds 0..4, as many workers as the scenario has jobs (the final runs are ordered seed by seed, so
-all runs of a seed share the one GPU at once) and its own folder (``runs/fidelity/<scenario>-gpu``).
-The page names the GPU.
+**LLM scenarios** (``kind = "causal_lm"``: SmolLM2 instruction tuning) follow the same rules on
+the causal-LM metrics: tuning on the clients' validation loss, the paired statistics on the
+received next-token accuracy (teacher-forced) and ROUGE-L. Their configs are CPU-sized (one seed
+on 2 cores); ``--gpu`` is the full version in one command: the scenario's ``gpu`` overrides (more
+clients, rounds and data), ``train.device=cuda``, the scenario's seeds, as many workers as the
+scenario has jobs (the final runs are ordered seed by seed, so all runs of a seed share the one
+GPU at once) and its own folder (``runs/fidelity/<scenario>-gpu``). The page names the GPU.
 
 Output (``OUT`` = ``--out``, default ``runs/fidelity/<scenario>``): ``fidelity.md`` (the page the
 docs cite: regime line, tuning, results with ablation rows, worst client, bytes and times, the
@@ -52,6 +54,7 @@ paired comparisons, the mechanisms), ``summary.md`` / ``summary.csv``, ``paired.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -59,10 +62,12 @@ import os
 import re
 import sys
 import time
+import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,267 +84,203 @@ from fedlora.app.paired import (
 from fedlora.app.runs import load_runs
 from fedlora.app.summary import summarize
 from fedlora.app.tune import Budget, Knob, Point, TunePlan, plan, point_label, validation_score
+from fedlora.errors import ConfigError, shown
 
 logger = logging.getLogger("fedlora")
 
-REGIME_POINTS = 5.0
-DEFAULT_SEEDS = "0,1,2,3,4"
-OTHER_SEEDS = 3
-ROLES = ("method", "ablation", "bytes-matched", "baseline", "reference")
+SCENARIO_CONFIGS = Path("configs/scenarios")  # under ROOT: every <name>.toml there with a [fidelity] table
+TABLE = "fidelity"  # the config's table this benchmark reads (fedlora.schema.IGNORED_TABLES: a run skips it)
+Role = Literal["method", "ablation", "bytes-matched", "baseline", "reference"]
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """One row of a scenario: a strategy with fixed overrides, its role, whether it is ``core``
-    (every seed), and the method's own ``knob`` tuned inside the equal budget.
-
-    ``tuned_as`` names another label whose chosen configuration this row reuses instead of tuning
-    its own: an ablation is its method minus one mechanism, so it runs at the method's chosen
-    learning rate and knob (a separately tuned ablation would confound the mechanism with the
-    tuning), and a bytes-matched row runs at its base strategy's choice. Keys the row fixes itself
-    (e.g. ``strategy.mixing_lr=0``) win over the reused configuration.
-    """
-
-    strategy: str
-    overrides: tuple[str, ...] = ()
-    role: str = "baseline"
-    core: bool = False
-    knob: Knob | None = None
-    note: str = ""
-    tuned_as: str | None = None
+# --------------------------------------------------------------------------- the scenarios' data
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """One method's setting: its config, its jobs, the metric its paper reports, the declared
-    primary comparison (``primary`` = (method, baseline) on ``metric``) and why, the tuning budget
-    and the regime rule's metric. ``pairs`` adds comparisons beyond the method against each job."""
+def _override(text: str) -> str:
+    """A ``section.key=value`` override, as ``--set`` takes it."""
+    key, sep, value = text.partition("=")
+    if not sep or not value or "." not in key:
+        raise ValueError(f"expects section.key=value, got {shown(text)}")
+    return text
 
-    config: str
-    jobs: dict[str, JobSpec]
-    metric: str
-    claim: str
-    primary: tuple[str, str]
-    primary_why: str
-    budget: Budget = field(default_factory=Budget)
-    regime_metric: str = "global_accuracy"
-    pairs: tuple[tuple[str, str], ...] = ()
-    paired_metrics: tuple[str, ...] = PAIRED_METRICS
-    gpu: tuple[str, ...] = ()  # --gpu: overrides of the full version (the config is its CPU-sized version)
+
+class JobSpec(_Table):
+    """One row of a scenario, ``[fidelity.jobs.<label>]``; the label names the row on the page and
+    its run folders (``<label>[<configuration>]/seed<k>``)."""
+
+    strategy: str = Field(description="The strategy the row runs (`strategy.name`).")
+    overrides: tuple[str, ...] = Field(
+        (), description="`section.key=value` overrides (as `--set` takes them) the row always runs with; keys it "
+        "sets itself win over a configuration it reuses (`tuned_as`).")
+    role: Role = Field("baseline", description="What the row is: the method, an ablation (the method without one "
+                       "mechanism), a bytes-matched variant, a baseline of the paper or the centralised reference.")
+    core: bool = Field(False, description="Runs every seed; otherwise the first `seeds.other` of them.")
+    knob: Knob | None = Field(
+        None, description="The method's own option tuned inside the equal budget, `{ key, values }` (values as "
+        "TOML literals in strings): the learning-rate sweep runs at the first value, the others are tried at the "
+        "chosen learning rate.")
+    tuned_as: str | None = Field(
+        None, description="Another row whose chosen configuration this row reuses instead of tuning its own: an "
+        "ablation runs at its method's choice (a separately tuned ablation would confound the mechanism with the "
+        "tuning), a bytes-matched row at its base strategy's.")
+    note: str = Field("", description="What the row is, printed beside its label on the page.")
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_override(value) for value in values)
+
+
+class Seeds(_Table):
+    """``[fidelity.seeds]``: the seeds rule (``--seeds`` / ``--other-seeds`` replace it)."""
+
+    core: tuple[int, ...] = Field(min_length=1, description="The seeds of the core jobs, in order; the first is "
+                                  "the tuning seed. Seed k runs train.seed = k, data.seed = the config's + k.")
+    other: int = Field(ge=2, description="The other jobs run the first `other` seeds of `core` (a paired test "
+                       "needs two).")
+
+    @field_validator("core")
+    @classmethod
+    def _distinct(cls, seeds: tuple[int, ...]) -> tuple[int, ...]:
+        if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            raise ValueError(f"expects distinct integers >= 0, got {list(seeds)}")
+        return seeds
+
+
+class Regime(_Table):
+    """``[fidelity.regime]``: when the scenario's runs are long enough to compare anything."""
+
+    metric: str = Field(description="The metric of the regime line: FedIT's against the centralised reference's.")
+    max_gap_points: float = Field(gt=0, description="The scenario counts when the reference is at most this many "
+                                  "points (of 100) above FedIT.")
+
+
+class Scenario(_Table):
+    """One method's setting, the ``[fidelity]`` table of ``configs/scenarios/<name>.toml``."""
+
+    config: str = Field(description="The scenario's config, relative to the repository (set from the file's path; "
+                        "not written in the table).")
+    claim: str = Field(description="The paper's claim the scenario checks (printed on the page).")
+    metric: str = Field(description="The metric the paper reports: the primary comparison's.")
+    primary: tuple[str, str] = Field(description="The declared primary comparison (method label, baseline label), "
+                                     "reported uncorrected.")
+    primary_why: str = Field(description="Why that baseline (printed on the page).")
+    kind: Literal["classification", "causal_lm"] = Field(
+        description="The config's model kind: which paired metrics and page columns (accuracies; or token "
+        "accuracy, ROUGE-L and losses).")
+    budget: Budget = Field(description="The equal tuning budget of every tuned row, `{ size, lr_grid, max_widen }` "
+                           "(fedlora.app.tune.Budget).")
+    seeds: Seeds = Field(description="Which seeds the rows run (`{ core, other }`).")
+    regime: Regime = Field(description="When the runs are long enough to compare (`{ metric, max_gap_points }`).")
+    pairs: tuple[tuple[str, str], ...] = Field((), description="Comparisons (label, baseline) beyond the method "
+                                               "against every row; Holm-corrected with them.")
+    gpu: tuple[str, ...] = Field((), description="`--gpu`: overrides of the full version (the config is the "
+                                 "CPU-sized one).")
+    jobs: dict[str, JobSpec] = Field(min_length=1, description="The rows, in the page's order.")
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_override(value) for value in values)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Scenario:
+        named = [("primary", label) for label in self.primary]
+        named += [("pairs", label) for pair in self.pairs for label in pair]
+        named += [(f"jobs.{label}.tuned_as", spec.tuned_as) for label, spec in self.jobs.items() if spec.tuned_as]
+        for key, label in named:
+            if label not in self.jobs:
+                raise ValueError(f"{key}: no job {label!r} (jobs: {', '.join(self.jobs)})")
+        if self.jobs[self.method].role != "method":
+            raise ValueError(f"primary: {self.method!r} must be the row with role = 'method'")
+        for label, spec in self.jobs.items():
+            if spec.tuned_as is not None and self.jobs[spec.tuned_as].tuned_as is not None:
+                raise ValueError(f"jobs.{label}.tuned_as: {spec.tuned_as!r} reuses another row's choice itself")
+            if spec.tuned_as is not None and spec.knob is not None:
+                raise ValueError(f"jobs.{label}.knob: the row reuses {spec.tuned_as!r}'s choice and tunes nothing")
+            try:
+                self.budget.learning_rates(spec.knob)
+            except ValueError as error:  # the budget leaves no learning rate beside the knob's values
+                raise ValueError(f"jobs.{label}.knob: {error}") from None
+        if not {"fedit", "centralized"} <= set(self.jobs):
+            raise ValueError("jobs must include 'fedit' and 'centralized': the two ends of the regime line")
+        for key, value in (("metric", self.metric), ("regime.metric", self.regime.metric)):
+            if value not in METRIC_NAMES:
+                raise ValueError(f"{key}: unknown metric {value!r}; known: {', '.join(METRIC_NAMES)}")
+        if self.metric not in self.paired_metrics:
+            raise ValueError(f"metric {self.metric!r} is not a paired metric of kind {self.kind!r}")
+        if list(self.budget.lr_grid) != sorted(set(self.budget.lr_grid)):
+            raise ValueError(f"budget.lr_grid must be ascending, got {list(self.budget.lr_grid)}")
+        return self
 
     @property
     def causal(self) -> bool:
         """A causal-LM scenario: its metrics are the received token accuracy, ROUGE-L and losses."""
-        return self.paired_metrics == CAUSAL_PAIRED_METRICS
+        return self.kind == "causal_lm"
+
+    @property
+    def paired_metrics(self) -> tuple[str, ...]:
+        return CAUSAL_PAIRED_METRICS if self.causal else PAIRED_METRICS
 
     @property
     def method(self) -> str:
         return self.primary[0]
 
+    @property
+    def regime_metric(self) -> str:
+        return self.regime.metric
 
-# ---- BYTES-MATCHED FEDHERA: the FedHera engineer defines this ------------------------------------
-# The issue asks for a FedHera comparison at matched bytes (FedHera moves about 2.9 x FlexLoRA's
-# bytes): FedHera held to FlexLoRA's bytes, or the baselines at the rank that moves FedHera's. Put
-# the job(s) here (role "bytes-matched", core=True) and the comparison(s) (label, baseline) below;
-# they join the fedhera scenario's jobs, its equal tuning budget, its seeds and its Holm family.
-# Arithmetic (docs/results/fedhera.md): a rank column of one 384 x 384 module is 3072 bytes, the head
-# 12,320. With the scenario's tiers FedHera's download budgets buy 105 / 158 / 211 columns (low /
-# medium / high), FlexLoRA at ranks 2 / 4 / 8 moves 86,048 / 159,776 / 307,232 bytes a client: 2.88x
-# less per sampled client. fedhera_bytes_matched holds FedHera to FlexLoRA's bytes (download budgets
-# = FlexLoRA's per-tier bytes; 'fit' keeps round 1 within them too); flexlora_bytes_matched gives
-# FlexLoRA the ranks 9 / 13 / 17 whose bytes are FedHera's within 3.3 % (-1.0 % on average).
-FEDHERA_BYTES_MATCHED: dict[str, JobSpec] = {
-    "fedhera_bytes_matched": JobSpec(
-        "fedhera",
-        (("clients.budget_tiers=[{share = 0.3, name = 'low', download = 86048, time = 20275, memory = 1e12}, "
-          "{share = 0.5, name = 'medium', download = 159776, time = 40550, memory = 1e12}, "
-          "{share = 0.2, name = 'high', download = 307232, time = 81100, memory = 1e12}]"),
-         "strategy.initial_budget='fit'"),
-        role="bytes-matched", core=True, tuned_as="fedhera", note="FedHera held to FlexLoRA's bytes"),
-    "flexlora_bytes_matched": JobSpec(
-        "flexlora", ('clients.rank_tiers={"9" = 0.3, "13" = 0.5, "17" = 0.2}',),
-        role="bytes-matched", core=True, tuned_as="flexlora", note="FlexLoRA at FedHera's bytes (ranks 9 / 13 / 17)"),
-}
-FEDHERA_BYTES_MATCHED_PAIRS: tuple[tuple[str, str], ...] = (
-    ("fedhera_bytes_matched", "flexlora"),
-    ("fedhera", "flexlora_bytes_matched"),
-)
-# ---------------------------------------------------------------------------------------------------
 
-SCENARIOS: dict[str, Scenario] = {
-    "fedpissa": Scenario(
-        config="configs/scenarios/fedpissa.toml",
-        jobs={
-            "fedpissa": JobSpec("fedpissa", role="method", core=True,
-                                knob=Knob("strategy.correction", ("bounded", "literal")),
-                                note="PiSSA init, Eq. 4 correction; knob: bounded / literal form"),
-            "fedpissa_lam0": JobSpec("fedpissa", ("strategy.lam=0",), role="ablation", core=True, tuned_as="fedpissa",
-                                     note="lambda = 0: B averaged, A local, no correction"),
-            "feddpa": JobSpec("feddpa", core=True, note="dual LoRA, the paper's personalised baseline"),
-            "fedit": JobSpec("fedit"),
-            "fedsa_lora": JobSpec("fedsa_lora"),
-            "local": JobSpec("local", note="no communication"),
-            "centralized": JobSpec("centralized", role="reference", note="pooled data, same total steps"),
-        },
-        metric="personalized_accuracy",
-        claim="better personalised accuracy than the dual-LoRA baseline (FedDPA) and FedSA-LoRA, with 3/4 of "
-        "FedIT's communication",
-        primary=("fedpissa", "feddpa"),
-        primary_why="the paper's claim names the dual-LoRA personalised baseline first",
-    ),
-    "fedhera": Scenario(
-        config="configs/scenarios/fedhera.toml",
-        jobs={
-            "fedhera": JobSpec("fedhera", role="method", core=True, knob=Knob("strategy.atw", ("false", "true")),
-                               note="decoupled r_tot / r_main; knob: adaptive tail warm-up off / on"),
-            "fedhera_coupled": JobSpec("fedhera", ("strategy.coupled=true",), role="ablation", core=True,
-                                       tuned_as="fedhera",
-                                       note="r_tot = r_main"),
-            **FEDHERA_BYTES_MATCHED,
-            "flexlora": JobSpec("flexlora", core=True, note="truncation baseline the abstract argues against"),
-            "hetlora": JobSpec("hetlora"),
-            "fedit": JobSpec("fedit", note="every client at the smallest rank"),
-            "centralized": JobSpec("centralized", role="reference", note="pooled data, same total steps, rank 2"),
-        },
-        metric="received_accuracy",
-        claim="higher accuracy and stability than truncation baselines (FlexLoRA, HetLoRA) under resource "
-        "heterogeneity; decoupling r_tot from r_main (vs the coupled ablation) is what helps",
-        primary=("fedhera", "flexlora"),
-        primary_why="FlexLoRA is the truncation method the abstract's 'couple the transmitted rank with the "
-        "trainable rank' describes, and received accuracy is the official code's metric",
-        pairs=FEDHERA_BYTES_MATCHED_PAIRS,
-    ),
-    "feddr_lora": Scenario(
-        config="configs/scenarios/feddr_lora.toml",
-        jobs={
-            "feddr_lora": JobSpec("feddr_lora", role="method", core=True, knob=Knob("strategy.robust_loss", ("posterior", "all")),
-                                  note="dual branch, negative learning; knob: robust loss weighted by the split's "
-                                  "clean posterior / plain CE on every sample"),
-            "feddr_lora_no_noise": JobSpec("feddr_lora", ("strategy.noise_branch=false",), role="ablation", core=True,
-                                           tuned_as="feddr_lora",
-                                           note="without the noise branch"),
-            "fedit": JobSpec("fedit", core=True, note="FedAvg of LoRA, the paper's lead baseline type"),
-            "fedsa_lora": JobSpec("fedsa_lora"),
-            "ffa_lora": JobSpec("ffa_lora"),
-            "centralized": JobSpec("centralized", role="reference", note="pooled noisy data, same total steps"),
-        },
-        metric="personalized_accuracy",
-        claim="higher accuracy on clean test data than FedIT / FedSA-LoRA / FFA-LoRA under label noise",
-        primary=("feddr_lora", "fedit"),
-        primary_why="the abstract claims to beat the state of the art in noisy federated fine-tuning, whose "
-        "tables lead with FedIT-type federated LoRA; FedIT is also the strongest baseline this scenario has "
-        "measured (0.886 against FFA-LoRA 0.874 and FedSA-LoRA 0.834), so it is the hardest test, not an easy one",
-    ),
-    "fedtreelora": Scenario(
-        config="configs/scenarios/fedtreelora.toml",
-        jobs={
-            "fedtreelora": JobSpec("fedtreelora", role="method", core=True,
-                                   knob=Knob("strategy.mixing_lr", ("0.1", "0.5")),
-                                   note="layer-wise tree, learned mixing; knob: the mixing weights' own lr"),
-            "fedtreelora_fixed_lam": JobSpec("fedtreelora", ("strategy.mixing_lr=0",), role="ablation", core=True,
-                                             tuned_as="fedtreelora",
-                                             note="lambda fixed at lam0"),
-            "fedtreelora_one_cluster": JobSpec("fedtreelora", ("strategy.fixed_c=1",), role="ablation", core=True,
-                                               tuned_as="fedtreelora",
-                                               note="one cluster at every block"),
-            "fedsa_lora": JobSpec("fedsa_lora", core=True, note="flat personalised baseline"),
-            "feddpa": JobSpec("feddpa"),
-            "fedit": JobSpec("fedit"),
-            "local": JobSpec("local", note="no communication"),
-            # one model for all tasks: it needs one head over every label (heads are local elsewhere)
-            "centralized": JobSpec("centralized", ("model.head='global'",), role="reference",
-                                   note="pooled data, one head over all labels"),
-        },
-        metric="personalized_accuracy",
-        claim="higher personalised accuracy than flat personalised methods (FedDPA, FedSA-LoRA) and FedIT when "
-        "clients hold different tasks",
-        primary=("fedtreelora", "fedsa_lora"),
-        primary_why="the abstract argues against the 'flat-model assumption' of personalised methods; FedSA-LoRA's "
-        "sharing rule (A shared, B local) is the same at every depth, exactly that assumption, and it was the "
-        "stronger of the two flat baselines here before (0.971 against FedDPA's 0.967), so the harder test",
-        # per-task heads: a client model only knows its own group's labels, so the global test set
-        # (every label) cannot judge FedIT; the reference is compared on the clients' local tests
-        regime_metric="personalized_accuracy",
-    ),
-}
+def _one_line(error: ValidationError) -> str:
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    got = "" if isinstance(value, dict) or "got" in message else f", got {shown(value)}"
+    return f"{where}: {message}{got}" if where else f"{message}{got}"
 
-# ---- LLM scenarios (issue 34): SmolLM2 instruction tuning, CPU-sized configs, --gpu the full version ---
-# The classifier scenarios' equal budget (4 configurations a job: with a two-valued knob, 3 learning
-# rates, so the sweep has an interior) on learning rates for LoRA on SmolLM2 that sees few steps per
-# client (each client trains a few rounds of 2 steps).
-# The CPU-sized configs run 10 rounds on 20 / 8 clients; the full version (--gpu) meets the classifier
-# scenarios' regime (>= 20 rounds, >= 10 clients).
-LLM_BUDGET = Budget(size=4, lr_grid=(1e-3, 2e-3, 4e-3, 8e-3))
-# The full version's training and evaluation sizes, shared by both LLM scenarios (--gpu).
-LLM_GPU_TRAIN = ("train.max_steps=8", "train.batch_size=8", "train.eval_batch_size=64", "train.max_length=96",
-                 "train.max_new_tokens=32", "train.rouge_examples=32", "data.global_test_size=200")
-SCENARIOS |= {
-    "fedhera_llm": Scenario(
-        config="configs/scenarios/fedhera_llm.toml",
-        jobs={
-            "fedhera": JobSpec("fedhera", role="method", core=True, knob=Knob("strategy.atw", ("false", "true")),
-                               note="decoupled r_tot / r_main; knob: adaptive tail warm-up off / on"),
-            "fedhera_coupled": JobSpec("fedhera", ("strategy.coupled=true",), role="ablation", core=True,
-                                       tuned_as="fedhera", note="r_tot = r_main"),
-            "flexlora": JobSpec("flexlora", core=True, note="truncation baseline the abstract argues against"),
-            "hetlora": JobSpec("hetlora"),
-            "flora": JobSpec("flora", note="stacking, no truncation"),
-            "fedit": JobSpec("fedit", note="FedAvg of LoRA"),
-            "centralized": JobSpec("centralized", role="reference", note="pooled data, same total steps"),
-        },
-        metric="received_token_accuracy",
-        claim="higher received accuracy than truncation baselines (FlexLoRA, HetLoRA) and FLoRA / FedIT when "
-        "clients of an LLM federation have different resource budgets; decoupling r_tot from r_main (vs the "
-        "coupled ablation) is what helps",
-        primary=("fedhera", "flexlora"),
-        primary_why="FlexLoRA is the truncation method the abstract's 'couple the transmitted rank with the "
-        "trainable rank' describes, and the received model's teacher-forced next-token accuracy is the official "
-        "code's metric on its instruction data (fed_utils/client.py GeneralClient.test)",
-        budget=LLM_BUDGET,
-        regime_metric="global_rouge_l",
-        paired_metrics=CAUSAL_PAIRED_METRICS,
-        gpu=("data.num_clients=100", "federation.fraction_train=0.05", "data.max_examples=8000", "train.rounds=50",
-             "federation.evaluate_every=10", *LLM_GPU_TRAIN),
-    ),
-    "fedtreelora_llm": Scenario(
-        config="configs/scenarios/fedtreelora_llm.toml",
-        jobs={
-            "fedtreelora": JobSpec("fedtreelora", role="method", core=True,
-                                   knob=Knob("strategy.mixing_lr", ("0.1", "0.5")),
-                                   note="layer-wise tree, learned mixing; knob: the mixing weights' own lr"),
-            "fedtreelora_fixed_lam": JobSpec("fedtreelora", ("strategy.mixing_lr=0",), role="ablation", core=True,
-                                             tuned_as="fedtreelora", note="lambda fixed at lam0"),
-            "fedtreelora_one_cluster": JobSpec("fedtreelora", ("strategy.fixed_c=1",), role="ablation", core=True,
-                                               tuned_as="fedtreelora", note="one cluster at every block"),
-            "fedsa_lora": JobSpec("fedsa_lora", core=True, note="flat personalised baseline"),
-            # its instance-wise weighting wraps a classifier's forward: not for generation
-            "feddpa": JobSpec("feddpa", ("strategy.instance_weighting=false",), note="dual LoRA, no instance weighting"),
-            "fedit": JobSpec("fedit"),
-            "local": JobSpec("local", note="no communication"),
-            "centralized": JobSpec("centralized", role="reference", note="pooled data of both tasks, same total steps"),
-        },
-        metric="personalized_rouge_l",
-        claim="higher personalised ROUGE-L than flat personalised methods (FedDPA, FedSA-LoRA), FedIT and local "
-        "training when clients hold different instruction tasks",
-        primary=("fedtreelora", "fedsa_lora"),
-        primary_why="as in the classifier scenario: FedSA-LoRA's sharing rule (A shared, B local) is the same at "
-        "every depth, the 'flat-model assumption' the abstract argues against",
-        budget=LLM_BUDGET,
-        regime_metric="personalized_rouge_l",
-        paired_metrics=CAUSAL_PAIRED_METRICS,
-        gpu=("data.num_clients=20", "federation.fraction_train=1.0", "data.max_examples=4000", "train.rounds=40",
-             "strategy.warmup_rounds=3", "federation.evaluate_every=10", *LLM_GPU_TRAIN),
-    ),
-}
+
+def load_scenario(path: Path) -> Scenario | None:
+    """The ``[fidelity]`` table of the config at ``path``, validated (None: the file has none).
+    Raises ConfigError in one line naming the file and the key."""
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"cannot read {name}: {error}") from None
+    table = raw.get(TABLE)
+    if table is None:
+        return None
+    if not isinstance(table, dict) or "config" in table:
+        raise ConfigError(f"{name}: [{TABLE}] must be a table without a 'config' key (the file is the config)")
+    try:
+        return Scenario.model_validate({**table, "config": str(name)})
+    except ValidationError as error:
+        raise ConfigError(f"{name}: [{TABLE}] {_one_line(error)}") from None
+
+
+@functools.cache
+def scenarios() -> dict[str, Scenario]:
+    """Every scenario, by name (its config's file name): the classifier ones first (the cheaper:
+    ``--scenario all`` runs them before the LLM ones), each kind by name."""
+    found = {path.stem: scenario for path in sorted((ROOT / SCENARIO_CONFIGS).glob("*.toml"))
+             if (scenario := load_scenario(path)) is not None}
+    return dict(sorted(found.items(), key=lambda item: (item[1].causal, item[0])))
+
+
 # Final-round causal-LM metrics read from every run (summary columns hold the classifier's); higher
-# is better for the first five, lower for the losses.
+# is better for the paired ones, lower for the losses.
 CAUSAL_METRICS = (*CAUSAL_PAIRED_METRICS, "received_loss", "personalized_loss", "global_loss")
 
 
 # --------------------------------------------------------------------------- seeds and jobs
-def job_seeds(scenario: Scenario, label: str, seeds: list[int], other_seeds: int = OTHER_SEEDS) -> list[int]:
-    """Every seed for a core job, the first ``other_seeds`` for the others."""
-    return list(seeds) if scenario.jobs[label].core else list(seeds[:other_seeds])
+def job_seeds(scenario: Scenario, label: str, seeds: list[int], other_seeds: int | None = None) -> list[int]:
+    """Every seed for a core job, the first ``other_seeds`` (default the scenario's
+    ``seeds.other``) for the others."""
+    other = scenario.seeds.other if other_seeds is None else other_seeds
+    return list(seeds) if scenario.jobs[label].core else list(seeds[:other])
 
 
 def tuning_job(scenario: Scenario, label: str, point: Point, seed: int) -> Job:
@@ -349,7 +290,7 @@ def tuning_job(scenario: Scenario, label: str, point: Point, seed: int) -> Job:
 
 
 def final_jobs(scenario: Scenario, seeds: list[int], chosen: dict[str, Point],
-               other_seeds: int = OTHER_SEEDS) -> list[Job]:
+               other_seeds: int | None = None) -> list[Job]:
     """Every job at its chosen configuration for its seeds, seed by seed (with as many workers as
     jobs, all runs of a seed run at once); the first seed's run is the tuning run (same folder,
     same config), so it is not run twice."""
@@ -361,7 +302,7 @@ def final_jobs(scenario: Scenario, seeds: list[int], chosen: dict[str, Point],
     return sorted(jobs, key=lambda job: seeds.index(job.seed))  # stable: the scenario's order within a seed
 
 
-def comparisons(scenario: Scenario, seeds: list[int], other_seeds: int = OTHER_SEEDS) -> list[Pair]:
+def comparisons(scenario: Scenario, seeds: list[int], other_seeds: int | None = None) -> list[Pair]:
     """The method against every other job but the reference, and the scenario's extra pairs, each
     on the seeds both sides ran (all of them when both are core)."""
     wanted = [(scenario.method, label) for label, spec in scenario.jobs.items()
@@ -514,12 +455,15 @@ def tree_agreement_rows(out: Path) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- the scenario
-def run_scenario(name: str, seeds: list[int], out: Path, workers: int, overrides: list[str],
-                 other_seeds: int = OTHER_SEEDS, records: Path | None = None) -> dict:
-    """Run (or finish) one scenario and write its tables; returns the fidelity facts. With
-    ``records``, the complete runs kept there are restored into ``out`` first (they are skipped)
-    and every run is kept there as soon as it finishes (:func:`keep_record`)."""
-    scenario = SCENARIOS[name]
+def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, overrides: list[str],
+                 other_seeds: int | None = None, records: Path | None = None) -> dict:
+    """Run (or finish) one scenario and write its tables; returns the fidelity facts (``seeds`` /
+    ``other_seeds`` None: the scenario's). With ``records``, the complete runs kept there are
+    restored into ``out`` first (they are skipped) and every run is kept there as soon as it
+    finishes (:func:`keep_record`)."""
+    scenario = scenarios()[name]
+    seeds = list(scenario.seeds.core) if seeds is None else seeds
+    other_seeds = scenario.seeds.other if other_seeds is None else other_seeds
     config = str(ROOT / scenario.config)
     on_done = None
     if records is not None:
@@ -622,7 +566,7 @@ def regime(table, scenario: Scenario) -> dict:
     reference = table["centralized"][f"{key}_mean"]
     gap = reference - fedit
     return {"regime_metric": key, "fedit": fedit, "centralized": reference, "gap_points": 100 * gap,
-            "counts": bool(math.isfinite(gap) and gap <= REGIME_POINTS / 100)}
+            "counts": bool(math.isfinite(gap) and gap <= scenario.regime.max_gap_points / 100)}
 
 
 # --------------------------------------------------------------------------- the page
@@ -644,7 +588,8 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     command = f"python benchmarks/fidelity.py --scenario {name} --seeds {seeds_text} --workers {facts['workers']}"
     command += "".join(f" --set {o}" for o in overrides)
     selection = "validation loss per response token; score = minus the loss" if scenario.causal else "validation accuracy"
-    verdict = "counts" if facts["counts"] else f"does NOT count (gap above {REGIME_POINTS:g} points: too short to compare)"
+    verdict = "counts" if facts["counts"] else (f"does NOT count (gap above {scenario.regime.max_gap_points:g} "
+                                                "points: too short to compare)")
     method, lead = scenario.primary
     lines = [
         f"# Fidelity: {name}", "", f"    {command}", "", f"Device: {facts['device']}.", "",
@@ -724,13 +669,15 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
 
 
 # --------------------------------------------------------------------------- progress
-def progress(name: str, seeds: list[int], records: Path, overrides: list[str],
-             other_seeds: int = OTHER_SEEDS) -> dict[str, int]:
+def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[str],
+             other_seeds: int | None = None) -> dict[str, int]:
     """How far scenario ``name`` is in ``records``: tuning runs done and still pending (as far as
     the plan is known: a widening adds runs only once the grid's runs are in), and the final runs
     (every job at its choice on every seed, the first seed's tuning runs not counted twice) done
-    and planned. Reads the records only; runs nothing."""
-    scenario = SCENARIOS[name]
+    and planned (``seeds`` / ``other_seeds`` None: the scenario's). Reads the records only; runs
+    nothing."""
+    scenario = scenarios()[name]
+    seeds = list(scenario.seeds.core) if seeds is None else seeds
     base = resolve_base(str(ROOT / scenario.config), overrides)
     runs = load_runs(records, seeds=[seeds[0]]) if records.is_dir() else {}
     plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seeds[0], base, records, runs))
@@ -745,8 +692,8 @@ def progress(name: str, seeds: list[int], records: Path, overrides: list[str],
             "tuning_complete": int(tuned), "final_done": done, "final_planned": len(final)}
 
 
-def progress_table(records: dict[str, Path], seeds: list[int], overrides: list[str],
-                   other_seeds: int = OTHER_SEEDS) -> str:
+def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides: list[str],
+                   other_seeds: int | None = None) -> str:
     """The protocol's progress, one row per scenario (``records``: scenario -> its records folder),
     as a Markdown table (the page copies it)."""
     lines = ["| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned |",
@@ -769,7 +716,10 @@ def records_dir(records: str | None, folder: str, several: bool, overrides: list
     return Path(records) / folder if several else Path(records)
 
 
-def parse_seeds(text: str) -> list[int]:
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``--seeds``: distinct comma-separated integers >= 0 (None: each scenario's own)."""
+    if text is None:
+        return None
     seeds = [int(s) for s in text.split(",") if s.strip()]
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise ValueError(text)
@@ -791,11 +741,12 @@ def console_handler(stream: Any = None) -> logging.Handler:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--scenario", required=True,
-                        help=f"one of {', '.join(SCENARIOS)}, or 'all' (every one, the LLM scenarios included)")
-    parser.add_argument("--seeds", default=DEFAULT_SEEDS, help="comma-separated seeds of the core jobs (default "
-                        f"{DEFAULT_SEEDS}); seed k: train.seed = k, data.seed = config + k")
-    parser.add_argument("--other-seeds", type=int, default=OTHER_SEEDS,
-                        help=f"the non-core jobs run the first N seeds (default {OTHER_SEEDS})")
+                        help=f"the name of a config under {SCENARIO_CONFIGS}/ with a [{TABLE}] table, or 'all' (every "
+                        "one, the LLM scenarios included)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds of the core jobs (default: the "
+                        "scenario's seeds.core); seed k: train.seed = k, data.seed = config + k")
+    parser.add_argument("--other-seeds", type=int, default=None,
+                        help="the non-core jobs run the first N seeds (default: the scenario's seeds.other)")
     parser.add_argument("--workers", type=int, default=None, help="runs at a time (processes; they share a GPU); "
                         "default 2, with --gpu the scenario's number of jobs (all runs of a seed at once)")
     parser.add_argument("--out", default=None, help="output folder (default runs/fidelity/<scenario>, with --gpu "
@@ -812,13 +763,18 @@ def main(argv: list[str] | None = None) -> int:
                         "planned) and exit; runs nothing")
     parser.add_argument("--gpu", action="store_true",
                         help="the full version on one CUDA GPU: the scenario's full-size overrides (LLM scenarios), "
-                        "train.device=cuda, seeds 0..4 unless --seeds, all runs of a seed in parallel")
+                        "train.device=cuda, all runs of a seed in parallel")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, handlers=[console_handler()])
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    unknown = [n for n in names if n not in SCENARIOS]
+    try:
+        known = scenarios()
+    except ConfigError as error:
+        print(f"fidelity: error: {error}", file=sys.stderr)
+        return 2
+    names = list(known) if args.scenario == "all" else [args.scenario]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"fidelity: error: unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}, all", file=sys.stderr)
+        print(f"fidelity: error: unknown scenario {unknown[0]!r}; known: {', '.join(known)}, all", file=sys.stderr)
         return 2
     try:
         seeds = parse_seeds(args.seeds)
@@ -826,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fidelity: error: --seeds expects distinct comma-separated integers >= 0, got {args.seeds!r}",
               file=sys.stderr)
         return 2
-    if args.other_seeds < 2 or (args.workers is not None and args.workers < 1):
+    if (args.other_seeds is not None and args.other_seeds < 2) or (args.workers is not None and args.workers < 1):
         print("fidelity: error: --other-seeds must be >= 2 (a paired test needs 2 seeds) and --workers >= 1",
               file=sys.stderr)
         return 2
@@ -837,8 +793,6 @@ def main(argv: list[str] | None = None) -> int:
             print("fidelity: error: --gpu needs a CUDA device and torch sees none; run without --gpu (CPU-sized) "
                   "or on a GPU machine", file=sys.stderr)
             return 2
-    from fedlora.errors import ConfigError
-
     if args.status:
         folders = {name: records_dir(args.records, name, len(names) > 1, list(args.set)) for name in names}
         print(progress_table(folders, seeds, list(args.set), args.other_seeds))
@@ -848,11 +802,12 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) / folder if args.out and len(names) > 1 else Path(args.out or ROOT / "runs/fidelity" / folder)
         overrides, workers = list(args.set), args.workers or 2
         if args.gpu:
-            overrides = [*SCENARIOS[name].gpu, "train.device=cuda", *args.set]  # the user's --set wins
-            workers = args.workers or len(SCENARIOS[name].jobs)
+            overrides = [*known[name].gpu, "train.device=cuda", *args.set]  # the user's --set wins
+            workers = args.workers or len(known[name].jobs)
         records = None if args.no_records else records_dir(args.records, folder, len(names) > 1, list(args.set))
         try:
-            facts = run_scenario(name, seeds, out, workers, overrides, args.other_seeds, records)
+            own_seeds = list(known[name].seeds.core) if seeds is None else seeds
+            facts = run_scenario(name, own_seeds, out, workers, overrides, args.other_seeds, records)
         except ConfigError as error:
             print(f"fidelity: error: {error}", file=sys.stderr)
             return 2

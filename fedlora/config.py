@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from fedlora import methods
 from fedlora.errors import ConfigError, did_you_mean, shorten, shown
 from fedlora.schema import (
+    IGNORED_TABLES,
     BudgetTier,
     ClientsConfig,
     DataConfig,
@@ -102,7 +103,8 @@ def _lookup(config: ExperimentConfig, dotted: str) -> Any:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read a TOML config, apply ``--set`` overrides and validate everything."""
+    """Read a TOML config, apply ``--set`` overrides and validate everything. The file's tables
+    named in :data:`fedlora.schema.IGNORED_TABLES` (another tool's) are dropped first."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -116,4 +118,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         raw = tomllib.loads(text)
     except (ValueError, RecursionError) as error:  # TOMLDecodeError, or an integer of more than 4300 digits
         raise ConfigError(f"cannot parse {path}: {str(error) or 'nested too deeply'}") from None
+    raw = {section: values for section, values in raw.items() if section not in IGNORED_TABLES}
     return build_config(apply_overrides(raw, overrides or []))

@@ -8,6 +8,11 @@ file (this schema plus the method's options) is :func:`fedlora.config.load_confi
 
 ``--set section.key=value`` overrides any key; values are parsed as TOML literals when they can
 be (``3``, ``1e-3``, ``true``, ``[2, 4]``) and as plain strings otherwise.
+
+A config file may also carry a table that belongs to a tool reading the same file, named in
+:data:`IGNORED_TABLES`; reading the file for a run drops it (it is not part of the experiment,
+and ``--set`` cannot reach it): ``[fidelity]``, the fidelity benchmark's plan of a scenario
+(``configs/scenarios/*.toml``, read by ``benchmarks/fidelity.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ MAX_STEPS = 10_000_000  # train.max_steps, train.local_epochs
 MAX_BATCH = 65_536  # train.batch_size, train.eval_batch_size
 MAX_TOKENS = 1_048_576  # train.max_length, train.max_new_tokens
 MAX_EXAMPLES = 10**12  # data.max_examples, data.global_test_size, train.rouge_examples, faults.max_examples
+# Top-level tables of a config file that a run ignores: each belongs to another tool reading the
+# same file. "fidelity": benchmarks/fidelity.py's scenario plan (its jobs, seeds, tuning budget,
+# primary comparison), in the scenario configs.
+IGNORED_TABLES: tuple[str, ...] = ("fidelity",)
 
 
 def _rate(value: float) -> float:

@@ -119,6 +119,19 @@ def test_overrides_apply_and_hash_changes() -> None:
     assert build_config(base.model_dump(mode="json")).hash() == base.hash()
 
 
+def test_a_run_ignores_the_fidelity_benchmarks_table_and_set_cannot_reach_it(tmp_path: Path) -> None:
+    # Prepare: the smoke config with a [fidelity] table (the benchmark's plan of a scenario)
+    path = tmp_path / "with_table.toml"
+    path.write_text((CONFIGS / "smoke.toml").read_text() + '\n[fidelity]\nclaim = "x"\n[fidelity.jobs.fedit]\n'
+                    'strategy = "fedit"\n')
+    # Execute / Assert: the same experiment as without the table; an override into it is an unknown key
+    assert load_config(path).hash() == load_config(CONFIGS / "smoke.toml").hash()
+    with pytest.raises(ConfigError, match="unknown config key 'fidelity'"):
+        load_config(path, ["fidelity.claim=y"])
+    for scenario in sorted((CONFIGS / "scenarios").glob("*.toml")):  # every scenario config carries one
+        assert "\n[fidelity]\n" in scenario.read_text() and isinstance(load_config(scenario), ExperimentConfig)
+
+
 def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "absent.toml")

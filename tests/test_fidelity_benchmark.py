@@ -24,14 +24,16 @@ from test_benchmark_harness import load
 from fedlora.app.jobs import Job, job_config, resolve_base
 from fedlora.app.paired import METRIC_NAMES
 from fedlora.app.tune import Budget, Knob, plan, point_label, point_value
+from fedlora.errors import ConfigError
 from fedlora.methods import method
 
 fidelity = load("fidelity")
-SCENARIOS = list(fidelity.SCENARIOS)
+SCENARIOS = list(fidelity.scenarios())
 
 
-def parse_default_seeds() -> list[int]:
-    return fidelity.parse_seeds(fidelity.DEFAULT_SEEDS)
+def default_seeds(scenario) -> list[int]:
+    """The seeds a scenario runs without ``--seeds``."""
+    return list(scenario.seeds.core)
 
 
 def interior_chosen(scenario) -> dict[str, tuple[str, ...]]:
@@ -48,13 +50,13 @@ def interior_chosen(scenario) -> dict[str, tuple[str, ...]]:
 # --------------------------------------------------------------------------- configs and jobs
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_every_job_of_every_scenario_is_a_valid_config_at_the_comparison_regime(name: str, tmp_path: Path) -> None:
-    scenario = fidelity.SCENARIOS[name]
+    scenario = fidelity.scenarios()[name]
     base = resolve_base(str(fidelity.ROOT / scenario.config))
     # the issue's minimum regime; an LLM scenario's config is CPU-sized, its full version (--gpu) meets it
     full = resolve_base(str(fidelity.ROOT / scenario.config), list(scenario.gpu))
     assert full.train.rounds >= 20 and full.data.num_clients >= 10
     assert scenario.gpu == () or (base.model.kind == "causal_lm" and scenario.causal)
-    seeds = parse_default_seeds()
+    seeds = default_seeds(scenario)
     jobs = fidelity.final_jobs(scenario, seeds, interior_chosen(scenario))
     for label, spec in scenario.jobs.items():
         jobs += [fidelity.tuning_job(scenario, label, p, seeds[0])
@@ -67,7 +69,7 @@ def test_every_job_of_every_scenario_is_a_valid_config_at_the_comparison_regime(
 
 
 def test_every_override_and_knob_is_an_option_of_its_method() -> None:
-    for scenario in fidelity.SCENARIOS.values():
+    for scenario in fidelity.scenarios().values():
         for spec in scenario.jobs.values():
             knob = [f"{spec.knob.key}={v}" for v in spec.knob.values] if spec.knob else []
             for override in (*spec.overrides, *knob):
@@ -79,7 +81,7 @@ def test_every_override_and_knob_is_an_option_of_its_method() -> None:
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_every_scenario_ablates_its_method_and_declares_a_primary_comparison(name: str) -> None:
-    scenario = fidelity.SCENARIOS[name]
+    scenario = fidelity.scenarios()[name]
     method_label, lead = scenario.primary
     assert scenario.jobs[method_label].role == "method" and scenario.jobs[lead].role == "baseline"
     assert any(spec.role == "ablation" for spec in scenario.jobs.values())
@@ -87,14 +89,14 @@ def test_every_scenario_ablates_its_method_and_declares_a_primary_comparison(nam
     core = {label for label, spec in scenario.jobs.items() if spec.core}
     ablations = {label for label, spec in scenario.jobs.items() if spec.role == "ablation"}
     assert {method_label, lead} | ablations <= core
-    pairs = fidelity.comparisons(scenario, parse_default_seeds())
+    pairs = fidelity.comparisons(scenario, default_seeds(scenario))
     assert (method_label, lead) in {(p.label, p.baseline) for p in pairs}
     assert all(p.baseline in scenario.jobs and p.label in scenario.jobs for p in pairs)
     assert "centralized" not in {p.baseline for p in pairs}  # the reference is the regime line, not a rival
 
 
 def test_the_declared_primary_comparisons() -> None:
-    primaries = {name: (s.primary, s.metric) for name, s in fidelity.SCENARIOS.items()}
+    primaries = {name: (s.primary, s.metric) for name, s in fidelity.scenarios().items()}
     assert primaries == {
         "fedpissa": (("fedpissa", "feddpa"), "personalized_accuracy"),
         "fedhera": (("fedhera", "flexlora"), "received_accuracy"),
@@ -105,11 +107,72 @@ def test_the_declared_primary_comparisons() -> None:
     }
 
 
+# --------------------------------------------------------------------------- the scenarios' data
+def test_every_scenario_config_carries_its_plan() -> None:
+    configs = sorted(path.stem for path in (fidelity.ROOT / fidelity.SCENARIO_CONFIGS).glob("*.toml"))
+    assert sorted(SCENARIOS) == configs and len(configs) == 6
+    for name, scenario in fidelity.scenarios().items():
+        assert scenario.config == f"{fidelity.SCENARIO_CONFIGS}/{name}.toml"
+        base = resolve_base(str(fidelity.ROOT / scenario.config))  # fedlora's loader ignores the table
+        assert (base.model.kind == "causal_lm") == scenario.causal, name
+
+
+def _broken(tmp_path: Path, old: str, new: str) -> Path:
+    """configs/scenarios/fedhera.toml with one line of its [fidelity] table changed."""
+    text = (fidelity.ROOT / fidelity.SCENARIO_CONFIGS / "fedhera.toml").read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / "broken.toml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ('note = "r_tot = r_main"', 'notes = "r_tot = r_main"', "jobs.fedhera_coupled.notes: Extra inputs are not permitted"),
+        ('role = "reference"', 'role = "referee"', "jobs.centralized.role: Input should be"),
+        ('tuned_as = "flexlora"', 'tuned_as = "flexlor"', "jobs.flexlora_bytes_matched.tuned_as: no job 'flexlor'"),
+        ('primary = ["fedhera", "flexlora"]', 'primary = ["flexlora", "fedhera"]', "primary: 'flexlora' must be"),
+        ('values = ["false", "true"]', 'values = ["a", "b", "c", "d", "e"]', "jobs.fedhera.knob: budget 4 leaves 0 learning rates"),
+        ('overrides = ["strategy.coupled=true"]', 'overrides = ["strategy.coupled"]', "expects section.key=value"),
+        ("other = 3", "other = 1", "seeds.other: Input should be greater than or equal to 2"),
+        ('metric = "received_accuracy"', 'metric = "accuracy"', "metric: unknown metric 'accuracy'"),
+        ("[fidelity.jobs.fedit]", "[fidelity.jobs.fedit_]", "jobs must include 'fedit' and 'centralized'"),
+    ],
+)
+def test_a_bad_fidelity_table_is_one_line_naming_the_file_and_the_key(tmp_path: Path, old: str, new: str,
+                                                                      message: str) -> None:
+    # Prepare
+    path = _broken(tmp_path, old, new)
+    # Execute
+    with pytest.raises(ConfigError) as error:
+        fidelity.load_scenario(path)
+    # Assert
+    assert str(error.value).startswith(f"{path}: [fidelity] ") and message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_the_command_refuses_a_bad_fidelity_table_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: a scenario folder holding one broken scenario
+    _broken(tmp_path, "other = 3", "other = 1")
+    monkeypatch.setattr(fidelity, "SCENARIO_CONFIGS", tmp_path)
+    fidelity.scenarios.cache_clear()
+    try:
+        # Execute
+        code = fidelity.main(["--scenario", "all", "--status"])
+    finally:
+        fidelity.scenarios.cache_clear()
+    # Assert
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "broken.toml: [fidelity] seeds.other" in err
+
+
 # --------------------------------------------------------------------------- seeds
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_core_jobs_run_five_seeds_by_default_and_the_others_three(name: str) -> None:
-    scenario = fidelity.SCENARIOS[name]
-    seeds = parse_default_seeds()
+    scenario = fidelity.scenarios()[name]
+    seeds = default_seeds(scenario)
     for label, spec in scenario.jobs.items():
         count = len(fidelity.job_seeds(scenario, label, seeds))
         assert count >= 5 if spec.core else count >= 3, label
@@ -121,9 +184,9 @@ def test_core_jobs_run_five_seeds_by_default_and_the_others_three(name: str) -> 
 
 @pytest.mark.parametrize("name", ["fedpissa", "fedhera"])
 def test_every_seed_is_a_fresh_partition_shared_by_the_jobs_of_that_seed(name: str, tmp_path: Path) -> None:
-    scenario = fidelity.SCENARIOS[name]
+    scenario = fidelity.scenarios()[name]
     base = resolve_base(str(fidelity.ROOT / scenario.config))
-    seeds = parse_default_seeds()
+    seeds = default_seeds(scenario)
     jobs = fidelity.final_jobs(scenario, seeds, interior_chosen(scenario))
     by_seed: dict[int, set[int]] = {}
     for job in jobs:
@@ -136,7 +199,7 @@ def test_every_seed_is_a_fresh_partition_shared_by_the_jobs_of_that_seed(name: s
 # --------------------------------------------------------------------------- tuned alike
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_every_job_of_a_scenario_gets_the_same_number_of_configurations(name: str) -> None:
-    scenario = fidelity.SCENARIOS[name]
+    scenario = fidelity.scenarios()[name]
     peak = scenario.budget.lr_grid[1]  # 3e-3 for the classifier scenarios
     for label, spec in scenario.jobs.items():
         result = plan(scenario.budget, spec.knob, lambda p: -abs(math.log(float(point_value(p, "train.lr")) / peak)))
@@ -197,7 +260,7 @@ def test_a_diverged_configuration_counts_as_the_worst() -> None:
 
 
 def test_the_chosen_configuration_is_reused_for_every_seed_and_its_tuning_run_is_the_first() -> None:
-    scenario = fidelity.SCENARIOS["feddr_lora"]
+    scenario = fidelity.scenarios()["feddr_lora"]
     seeds = [3, 4, 5, 6, 7]
     chosen = interior_chosen(scenario)
     finals = fidelity.final_jobs(scenario, seeds, chosen)
@@ -250,7 +313,7 @@ def fake_training(monkeypatch: pytest.MonkeyPatch) -> list[Job]:
 
 
 def test_tuning_stage_runs_the_budget_then_resumes_without_rerunning(fake_training: list[Job], tmp_path: Path) -> None:
-    scenario = fidelity.SCENARIOS["fedpissa"]
+    scenario = fidelity.scenarios()["fedpissa"]
     config = str(fidelity.ROOT / scenario.config)
     # Execute
     plans = fidelity.tune_scenario(scenario, config, 0, tmp_path, 1, [])
@@ -314,7 +377,7 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     assert len(fake_training) == ran
     assert (second / "summary.csv").read_text() == (first / "summary.csv").read_text()
     # the status counts what the records hold: nothing, then every run (tuning and final)
-    tuned = sum(1 for spec in fidelity.SCENARIOS["fedpissa"].jobs.values() if spec.tuned_as is None)
+    tuned = sum(1 for spec in fidelity.scenarios()["fedpissa"].jobs.values() if spec.tuned_as is None)
     row_before = next(line for line in before.splitlines() if line.startswith("| fedpissa |"))
     row_after = next(line for line in after.splitlines() if line.startswith("| fedpissa |"))
     assert row_before.startswith("| fedpissa | 0 | ") and "| 0 / " in row_before
@@ -347,7 +410,7 @@ def test_a_record_of_another_config_is_never_overwritten(tmp_path: Path) -> None
 def committed_records() -> list[tuple[str, str, Path]]:
     """(scenario, job folder, seed folder) of every committed record of a scenario's own folder."""
     root = fidelity.ROOT / fidelity.RECORDS
-    return [(name, seed.parent.name, seed) for name in fidelity.SCENARIOS if (root / name).is_dir()
+    return [(name, seed.parent.name, seed) for name in fidelity.scenarios() if (root / name).is_dir()
             for seed in sorted((root / name).glob("*/seed*")) if (seed / "results.json").is_file()]
 
 
@@ -355,7 +418,7 @@ def committed_records() -> list[tuple[str, str, Path]]:
                          ids=[f"{n}/{f}/{s.name}" for n, f, s in committed_records()])
 def test_every_committed_record_is_still_a_complete_run_of_its_job(name: str, folder: str, seed_dir: Path) -> None:
     # Prepare: the job the record's folder names, built as the command builds it today
-    scenario = fidelity.SCENARIOS[name]
+    scenario = fidelity.scenarios()[name]
     label, _, rest = folder.partition("[")
     point = tuple(o for o in rest.removesuffix("]").split(",") if o)
     spec = scenario.jobs[label]
@@ -366,6 +429,23 @@ def test_every_committed_record_is_still_a_complete_run_of_its_job(name: str, fo
 
     assert is_complete(seed_dir, config), f"{seed_dir} no longer matches its job's config: declare the new option's " \
                                           "earlier value in fedlora.schema.RECORD_DEFAULTS"
+
+
+def test_the_status_counts_every_committed_record_as_a_complete_planned_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: the committed records of each scenario's own folder
+    root = fidelity.ROOT / fidelity.RECORDS
+    recorded = {name: len(list((root / name).glob("*/seed*/results.json")))
+                for name in fidelity.scenarios() if (root / name).is_dir()}
+    assert recorded, "the repository holds committed records"
+    # Execute: the command's --status (it reads the records and runs nothing)
+    assert fidelity.main(["--scenario", "all", "--status"]) == 0
+    rows = {cells[0]: cells for line in capsys.readouterr().out.splitlines() if line.startswith("| ")
+            if (cells := [cell.strip() for cell in line.strip("|").split("|")])}
+    # Assert: every record is a run the plan counts as done, in the tuning stage or among the final
+    # runs (a record of a job, configuration, seed or config the plan no longer has counts nowhere)
+    for name, count in recorded.items():
+        tuning_done, final_done = int(rows[name][1]), int(rows[name][3].split("/")[0])
+        assert tuning_done + final_done == count, (name, rows[name], count)
 
 
 def test_overrides_keep_their_records_apart() -> None:
@@ -400,7 +480,7 @@ def test_the_page_reads_the_trees_agreement_with_the_task_groups_from_the_record
 def test_regime_counts_only_when_fedit_is_within_five_points_of_the_reference(
     fedit: float, reference: float, counts: bool
 ) -> None:
-    scenario = fidelity.SCENARIOS["fedhera"]
+    scenario = fidelity.scenarios()["fedhera"]
     table = {"fedit": {"global_accuracy_mean": fedit}, "centralized": {"global_accuracy_mean": reference}}
     facts = fidelity.regime(table, scenario)
     assert facts["counts"] is counts
@@ -410,7 +490,7 @@ def test_regime_counts_only_when_fedit_is_within_five_points_of_the_reference(
 
 
 def test_regime_reads_the_scenarios_metric() -> None:
-    tree = fidelity.SCENARIOS["fedtreelora"]
+    tree = fidelity.scenarios()["fedtreelora"]
     table = {"fedit": {"personalized_accuracy_mean": 0.9, "global_accuracy_mean": 0.3},
              "centralized": {"personalized_accuracy_mean": 0.92, "global_accuracy_mean": 0.9}}
     assert fidelity.regime(table, tree)["counts"] is True  # per-task heads: personalised accuracy
@@ -430,7 +510,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, capsys:
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_ablations_run_at_their_methods_choice_with_their_own_keys_winning(name: str) -> None:
     # Prepare: every tuned label chose an interior point; the method also chose its knob's second value
-    scenario = fidelity.SCENARIOS[name]
+    scenario = fidelity.scenarios()[name]
     plans = {}
     for label, spec in scenario.jobs.items():
         if spec.tuned_as is None:

@@ -56,7 +56,7 @@ def test_fedhera_llm_budget_tiers_are_1_1_times_the_targets_on_smollm2s_layer_sh
 def test_every_job_of_an_llm_scenario_runs_one_round_on_the_tiny_llama_and_writes_its_tables(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    scenario = fidelity.SCENARIOS[name]
+    scenario = fidelity.scenarios()[name]
 
     def first_points(scenario, config, seed, out, workers, overrides, on_done=None) -> dict[str, TunePlan]:
         plans = {}
@@ -120,6 +120,7 @@ def test_gpu_is_the_full_version_in_one_command(monkeypatch: pytest.MonkeyPatch,
         (args[2] / "fidelity.md").write_text("")
         return {"counts": True, "fedit": 0.5, "centralized": 0.5, "gap_points": 0.0}
 
+    scenario = fidelity.scenarios()["fedhera_llm"]  # read from the repository before ROOT moves
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(fidelity, "run_scenario", run_scenario)
     monkeypatch.setattr(fidelity, "ROOT", tmp_path)
@@ -127,7 +128,6 @@ def test_gpu_is_the_full_version_in_one_command(monkeypatch: pytest.MonkeyPatch,
     assert fidelity.main(["--scenario", "fedhera_llm", "--gpu", "--set", "train.rounds=60"]) == 0
     # Assert: seeds 0..4, every job of a seed at once, the full-size overrides then CUDA then the user's
     name, seeds, out, workers, overrides, _, records = calls[0]
-    scenario = fidelity.SCENARIOS["fedhera_llm"]
     assert name == "fedhera_llm" and seeds == [0, 1, 2, 3, 4] and workers == len(scenario.jobs) == 7
     assert overrides == [*scenario.gpu, "train.device=cuda", "train.rounds=60"] and "data.num_clients=100" in overrides
     assert out == tmp_path / "runs/fidelity/fedhera_llm-gpu"  # apart from the CPU-sized runs
