@@ -93,9 +93,9 @@ def plain_fedavg(config) -> dict[str, object]:
     """(a): a plain PyTorch loop over clients with FedAvg, timed per round."""
     import torch
 
-    from fedlora.app.server import GlobalEvaluator
     from fedlora.backbones import load_tokenizer, resolve_device
     from fedlora.data import build_federated_data
+    from fedlora.evaluation import GlobalEvaluator
     from fedlora.lora import weighted_average
     from fedlora.models import adapter_payload, build_model, load_payload
     from fedlora.training import make_loader, train

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))  # this repository's fedlora, not an installed one
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedlora.app.server import GlobalEvaluator
 from fedlora.config import load_config
 from fedlora.data import build_federated_data
+from fedlora.evaluation import GlobalEvaluator
 from fedlora.profile import ClientProfile
 from fedlora.simulations.inprocess import InProcessGrid
 from fedlora.strategies.registry import create_strategy

@@ -34,7 +34,7 @@ log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and
 ExpectedUpload = Callable[[int, Mapping[str, float]], dict[str, tuple[int, ...]]]
 
 
-def sender(roster: ClientRoster, awaiting: Mapping[str, set[int]], msg: Message, phase: Phase,
+def sender(roster: ClientRoster, awaiting: Mapping[Phase, set[int]], msg: Message, phase: Phase,
            seen: set[int]) -> int | Rejection:
     """The partition of the reply's sender (the roster's map, never what the reply claims), if it
     was sent a message of ``phase`` this round (``awaiting``; no entry: any accepted client) and
@@ -59,7 +59,7 @@ def known(roster: ClientRoster, node: int) -> int | None:
         return None
 
 
-def read_train_reply(msg: Message, roster: ClientRoster, awaiting: Mapping[str, set[int]], seen: set[int],
+def read_train_reply(msg: Message, roster: ClientRoster, awaiting: Mapping[Phase, set[int]], seen: set[int],
                      expectation: Callable[[int], Expectation], expected_upload: ExpectedUpload,
                      record: RoundRecord) -> tuple[int, ClientUpload | Rejection] | None:
     """Parse and validate one training reply: the sender's partition and its upload or the
@@ -84,7 +84,7 @@ def read_train_reply(msg: Message, roster: ClientRoster, awaiting: Mapping[str, 
     return partition, parse_train_reply(msg, expectation(partition), expected)
 
 
-def read_train_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[str, set[int]],
+def read_train_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[Phase, set[int]],
                        expectation: Callable[[int], Expectation], expected_upload: ExpectedUpload,
                        ledger: PrivacyLedger, record: RoundRecord) -> list[ClientUpload]:
     """Parse and validate every training reply (:func:`read_train_reply`); count the rejections and
@@ -111,7 +111,7 @@ def read_train_replies(replies: list[Message], roster: ClientRoster, awaiting: M
     return sorted(uploads, key=lambda u: u.partition_id)
 
 
-def read_evaluate_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[str, set[int]],
+def read_evaluate_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[Phase, set[int]],
                           kind: ModelKind, record: RoundRecord) -> list[dict[str, float]]:
     """Parse and validate every evaluation reply (:func:`fedlora.strategies.replies.parse_evaluate_reply`,
     from a client sent an evaluation message this round, once: :func:`sender`); a failed or

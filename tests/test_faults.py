@@ -10,11 +10,11 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedlora.app.runner import run_inprocess
-from fedlora.app.server import GlobalEvaluator
 from fedlora.clients.app import app as client_app
 from fedlora.clients.faults import corrupt
 from fedlora.config import ConfigError, load_config
 from fedlora.data import build_federated_data
+from fedlora.evaluation import GlobalEvaluator
 from fedlora.lora import to_array_record
 from fedlora.simulations.inprocess import InProcessGrid, node_configs
 from fedlora.strategies.registry import create_strategy

@@ -472,7 +472,7 @@ def test_strategy_init_leaves_model_init_to_other_strategies() -> None:
 
 def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
     # Prepare: the server's GlobalEvaluator (label names are all it reads from the data here)
-    from fedlora.app.server import GlobalEvaluator
+    from fedlora.evaluation import GlobalEvaluator
     from fedlora.models import build_model
 
     config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)

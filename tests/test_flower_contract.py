@@ -23,9 +23,9 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from strategy_helpers import SMOKE_SETTINGS, short_run_options
 
-from fedlora.app.server import GlobalEvaluator
 from fedlora.config import ConfigError, config_from_json, load_config
 from fedlora.data import build_federated_data
+from fedlora.evaluation import GlobalEvaluator
 from fedlora.lora import A_SUFFIX, B_SUFFIX, HEAD_PREFIX, from_array_record, split_payload, to_array_record
 from fedlora.profile import ClientProfile
 from fedlora.simulations.inprocess import InProcessGrid, node_configs

@@ -41,8 +41,9 @@ from deploy_helpers import processes_of
 from flwr.supercore import log as flower_log
 
 from fedlora import methods
+from fedlora.app.run_config import config_from_run_config
 from fedlora.app.runner import run_inprocess
-from fedlora.app.server import config_from_run_config, report_error
+from fedlora.app.server import report_error
 from fedlora.config import ConfigError, load_config
 from fedlora.schema import ExperimentConfig
 from fedlora.strategies.roster import MissingClientsError, wait_for_nodes

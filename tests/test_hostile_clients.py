@@ -35,9 +35,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategy_helpers import short_run_overrides
 
-from fedlora.app.server import GlobalEvaluator, run_server
+from fedlora.app.server import run_server
 from fedlora.config import ConfigError, load_config
 from fedlora.data import build_federated_data
+from fedlora.evaluation import GlobalEvaluator
 from fedlora.lora import ADAPTER_DTYPE, Combine, weighted_average
 from fedlora.profile import ClientProfile
 from fedlora.protocol import MetricRule

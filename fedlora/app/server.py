@@ -10,98 +10,28 @@ round lines and a fedlora error through Flower's logger, which is what ``flwr lo
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from logging import ERROR, INFO
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedlora import protocol
 from fedlora.app.progress import RoundProgress
+from fedlora.app.run_config import config_from_run_config, run_app_dir
 from fedlora.app.tracking import Tracker
-from fedlora.config import ExperimentConfig, apply_overrides, build_config, config_from_json, load_config
-from fedlora.lora import A_SUFFIX, Payload
-from fedlora.models import SeededAdapters
+from fedlora.config import ExperimentConfig
+from fedlora.evaluation import GlobalEvaluator
 from fedlora.results import ResultsWriter, RoundRecord
 from fedlora.strategies.roster import wait_for_nodes
 
-if TYPE_CHECKING:  # fedlora.data takes seconds to import: run_server imports it once the SuperNodes are there
-    from fedlora.data import FederatedData
-
 logger = logging.getLogger("fedlora")
 flower_log = logging.getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` shows
-GENERATIONS_FILE = "generations.jsonl"  # causal LMs: sample generations of the global model per evaluation round
-
-
-class GlobalEvaluator(SeededAdapters):
-    """Server-side models: the seeded initial adapter, module shapes (:class:`fedlora.models.
-    SeededAdapters`), global-test accuracy (a causal LM: global-test ROUGE-L, loss and perplexity,
-    and a few sample generations)."""
-
-    def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
-        from fedlora.backbones import resolve_device
-        from fedlora.training import resolve_precision
-
-        super().__init__(config.model, len(federated.label_names), seed=config.train.seed, device=config.train.device)
-        self.config = config
-        self.federated = federated
-        self.torch_device = resolve_device(config.train.device)
-        self.precision = resolve_precision(config.train.precision, self.torch_device)
-        self._loader: Any = None
-
-    def model_for(self, payload: Payload):
-        """A peft model whose per-module ranks match ``payload``, with the payload loaded."""
-        from fedlora.models import load_payload
-
-        ranks = {k[: -len(A_SUFFIX)]: int(v.shape[0]) for k, v in payload.items() if k.endswith(A_SUFFIX)}
-        model = self.build(ranks if ranks else self.config.model.lora_rank)
-        load_payload(model, payload)
-        return model
-
-    def accuracy(self, payload: Payload) -> float:
-        from fedlora.backbones import load_tokenizer
-        from fedlora.training import evaluate, make_loader
-
-        if self._loader is None:
-            cfg = self.config.train
-            tokenizer = load_tokenizer(self.config.model.path)
-            self._loader = make_loader(
-                self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False
-            )
-        return evaluate(self.model_for(payload), self._loader, self.torch_device, self.precision).accuracy
-
-    def generation(self, payload: Payload) -> Any:
-        """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
-        from fedlora.backbones import load_tokenizer
-        from fedlora.causal_lm import evaluate_generation, make_causal_loader
-
-        cfg = self.config.train
-        tokenizer = load_tokenizer(self.config.model.path)
-        if self._loader is None:
-            self._loader = make_causal_loader(self.federated.global_test, tokenizer, cfg.eval_batch_size,
-                                              cfg.max_length, shuffle=False)
-        return evaluate_generation(self.model_for(payload), self.federated.global_test, self._loader, tokenizer,
-                                   self.torch_device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
-                                   samples=self.config.output.sample_generations, precision=self.precision)
-
-    def evaluate_into(self, payload: Payload, record: RoundRecord, out_dir: Path) -> None:
-        """Global-test scores of ``payload`` into ``record``: accuracy, or for a causal LM ROUGE-L,
-        loss and perplexity (and its sample generations appended to ``out_dir/generations.jsonl``)."""
-        if self.config.model.kind != "causal_lm":
-            record.global_accuracy = self.accuracy(payload)
-            return
-        scores = self.generation(payload)
-        record.global_rouge_l, record.global_loss, record.global_perplexity = scores.rouge_l, scores.loss, scores.perplexity
-        if scores.samples:
-            with (out_dir / GENERATIONS_FILE).open("a", encoding="utf-8") as handle:
-                for sample in scores.samples:
-                    handle.write(json.dumps({"round": record.round, **sample}) + "\n")
 
 
 # results.json strategy_info: who measured the round's global accuracy (ROUGE-L): "server" (the
@@ -311,55 +241,6 @@ def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None 
             raise
 
     return server_app
-
-
-# ---------------------------------------------------------------- the run config (flwr run, deployments)
-RUN_CONFIG_ENTRIES = ("config", "experiment", "resume", "set")
-"""fedlora's own run-config entries (pyproject ``[tool.flwr.app.config]``); every other entry there is
-a dotted config key (``train.rounds``), declared with the value "" (= the config's own value)."""
-
-
-def flat_overrides(run_config: Mapping[str, Any]) -> list[str]:
-    """Flower's habit, ``flwr run . --run-config "train.rounds=5 strategy.name='fedhera'"``: every
-    dotted run-config key with a value other than "" as a ``section.key=value`` override (the value
-    as a TOML literal, so that it keeps the type Flower parsed: 5, 'fedhera', true, 1e-3)."""
-    return [f"{key}={_toml_literal(value)}" for key, value in run_config.items()
-            if key not in RUN_CONFIG_ENTRIES and "." in key and value != ""]
-
-
-def _toml_literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value) if math.isfinite(value) else str(value)  # inf, -inf, nan: TOML's spelling
-    return json.dumps(str(value))  # a JSON string is a TOML basic string
-
-
-def run_app_dir(grid: Grid) -> Path | None:
-    """The folder where Flower installed this run's app (its FAB: pyproject.toml and configs/);
-    None without a FAB (fedlora's in-process engine)."""
-    from flwr.common.config import get_project_dir
-
-    run = grid.run
-    return get_project_dir(run.fab_id, run.fab_version, run.fab_hash) if run.fab_hash else None
-
-
-def config_from_run_config(run_config: dict[str, Any], app_dir: Path | None = None) -> ExperimentConfig:
-    """Deployment and ``flwr run .``: the config arrives as JSON (``experiment``, what ``fedlora
-    deploy`` sends) or as a TOML path (``config``), with overrides: the dotted keys
-    (:func:`flat_overrides`), then ``set`` (``section.key=value`` items separated by ``;``; the
-    later wins). A relative ``config`` path is looked up in the working directory, then in the
-    run's app folder ``app_dir`` (the installed FAB, which carries configs/), so ``flwr run .
-    --run-config 'config="configs/smoke.toml"'`` works from anywhere."""
-    overrides = [*flat_overrides(run_config),
-                 *(item.strip() for item in str(run_config.get("set", "")).split(";") if item.strip())]
-    if run_config.get("experiment"):
-        text = str(run_config["experiment"])
-        return build_config(apply_overrides(json.loads(text), overrides)) if overrides else config_from_json(text)
-    path = Path(str(run_config.get("config") or "configs/quickstart.toml"))
-    if app_dir is not None and not path.is_absolute() and not path.is_file() and (app_dir / path).is_file():
-        path = app_dir / path
-    return load_config(path, overrides)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

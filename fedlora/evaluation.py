@@ -1,0 +1,91 @@
+"""The server's evaluation of a global adapter on the global test set (beside the clients'
+training and evaluation in :mod:`fedlora.training` and :mod:`fedlora.causal_lm`).
+
+:class:`GlobalEvaluator` holds the server-side models of a run: the common seeded initial adapter
+and the adapted modules' shapes (:class:`fedlora.models.SeededAdapters`), and scores a strategy's
+global adapter: accuracy for a classifier; ROUGE-L, loss and perplexity (and a few sample
+generations) for a causal LM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedlora.lora import A_SUFFIX, Payload
+from fedlora.models import SeededAdapters
+from fedlora.results import RoundRecord
+from fedlora.schema import ExperimentConfig
+
+if TYPE_CHECKING:  # fedlora.data takes seconds to import; the caller has built the data already
+    from peft import PeftModel
+
+    from fedlora.data import FederatedData
+
+GENERATIONS_FILE = "generations.jsonl"  # causal LMs: sample generations of the global model per evaluation round
+
+
+class GlobalEvaluator(SeededAdapters):
+    """Server-side models: the seeded initial adapter, module shapes (:class:`fedlora.models.
+    SeededAdapters`), global-test accuracy (a causal LM: global-test ROUGE-L, loss and perplexity,
+    and a few sample generations)."""
+
+    def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
+        from fedlora.backbones import resolve_device
+        from fedlora.training import resolve_precision
+
+        super().__init__(config.model, len(federated.label_names), seed=config.train.seed, device=config.train.device)
+        self.config = config
+        self.federated = federated
+        self.torch_device = resolve_device(config.train.device)
+        self.precision = resolve_precision(config.train.precision, self.torch_device)
+        self._loader: Any = None
+
+    def model_for(self, payload: Payload) -> PeftModel:
+        """A peft model whose per-module ranks match ``payload``, with the payload loaded."""
+        from fedlora.models import load_payload
+
+        ranks = {k[: -len(A_SUFFIX)]: int(v.shape[0]) for k, v in payload.items() if k.endswith(A_SUFFIX)}
+        model = self.build(ranks if ranks else self.config.model.lora_rank)
+        load_payload(model, payload)
+        return model
+
+    def accuracy(self, payload: Payload) -> float:
+        from fedlora.backbones import load_tokenizer
+        from fedlora.training import evaluate, make_loader
+
+        if self._loader is None:
+            cfg = self.config.train
+            tokenizer = load_tokenizer(self.config.model.path)
+            self._loader = make_loader(
+                self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False
+            )
+        return evaluate(self.model_for(payload), self._loader, self.torch_device, self.precision).accuracy
+
+    def generation(self, payload: Payload) -> Any:
+        """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
+        from fedlora.backbones import load_tokenizer
+        from fedlora.causal_lm import evaluate_generation, make_causal_loader
+
+        cfg = self.config.train
+        tokenizer = load_tokenizer(self.config.model.path)
+        if self._loader is None:
+            self._loader = make_causal_loader(self.federated.global_test, tokenizer, cfg.eval_batch_size,
+                                              cfg.max_length, shuffle=False)
+        return evaluate_generation(self.model_for(payload), self.federated.global_test, self._loader, tokenizer,
+                                   self.torch_device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
+                                   samples=self.config.output.sample_generations, precision=self.precision)
+
+    def evaluate_into(self, payload: Payload, record: RoundRecord, out_dir: Path) -> None:
+        """Global-test scores of ``payload`` into ``record``: accuracy, or for a causal LM ROUGE-L,
+        loss and perplexity (and its sample generations appended to ``out_dir/generations.jsonl``)."""
+        if self.config.model.kind != "causal_lm":
+            record.global_accuracy = self.accuracy(payload)
+            return
+        scores = self.generation(payload)
+        record.global_rouge_l, record.global_loss, record.global_perplexity = scores.rouge_l, scores.loss, scores.perplexity
+        if scores.samples:
+            with (out_dir / GENERATIONS_FILE).open("a", encoding="utf-8") as handle:
+                for sample in scores.samples:
+                    handle.write(json.dumps({"round": record.round, **sample}) + "\n")
