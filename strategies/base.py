@@ -150,6 +150,11 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     name: ClassVar[str] = ""  # set from ``method`` by __init_subclass__
     capabilities: ClassVar[Capabilities]
 
+    # What a checkpoint saves and a resumed run restores (:meth:`state_dict`): what the strategy has
+    # learned and counted so far. A method adds its own (``STATE = (*LoRAStrategy.STATE, "global_adapter")``);
+    # tests/test_architecture.py checks that every attribute a strategy assigns is declared here or below.
+    STATE: ClassVar[tuple[str, ...]] = ("records", "started", "ledger", "rng", "failed_rounds", "common_rank",
+                                        "norm_reference", "update_history")
     # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
@@ -351,9 +356,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     # ---------------------------------------------------------------- state (checkpoints)
     def state_dict(self) -> dict[str, Any]:
-        """Everything the strategy learned: ``vars(self)`` minus :attr:`NOT_STATE` (per-client
-        entries are keyed by partition id, so a resumed run's new node ids do not matter)."""
-        return {key: value for key, value in vars(self).items() if key not in self.NOT_STATE and not callable(value)}
+        """What the strategy learned: the attributes :attr:`STATE` declares, those set so far
+        (per-client entries are keyed by partition id, so a resumed run's new node ids do not matter)."""
+        return {key: getattr(self, key) for key in self.STATE if hasattr(self, key)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` after this run's query."""

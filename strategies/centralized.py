@@ -38,6 +38,7 @@ class Centralized(LoRAStrategy[NoOptions]):
     """
 
     method = centralized.METHOD
+    STATE = (*LoRAStrategy.STATE, "model_adapter", "model_rank")  # checkpointed
 
     def setup(self) -> None:
         self.model_rank = min(p.rank for p in self.roster.profiles.values())

@@ -52,6 +52,7 @@ class FedDPA(LoRAStrategy[feddpa.FedDPAOptions]):
     """
 
     method = feddpa.METHOD
+    STATE = (*LoRAStrategy.STATE, "global_adapter", "rank_g")  # checkpointed
 
     def setup(self) -> None:
         self.rank_g = self.options.rank_of_g(self.experiment.model.lora_rank)

@@ -95,6 +95,7 @@ class FedDRLoRA(LoRAStrategy[feddr_lora.FedDRLoRAOptions]):
     """
 
     method = feddr_lora.METHOD
+    STATE = (*LoRAStrategy.STATE, "global_B", "head", "rank", "split_metrics")  # checkpointed
 
     def setup(self) -> None:
         self.rank = min(p.rank for p in self.roster.profiles.values())  # one rank, settled by the roster

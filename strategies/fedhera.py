@@ -134,6 +134,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     """
 
     method = fedhera.METHOD
+    STATE = (*LoRAStrategy.STATE, "G", "_global", "allocation_rng", "budgets", "head", "initial_rank", "max_rank", "pushes", "scores", "sent", "tiers", "violations")  # checkpointed
 
     # ---------------------------------------------------------------- budgets
     @property

@@ -38,6 +38,7 @@ class FedIT(LoRAStrategy[NoOptions]):
     """
 
     method = fedit.METHOD
+    STATE = (*LoRAStrategy.STATE, "global_adapter", "max_rank")  # checkpointed
 
     def setup(self) -> None:
         self.max_rank = max(p.rank for p in self.roster.profiles.values())

@@ -105,6 +105,7 @@ class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
     """
 
     method = fedpissa.METHOD
+    STATE = (*LoRAStrategy.STATE, "A_agg", "B_agg", "client_A", "client_B", "delta", "diagnostics", "head", "initial_A", "initial_B", "last_A", "last_B", "last_examples", "rank", "selected", "sent")  # checkpointed
 
     def setup(self) -> None:
         # after the roster settled mixed ranks (clients.mixed_rank_policy), every profile has one rank

@@ -44,6 +44,7 @@ class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
     """
 
     method = fedsa_lora.METHOD
+    STATE = (*LoRAStrategy.STATE, "A", "head")  # checkpointed
 
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})

@@ -113,6 +113,7 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     """
 
     method = fedtreelora.METHOD
+    STATE = (*LoRAStrategy.STATE, "cluster_experts", "cuts", "distances", "external_experts", "fallback", "head", "lam", "layers", "membership", "pushed_B", "rebuilt", "tree", "tree_partitions")  # checkpointed
 
     # ---------------------------------------------------------------- state
     def setup(self) -> None:

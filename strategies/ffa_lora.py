@@ -48,6 +48,7 @@ class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
     """
 
     method = ffa_lora.METHOD
+    STATE = (*LoRAStrategy.STATE, "B", "head", "rank_max", "shared_A")  # checkpointed
 
     def setup(self) -> None:
         ranks = sorted({p.rank for p in self.roster.profiles.values()})

@@ -60,6 +60,7 @@ class FlexLoRA(LoRAStrategy[flexlora.FlexLoRAOptions]):
     """
 
     method = flexlora.METHOD
+    STATE = (*LoRAStrategy.STATE, "aggregate_stack", "head", "spectrum")  # checkpointed
 
     def setup(self) -> None:
         self.spectrum: dict[str, LowRankSVD] = {}  # module -> leading r_max SVD of the last G

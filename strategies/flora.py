@@ -60,6 +60,7 @@ class FLoRA(LoRAStrategy[NoOptions]):
     """
 
     method = flora.METHOD
+    STATE = (*LoRAStrategy.STATE, "head", "merged", "sent", "stacks")  # checkpointed
 
     def setup(self) -> None:
         self.stacks: dict[int, dict[str, Factors]] = {}  # round -> module -> unit-scale stack

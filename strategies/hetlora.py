@@ -65,6 +65,7 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     """
 
     method = hetlora.METHOD
+    STATE = (*LoRAStrategy.STATE, "aggregated", "global_factors", "head", "max_rank", "ranks", "upload_rank")  # checkpointed
     # the rank each reply reports, read only while its upload is checked: never state
     NOT_STATE = LoRAStrategy.NOT_STATE | {"upload_rank"}
 

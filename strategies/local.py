@@ -37,6 +37,7 @@ class LocalOnly(LoRAStrategy[NoOptions]):
     """
 
     method = local.METHOD
+    STATE = LoRAStrategy.STATE  # checkpointed: nothing of its own
 
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return {}

@@ -42,6 +42,7 @@ class UniformFedAvg(LoRAStrategy[NoOptions]):
     """FedIT's protocol with p_k = 1 / K over the K uploads of a round."""
 
     method = METHOD
+    STATE = (*LoRAStrategy.STATE, "global_adapter", "max_rank", "last_weights")  # what a checkpoint saves
 
     def setup(self) -> None:
         self.max_rank = max(p.rank for p in self.roster.profiles.values())

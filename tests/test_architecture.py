@@ -251,3 +251,46 @@ def test_the_wheel_holds_only_fedlora_and_strategies_is_not_importable_outside_t
     assert len([n for n in names if n.endswith(".py")]) == len(source_files())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["[]", "13", "True"], proc.stdout
+
+
+# ------------------------------------------------------------------ checkpoint state, declared
+def assigned_attributes(cls_node: ast.ClassDef) -> set[str]:
+    """Every ``self.<name>`` a class's methods assign (plain, annotated or augmented)."""
+    found = set()
+    for node in ast.walk(cls_node):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        for target in targets:
+            for item in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self":
+                    found.add(item.attr)
+    return found
+
+
+def test_every_attribute_a_strategy_assigns_is_declared_checkpoint_state_or_rebuilt() -> None:
+    """A checkpoint saves what ``STATE`` declares (not ``vars(self)``): an attribute a strategy
+    assigns but declares nowhere would be lost on resume, a declared one it never assigns is stale."""
+    from fedlora.strategies.base import LoRAStrategy
+    from fedlora.strategies.registry import strategy_class, strategy_names
+
+    # Prepare: the classes as the code writes them
+    problems = []
+    base_node = next(n for n in ast.walk(ast.parse((ROOT / "strategies/base.py").read_text()))
+                     if isinstance(n, ast.ClassDef) and n.name == "LoRAStrategy")
+    base_assigned = assigned_attributes(base_node)
+    for name in strategy_names():
+        cls = strategy_class(name)
+        path = ROOT / "strategies" / f"{cls.__module__.rsplit('.', 1)[-1]}.py"
+        node = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        # Execute
+        assigned = assigned_attributes(node) - {"options", "experiment", "_experiment_json"}  # set_rounds: rebuilt
+        undeclared = assigned - set(cls.STATE) - LoRAStrategy.NOT_STATE
+        stale = set(cls.STATE) - assigned - set(LoRAStrategy.STATE)
+        problems += [f"{name}: assigns {sorted(undeclared)} but declares them nowhere"] * bool(undeclared)
+        problems += [f"{name}: STATE names {sorted(stale)}, which it never assigns"] * bool(stale)
+        problems += [f"{name}: STATE drops the base's"] * (not set(LoRAStrategy.STATE) <= set(cls.STATE))
+    base_undeclared = base_assigned - set(LoRAStrategy.STATE) - LoRAStrategy.NOT_STATE - {"options", "experiment"}
+    # Assert
+    assert not problems, problems
+    assert not base_undeclared, f"LoRAStrategy assigns {sorted(base_undeclared)} but declares them nowhere"
+    assert set(LoRAStrategy.STATE) <= base_assigned
