@@ -37,7 +37,7 @@ README_COMMANDS: dict[str, tuple[str, ...]] = {
 }
 # README commands no test runs, and why (said here rather than covered by a test that does not run them).
 NOT_RUN_BY_A_TEST: dict[str, str] = {
-    "make demo": ("a 4-minute run of configs/demo.toml after the installation; only its config is checked "
+    "make demo": ("a 2.5-minute run of configs/demo.toml after the installation; only its config is checked "
                   "(tests/test_config.py::test_every_shipped_config_validates)"),
     "make test": "the suite itself; CI runs it (.ci/run)",
 }
