@@ -65,7 +65,7 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     """
 
     method = hetlora.METHOD
-    STATE = (*LoRAStrategy.STATE, "aggregated", "global_factors", "head", "max_rank", "ranks", "upload_rank")  # checkpointed
+    STATE = (*LoRAStrategy.STATE, "aggregated", "global_factors", "head", "max_rank", "ranks")  # checkpointed
     # the rank each reply reports, read only while its upload is checked: never state
     NOT_STATE = LoRAStrategy.NOT_STATE | {"upload_rank"}
 

@@ -284,11 +284,13 @@ def test_every_attribute_a_strategy_assigns_is_declared_checkpoint_state_or_rebu
         node = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
         # Execute
         assigned = assigned_attributes(node) - {"options", "experiment", "_experiment_json"}  # set_rounds: rebuilt
-        undeclared = assigned - set(cls.STATE) - LoRAStrategy.NOT_STATE
+        undeclared = assigned - set(cls.STATE) - cls.NOT_STATE
         stale = set(cls.STATE) - assigned - set(LoRAStrategy.STATE)
         problems += [f"{name}: assigns {sorted(undeclared)} but declares them nowhere"] * bool(undeclared)
         problems += [f"{name}: STATE names {sorted(stale)}, which it never assigns"] * bool(stale)
         problems += [f"{name}: STATE drops the base's"] * (not set(LoRAStrategy.STATE) <= set(cls.STATE))
+        problems += [f"{name}: {sorted(set(cls.STATE) & cls.NOT_STATE)} both saved and rebuilt"] * bool(
+            set(cls.STATE) & cls.NOT_STATE)
     base_undeclared = base_assigned - set(LoRAStrategy.STATE) - LoRAStrategy.NOT_STATE - {"options", "experiment"}
     # Assert
     assert not problems, problems
