@@ -283,19 +283,21 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return self.roster.rank(partition)
 
     @abstractmethod
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        """Arrays sent to client ``partition`` for ``phase`` in ``server_round``."""
+    def download(self, partition: int, for_round: int, phase: Phase) -> Payload:
+        """Arrays sent to client ``partition``. ``for_round`` is the round the model is for, the same
+        in every hook: a train message of round t is for t; an evaluate message after round t is
+        for t + 1 (the model round t + 1 would start from)."""
 
-    def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
-        """Extra config entries for client ``partition`` (Flower scalars), built right after its download."""
+    def client_config(self, partition: int, for_round: int, phase: Phase) -> dict[str, Any]:
+        """The method's own config entries for client ``partition`` (Flower scalars), called with
+        the same arguments as :meth:`download`; it must not rely on :meth:`download` having run."""
         return {}
 
-    def observe_reply(self, partition: int, metrics: Mapping[str, float]) -> None:
-        """See a training reply's metrics before its upload is checked against
-        :meth:`expected_upload` (e.g. HetLoRA's self-pruned rank); default: nothing."""
-
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
-        """Key -> shape of the arrays client ``partition`` must upload (default: A, B and the head)."""
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
+        """Key -> shape of the arrays client ``partition`` must upload in ``server_round`` (default:
+        A, B and the head at its rank). ``metrics``: the reply's, once read (HetLoRA's self-pruned
+        rank is one of them); None before a reply."""
         return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=True)
 
     @abstractmethod
@@ -517,7 +519,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
             payload = self.download(partition, server_round, "train")
             self._downloads[partition] = payload
             record.bytes_down += payload_bytes(payload)
-            messages.append(self._message(partition, server_round, payload, "train", config))
+            messages.append(self._message(partition, server_round, server_round, payload, "train", config))
             record.wire_bytes_down += wire_size(messages[-1])
         record.sampled = len(messages)
         log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(partitions), len(self.roster.profiles))
@@ -569,10 +571,11 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         messages = []
         partitions = self.sample(self.fraction_evaluate, self.min_evaluate_nodes)
         self._awaiting["evaluate"] = set(partitions)
+        for_round = server_round + 1  # the model round server_round + 1 would start from
         for partition in partitions:
-            payload = self.download(partition, server_round + 1, "evaluate")
+            payload = self.download(partition, for_round, "evaluate")
             record.bytes_eval_down += payload_bytes(payload)
-            messages.append(self._message(partition, server_round, payload, "evaluate", config))
+            messages.append(self._message(partition, server_round, for_round, payload, "evaluate", config))
             record.wire_bytes_eval += wire_size(messages[-1])
         return messages
 
@@ -611,14 +614,14 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return self.ledger.report(self.experiment.privacy)
 
     # ---------------------------------------------------------------- internals
-    def _message(self, partition: int, server_round: int, payload: Payload, phase: Phase,
+    def _message(self, partition: int, server_round: int, for_round: int, payload: Payload, phase: Phase,
                  extra: ConfigRecord | None = None) -> Message:
         config = ConfigRecord({
             **{key: value for key, value in (extra or {}).items() if key not in protocol.MESSAGE_KEYS},
             protocol.SERVER_ROUND: server_round,
             protocol.EXPERIMENT: self._experiment_json,
             protocol.RANK: self.rank_of(partition),
-            **self.client_config(partition, server_round, phase),
+            **self.client_config(partition, for_round, phase),
         })
         if self.paths.checkpoint_dir:
             config[protocol.CHECKPOINT_DIR] = self.paths.checkpoint_dir
@@ -649,10 +652,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     def _read_train_replies(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
         """Parse and validate every training reply (:func:`fedlora.strategies.reading.read_train_replies`),
-        each upload against :meth:`expected_upload` once :meth:`observe_reply` has seen its metrics."""
+        each upload against :meth:`expected_upload` given the reply's metrics."""
         def expected(partition: int, metrics: Mapping[str, float]) -> dict[str, tuple[int, ...]]:
-            self.observe_reply(partition, metrics)
-            return self.expected_upload(partition, server_round)
+            return self.expected_upload(partition, server_round, metrics)
 
         return read_train_replies(replies, self.roster, self._awaiting, self._expectation, expected, self.ledger,
                                   record)

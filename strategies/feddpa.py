@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fedlora.errors import ConfigError
 from fedlora.lora import Payload, weighted_average, without_head
 from fedlora.methods import feddpa
@@ -65,7 +67,8 @@ class FedDPA(LoRAStrategy[feddpa.FedDPAOptions]):
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return self.global_adapter
 
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
         return self.lora_shapes(self.rank_g, send_A=True, send_B=True)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -107,7 +108,8 @@ class FedDRLoRA(LoRAStrategy[feddr_lora.FedDRLoRAOptions]):
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return {**self.global_B, **self.head}
 
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
         return self.lora_shapes(self.rank, send_A=False, send_B=True)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:

@@ -4,6 +4,7 @@ server protocol (the math and the options are ``fedlora/methods/fedhera.py``).""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING, getLogger
 from typing import Any
@@ -238,13 +239,17 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         push_round = fedhera.push_round_of(server_round)
         return fedhera.tail_lambda(score, seen, push_round, self.options.atw_horizon, self.options.atw_decay)
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        key = (partition, server_round)
+    def push_for(self, partition: int, for_round: int) -> Push:
+        """The push of client ``partition`` for ``for_round``, built once (download and config read it)."""
+        key = (partition, for_round)
         if key not in self.pushes:
-            self.pushes[key] = self._push(partition, server_round)
-        push = self.pushes[key]
+            self.pushes[key] = self._push(partition, for_round)
+        return self.pushes[key]
+
+    def download(self, partition: int, for_round: int, phase: Phase) -> Payload:
+        push = self.push_for(partition, for_round)
         if phase == "train":
-            self.sent.setdefault(server_round, []).append(partition)
+            self.sent.setdefault(for_round, []).append(partition)
         if push.budget_applies and push.bytes > self.budgets[partition].download:
             self.violations += 1
             log(WARNING, "download: client %d gets %d bytes over its budget %.0f",
@@ -272,16 +277,17 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         payload = join_payload(factors, self.head if self.sends_head else None)
         return Push(r_tot, r_main, self.lam(partition, server_round), payload, payload_bytes(payload))
 
-    def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
-        push = self.pushes[(partition, server_round + (phase == "evaluate"))]  # evaluation: next round's push
+    def client_config(self, partition: int, for_round: int, phase: Phase) -> dict[str, Any]:
+        push = self.push_for(partition, for_round)
         return {
             protocol.FEDHERA_R_TOT: json.dumps(push.r_tot),
             protocol.FEDHERA_R_MAIN: json.dumps(push.r_main),
             protocol.FEDHERA_LAMBDA: push.lam if phase == "train" else 1.0,
         }
 
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
-        push = self.pushes[(partition, server_round)]
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
+        push = self.push_for(partition, server_round)
         shapes: dict[str, tuple[int, ...]] = {}
         for m, (d_out, d_in) in self.module_shapes.items():
             if push.r_tot[m] == 0:  # not adapted: not uploaded

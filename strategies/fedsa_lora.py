@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload, split_payload
 from fedlora.methods import fedsa_lora
 from fedlora.methods.fedsa_lora import aggregate_A
@@ -61,7 +63,8 @@ class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
         rank = self.rank_of(partition)
         return {m + A_SUFFIX: A[:rank].copy() for m, A in self.A.items()} | self.head
 
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
         return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=False)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:

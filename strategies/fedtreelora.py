@@ -4,6 +4,7 @@ options are ``fedlora/methods/fedtreelora.py``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from logging import INFO, WARNING, getLogger
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,8 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         payload.update({EXTERNAL_PREFIX + k: v for k, v in join_payload(external_factors).items()})
         return payload
 
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
         if server_round < self.options.warmup_rounds:
             return {}  # early warm-up rounds: nothing needs to travel
         return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from fedlora.lora import B_SUFFIX, Payload, head_only, nested_A_payload, split_payload
@@ -66,7 +68,8 @@ class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
         rank = self.rank_of(partition)
         return {m + B_SUFFIX: download_B(B, rank) for m, B in self.B.items()} | self.head
 
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
         return self.lora_shapes(self.rank_of(partition), send_A=False, send_B=True)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:

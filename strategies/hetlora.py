@@ -98,15 +98,17 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
         self.head = self.averaged_head(uploads, self.weights(uploads), self.head)
         self.aggregated = True
 
-    def observe_reply(self, partition: int, metrics: Mapping[str, float]) -> None:
-        """A self-pruning client reports the rank of its upload: its current rank or the pruned one."""
-        reported = metrics.get(protocol.HETLORA_UPLOAD_RANK, float(self.ranks[partition]))
-        allowed = {self.ranks[partition], pruned_rank(self.ranks[partition], self.options.prune_decay)}
-        # anything else (NaN, 2.5, another rank) keeps the current rank: the upload's shapes are refused
-        self.upload_rank[partition] = int(reported) if self.options.self_prune and reported in allowed else self.ranks[partition]
-
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
-        rank = self.upload_rank.get(partition, self.ranks[partition])
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
+        """A self-pruning client uploads at the rank it reports (``metrics``): its current rank or
+        the pruned one; any other report (NaN, 2.5, another rank) keeps the current rank, so the
+        upload's shapes are refused. Noted for the aggregation (``upload_rank``)."""
+        current = self.ranks[partition]
+        reported = (metrics or {}).get(protocol.HETLORA_UPLOAD_RANK, float(current))
+        allowed = {current, pruned_rank(current, self.options.prune_decay)}
+        rank = int(reported) if self.options.self_prune and reported in allowed else current
+        if metrics is not None:
+            self.upload_rank[partition] = rank
         return self.lora_shapes(rank, send_A=True, send_B=True)
 
     def round_extra(self, server_round: int) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fedlora.lora import Payload
 from fedlora.methods import local
 from fedlora.methods.base import NoOptions
@@ -42,7 +44,8 @@ class LocalOnly(LoRAStrategy[NoOptions]):
     def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
         return {}
 
-    def expected_upload(self, partition: int, server_round: int) -> dict[str, tuple[int, ...]]:
+    def expected_upload(self, partition: int, server_round: int,
+                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
         return {}
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:

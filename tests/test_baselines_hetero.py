@@ -273,9 +273,7 @@ def test_hetlora_self_pruning_accepts_the_reported_pruned_rank_and_cuts_later_do
     strategy = small_strategy(HetLoRA, [4, 4], ["strategy.self_prune=true"])
     rng = np.random.default_rng(3)
     # Execute: client 0 reports and uploads rank 3, client 1 stays at 4
-    strategy.observe_reply(0, {"upload-rank": 3.0})
-    strategy.observe_reply(1, {"upload-rank": 4.0})
-    expected = {k: strategy.expected_upload(k, 1)["m::A"] for k in (0, 1)}
+    expected = {k: strategy.expected_upload(k, 1, {"upload-rank": rank})["m::A"] for k, rank in ((0, 3.0), (1, 4.0))}
     strategy.aggregate(1, [fake_upload(rng, 0, 3, 10), fake_upload(rng, 1, 4, 10)])
     # Assert: shapes checked at the reported rank; the pruned client stays at rank 3 from now on
     assert expected == {0: (3, 5), 1: (4, 5)}
@@ -291,18 +289,17 @@ def test_hetlora_self_pruning_refuses_a_rank_other_than_current_or_pruned(report
     # Prepare: rank 4 (may report 4 or 3 only)
     strategy = small_strategy(HetLoRA, [4], ["strategy.self_prune=true"])
     # Execute
-    strategy.observe_reply(0, {"upload-rank": reported})
+    expected = strategy.expected_upload(0, 2, {"upload-rank": reported})
     # Assert: the upload is checked against the current rank, so a rank-2 upload is malformed
-    assert strategy.expected_upload(0, 2)["m::A"] == (4, 5)
+    assert expected["m::A"] == (4, 5)
     f = random_factors(np.random.default_rng(0), 6, 5, int(reported) or 1)
-    assert check_upload({"m::A": f.A, "m::B": f.B, "head::classifier.weight": np.zeros((2, 6), np.float32)},
-                        strategy.expected_upload(0, 2))
+    assert check_upload({"m::A": f.A, "m::B": f.B, "head::classifier.weight": np.zeros((2, 6), np.float32)}, expected)
 
 
 def test_hetlora_without_self_pruning_ignores_a_reported_rank() -> None:
     strategy = small_strategy(HetLoRA, [4])
-    strategy.observe_reply(0, {"upload-rank": 3.0})
-    assert strategy.expected_upload(0, 2)["m::A"] == (4, 5) and strategy.client_config(0, 1, "train") == {}
+    assert strategy.expected_upload(0, 2, {"upload-rank": 3.0})["m::A"] == (4, 5)
+    assert strategy.client_config(0, 1, "train") == {}
 
 
 def test_lora_tail_norm_is_the_sum_of_tail_factor_norm_products() -> None:
