@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fedlora import methods
 from fedlora.errors import ConfigError, did_you_mean, shorten, shown
@@ -96,6 +97,26 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError(f"invalid config '{found}': must be a finite number, got {shown(_lookup(config, found))}")
     methods.validate(config)
     return config
+
+
+def experiment_from_settings(method: str, settings: Mapping[str, Any], federation: Mapping[str, Any]) -> ExperimentConfig:
+    """The experiment of a strategy built from keywords (a Flower user's ServerApp): ``settings``
+    holds experiment sections (mappings or section models: ``model``, ``data``, ``train``, ...) and
+    the method's options; ``federation`` Flower's sampling keywords (None: not given) for
+    ``[federation]``. Checked as a config file is (:func:`build_config`, ConfigError)."""
+    sections = [name for name in ExperimentConfig.model_fields if name != "strategy"]
+    raw: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key in sections:
+            raw[key] = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else dict(value)
+        else:
+            options[key] = value
+    given = {key: value for key, value in federation.items() if value is not None}
+    if given:
+        raw["federation"] = {**raw.get("federation", {}), **given}
+    raw["strategy"] = {"name": method, **options}
+    return build_config(raw)
 
 
 def _lookup(config: ExperimentConfig, dotted: str) -> Any:

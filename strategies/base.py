@@ -33,7 +33,6 @@ aggregates (``evaluation.py``).
 
 from __future__ import annotations
 
-import math
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -47,7 +46,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
-from pydantic import BaseModel
 
 from fedlora import protocol
 from fedlora.errors import ConfigError
@@ -75,9 +73,9 @@ from fedlora.strategies.ledger import PrivacyLedger
 from fedlora.strategies.reading import read_evaluate_replies, read_train_replies
 from fedlora.strategies.replies import ClientUpload, Expectation
 from fedlora.strategies.robust import minimum_uploads
-from fedlora.strategies.roster import ClientRoster
+from fedlora.strategies.roster import ClientRoster, profile_problem
 from fedlora.strategies.screening import drop_outliers, select_byzantine, watch_updates, weigh
-from fedlora.strategies.validation import reference_norm, update_norm
+from fedlora.strategies.validation import reference_norm, replacement_problem, update_norm
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -85,7 +83,6 @@ if TYPE_CHECKING:
     from fedlora.models import SeededAdapters
 
 InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
-SECTIONS = tuple(name for name in ExperimentConfig.model_fields if name != "strategy")  # keyword settings
 
 
 class RoundFailedError(RuntimeError):
@@ -216,25 +213,12 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     @classmethod
     def experiment_from(cls, settings: Mapping[str, Any], federation: Mapping[str, Any]) -> ExperimentConfig:
-        """The experiment of a keyword-built strategy: section settings (mappings or section
-        models), the method's options, Flower's sampling keywords into ``[federation]``; checked
-        as a config file is (:func:`fedlora.config.build_config`, ConfigError)."""
-        from fedlora.config import build_config
+        """The experiment of a keyword-built strategy (:func:`fedlora.config.experiment_from_settings`)."""
+        from fedlora.config import experiment_from_settings
 
-        raw: dict[str, Any] = {}
-        options: dict[str, Any] = {}
-        for key, value in settings.items():
-            if key in ("strategy", "name"):
-                raise TypeError(f"{cls.__name__}: the strategy is '{cls.name}'; give its options as keywords")
-            if key in SECTIONS:
-                raw[key] = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else dict(value)
-            else:
-                options[key] = value
-        given = {key: value for key, value in federation.items() if value is not None}
-        if given:
-            raw["federation"] = {**raw.get("federation", {}), **given}
-        raw["strategy"] = {"name": cls.name, **options}
-        return build_config(raw)
+        if "strategy" in settings or "name" in settings:
+            raise TypeError(f"{cls.__name__}: the strategy is '{cls.name}'; give its options as keywords")
+        return experiment_from_settings(cls.name, settings, federation)
 
     def seeded_adapters(self) -> SeededAdapters:
         """The experiment's model as the server sees it (initial adapters, module shapes), built
@@ -261,19 +245,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     # ---------------------------------------------------------------- method interface
     def check_profile(self, profile: ClientProfile) -> str:
-        """Why a client cannot take part ('' if it can): its partition, rank, example count and budgets."""
-        max_rank = min(min(shape) for shape in self.module_shapes.values())
-        num_clients = self.experiment.data.num_clients
-        if not 0 <= profile.partition_id < num_clients:
-            return f"partition {profile.partition_id} outside [0, {num_clients}) (data.num_clients)"
-        if not 1 <= profile.rank <= max_rank:
-            return f"unsupported rank {profile.rank} (must be in [1, {max_rank}] for this model)"
-        if profile.num_train_examples < 0:
-            return f"negative num_train_examples {profile.num_train_examples}"
-        bad = sorted(key for key, value in profile.budgets.items() if not (math.isfinite(value) and value > 0))
-        if bad:
-            return f"budgets {bad[:3]} are not positive finite numbers"
-        return ""
+        """Why a client cannot take part ('' if it can): :func:`fedlora.strategies.roster.profile_problem`."""
+        return profile_problem(profile, self.module_shapes, self.experiment.data.num_clients)
 
     def setup(self) -> None:
         """Called once after the profiles are known (e.g. to build per-client state)."""
@@ -490,7 +463,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
             payload[k].shape == current[k].shape and np.array_equal(payload[k], current[k], equal_nan=True) for k in current
         ):
             return
-        problem = _arrays_problem(payload, current)
+        problem = replacement_problem(payload, current)
         if problem:
             raise ArraysError(f"{hook}: {type(self).__name__} cannot continue from the arrays it was given: {problem}")
         self.load_arrays({k: np.asarray(v, dtype=current[k].dtype) for k, v in payload.items()})
@@ -712,17 +685,3 @@ def evaluation_round(experiment: ExperimentConfig, server_round: int) -> bool:
     and the last (a train message of such a round asks the client for its received-model metrics)."""
     every = experiment.federation.evaluate_every
     return server_round % every == 0 or server_round >= experiment.train.rounds
-
-
-def _arrays_problem(payload: Payload, expected: Payload) -> str:
-    """Why ``payload`` cannot replace ``expected`` ('' if it can): keys, shapes, finite values."""
-    if payload.keys() != expected.keys():
-        missing, unexpected = sorted(expected.keys() - payload.keys()), sorted(payload.keys() - expected.keys())
-        return (f"expected the keys of its global arrays ({len(expected)}), missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]}")
-    for key, value in payload.items():
-        if value.shape != expected[key].shape:
-            return f"{key!r} has shape {value.shape}, expected {expected[key].shape}"
-        if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
-            return f"{key!r} is not finite numbers"
-    return ""

@@ -8,8 +8,9 @@ are addressed.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from logging import INFO, WARNING, getLogger
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -173,6 +174,23 @@ class ClientRoster:
         log(WARNING, "query: '%s' needs one rank, clients declared %s: every client trains at rank %d "
             "(clients.mixed_rank_policy=smallest)", method_name, ranks, ranks[0])
         return ranks[0]
+
+
+def profile_problem(profile: ClientProfile, module_shapes: Mapping[str, tuple[int, int]], num_clients: int) -> str:
+    """Why a client cannot take part ('' if it can): its partition outside ``[0, num_clients)``,
+    a rank the adapted modules cannot hold, a negative example count, or budgets that are not
+    positive finite numbers."""
+    max_rank = min(min(shape) for shape in module_shapes.values())
+    if not 0 <= profile.partition_id < num_clients:
+        return f"partition {profile.partition_id} outside [0, {num_clients}) (data.num_clients)"
+    if not 1 <= profile.rank <= max_rank:
+        return f"unsupported rank {profile.rank} (must be in [1, {max_rank}] for this model)"
+    if profile.num_train_examples < 0:
+        return f"negative num_train_examples {profile.num_train_examples}"
+    bad = sorted(key for key, value in profile.budgets.items() if not (math.isfinite(value) and value > 0))
+    if bad:
+        return f"budgets {bad[:3]} are not positive finite numbers"
+    return ""
 
 
 def version_problem(profile: ClientProfile) -> str:

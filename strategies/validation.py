@@ -61,3 +61,17 @@ def reference_norm(norms: Sequence[float], previous: float) -> float:
     when there is none (a round of empty uploads, e.g. a warm-up)."""
     positive = sorted(n for n in norms if n > 0)
     return positive[(len(positive) - 1) // 2] if positive else previous
+
+
+def replacement_problem(payload: Payload, expected: Payload) -> str:
+    """Why ``payload`` cannot replace ``expected`` ('' if it can): keys, shapes, finite values."""
+    if payload.keys() != expected.keys():
+        missing, unexpected = sorted(expected.keys() - payload.keys()), sorted(payload.keys() - expected.keys())
+        return (f"expected the keys of its global arrays ({len(expected)}), missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}")
+    for key, value in payload.items():
+        if value.shape != expected[key].shape:
+            return f"{key!r} has shape {value.shape}, expected {expected[key].shape}"
+        if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
+            return f"{key!r} is not finite numbers"
+    return ""
