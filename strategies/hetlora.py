@@ -66,13 +66,10 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
 
     method = hetlora.METHOD
     STATE = (*LoRAStrategy.STATE, "aggregated", "global_factors", "head", "max_rank", "ranks")  # checkpointed
-    # the rank each reply reports, read only while its upload is checked: never state
-    NOT_STATE = LoRAStrategy.NOT_STATE | {"upload_rank"}
 
     def setup(self) -> None:
         self.max_rank = max(p.rank for p in self.roster.profiles.values())
         self.ranks = {p: profile.rank for p, profile in self.roster.profiles.items()}  # current r_k
-        self.upload_rank: dict[int, int] = {}  # the rank each client reported with this round's upload
         factors, _ = split_payload(self.initial_adapter(self.max_rank))
         self.global_factors: dict[str, Factors] = factors  # module -> rank r_max factors
         self.head: Payload = self.initial_head()
@@ -102,13 +99,11 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
                         metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
         """A self-pruning client uploads at the rank it reports (``metrics``): its current rank or
         the pruned one; any other report (NaN, 2.5, another rank) keeps the current rank, so the
-        upload's shapes are refused. Noted for the aggregation (``upload_rank``)."""
+        upload's shapes are refused. The aggregation reads each upload's rank from its shapes."""
         current = self.ranks[partition]
         reported = (metrics or {}).get(protocol.HETLORA_UPLOAD_RANK, float(current))
         allowed = {current, pruned_rank(current, self.options.prune_decay)}
         rank = int(reported) if self.options.self_prune and reported in allowed else current
-        if metrics is not None:
-            self.upload_rank[partition] = rank
         return self.lora_shapes(rank, send_A=True, send_B=True)
 
     def round_extra(self, server_round: int) -> dict[str, Any]:

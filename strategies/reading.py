@@ -9,6 +9,7 @@ here raises on what a client sent.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from logging import WARNING, getLogger
 
 from flwr.app import Message
@@ -77,11 +78,7 @@ def read_train_reply(msg: Message, roster: ClientRoster, awaiting: Mapping[Phase
     if isinstance(partition, Rejection):
         reject(record, known(roster, node), node, partition.reason, failure=False)
         return None
-
-    def expected(metrics: Mapping[str, float], partition: int = partition) -> dict[str, tuple[int, ...]]:
-        return expected_upload(partition, metrics)
-
-    return partition, parse_train_reply(msg, expectation(partition), expected)
+    return partition, parse_train_reply(msg, expectation(partition), partial(expected_upload, partition))
 
 
 def read_train_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[Phase, set[int]],
