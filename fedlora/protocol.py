@@ -79,7 +79,7 @@ SAVE_ADAPTER_DIR: Final = "save-adapter-dir"  # evaluate, last round: save the c
 MESSAGE_KEYS: Final = frozenset({SERVER_ROUND, EXPERIMENT, RANK, CHECKPOINT_DIR, RESUME_ROUND, STATE_ON_DISK,
                                  EVAL_RECEIVED, EVAL_GLOBAL, SAVE_ADAPTER_DIR})
 
-# a method's own message config (its strategy's ``client_config``, read by its trainer)
+# a method's own message config (its strategy's ``Download.config``, read by its trainer)
 # centralized, train: the clients a federated round samples (the step budget)
 CENTRALIZED_CLIENTS: Final = "centralized-clients"
 FEDHERA_R_TOT: Final = "fedhera-r-tot"  # FedHera: JSON {module: r_tot} (a train metric too: their sum)

@@ -24,6 +24,23 @@ from fedlora.strategies.replies import ClientUpload
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
+class RoundFailedError(RuntimeError):
+    """Too many consecutive rounds without enough valid updates (faults.max_failed_rounds)."""
+
+
+def failed_rounds(server_round: int, valid: int, needed: int, needed_text: str, failed: int, max_failed: int) -> int:
+    """The failure policy: the count of failed rounds in a row after ``server_round`` (0: it had
+    ``needed`` valid uploads). A failed round leaves the state as it is and the next retries (one
+    warning); the ``max_failed``-th in a row ends the run (:class:`RoundFailedError`)."""
+    if valid >= needed:
+        return 0
+    message = f"round {server_round}: {valid} valid updates < {needed_text}"
+    if failed + 1 >= max_failed:
+        raise RoundFailedError(f"{message}, {failed + 1} rounds in a row (faults.max_failed_rounds); stopping the run")
+    log(WARNING, "aggregate_train: %s: state unchanged, the next round retries", message)
+    return failed + 1
+
+
 def reject(record: RoundRecord, partition: int | None, node: int | None, reason: str,
            hook: str = "aggregate_train", failure: bool = True) -> None:
     """Count and log a refused reply, with the client's partition and node id. ``failure``: it

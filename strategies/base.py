@@ -2,9 +2,9 @@
 
 :class:`LoRAStrategy` implements Flower's Message-API ``Strategy`` hooks once (sampling, one
 message per client, reply checking, byte accounting, personalised evaluation); a method subclass
-only says what goes down to a client (:meth:`download`), what it expects back
-(:meth:`expected_upload`), how uploads are aggregated (:meth:`aggregate`) and what its global
-model is (:meth:`global_payload`). Its options and capabilities come from its home
+only says what goes down to a client and what must come back (:meth:`download`, one
+:class:`~fedlora.strategies.download.Download` per client and round), how uploads are aggregated
+(:meth:`aggregate`) and what its global model is (:meth:`global_payload`). Its options and capabilities come from its home
 (``fedlora/methods/<name>.py``, ``method = METHOD``). Every hook speaks partition ids; node ids
 stay in :class:`~fedlora.strategies.roster.ClientRoster`. Every message is built fresh per client, so
 per-client payloads (mixed ranks, personalised factors) never share a RecordDict.
@@ -36,13 +36,12 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from logging import INFO, WARNING, getLogger
+from logging import INFO, getLogger
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
@@ -50,10 +49,9 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from fedlora import protocol
 from fedlora.errors import ConfigError
 from fedlora.lora import (
-    A_SUFFIX,
-    B_SUFFIX,
     Combine,
     Payload,
+    adapter_shapes,
     from_array_record,
     head_only,
     normalise,
@@ -66,10 +64,12 @@ from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import AggregationRule, ExperimentConfig, apply_overrides, sample_size
-from fedlora.strategies.accounting import account_train, reply_wire_size
+from fedlora.strategies.accounting import account_train, failed_rounds, reply_wire_size
 from fedlora.strategies.anomaly import Fingerprint
+from fedlora.strategies.download import Download
 from fedlora.strategies.evaluation import aggregate_accuracy, aggregate_generation
 from fedlora.strategies.ledger import PrivacyLedger
+from fedlora.strategies.messages import RunPaths, download_message
 from fedlora.strategies.reading import read_evaluate_replies, read_train_replies
 from fedlora.strategies.replies import ClientUpload, Expectation
 from fedlora.strategies.robust import minimum_uploads
@@ -85,23 +85,9 @@ if TYPE_CHECKING:
 InitialAdapter = Callable[[int], Payload]  # rank -> the common, seeded initial adapter
 
 
-class RoundFailedError(RuntimeError):
-    """Too many consecutive rounds without enough valid updates (faults.max_failed_rounds)."""
-
-
 class ArraysError(ValueError):
     """``configure_*`` was given arrays the strategy cannot continue from (other keys or shapes
     than its global arrays, non-finite values, or a state the method cannot replace)."""
-
-
-@dataclass
-class RunPaths:
-    """Where the ServerApp keeps a run's files (set once before the first round)."""
-
-    adapter_dir: str = ""  # personalised adapters are saved there by the clients
-    checkpoint_dir: str = ""  # clients keep their state there (simulation: one file system)
-    state_on_disk: bool = False  # simulation: clients keep their state only there between messages
-    resumed_from: int = 0  # > 0: a resumed run, clients restore their state of this round
 
 
 class LoRAStrategy(Strategy, Generic[OptionsT]):
@@ -155,7 +141,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
-        "_awaiting", "_initial_norm", "min_evaluate_nodes", "min_available_nodes", "_downloads",
+        "_sent", "_initial_norm", "min_evaluate_nodes", "min_available_nodes",
     })
 
     def __init__(
@@ -198,12 +184,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self.common_rank = 0  # > 0: a same-rank method runs every client at this rank
         self.norm_reference = 0.0  # faults.max_update_ratio's reference norm (0: the initial adapter's)
         self._experiment_json = experiment.to_json()
-        self._awaiting: dict[Phase, set[int]] = {}  # partitions sent a message this round, by phase
+        self._sent: dict[Phase, dict[int, Download]] = {}  # this round's downloads, by phase and partition
         self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
-        # the anomaly rule (strategies/anomaly.py): this round's training downloads by partition,
-        # and a sketch of every upload of the last faults.duplicate_rounds rounds (checkpointed)
-        self._downloads: dict[int, Payload] = {}
-        self.update_history: list[Fingerprint] = []
+        self.update_history: list[Fingerprint] = []  # the anomaly rule's sketches of recent uploads
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -256,22 +239,12 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return self.roster.rank(partition)
 
     @abstractmethod
-    def download(self, partition: int, for_round: int, phase: Phase) -> Payload:
-        """Arrays sent to client ``partition``. ``for_round`` is the round the model is for, the same
-        in every hook: a train message of round t is for t; an evaluate message after round t is
-        for t + 1 (the model round t + 1 would start from)."""
-
-    def client_config(self, partition: int, for_round: int, phase: Phase) -> dict[str, Any]:
-        """The method's own config entries for client ``partition`` (Flower scalars), called with
-        the same arguments as :meth:`download`; it must not rely on :meth:`download` having run."""
-        return {}
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        """Key -> shape of the arrays client ``partition`` must upload in ``server_round`` (default:
-        A, B and the head at its rank). ``metrics``: the reply's, once read (HetLoRA's self-pruned
-        rank is one of them); None before a reply."""
-        return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=True)
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        """What client ``partition`` is sent for ``for_round`` and what its reply must upload (one
+        :class:`~fedlora.strategies.download.Download`; :meth:`lora_download` builds the usual one).
+        ``for_round``: a train message of round t is for t; an evaluate message after round t is
+        for t + 1 (the model round t + 1 would start from). No side effect: what a client was sent
+        comes back with its upload (``ClientUpload.download``)."""
 
     @abstractmethod
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
@@ -341,14 +314,21 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
             setattr(self, key, value)
 
     # ---------------------------------------------------------------- helpers for subclasses
+    def sent_this_round(self, phase: Phase) -> Mapping[int, Download]:
+        """Partition -> the download of ``phase`` sent this round (e.g. FedHera's report of the round)."""
+        return self._sent.get(phase, {})
+
+    def lora_download(self, partition: int, for_round: int, phase: Phase, payload: Payload, *,
+                      rank: int | None = None, send_A: bool = True, send_B: bool = True, **fields: Any) -> Download:
+        """A :class:`~fedlora.strategies.download.Download` of ``payload`` whose reply uploads A and / or
+        B (and the head) at ``rank`` (default: the client's, :meth:`rank_of`); ``fields``: its
+        ``config``, ``context``, ..."""
+        upload = self.lora_shapes(self.rank_of(partition) if rank is None else rank, send_A, send_B)
+        return Download(partition, for_round, phase, payload, upload=upload, **fields)
+
     def lora_shapes(self, rank: int, send_A: bool, send_B: bool, head: bool = True) -> dict[str, tuple[int, ...]]:
         """Shapes of a rank-``rank`` adapter (optionally only A or only B, with or without head)."""
-        shapes: dict[str, tuple[int, ...]] = {}
-        for module, (d_out, d_in) in self.module_shapes.items():
-            if send_A:
-                shapes[module + A_SUFFIX] = (rank, d_in)
-            if send_B:
-                shapes[module + B_SUFFIX] = (d_out, rank)
+        shapes = adapter_shapes(self.module_shapes, rank, send_A, send_B)
         if head and self.sends_head:
             shapes.update({k: tuple(v.shape) for k, v in self.head_initial.items()})
         return shapes
@@ -485,14 +465,11 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         record = self.record(server_round)
         record.refused = sorted(self.roster.refused_partitions)
         partitions = self.sample_train(server_round)
-        self._awaiting["train"] = set(partitions)
-        self._downloads = {}
+        self._sent["train"] = {p: self.download(p, server_round, "train") for p in partitions}
         messages = []
-        for partition in partitions:
-            payload = self.download(partition, server_round, "train")
-            self._downloads[partition] = payload
-            record.bytes_down += payload_bytes(payload)
-            messages.append(self._message(partition, server_round, server_round, payload, "train", config))
+        for download in self._sent["train"].values():
+            record.bytes_down += payload_bytes(download.payload)
+            messages.append(self._message(download, server_round, config))
             record.wire_bytes_down += wire_size(messages[-1])
         record.sampled = len(messages)
         log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(partitions), len(self.roster.profiles))
@@ -538,17 +515,16 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if self.roster:
             self.receive(arrays, "configure_evaluate")
         if self.fraction_evaluate == 0.0 or not self.roster or not self.evaluates(server_round):
-            self._awaiting["evaluate"] = set()
+            self._sent["evaluate"] = {}
             return []
         record = self.record(server_round)
         messages = []
         partitions = self.sample(self.fraction_evaluate, self.min_evaluate_nodes)
-        self._awaiting["evaluate"] = set(partitions)
-        for_round = server_round + 1  # the model round server_round + 1 would start from
-        for partition in partitions:
-            payload = self.download(partition, for_round, "evaluate")
-            record.bytes_eval_down += payload_bytes(payload)
-            messages.append(self._message(partition, server_round, for_round, payload, "evaluate", config))
+        # the model round server_round + 1 would start from
+        self._sent["evaluate"] = {p: self.download(p, server_round + 1, "evaluate") for p in partitions}
+        for download in self._sent["evaluate"].values():
+            record.bytes_eval_down += payload_bytes(download.payload)
+            messages.append(self._message(download, server_round, config))
             record.wire_bytes_eval += wire_size(messages[-1])
         return messages
 
@@ -563,7 +539,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         replies = list(replies)
         record.wire_bytes_eval += sum(reply_wire_size(reply) for reply in replies)
         kind = self.experiment.model.kind
-        rows = read_evaluate_replies(replies, self.roster, self._awaiting, kind, record)  # parse -> validate
+        rows = read_evaluate_replies(replies, self.roster, self._sent, kind, record)  # parse -> validate
         if not rows:
             return None
         aggregate = aggregate_generation if kind == "causal_lm" else aggregate_accuracy  # weigh -> aggregate -> account
@@ -587,30 +563,17 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return self.ledger.report(self.experiment.privacy)
 
     # ---------------------------------------------------------------- internals
-    def _message(self, partition: int, server_round: int, for_round: int, payload: Payload, phase: Phase,
-                 extra: ConfigRecord | None = None) -> Message:
-        config = ConfigRecord({
-            **{key: value for key, value in (extra or {}).items() if key not in protocol.MESSAGE_KEYS},
-            protocol.SERVER_ROUND: server_round,
-            protocol.EXPERIMENT: self._experiment_json,
-            protocol.RANK: self.rank_of(partition),
-            **self.client_config(partition, for_round, phase),
-        })
-        if self.paths.checkpoint_dir:
-            config[protocol.CHECKPOINT_DIR] = self.paths.checkpoint_dir
-            if self.paths.state_on_disk:
-                config[protocol.STATE_ON_DISK] = True
-        if self.paths.resumed_from:
-            config[protocol.RESUME_ROUND] = self.paths.resumed_from
-        if phase == "train" and self.evaluates(server_round):
-            config[protocol.EVAL_RECEIVED] = True
-        if phase == "evaluate":
-            config[protocol.EVAL_GLOBAL] = self.global_payload() is None
+    def _message(self, download: Download, server_round: int, flower_config: ConfigRecord | None = None) -> Message:
+        """The Flower message of ``download``, sent in ``server_round`` (:func:`~fedlora.strategies.messages.download_message`)."""
+        entries = {protocol.EXPERIMENT: self._experiment_json, protocol.RANK: self.rank_of(download.partition),
+                   **self.paths.entries()}
+        if download.phase == "train" and self.evaluates(server_round):
+            entries[protocol.EVAL_RECEIVED] = True  # an evaluation round: report the received model's metrics
+        if download.phase == "evaluate":
+            entries[protocol.EVAL_GLOBAL] = self.global_payload() is None
             if self.paths.adapter_dir and self.capabilities.personalized and server_round >= self.experiment.train.rounds:
-                config[protocol.SAVE_ADAPTER_DIR] = self.paths.adapter_dir
-        message_type = MessageType.TRAIN if phase == "train" else MessageType.EVALUATE
-        content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(payload), protocol.CONFIG_RECORD: config})
-        return Message(content=content, dst_node_id=self.roster.node_of[partition], message_type=message_type)
+                entries[protocol.SAVE_ADAPTER_DIR] = self.paths.adapter_dir
+        return download_message(download, server_round, self.roster.node_of[download.partition], entries, flower_config)
 
     # ---------------------------------------------------------------- reading replies
     # parse -> validate (reading.py, replies.py) -> weigh -> aggregate -> account (accounting.py)
@@ -625,12 +588,11 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     def _read_train_replies(self, replies: list[Message], server_round: int, record: RoundRecord) -> list[ClientUpload]:
         """Parse and validate every training reply (:func:`fedlora.strategies.reading.read_train_replies`),
-        each upload against :meth:`expected_upload` given the reply's metrics."""
-        def expected(partition: int, metrics: Mapping[str, float]) -> dict[str, tuple[int, ...]]:
-            return self.expected_upload(partition, server_round, metrics)
-
-        return read_train_replies(replies, self.roster, self._awaiting, self._expectation, expected, self.ledger,
-                                  record)
+        each upload against the download its sender was sent this round."""
+        sent = self._sent.setdefault("train", {})
+        for partition in self.roster.partitions if not sent else ():  # replies to no configure_train of ours
+            sent[partition] = self.download(partition, server_round, "train")
+        return read_train_replies(replies, self.roster, self._sent, self._expectation, self.ledger, record)
 
     def _screen(self, server_round: int, uploads: list[ClientUpload], record: RoundRecord) -> list[ClientUpload]:
         """Validate over the round (``screening.py``): drop the norm outliers, measure every update
@@ -638,9 +600,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         weigh what is left (:meth:`_weigh`)."""
         faults, node_of = self.experiment.faults, self.roster.node_of
         uploads = drop_outliers(uploads, faults, node_of, record)
-        uploads, self.update_history = watch_updates(server_round, uploads, self._downloads, self.update_history,
-                                                     faults, node_of, record)
-        self._downloads = {}  # measured: kept no longer than the round
+        uploads, self.update_history = watch_updates(server_round, uploads, self.update_history, faults, node_of,
+                                                     record)
         self._weigh(uploads)
         return uploads
 
@@ -655,20 +616,13 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     def _too_few_uploads(self, uploads: list[ClientUpload], server_round: int) -> bool:
         """The failure policy: fewer valid uploads than :meth:`min_uploads` leave the state as it
         is (the next round retries); ``faults.max_failed_rounds`` such rounds in a row end the run
-        (:class:`RoundFailedError`)."""
-        if len(uploads) >= self.min_uploads():
-            self.failed_rounds = 0
-            return False
-        self.failed_rounds += 1
+        (:class:`~fedlora.strategies.accounting.RoundFailedError`)."""
         needed = (f"federation.min_clients={self.min_train_nodes}" if self.min_uploads() == self.min_train_nodes else
                   f"{self.min_uploads()}, what faults.aggregation = '{self.aggregation_rule}' needs for "
                   f"faults.num_malicious = {self.experiment.faults.num_malicious}")
-        message = f"round {server_round}: {len(uploads)} valid updates < {needed}"
-        if self.failed_rounds >= self.experiment.faults.max_failed_rounds:
-            raise RoundFailedError(f"{message}, {self.failed_rounds} rounds in a row "
-                                   f"(faults.max_failed_rounds); stopping the run")
-        log(WARNING, "aggregate_train: %s: state unchanged, the next round retries", message)
-        return True
+        self.failed_rounds = failed_rounds(server_round, len(uploads), self.min_uploads(), needed, self.failed_rounds,
+                                           self.experiment.faults.max_failed_rounds)
+        return self.failed_rounds > 0
 
     def _aggregate_round(self, server_round: int, uploads: list[ClientUpload], record: RoundRecord) -> None:
         """Aggregate (:meth:`aggregate`) and account for it: its time, the next round's reference

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fedlora import protocol
 from fedlora.lora import Payload
 from fedlora.methods import centralized
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class Centralized(LoRAStrategy[NoOptions]):
@@ -54,12 +53,10 @@ class Centralized(LoRAStrategy[NoOptions]):
     def sample_train(self, server_round: int) -> list[int]:
         return [self.roster.partitions[0]]
 
-    def client_config(self, partition: int, server_round: int, phase: Phase) -> dict[str, Any]:
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
         clients = len(self.roster.partitions)
-        return {protocol.CENTRALIZED_CLIENTS: min(clients, max(self.min_train_nodes, round(self.fraction_train * clients)))}
-
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        return self.model_adapter
+        config = {protocol.CENTRALIZED_CLIENTS: min(clients, max(self.min_train_nodes, round(self.fraction_train * clients)))}
+        return self.lora_download(partition, for_round, phase, self.model_adapter, config=config)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.model_adapter = uploads[0].payload

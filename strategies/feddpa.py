@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from fedlora.errors import ConfigError
 from fedlora.lora import Payload, weighted_average, without_head
 from fedlora.methods import feddpa
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class FedDPA(LoRAStrategy[feddpa.FedDPAOptions]):
@@ -64,12 +63,8 @@ class FedDPA(LoRAStrategy[feddpa.FedDPAOptions]):
         initial = self.initial_adapter(self.rank_g)
         self.global_adapter: Payload = initial if self.sends_head else without_head(initial)
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        return self.global_adapter
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        return self.lora_shapes(self.rank_g, send_A=True, send_B=True)
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        return self.lora_download(partition, for_round, phase, self.global_adapter, rank=self.rank_g)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.global_adapter = weighted_average([u.payload for u in uploads], self.weights(uploads), self.combine)

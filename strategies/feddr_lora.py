@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ from fedlora.methods import feddr_lora
 from fedlora.methods.feddr_lora import aggregate_robust_B, split_summary
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class FedDRLoRA(LoRAStrategy[feddr_lora.FedDRLoRAOptions]):
@@ -105,12 +105,9 @@ class FedDRLoRA(LoRAStrategy[feddr_lora.FedDRLoRAOptions]):
         self.head: Payload = head_only(self.initial_adapter(self.rank)) if self.sends_head else {}
         self.split_metrics: dict[int, dict[str, float]] = {}
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        return {**self.global_B, **self.head}
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        return self.lora_shapes(self.rank, send_A=False, send_B=True)
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        return self.lora_download(partition, for_round, phase, {**self.global_B, **self.head}, rank=self.rank,
+                                  send_A=False)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
         if self.options.weights == "uniform":

@@ -4,7 +4,6 @@ server protocol (the math and the options are ``fedlora/methods/fedhera.py``).""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING, getLogger
 from typing import Any
@@ -13,10 +12,9 @@ import numpy as np
 
 from fedlora import protocol, state
 from fedlora.lora import (
-    A_SUFFIX,
-    B_SUFFIX,
     LowRankSVD,
     Payload,
+    adapter_shapes,
     factor_svd,
     join_payload,
     kaiming_rows,
@@ -30,6 +28,7 @@ from fedlora.methods import fedhera
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -135,7 +134,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     """
 
     method = fedhera.METHOD
-    STATE = (*LoRAStrategy.STATE, "G", "_global", "allocation_rng", "budgets", "head", "initial_rank", "max_rank", "pushes", "scores", "sent", "tiers", "violations")  # checkpointed
+    STATE = (*LoRAStrategy.STATE, "G", "_global", "allocation_rng", "budgets", "head", "initial_rank", "max_rank", "pushes", "scores", "tiers")  # checkpointed
 
     # ---------------------------------------------------------------- budgets
     @property
@@ -192,10 +191,8 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         self.head: Payload = dict(self.head_initial)
         self.scores: dict[int, tuple[float, int]] = {}  # partition -> (ATW score s, official 0-based t_hat)
         self.pushes: dict[tuple[int, int], Push] = {}  # (partition, round) -> what it got
-        self.violations = 0
         self.allocation_rng = np.random.default_rng([self.experiment.train.seed, 7])  # 'random' ablation
         self.tiers = {p: self.tier_of(profile) for p, profile in self.roster.profiles.items()}
-        self.sent: dict[int, list[int]] = {}  # round -> partitions sent a training message
         self._global: Payload | None = None
         log(INFO, "setup: FedHera initial rank %d, budgets %s", self.initial_rank, dict(sorted(self.budgets.items())))
 
@@ -240,21 +237,24 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         return fedhera.tail_lambda(score, seen, push_round, self.options.atw_horizon, self.options.atw_decay)
 
     def push_for(self, partition: int, for_round: int) -> Push:
-        """The push of client ``partition`` for ``for_round``, built once (download and config read it)."""
+        """The push of client ``partition`` for ``for_round``, built once: the evaluation after round
+        t sends the push round t + 1 trains from."""
         key = (partition, for_round)
         if key not in self.pushes:
             self.pushes[key] = self._push(partition, for_round)
         return self.pushes[key]
 
-    def download(self, partition: int, for_round: int, phase: Phase) -> Payload:
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        """The push (``context``), its ranks and lambda in the config, and its shapes for the reply:
+        A and B at r_tot of every module with r_tot > 0, and the head."""
         push = self.push_for(partition, for_round)
-        if phase == "train":
-            self.sent.setdefault(for_round, []).append(partition)
-        if push.budget_applies and push.bytes > self.budgets[partition].download:
-            self.violations += 1
-            log(WARNING, "download: client %d gets %d bytes over its budget %.0f",
-                partition, push.bytes, self.budgets[partition].download)
-        return push.payload
+        config: dict[str, bool | int | float | str] = {
+            protocol.FEDHERA_R_TOT: json.dumps(push.r_tot),
+            protocol.FEDHERA_R_MAIN: json.dumps(push.r_main),
+            protocol.FEDHERA_LAMBDA: push.lam if phase == "train" else 1.0,
+        }
+        upload = adapter_shapes(self.module_shapes, push.r_tot) | {k: v.shape for k, v in self.head.items() if self.sends_head}
+        return Download(partition, for_round, phase, push.payload, config, upload, context=push)
 
     def _push(self, partition: int, server_round: int) -> Push:
         if self.G is None:  # round 1: the seeded initial adapter, one rank everywhere
@@ -277,34 +277,13 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         payload = join_payload(factors, self.head if self.sends_head else None)
         return Push(r_tot, r_main, self.lam(partition, server_round), payload, payload_bytes(payload))
 
-    def client_config(self, partition: int, for_round: int, phase: Phase) -> dict[str, Any]:
-        push = self.push_for(partition, for_round)
-        return {
-            protocol.FEDHERA_R_TOT: json.dumps(push.r_tot),
-            protocol.FEDHERA_R_MAIN: json.dumps(push.r_main),
-            protocol.FEDHERA_LAMBDA: push.lam if phase == "train" else 1.0,
-        }
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        push = self.push_for(partition, server_round)
-        shapes: dict[str, tuple[int, ...]] = {}
-        for m, (d_out, d_in) in self.module_shapes.items():
-            if push.r_tot[m] == 0:  # not adapted: not uploaded
-                continue
-            shapes[m + A_SUFFIX] = (push.r_tot[m], d_in)
-            shapes[m + B_SUFFIX] = (d_out, push.r_tot[m])
-        if self.sends_head:
-            shapes.update({k: tuple(v.shape) for k, v in self.head.items()})
-        return shapes
-
     # ---------------------------------------------------------------- aggregation
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = [float(w) for w in self.weights(uploads)]
         alpha = self.experiment.model.lora_alpha
         updates, starts = [], []
         for u in uploads:
-            push = self.pushes[(u.partition_id, server_round)]
+            push = u.download.context if u.download is not None else self.push_for(u.partition_id, server_round)
             scales = {m: lora_scale(alpha, r) for m, r in push.r_tot.items() if r > 0}
             updates.append(scaled(split_payload(u.payload)[0], scales))
             start = split_payload(push.payload)[0]
@@ -319,8 +298,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         for u, update in zip(uploads, updates):
             self.scores[u.partition_id] = (fedhera.alignment_score(update, self.G), fedhera.scored_round_of(server_round))
         self._global = None
-        self.pushes = {k: v for k, v in self.pushes.items() if k[1] >= server_round}
-        self.sent = {r: p for r, p in self.sent.items() if r >= server_round}
+        self.pushes = {k: v for k, v in self.pushes.items() if k[1] > server_round}
 
     def _initial_G(self) -> dict[str, LowRankSVD]:
         """G before any aggregation: s B0 A0 of the initial adapter (zero with kaiming init)."""
@@ -349,7 +327,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     def round_extra(self, server_round: int) -> dict[str, Any]:
         """Per sampled client its download, budget, ranks (summed over modules) and lambda under
         ``fedhera``; flat numeric keys per budget tier (:func:`fedhera.round_summary`)."""
-        sampled = {p: self.pushes[(p, server_round)] for p in sorted(set(self.sent.get(server_round, [])))}
+        sampled: dict[int, Push] = {p: d.context for p, d in sorted(self.sent_this_round("train").items())}
         rows = {
             str(partition): {
                 "download_bytes": push.bytes,
@@ -365,5 +343,8 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         for partition, push in sampled.items():
             tiers.setdefault(self.tiers.get(partition, "custom"), []).append((push.r_tot, push.r_main))
         lambdas = [push.lam for push in sampled.values()] if self.options.atw else None
-        violations, self.violations = self.violations, 0
-        return {"fedhera": {"clients": rows, "budget_violations": violations}, **fedhera.round_summary(tiers, lambdas)}
+        over = [p for p, push in sampled.items() if push.budget_applies and push.bytes > self.budgets[p].download]
+        for p in over:
+            log(WARNING, "fedhera: round %d: client %d got %d bytes, over its budget %.0f", server_round, p,
+                sampled[p].bytes, self.budgets[p].download)
+        return {"fedhera": {"clients": rows, "budget_violations": len(over)}, **fedhera.round_summary(tiers, lambdas)}

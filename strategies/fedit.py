@@ -7,6 +7,7 @@ from fedlora.methods import fedit
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class FedIT(LoRAStrategy[NoOptions]):
@@ -44,8 +45,8 @@ class FedIT(LoRAStrategy[NoOptions]):
         self.max_rank = max(p.rank for p in self.roster.profiles.values())
         self.global_adapter: Payload = self.initial_adapter(self.max_rank)  # (r_max) factors
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        return truncate_payload(self.global_adapter, self.rank_of(partition))
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        return self.lora_download(partition, for_round, phase, truncate_payload(self.global_adapter, self.rank_of(partition)))
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.global_adapter = padded_average([u.payload for u in uploads], self.weights(uploads), self.max_rank,

@@ -23,6 +23,7 @@ from fedlora.methods.fedpissa import (
 )
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -105,7 +106,7 @@ class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
     """
 
     method = fedpissa.METHOD
-    STATE = (*LoRAStrategy.STATE, "A_agg", "B_agg", "client_A", "client_B", "delta", "diagnostics", "head", "initial_A", "initial_B", "last_A", "last_B", "last_examples", "rank", "selected", "sent")  # checkpointed
+    STATE = (*LoRAStrategy.STATE, "A_agg", "B_agg", "client_A", "client_B", "delta", "diagnostics", "head", "initial_A", "initial_B", "last_A", "last_B", "last_examples", "rank", "selected")  # checkpointed
 
     def setup(self) -> None:
         # after the roster settled mixed ranks (clients.mixed_rank_policy), every profile has one rank
@@ -128,7 +129,6 @@ class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
         # selection = dynamics only: each client's last accepted upload and what this round sent it
         self.client_A: dict[ClientId, dict[str, np.ndarray]] = {}
         self.client_B: dict[ClientId, dict[str, np.ndarray]] = {}
-        self.sent: dict[ClientId, dict[str, tuple[str, np.ndarray]]] = {}  # partition -> module -> (factor, array)
         self.diagnostics: dict[str, float] = {}
 
     def model_init(self) -> str:
@@ -153,19 +153,18 @@ class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
                 self.B_agg[module] = payload[module + B_SUFFIX]
         self.head = head_only(payload)
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        """What every client gets alike (:meth:`global_arrays`)."""
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        """What every client gets alike (:meth:`global_arrays`); ``context``: module -> (factor,
+        array) of the aggregated factors sent (``dynamics`` reads where each client started)."""
         payload = self.global_arrays()
-        if phase == "train" and self.options.selection == "dynamics":
-            self.sent[partition] = {
-                m: (f, payload[m + (A_SUFFIX if f == "A" else B_SUFFIX)]) for m, f in self.selected.items()
-            }
-        return payload
+        sent = {m: (f, payload[m + (A_SUFFIX if f == "A" else B_SUFFIX)]) for m, f in self.selected.items()}
+        return self.lora_download(partition, for_round, phase, payload, context=sent)
 
-    def starting_factors(self, partition: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """The A and B client ``partition`` started this round from (``dynamics``): what was sent
+    def starting_factors(self, upload: ClientUpload) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The A and B the upload's client started this round from (``dynamics``): what was sent
         to it, else its last accepted upload (kept on the client), else the initial adapter."""
-        sent = self.sent.get(partition, {})
+        partition = upload.partition_id
+        sent = upload.download.context if upload.download is not None else {}
         A = {m: self.client_A.get(partition, self.initial_A).get(m, self.initial_A[m]) for m in self.initial_A}
         B = {m: self.client_B.get(partition, self.initial_B).get(m, self.initial_B[m]) for m in self.initial_B}
         for module, (factor, array) in sent.items():
@@ -186,13 +185,12 @@ class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
                 self.last_examples[upload.partition_id] = upload.num_examples
         consensus: dict[str, dict[str, float]] = {}
         if self.options.selection == "dynamics":
-            starts = {k: self.starting_factors(k) for k in A_by_client}
+            starts = {u.partition_id: self.starting_factors(u) for u in uploads}
             consensus["A"] = update_consensus({k: s[0] for k, s in starts.items()}, A_by_client, p)
             consensus["B"] = update_consensus({k: s[1] for k, s in starts.items()}, B_by_client, p)
             self.selected = select_factors(consensus["A"], consensus["B"])
             self.client_A |= A_by_client
             self.client_B |= B_by_client
-            self.sent = {}
         # Eq. 4 on X (aggregated, (d, r)) with projectors from U (kept, (r, d')): X = B, U = A; or X = A^T, U = B^T
         X = {k: {m: B_by_client[k][m] if f == "B" else A_by_client[k][m].T for m, f in self.selected.items()}
              for k in A_by_client}

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload, split_payload
 from fedlora.methods import fedsa_lora
 from fedlora.methods.fedsa_lora import aggregate_A
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 from fedlora.strategies.roster import MixedRanksError
 
 
@@ -59,13 +58,10 @@ class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
         self.A = {key[: -len(A_SUFFIX)]: value for key, value in initial.items()}  # (R, d_in) each
         self.head: Payload = self.initial_head()
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
         rank = self.rank_of(partition)
-        return {m + A_SUFFIX: A[:rank].copy() for m, A in self.A.items()} | self.head
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=False)
+        payload = {m + A_SUFFIX: A[:rank].copy() for m, A in self.A.items()} | self.head
+        return self.lora_download(partition, for_round, phase, payload, send_B=False)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = self.weights(uploads)

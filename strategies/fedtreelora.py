@@ -4,7 +4,6 @@ options are ``fedlora/methods/fedtreelora.py``)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from logging import INFO, WARNING, getLogger
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from fedlora.methods.fedtreelora import (
 )
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -114,7 +114,7 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     """
 
     method = fedtreelora.METHOD
-    STATE = (*LoRAStrategy.STATE, "cluster_experts", "cuts", "distances", "external_experts", "fallback", "head", "lam", "layers", "membership", "pushed_B", "rebuilt", "tree", "tree_partitions")  # checkpointed
+    STATE = (*LoRAStrategy.STATE, "cluster_experts", "cuts", "distances", "external_experts", "fallback", "head", "lam", "layers", "membership", "rebuilt", "tree", "tree_partitions")  # checkpointed
 
     # ---------------------------------------------------------------- state
     def setup(self) -> None:
@@ -129,7 +129,6 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         self.head: Payload = {}
         self.distances: dict[int, np.ndarray] = {}
         self.lam: dict[int, list[float]] = {}  # this round: block -> lam of the clients that mixed it
-        self.pushed_B: dict[int, dict[str, np.ndarray]] = {}  # partition -> module -> B sent for this round's training
         self.rebuilt = False  # whether this round rebuilt the tree (rebuild_every)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
@@ -138,12 +137,13 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         return super().weights(uploads)
 
     # ---------------------------------------------------------------- messages
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        payload = self._download(partition, server_round)
-        if phase == "train" and self.options.tree_distance == "update":  # the start of this round's update
-            start = payload or self.initial_adapter(self.rank_of(partition))
-            self.pushed_B[partition] = {m: f.B for m, f in split_payload(start)[0].items()}
-        return payload
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        """The client's cluster expert per block and its external expert where there is one (none in
+        the warm-up); the early warm-up rounds' replies upload nothing."""
+        payload = self._download(partition, for_round)
+        if for_round < self.options.warmup_rounds:  # early warm-up rounds: nothing needs to travel
+            return Download(partition, for_round, phase, payload)
+        return self.lora_download(partition, for_round, phase, payload)
 
     def _download(self, partition: int, server_round: int) -> Payload:
         if server_round <= self.options.warmup_rounds or not self.cluster_experts:
@@ -163,12 +163,6 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         payload.update({EXTERNAL_PREFIX + k: v for k, v in join_payload(external_factors).items()})
         return payload
 
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        if server_round < self.options.warmup_rounds:
-            return {}  # early warm-up rounds: nothing needs to travel
-        return self.lora_shapes(self.rank_of(partition), send_A=True, send_B=True)
-
     # ---------------------------------------------------------------- aggregation
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         self.lam = lam_by_block([u.metrics for u in uploads])
@@ -178,7 +172,8 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         after = server_round - self.options.warmup_rounds
         self.rebuilt = after > 0 and self.options.rebuild_every > 0 and after % self.options.rebuild_every == 0
         if after == 0 or self.rebuilt:
-            self.build_tree([u.partition_id for u in uploads], factors)
+            pushed = [self.pushed_B(u) for u in uploads] if self.options.tree_distance == "update" else []
+            self.build_tree([u.partition_id for u in uploads], factors, pushed)
             if self.rebuilt:  # the clusters are new: no expert carries over under an old cluster's number
                 self.cluster_experts, self.external_experts = {}, {}
         w = self.weights(uploads)
@@ -197,9 +192,18 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         self.fallback = {m: average_factors([f[m] for f in factors], w) for m in self.module_shapes}
         self.head = self.averaged_head(uploads, w, self.head)
 
-    def build_tree(self, partitions: list[int], factors: list[dict[str, Factors]]) -> None:
+    def pushed_B(self, upload: ClientUpload) -> dict[str, np.ndarray]:
+        """Module -> the B the upload's client started this round from (its download, the initial
+        adapter in the warm-up); nothing for an upload that answers no download."""
+        if upload.download is None:
+            return {}
+        start = upload.download.payload or self.initial_adapter(self.rank_of(upload.partition_id))
+        return {m: f.B for m, f in split_payload(start)[0].items()}
+
+    def build_tree(self, partitions: list[int], factors: list[dict[str, Factors]],
+                   pushed: list[dict[str, np.ndarray]]) -> None:
         """Distances, the global tree and the per-block cuts and memberships, from the uploads'
-        B factors (``tree_distance = 'update'``: minus the B each client downloaded)."""
+        B factors (``tree_distance = 'update'``: minus the B each client downloaded, ``pushed``)."""
         self.tree_partitions = partitions
         n = len(partitions)
         missing = sorted(set(self.roster.partitions) - set(partitions))
@@ -207,7 +211,7 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
             log(WARNING, "fedtreelora: clients %s sent no warm-up upload; they get everyone's mean", missing)
         Bs = [{m: f.B for m, f in fs.items()} for fs in factors]
         if self.options.tree_distance == "update":
-            Bs = [{m: update_of(B[m], self.pushed_B.get(p, {}).get(m)) for m in B} for p, B in zip(partitions, Bs)]
+            Bs = [{m: update_of(B[m], start.get(m)) for m in B} for start, B in zip(pushed, Bs)]
         self.tree, self.distances, cuts, labels = grow_tree(Bs, self.layers, self.options)
         self.cuts, self.membership = {}, {}
         for layer, c, labels_l in zip(self.layers, cuts, labels):

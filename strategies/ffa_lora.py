@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 
 from fedlora.lora import B_SUFFIX, Payload, head_only, nested_A_payload, split_payload
@@ -11,6 +9,7 @@ from fedlora.methods import ffa_lora
 from fedlora.methods.ffa_lora import aggregate_B, download_B
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 from fedlora.strategies.roster import MixedRanksError
 
 
@@ -64,13 +63,10 @@ class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
         self.head: Payload = self.initial_head()
         self.shared_A = nested_A_payload(self.module_shapes, self.rank_max, self.experiment.train.seed)
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
         rank = self.rank_of(partition)
-        return {m + B_SUFFIX: download_B(B, rank) for m, B in self.B.items()} | self.head
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        return self.lora_shapes(self.rank_of(partition), send_A=False, send_B=True)
+        payload = {m + B_SUFFIX: download_B(B, rank) for m, B in self.B.items()} | self.head
+        return self.lora_download(partition, for_round, phase, payload, send_A=False)
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = self.weights(uploads)

@@ -22,6 +22,7 @@ from fedlora.methods import flexlora
 from fedlora.methods.flexlora import flexlora_aggregate
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class FlexLoRA(LoRAStrategy[flexlora.FlexLoRAOptions]):
@@ -70,13 +71,13 @@ class FlexLoRA(LoRAStrategy[flexlora.FlexLoRAOptions]):
     def scale(self, rank: int) -> float:
         return lora_scale(self.experiment.model.lora_alpha, rank)
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
         rank = self.rank_of(partition)
         if not self.spectrum:
             factors, _ = split_payload(self.initial_adapter(rank))
         else:
             factors = {m: leading_factors(svd, rank, self.scale(rank)) for m, svd in self.spectrum.items()}
-        return join_payload(factors, self.head)
+        return self.lora_download(partition, for_round, phase, join_payload(factors, self.head))
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         clients = [split_payload(u.payload)[0] for u in uploads]

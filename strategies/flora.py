@@ -21,6 +21,7 @@ from fedlora.methods import flora
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class FLoRA(LoRAStrategy[NoOptions]):
@@ -60,30 +61,29 @@ class FLoRA(LoRAStrategy[NoOptions]):
     """
 
     method = flora.METHOD
-    STATE = (*LoRAStrategy.STATE, "head", "merged", "sent", "stacks")  # checkpointed
+    STATE = (*LoRAStrategy.STATE, "head", "merged", "stacks")  # checkpointed
 
     def setup(self) -> None:
         self.stacks: dict[int, dict[str, Factors]] = {}  # round -> module -> unit-scale stack
         # per client, only once it took part (an idle client costs nothing here)
         self.merged: dict[int, set[int]] = {}  # confirmed rounds
-        self.sent: dict[int, set[int]] = {}  # last download
         self.head: Payload = self.initial_head()
 
     def scale(self, rank: int) -> float:
         return lora_scale(self.experiment.model.lora_alpha, rank)
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        """The stacks the client has not merged yet (their rounds are the download's ``context``) and the head."""
         missing = sorted(set(self.stacks) - self.merged.get(partition, set()))
-        self.sent[partition] = set(missing)
         payload: Payload = {}
         for t in missing:
             payload.update(stack_payload(t, self.stacks[t]))
         payload.update(self.head)
-        return payload
+        return self.lora_download(partition, for_round, phase, payload, context=frozenset(missing))
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         for u in uploads:  # a successful reply means the client merged what it was sent
-            self.merged.setdefault(u.partition_id, set()).update(self.sent.get(u.partition_id, set()))
+            self.merged.setdefault(u.partition_id, set()).update(u.download.context if u.download else ())
         clients = [split_payload(u.payload)[0] for u in uploads]
         scales = [self.scale(self.rank_of(u.partition_id)) for u in uploads]
         self.stacks[server_round] = stack(clients, self.weights(uploads), scales)

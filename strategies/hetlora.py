@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from fedlora import protocol
@@ -18,6 +17,7 @@ from fedlora.methods import hetlora
 from fedlora.methods.hetlora import hetlora_aggregate, pruned_rank
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
@@ -78,13 +78,20 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     def rank_of(self, partition: int) -> int:
         return self.ranks[partition]
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        """The global factors cut to the client's rank. A self-pruning client uploads at the rank it
+        reports (``upload-rank``): its current rank or the pruned one; any other report (NaN, 2.5,
+        another rank) means the current rank, so the upload's shapes are refused. The aggregation
+        reads each upload's rank from its shapes."""
         rank = self.ranks[partition]
         if not self.aggregated:  # the common seeded init at the client's own rank
             factors, _ = split_payload(self.initial_adapter(rank))
         else:
             factors = {m: truncate_rank(f, rank) for m, f in self.global_factors.items()}
-        return join_payload(factors, self.head)
+        allowed = {rank, pruned_rank(rank, self.options.prune_decay)} if self.options.self_prune else set()
+        return self.lora_download(partition, for_round, phase, join_payload(factors, self.head),
+                                  choice=protocol.HETLORA_UPLOAD_RANK,
+                                  alternatives={float(r): self.lora_shapes(r, send_A=True, send_B=True) for r in allowed})
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         clients = [split_payload(u.payload)[0] for u in uploads]
@@ -94,17 +101,6 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
             self.ranks[upload.partition_id] = next(iter(factors.values())).rank  # pruned clients stay pruned
         self.head = self.averaged_head(uploads, self.weights(uploads), self.head)
         self.aggregated = True
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        """A self-pruning client uploads at the rank it reports (``metrics``): its current rank or
-        the pruned one; any other report (NaN, 2.5, another rank) keeps the current rank, so the
-        upload's shapes are refused. The aggregation reads each upload's rank from its shapes."""
-        current = self.ranks[partition]
-        reported = (metrics or {}).get(protocol.HETLORA_UPLOAD_RANK, float(current))
-        allowed = {current, pruned_rank(current, self.options.prune_decay)}
-        rank = int(reported) if self.options.self_prune and reported in allowed else current
-        return self.lora_shapes(rank, send_A=True, send_B=True)
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
         if not self.options.self_prune:

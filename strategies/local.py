@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from fedlora.lora import Payload
 from fedlora.methods import local
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 
 class LocalOnly(LoRAStrategy[NoOptions]):
@@ -41,12 +39,8 @@ class LocalOnly(LoRAStrategy[NoOptions]):
     method = local.METHOD
     STATE = LoRAStrategy.STATE  # checkpointed: nothing of its own
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        return {}
-
-    def expected_upload(self, partition: int, server_round: int,
-                        metrics: Mapping[str, float] | None = None) -> dict[str, tuple[int, ...]]:
-        return {}
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        return Download(partition, for_round, phase, {})  # nothing goes down, nothing comes up
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         """Nothing to aggregate: the uploads are empty."""

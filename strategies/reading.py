@@ -8,8 +8,7 @@ here raises on what a client sent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from functools import partial
+from collections.abc import Callable, Collection, Mapping
 from logging import WARNING, getLogger
 
 from flwr.app import Message
@@ -19,6 +18,7 @@ from fedlora.protocol import Phase
 from fedlora.results import RoundRecord
 from fedlora.schema import ModelKind
 from fedlora.strategies.accounting import client_train_entry, count_missing, reject, short
+from fedlora.strategies.download import Download
 from fedlora.strategies.ledger import PrivacyLedger
 from fedlora.strategies.replies import (
     ClientUpload,
@@ -31,11 +31,7 @@ from fedlora.strategies.roster import ClientRoster
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
-# partition, the reply's metrics -> key -> shape of the arrays it must upload
-ExpectedUpload = Callable[[int, Mapping[str, float]], dict[str, tuple[int, ...]]]
-
-
-def sender(roster: ClientRoster, awaiting: Mapping[Phase, set[int]], msg: Message, phase: Phase,
+def sender(roster: ClientRoster, awaiting: Mapping[Phase, Collection[int]], msg: Message, phase: Phase,
            seen: set[int]) -> int | Rejection:
     """The partition of the reply's sender (the roster's map, never what the reply claims), if it
     was sent a message of ``phase`` this round (``awaiting``; no entry: any accepted client) and
@@ -60,17 +56,17 @@ def known(roster: ClientRoster, node: int) -> int | None:
         return None
 
 
-def read_train_reply(msg: Message, roster: ClientRoster, awaiting: Mapping[Phase, set[int]], seen: set[int],
-                     expectation: Callable[[int], Expectation], expected_upload: ExpectedUpload,
+def read_train_reply(msg: Message, roster: ClientRoster, sent: Mapping[Phase, Mapping[int, Download]], seen: set[int],
+                     expectation: Callable[[int], Expectation],
                      record: RoundRecord) -> tuple[int, ClientUpload | Rejection] | None:
     """Parse and validate one training reply: the sender's partition and its upload or the
     :class:`Rejection` of the reply's first problem (:func:`fedlora.strategies.replies.parse_train_reply`,
-    against ``expectation(partition)`` and, once its metrics are known, ``expected_upload``).
+    against ``expectation(partition)`` and the download it was sent, ``sent['train'][partition]``).
     None for a reply there is nothing to read in: an error reply (a sampled client's is a
     failure of the round, a stray one is only logged) or one from a sender that was not
     waited for (:func:`sender`: counted as rejected, not as a failure)."""
     node = msg.metadata.src_node_id
-    partition = sender(roster, awaiting, msg, "train", seen)
+    partition = sender(roster, sent, msg, "train", seen)
     if msg.has_error():
         log(WARNING, "aggregate_train: node %d failed: %s", node, short(msg.error.reason))
         record.failures += not isinstance(partition, Rejection)
@@ -78,11 +74,11 @@ def read_train_reply(msg: Message, roster: ClientRoster, awaiting: Mapping[Phase
     if isinstance(partition, Rejection):
         reject(record, known(roster, node), node, partition.reason, failure=False)
         return None
-    return partition, parse_train_reply(msg, expectation(partition), partial(expected_upload, partition))
+    return partition, parse_train_reply(msg, expectation(partition), sent["train"][partition])
 
 
-def read_train_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[Phase, set[int]],
-                       expectation: Callable[[int], Expectation], expected_upload: ExpectedUpload,
+def read_train_replies(replies: list[Message], roster: ClientRoster, sent: Mapping[Phase, Mapping[int, Download]],
+                       expectation: Callable[[int], Expectation],
                        ledger: PrivacyLedger, record: RoundRecord) -> list[ClientUpload]:
     """Parse and validate every training reply (:func:`read_train_reply`); count the rejections and
     the sampled clients that did not reply; note in the privacy ledger the DP epsilon each client
@@ -92,7 +88,7 @@ def read_train_replies(replies: list[Message], roster: ClientRoster, awaiting: M
     seen: set[int] = set()  # sampled partitions that replied (an error reply too)
     spent: dict[int, float] = {}
     for msg in replies:
-        read = read_train_reply(msg, roster, awaiting, seen, expectation, expected_upload, record)
+        read = read_train_reply(msg, roster, sent, seen, expectation, record)
         if read is None:
             continue
         partition, parsed = read
@@ -108,7 +104,7 @@ def read_train_replies(replies: list[Message], roster: ClientRoster, awaiting: M
     return sorted(uploads, key=lambda u: u.partition_id)
 
 
-def read_evaluate_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[Phase, set[int]],
+def read_evaluate_replies(replies: list[Message], roster: ClientRoster, awaiting: Mapping[Phase, Collection[int]],
                           kind: ModelKind, record: RoundRecord) -> list[dict[str, float]]:
     """Parse and validate every evaluation reply (:func:`fedlora.strategies.replies.parse_evaluate_reply`,
     from a client sent an evaluation message this round, once: :func:`sender`); a failed or

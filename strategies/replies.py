@@ -23,7 +23,7 @@ client sent. Evaluation replies go through the same parse and validate steps
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from flwr.app import Message
 from fedlora import protocol
 from fedlora.lora import ADAPTER_DTYPE, Payload
 from fedlora.schema import ModelKind
+from fedlora.strategies.download import Download
 from fedlora.strategies.validation import check_upload, ratio_bound, update_norm
 
 MAX_WORKER_TEXT = 200  # characters kept of each entry of a reply's worker record (where it ran)
@@ -52,6 +53,7 @@ class ClientUpload:
     metrics: dict[str, float]
     weight: float = -1.0  # < 0: the example count (set in __post_init__)
     worker: dict[str, str] = field(default_factory=dict)  # where the message ran (host, Ray node)
+    download: Download | None = None  # what the client was sent this round (set once the reply is read)
 
     def __post_init__(self) -> None:
         if self.weight < 0:
@@ -177,12 +179,13 @@ def parse_arrays(message: Message, expected: Mapping[str, tuple[int, ...]]) -> P
 def parse_train_reply(
     message: Message,
     expect: Expectation,
-    expected_upload: Callable[[Mapping[str, float]], Mapping[str, tuple[int, ...]]],
+    download: Download,
 ) -> ClientUpload | Rejection:
-    """A training reply as a :class:`ClientUpload`, or the :class:`Rejection` of its first problem.
+    """A training reply as a :class:`ClientUpload` (carrying the ``download`` it answers), or the
+    :class:`Rejection` of its first problem.
 
-    ``expected_upload(metrics)`` gives the shapes the sender must upload once its metrics are known
-    (HetLoRA's self-pruned rank is one of them).
+    ``download.expected(metrics)`` gives the shapes the sender must upload once its metrics are
+    known (HetLoRA's self-pruned rank is one of them).
     """
     metrics = parse_metrics(message, protocol.TRAIN_RULES, protocol.TRAIN_REQUIRED, protocol.TRAIN_PATTERNS)
     if isinstance(metrics, str):
@@ -196,17 +199,13 @@ def parse_train_reply(
                          "when it joined", metrics)
     if expect.max_examples and examples > expect.max_examples:
         return Rejection(f"{examples} training examples, above faults.max_examples = {expect.max_examples}", metrics)
-    try:
-        expected = expected_upload(metrics)
-    except Exception as error:  # noqa: BLE001 - a method's view of a reply must not end the run
-        return Rejection(f"no upload can be expected from these metrics ({type(error).__name__}: {error})", metrics)
-    payload = parse_arrays(message, expected)
+    payload = parse_arrays(message, download.expected(metrics))
     if isinstance(payload, str):
         return Rejection(payload, metrics)
     problem = ratio_bound(update_norm(payload), expect.reference_norm, expect.max_update_ratio)
     if problem:
         return Rejection(problem, metrics)
-    return ClientUpload(expect.partition, payload, examples, metrics, worker=_worker(message))
+    return ClientUpload(expect.partition, payload, examples, metrics, worker=_worker(message), download=download)
 
 
 def parse_evaluate_reply(message: Message, partition: int, kind: ModelKind) -> dict[str, float] | Rejection:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from logging import INFO, WARNING, getLogger
 
-from fedlora.lora import Payload
 from fedlora.results import RoundRecord
 from fedlora.schema import AggregationRule, FaultsConfig
 from fedlora.strategies.accounting import reject
@@ -35,16 +34,17 @@ def drop_outliers(uploads: list[ClientUpload], faults: FaultsConfig, node_of: Ma
     return [u for i, u in enumerate(uploads) if i not in outliers]
 
 
-def watch_updates(server_round: int, uploads: list[ClientUpload], downloads: Mapping[int, Payload],
-                  history: list[Fingerprint], faults: FaultsConfig, node_of: Mapping[int, int],
+def watch_updates(server_round: int, uploads: list[ClientUpload], history: list[Fingerprint],
+                  faults: FaultsConfig, node_of: Mapping[int, int],
                   record: RoundRecord) -> tuple[list[ClientUpload], list[Fingerprint]]:
-    """Measure every valid update against what its client downloaded this round (``downloads``),
+    """Measure every valid update against what its client downloaded this round (its ``download``),
     the round's median update and the recent uploads (``history``;
     :func:`fedlora.strategies.anomaly.check_updates`): the measures go into the client's
     ``per_client_train`` entry; a flagged update is counted in the round's ``anomalies`` and
     logged in one line (``faults.anomaly_action = 'log'``, still aggregated) or refused
     (``'reject'``). Returns the uploads to aggregate, in order, and the new history."""
-    checks, history = check_updates([(u.partition_id, u.payload, downloads.get(u.partition_id, {})) for u in uploads],
+    sent = [u.download.payload if u.download is not None else {} for u in uploads]
+    checks, history = check_updates([(u.partition_id, u.payload, down) for u, down in zip(uploads, sent)],
                                     history, server_round, faults)
     kept = []
     for upload, check in zip(uploads, checks):

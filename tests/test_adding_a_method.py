@@ -28,6 +28,7 @@ from fedlora.lora import Payload, padded_average, truncate_payload
 from fedlora.methods import Capabilities, Method, NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
+from fedlora.strategies.download import Download
 
 METHOD = Method(
     name="uniform_fedavg",
@@ -49,8 +50,9 @@ class UniformFedAvg(LoRAStrategy[NoOptions]):
         self.global_adapter: Payload = self.initial_adapter(self.max_rank)
         self.last_weights: list[float] = []
 
-    def download(self, partition: int, server_round: int, phase: Phase) -> Payload:
-        return truncate_payload(self.global_adapter, self.rank_of(partition))
+    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+        payload = truncate_payload(self.global_adapter, self.rank_of(partition))
+        return self.lora_download(partition, for_round, phase, payload)  # A, B and head come back
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = np.full(len(uploads), 1.0 / len(uploads))

@@ -296,3 +296,14 @@ def test_every_attribute_a_strategy_assigns_is_declared_checkpoint_state_or_rebu
     assert not problems, problems
     assert not base_undeclared, f"LoRAStrategy assigns {sorted(base_undeclared)} but declares them nowhere"
     assert set(LoRAStrategy.STATE) <= base_assigned
+
+
+def test_no_strategy_module_is_large_and_the_base_is_not_the_largest_module() -> None:
+    """One class per algorithm, small pure helpers beside it: no module of ``strategies/`` above
+    about 350 lines, and the strategies' base module not the largest of the package."""
+    sizes = {module_name(path): len(path.read_text().splitlines()) for path in source_files()}
+    methods = {name: size for name, size in sizes.items() if name.startswith("fedlora.strategies.")
+               and name != "fedlora.strategies.base"}
+    assert max(methods.values()) <= 350, sorted(methods.items(), key=lambda item: -item[1])[:3]
+    assert max(sizes, key=lambda name: sizes[name]) != "fedlora.strategies.base", sorted(
+        sizes.items(), key=lambda item: -item[1])[:3]

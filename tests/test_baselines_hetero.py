@@ -102,12 +102,12 @@ def test_flora_global_model_is_base_plus_every_merged_product() -> None:
     round1 = [fake_upload(rng, 0, 1, 10), fake_upload(rng, 1, 2, 30)]
     round2 = [fake_upload(rng, 0, 1, 10)]
     # Execute
-    strategy.download(0, 1, "train"), strategy.download(1, 1, "train")
-    strategy.aggregate(1, round1)
-    strategy.download(0, 2, "train")
-    strategy.aggregate(2, round2)
+    for server_round, uploads in ((1, round1), (2, round2)):
+        for upload in uploads:  # what the base attaches to a reply it reads: the download it answers
+            upload.download = strategy.download(upload.partition_id, server_round, "train")
+        strategy.aggregate(server_round, uploads)
     payload = strategy.global_payload()
-    catch_up = read_stacks(strategy.download(1, 3, "train"))
+    catch_up = read_stacks(strategy.download(1, 3, "train").payload)
     # Assert: s_R B A with R = 3 + 1 = 4 is the sum of both rounds' p_k s_k B_k A_k
     def product(u: ClientUpload) -> np.ndarray:
         return u.payload["m::B"].astype(np.float64) @ u.payload["m::A"]
@@ -250,7 +250,7 @@ def test_hetlora_truncates_the_global_factors_to_each_rank() -> None:
     uploads = [fake_upload(rng, 0, 1, 10), fake_upload(rng, 1, 3, 10)]
     # Execute
     strategy.aggregate(1, uploads)
-    downloads = {k: strategy.download(k, 2, "train") for k in (0, 1)}
+    downloads = {k: strategy.download(k, 2, "train").payload for k in (0, 1)}
     # Assert
     glob = strategy.global_factors["m"]
     assert glob.rank == 3
@@ -273,12 +273,12 @@ def test_hetlora_self_pruning_accepts_the_reported_pruned_rank_and_cuts_later_do
     strategy = small_strategy(HetLoRA, [4, 4], ["strategy.self_prune=true"])
     rng = np.random.default_rng(3)
     # Execute: client 0 reports and uploads rank 3, client 1 stays at 4
-    expected = {k: strategy.expected_upload(k, 1, {"upload-rank": rank})["m::A"] for k, rank in ((0, 3.0), (1, 4.0))}
+    expected = {k: strategy.download(k, 1, "train").expected({"upload-rank": rank})["m::A"] for k, rank in ((0, 3.0), (1, 4.0))}
     strategy.aggregate(1, [fake_upload(rng, 0, 3, 10), fake_upload(rng, 1, 4, 10)])
     # Assert: shapes checked at the reported rank; the pruned client stays at rank 3 from now on
     assert expected == {0: (3, 5), 1: (4, 5)}
     assert strategy.ranks == {0: 3, 1: 4}
-    assert strategy.download(0, 2, "train")["m::A"].shape == (3, 5) and strategy.download(1, 2, "train")["m::B"].shape == (6, 4)
+    assert strategy.download(0, 2, "train").payload["m::A"].shape == (3, 5) and strategy.download(1, 2, "train").payload["m::B"].shape == (6, 4)
     assert strategy.rank_of(0) == 3  # every later message says lora-rank = 3
     assert strategy.round_extra(1) == {"ranks": {"0": 3, "1": 4}}
     assert strategy.global_factors["m"].rank == 4  # padded to r_max as before
@@ -289,7 +289,7 @@ def test_hetlora_self_pruning_refuses_a_rank_other_than_current_or_pruned(report
     # Prepare: rank 4 (may report 4 or 3 only)
     strategy = small_strategy(HetLoRA, [4], ["strategy.self_prune=true"])
     # Execute
-    expected = strategy.expected_upload(0, 2, {"upload-rank": reported})
+    expected = strategy.download(0, 2, "train").expected({"upload-rank": reported})
     # Assert: the upload is checked against the current rank, so a rank-2 upload is malformed
     assert expected["m::A"] == (4, 5)
     f = random_factors(np.random.default_rng(0), 6, 5, int(reported) or 1)
@@ -298,8 +298,8 @@ def test_hetlora_self_pruning_refuses_a_rank_other_than_current_or_pruned(report
 
 def test_hetlora_without_self_pruning_ignores_a_reported_rank() -> None:
     strategy = small_strategy(HetLoRA, [4])
-    assert strategy.expected_upload(0, 2, {"upload-rank": 3.0})["m::A"] == (4, 5)
-    assert strategy.client_config(0, 1, "train") == {}
+    assert strategy.download(0, 2, "train").expected({"upload-rank": 3.0})["m::A"] == (4, 5)
+    assert strategy.download(0, 1, "train").config == {}
 
 
 def test_lora_tail_norm_is_the_sum_of_tail_factor_norm_products() -> None:

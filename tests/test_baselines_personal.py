@@ -140,9 +140,9 @@ def test_ffa_round_downloads_B_only_at_each_rank() -> None:
     uploads = [upload(0, {"m::B": np.ones((6, 1), np.float32)} | head(1.0), 10),
                upload(1, {"m::B": np.full((6, 2), 2.0, np.float32)} | head(3.0), 30)]
     # Execute
-    first = strategy.download(0, 1, "train")
+    first = strategy.download(0, 1, "train").payload
     strategy.aggregate(1, uploads)
-    down0, down1 = strategy.download(0, 2, "train"), strategy.download(1, 2, "train")
+    down0, down1 = strategy.download(0, 2, "train").payload, strategy.download(1, 2, "train").payload
     # Assert: B = 0.25 * 2 * pad(1) + 0.75 * 2 -> columns [2, 1.5]; rank 1 gets (1/2) [2]
     assert set(first) == {"m::B", "head::classifier.weight"} and not first["m::B"].any()
     assert np.allclose(down1["m::B"], np.tile([2.0, 1.5], (6, 1)))
@@ -158,9 +158,9 @@ def test_fedsa_round_sends_A_keeps_no_B_and_has_no_global_model() -> None:
     uploads = [upload(0, {"m::A": np.ones((1, 5), np.float32)} | head(1.0), 10),
                upload(1, {"m::A": np.full((2, 5), 2.0, np.float32)} | head(3.0), 30)]
     # Execute
-    first = strategy.download(1, 1, "train")
+    first = strategy.download(1, 1, "train").payload
     strategy.aggregate(1, uploads)
-    down0, down1 = strategy.download(0, 2, "train"), strategy.download(1, 2, "train")
+    down0, down1 = strategy.download(0, 2, "train").payload, strategy.download(1, 2, "train").payload
     # Assert: row 0 = 0.25 * 1 + 0.75 * 2, row 1 = 2 (client 1 only); rank 1 gets row 0
     assert np.array_equal(first["m::A"], nested_A("m", 2, 5, seed=0))
     assert np.allclose(down1["m::A"], [[1.75] * 5, [2.0] * 5])
@@ -174,7 +174,7 @@ def test_feddpa_round_averages_the_global_branch_only() -> None:
     g = [{"m::A": np.full((4, 5), a, np.float32), "m::B": np.full((6, 4), b, np.float32)} for a, b in ((1.0, 2.0), (3.0, 6.0))]
     # Execute
     strategy.aggregate(1, [upload(0, g[0] | head(1.0), 10), upload(1, g[1] | head(3.0), 30)])
-    down = strategy.download(0, 2, "train")
+    down = strategy.download(0, 2, "train").payload
     # Assert: A = 0.25 * 1 + 0.75 * 3, B = 0.25 * 2 + 0.75 * 6, separately
     assert np.allclose(down["m::A"], 2.5) and np.allclose(down["m::B"], 5.0)
     assert np.allclose(down["head::classifier.weight"], 2.5)
@@ -190,7 +190,7 @@ def test_feddpa_round_averages_the_global_branch_only() -> None:
         (LocalOnly, 2, {}, {"m::A": (2, 5)}),  # nothing travels
     ],
 )
-def test_expected_upload_accepts_the_method_and_rejects_anything_else(
+def test_the_download_expects_the_methods_upload_and_rejects_anything_else(
     cls: type, rank: int, good: dict[str, tuple[int, ...]], bad: dict[str, tuple[int, ...]]
 ) -> None:
     # Prepare
@@ -198,7 +198,7 @@ def test_expected_upload_accepts_the_method_and_rejects_anything_else(
     head_shape = {} if cls is LocalOnly else {"head::classifier.weight": (2, 6)}
     make = lambda shapes: {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     # Execute
-    expected = strategy.expected_upload(0, 2)
+    expected = strategy.download(0, 2, "train").expected()
     # Assert
     assert check_upload(make(good | head_shape), expected) == ""
     assert check_upload(make(bad | head_shape), expected) != ""
@@ -223,7 +223,7 @@ def test_local_head_never_travels(cls: type) -> None:
     # Prepare
     strategy = small_strategy(cls, [2], ["model.head=local"])
     # Execute
-    down, up = strategy.download(0, 1, "train"), strategy.expected_upload(0, 2)
+    down, up = strategy.download(0, 1, "train").payload, strategy.download(0, 2, "train").expected()
     # Assert
     assert not [k for k in [*down, *up] if k.startswith("head::")]
 

@@ -243,7 +243,7 @@ def test_server_downloads_B_agg_and_head_only(options: list[str], p: list[float]
     uploads = [fake_upload(rng, k, n) for k, n in enumerate([10, 10, 20])]
     # Execute
     strategy.aggregate(1, uploads)
-    download = strategy.download(0, 2, "train")
+    download = strategy.download(0, 2, "train").payload
     # Assert: only B and the head go down; B is Eq. 4 with delta = r // 2; the head is averaged
     assert set(download) == {"m::B", "head::classifier.weight"}
     A = {u.partition_id: {"m": u.payload["m::A"]} for u in uploads}
@@ -353,9 +353,11 @@ def test_update_consensus_by_hand() -> None:
     assert kappa == pytest.approx({"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.0})
 
 
-def dynamics_uploads(strategy: FedPissa, rng: np.random.Generator, agree: dict[str, str], start: dict) -> list[ClientUpload]:
-    """3 uploads: per module, the factor named in ``agree`` moves by one common step from the
-    client's start (plus a little noise), the other factor by independent random steps."""
+def dynamics_uploads(strategy: FedPissa, rng: np.random.Generator, agree: dict[str, str], start: dict,
+                     server_round: int) -> list[ClientUpload]:
+    """3 uploads of ``server_round``, each answering its client's download: per module, the factor
+    named in ``agree`` moves by one common step from the client's start (plus a little noise), the
+    other factor by independent random steps."""
     uploads = []
     common = {(m, f): rng.standard_normal(start[0][m][f].shape) for m in agree for f in "AB"}
     for k, n in enumerate([1, 1, 2]):
@@ -366,7 +368,8 @@ def dynamics_uploads(strategy: FedPissa, rng: np.random.Generator, agree: dict[s
                     rng.standard_normal(common[(m, f)].shape))
                 payload[f"{m}::{f}"] = (start[k][m][f] + step).astype(np.float32)
         payload["head::classifier.weight"] = np.zeros((2, 6), np.float32)
-        uploads.append(ClientUpload(k, payload, num_examples=n, metrics={}))
+        uploads.append(ClientUpload(k, payload, num_examples=n, metrics={},
+                                    download=strategy.download(k, server_round, "train")))
     return uploads
 
 
@@ -378,13 +381,11 @@ def test_dynamics_aggregates_the_factor_whose_updates_agree_and_keeps_the_other_
     strategy = small_strategy(["strategy.selection=dynamics", "strategy.lam=0.5"], shapes=shapes)
     rng = np.random.default_rng(3)
     init = {k: {m: {"A": strategy.initial_A[m], "B": strategy.initial_B[m]} for m in shapes} for k in range(3)}
-    first = strategy.download(0, 1, "train")
-    for k in (1, 2):
-        strategy.download(k, 1, "train")
-    uploads = dynamics_uploads(strategy, rng, {"m": "A", "n": "B"}, init)
+    first = strategy.download(0, 1, "train").payload
+    uploads = dynamics_uploads(strategy, rng, {"m": "A", "n": "B"}, init, 1)
     # Execute
     strategy.aggregate(1, uploads)
-    download = strategy.download(0, 2, "train")
+    download = strategy.download(0, 2, "train").payload
     extra = strategy.round_extra(1)
     # Assert: round 1 sent B (the figure's choice); now m sends A_agg and n sends B_agg, nothing else
     assert set(first) == {"m::B", "n::B", "head::classifier.weight"}
@@ -411,19 +412,21 @@ def test_dynamics_measures_updates_from_what_each_client_started_with() -> None:
     strategy = small_strategy(["strategy.selection=dynamics"], shapes=shapes)
     rng = np.random.default_rng(4)
     init = {k: {m: {"A": strategy.initial_A[m], "B": strategy.initial_B[m]} for m in shapes} for k in range(3)}
-    for k in range(3):
-        strategy.download(k, 1, "train")
-    first = dynamics_uploads(strategy, rng, {"m": "A", "n": "B"}, init)
+    first = dynamics_uploads(strategy, rng, {"m": "A", "n": "B"}, init, 1)
     strategy.aggregate(1, first)
     # Execute: round 2: every client starts from the A_agg / B_agg it received and its own kept
     # factor; now the clients agree on m's B and n's A, measured from those starts
-    sent = {k: strategy.download(k, 2, "train") for k in range(3)}
+    sent = {k: strategy.download(k, 2, "train").payload for k in range(3)}
     starts = {k: {m: {f: sent[k].get(f"{m}::{f}", first[k].payload[f"{m}::{f}"]) for f in "AB"} for m in shapes}
               for k in range(3)}
-    strategy.aggregate(2, dynamics_uploads(strategy, rng, {"m": "B", "n": "A"}, starts))
+    second = dynamics_uploads(strategy, rng, {"m": "B", "n": "A"}, starts, 2)
+    A, B = strategy.starting_factors(second[0])  # from the download it answers, not its own last upload
+    assert np.array_equal(A["m"], sent[0]["m::A"]) and np.array_equal(B["n"], sent[0]["n::B"])
+    assert not np.array_equal(A["m"], first[0].payload["m::A"])
+    strategy.aggregate(2, second)
     # Assert: the selection flipped in both modules
     assert strategy.selected == {"m": "B", "n": "A"}
-    assert set(strategy.download(0, 3, "train")) == {"m::B", "n::A", "head::classifier.weight"}
+    assert set(strategy.download(0, 3, "train").payload) == {"m::B", "n::A", "head::classifier.weight"}
 
 
 @pytest.mark.parametrize(

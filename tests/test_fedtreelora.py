@@ -279,9 +279,9 @@ def test_fixed_c_1_sends_every_client_fedits_global_adapter() -> None:
         fedit.aggregate(server_round, uploads)
     # Assert: no external expert; every client's download is FedIT's global A, B and head
     for k in range(4):
-        download = tree.download(k, 3, "train")
-        assert set(download) == set(fedit.download(k, 3, "train"))
-        for key, value in fedit.download(k, 3, "train").items():
+        download = tree.download(k, 3, "train").payload
+        assert set(download) == set(fedit.download(k, 3, "train").payload)
+        for key, value in fedit.download(k, 3, "train").payload.items():
             np.testing.assert_allclose(download[key], value, rtol=1e-6)
     assert tree.round_extra(2)["cuts"] == [1, 1]
 
@@ -292,7 +292,7 @@ def test_groups_in_B_give_per_client_cluster_and_external_experts() -> None:
     uploads = protocol_uploads(np.random.default_rng(1), [0, 1, 0, 1])
     # Execute
     tree.aggregate(1, uploads)
-    download = tree.download(0, 2, "train")
+    download = tree.download(0, 2, "train").payload
     # Assert: block 0 already splits (the groups differ there too), clusters are the groups,
     # client 0 gets the mean of clients {0, 2} and, as external expert, the mean of {1, 3}
     extra = tree.round_extra(1)
@@ -311,8 +311,8 @@ def test_warmup_sends_nothing_and_expects_nothing_before_its_last_round() -> Non
     # Prepare
     tree, _ = protocol_pair(["strategy.warmup_rounds=2"])
     # Execute / Assert: round 1 of 2 warm-up rounds: no download, no upload expected
-    assert tree.download(0, 1, "train") == {} and tree.expected_upload(0, 1) == {}
-    assert "x.layer.0.q::B" in tree.expected_upload(0, 2)
+    assert tree.download(0, 1, "train").payload == {} and tree.download(0, 1, "train").expected() == {}
+    assert "x.layer.0.q::B" in tree.download(0, 2, "train").expected()
 
 
 # ---------------------------------------------------------------- options
@@ -567,10 +567,12 @@ def test_a_rebuilt_tree_clusters_the_raw_factors_or_the_rounds_updates(distance:
     tree, _ = protocol_pair([f"strategy.tree_distance={distance}", "strategy.rebuild_every=1"])
     rng = np.random.default_rng(3)
     tree.aggregate(1, protocol_uploads(rng, [0, 1, 0, 1]))
-    downloads = {p: split_payload(tree.download(p, 2, "train"))[0] for p in range(4)}
+    sent = {p: tree.download(p, 2, "train") for p in range(4)}
+    downloads = {p: split_payload(download.payload)[0] for p, download in sent.items()}
     moves = rng.normal(size=(2, 6, 2))  # one update direction per new group
     uploads = protocol_uploads(rng, [0, 1, 0, 1])
     for upload, group in zip(uploads, [0, 0, 1, 1]):
+        upload.download = sent[upload.partition_id]  # what the base attaches to a reply it reads
         for module in ("x.layer.0.q", "x.layer.1.q"):
             start = downloads[upload.partition_id][module].B
             upload.payload[f"{module}::B"] = (start + moves[group] + rng.normal(size=(6, 2)) * 0.01).astype(np.float32)

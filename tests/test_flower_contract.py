@@ -56,7 +56,7 @@ def honest_reply(strategy: LoRAStrategy, msg: Message, server_round: int) -> Mes
     """A valid training reply: random small arrays of the expected shapes, plausible metrics."""
     k = msg.metadata.dst_node_id - NODE
     rng = np.random.default_rng([k, server_round])
-    shapes = strategy.expected_upload(k, server_round)
+    shapes = strategy.sent_this_round("train")[k].expected()  # the download it answers
     arrays = ArrayRecord({key: Array((0.01 * rng.standard_normal(shape)).astype(np.float32))
                           for key, shape in shapes.items()})
     metrics = {"num-examples": DECLARED[k] - 5 * k, "partition-id": k, "train-loss": 0.5 + k, "train-seconds": 1.0,
@@ -291,3 +291,35 @@ def test_a_users_serverapp_runs_a_fedlora_strategy_with_flowers_start(tmp_path: 
     for module_name, f in factors.items():
         assert f.A.shape == (8, 32) and f.B.shape == (32, 8), module_name
         assert np.isfinite(f.B).all() and np.abs(f.B).max() > 0, module_name
+
+
+# ------------------------------------------------------------------------------ the method contract
+@pytest.mark.parametrize("name", strategy_names())
+def test_a_download_is_one_value_for_its_round_and_changes_nothing(name: str) -> None:
+    """A method's ``download`` is one value per client and round (the round it is for, payload,
+    config, the shapes of the reply) with no side effect: calling it again gives the same value and
+    leaves the checkpointed state as it was (FedHera memoises each push, so that the evaluation
+    after round t and round t + 1's training send the same one)."""
+    from fedlora import state
+
+    # Prepare: round 1 trained, its evaluation messages sent (for round 2)
+    strategy = keyword_strategy(name)
+    grid = InProcessGrid(profile_app, node_configs(3))
+    arrays, _ = trained_round(strategy, grid, ArrayRecord())
+    evaluate = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid))
+    sent = strategy.sent_this_round("evaluate")
+    before = state.encode(strategy.state_dict())
+    # Execute: each client's download for round 2 asked twice more
+    again = [(strategy.download(k, 2, "evaluate"), strategy.download(k, 2, "train")) for k in sent]
+    # Assert: the value states its round and equals what was sent; nothing moved
+    for (k, download), (twice, train) in zip(sent.items(), again):
+        assert (download.partition, download.for_round, download.phase) == (k, 2, "evaluate") == (
+            twice.partition, twice.for_round, twice.phase)
+        assert download.payload.keys() == twice.payload.keys() == train.payload.keys()
+        assert all(np.array_equal(download.payload[key], twice.payload[key]) for key in download.payload)
+        assert all(np.array_equal(train.payload[key], twice.payload[key]) for key in download.payload)
+        assert download.config == twice.config and download.upload == train.upload
+    assert len(evaluate) == len(sent)
+    after = state.encode(strategy.state_dict())
+    assert repr(after[0]) == repr(before[0]) and after[1].keys() == before[1].keys()
+    assert all(np.array_equal(after[1][key], before[1][key]) for key in before[1])

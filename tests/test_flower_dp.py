@@ -130,7 +130,7 @@ def test_the_wrapper_adds_flowers_noise_to_the_weighted_mean_of_the_clipped_upda
         k = msg.metadata.dst_node_id - NODE
         assert msg.content.config_records["config"]["clipping_norm"] == C
         download = from_array_record(msg.content.array_records["arrays"])
-        assert download.keys() == strategy.expected_upload(k, 1).keys()  # a reply is the download plus an update
+        assert download.keys() == strategy.download(k, 1, "train").expected().keys()  # a reply is the download plus an update
         raw = {key: rng.standard_normal(v.shape) for key, v in download.items()}
         update = {key: v * factor * C / norm(raw) for key, v in raw.items()}  # norm factor x C
         counts.append(DECLARED[k] - 10)

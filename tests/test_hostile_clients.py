@@ -105,7 +105,7 @@ def reply(msg: Message, payload: dict[str, np.ndarray], metrics: dict[str, Any])
 def honest_upload(strategy: LoRAStrategy, msg: Message, server_round: int, seed: int) -> dict[str, np.ndarray]:
     k = partition(msg)
     rng = np.random.default_rng([seed, k, server_round])
-    shapes = strategy.expected_upload(k, server_round)
+    shapes = strategy.sent_this_round("train")[k].expected()  # the download it answers
     return {key: (0.01 * rng.standard_normal(shape)).astype(np.float32) for key, shape in shapes.items()}
 
 
@@ -664,7 +664,7 @@ def test_fedit_median_is_coordinatewise_over_zero_padded_factors() -> None:
     rng = np.random.default_rng(3)
     uploads = []
     for k in range(3):
-        shapes = strategy.expected_upload(k, 1)
+        shapes = strategy.download(k, 1, "train").expected()
         payload = {key: rng.standard_normal(shape).astype(np.float32) for key, shape in shapes.items()}
         uploads.append(ClientUpload(k, payload, DECLARED[k], {}))
     uploads[2].payload = {key: value * 1e6 for key, value in uploads[2].payload.items()}  # the outlier

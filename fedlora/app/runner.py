@@ -147,7 +147,7 @@ def run_folder(out: Path, fresh: bool = True) -> Iterator[None]:
 
 def protocol_errors() -> tuple[type[BaseException], ...]:
     """What a strategy raises for a run that cannot go on (printed as one line by the CLI)."""
-    from fedlora.strategies.base import RoundFailedError
+    from fedlora.strategies.accounting import RoundFailedError
     from fedlora.strategies.roster import MissingClientsError, MixedRanksError, NoClientError
 
     return (RoundFailedError, NoClientError, MixedRanksError, MissingClientsError)

@@ -248,7 +248,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     with (too few SuperNodes, no client accepted, too many failed rounds)."""
     from fedlora.data.sources import DataError
     from fedlora.errors import ConfigError  # CheckpointError, ModelError: subclasses
-    from fedlora.strategies.base import RoundFailedError
+    from fedlora.strategies.accounting import RoundFailedError
     from fedlora.strategies.roster import MissingClientsError, MixedRanksError, NoClientError
 
     return (ConfigError, DataError, RoundFailedError, NoClientError, MixedRanksError, MissingClientsError)

@@ -107,6 +107,20 @@ def without_head(payload: Mapping[str, np.ndarray]) -> Payload:
     return {k: v for k, v in payload.items() if not k.startswith(HEAD_PREFIX)}
 
 
+def adapter_shapes(module_shapes: Mapping[str, tuple[int, int]], rank: int | Mapping[str, int],
+                   send_A: bool = True, send_B: bool = True) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of a LoRA adapter's factors: A (r, d_in) and / or B (d_out, r) of every module
+    (d_out, d_in), at one ``rank`` or a rank per module; a module at rank 0 is not adapted (no key)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for module, (d_out, d_in) in module_shapes.items():
+        r = rank if isinstance(rank, int) else rank[module]
+        if r > 0 and send_A:
+            shapes[module + A_SUFFIX] = (r, d_in)
+        if r > 0 and send_B:
+            shapes[module + B_SUFFIX] = (d_out, r)
+    return shapes
+
+
 def payload_bytes(payload: Mapping[str, np.ndarray]) -> int:
     """Size of the arrays in a payload (their ``nbytes``, without any wire framing)."""
     return int(sum(np.asarray(v).nbytes for v in payload.values()))

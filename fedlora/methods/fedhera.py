@@ -19,7 +19,14 @@ import numpy as np
 from pydantic import Field
 
 from fedlora.errors import ConfigError
-from fedlora.lora import Factors, LowRankSVD, factor_svd, product_inner, split_spectrum, trim
+from fedlora.lora import (
+    Factors,
+    LowRankSVD,
+    factor_svd,
+    product_inner,
+    split_spectrum,
+    trim,
+)
 from fedlora.methods.base import Capabilities, Method, MethodOptions
 from fedlora.schema import ExperimentConfig
 
