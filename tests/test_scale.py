@@ -144,7 +144,7 @@ def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
     class Store(InMemoryLinkState):
         """An in-memory LinkState holding only messages (Flower's ``get_message_ins`` rule)."""
 
-        def __init__(self, waiting: list[int]) -> None:  # noqa: D107 - no base init: no federation needed
+        def __init__(self, waiting: list[int]) -> None:  # no base init: no federation needed
             self.lock = threading.RLock()
             self.asked: list[int] = []
             self.message_ins_store = {f"m{i}": SimpleNamespace(metadata=SimpleNamespace(dst_node_id=node, delivered_at=""))
