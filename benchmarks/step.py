@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness
-from precision import Batches, build, build_causal
+from precision import Batches, build
 
 NAME = "step"
 
@@ -226,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     is_causal = causal(args.model)
     with output(verbose=False):  # fedlora's lines only
-        build_kind = build_causal if is_causal else build
-        model, batches = build_kind(args.model, args.steps * args.batch_size, args.batch_size, args.max_length)
+        model, batches = build(args.model, args.steps * args.batch_size, args.batch_size, args.max_length, is_causal)
     rows, ffn = args.batch_size * args.max_length, ffn_shape(model)
     ceiling = {"fp32": matmul_gflops(torch.float32, args.threads, rows, args.ceiling_repeat, ffn),
                "bf16": matmul_gflops(torch.bfloat16, args.threads, rows, args.ceiling_repeat, ffn),

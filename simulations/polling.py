@@ -23,6 +23,7 @@ from queue import Queue
 from typing import Any
 
 POLL_SECONDS = 0.1  # Flower's pause between two sweeps
+FLOWER_LOOP: list[Any] = []  # Flower's own loop, while ours stands in for it (polling_pending_nodes)
 
 
 def waiting_nodes(state: Any) -> set[int] | None:
@@ -50,8 +51,6 @@ def add_messages_to_queue(state: Any, queue: Queue[Any], nodes_mapping: dict[int
                 queue.put(message)
         f_stop.wait(POLL_SECONDS)
 
-
-FLOWER_LOOP: list[Any] = []  # Flower's own loop, while ours stands in for it
 
 
 @contextlib.contextmanager

@@ -262,8 +262,7 @@ def test_step_buckets_the_same_examples_by_length_and_counts_a_train_step_above_
     from fedlora.backbones import load_tokenizer
 
     is_causal = step.causal(model_path)
-    build = load("precision").build_causal if is_causal else load("precision").build
-    model, batches = build(model_path, 48, 16, 32)
+    model, batches = load("precision").build(model_path, 48, 16, 32, is_causal)
     # Execute
     buckets = step.bucketed(batches, load_tokenizer(model_path), is_causal)
     train_flops, eval_flops = step.counted_flops(model, batches, is_causal)
