@@ -1,7 +1,9 @@
-"""Secure aggregation (SecAgg+, docs/secure-aggregation.md): the arithmetic of fedlora/secagg.py."""
+"""Secure aggregation (SecAgg+): the arithmetic of fedlora/secagg.py and the config refusals."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +11,10 @@ import numpy as np
 import pytest
 
 from fedlora import secagg
+from fedlora.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs/smoke.toml"
 M = 2**32
 
 # ---------------------------------------------------------------------------------- the arithmetic
@@ -98,3 +102,35 @@ def test_the_weight_of_a_round_is_its_largest_sampled_weight() -> None:
     assert (params.max_weight, params.clipping_range, params.quantization_range) == (0.5, 2.0, 2**30)
     assert (params.num_shares, params.threshold) == (3, 2)
     assert secagg.weight_factor(0.2, 0.5, 2**30) == round(0.4 * 2**30)
+
+
+# ---------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["strategy.name=flexlora"], "not supported by strategy 'flexlora': SVD-based"),
+    (["strategy.name=local"], "not supported by strategy 'local': nothing is uploaded"),
+    (["strategy.name=hetlora"], "not supported by strategy 'hetlora'"),
+    (["faults.aggregation='median'"], "needs faults.aggregation = 'mean'"),
+    (["strategy.name=fedsa_lora"], "strategy 'fedsa_lora' needs one LoRA rank, but clients declare ranks [2, 4, 8]"),
+    (["secure_aggregation.quantization_range=1073741824", "data.num_clients=4", "clients.ranks=[4, 4, 4, 4]"],
+     "4 clients x quantization_range 2^30 >= modulus_range 2^32: the masked sum would wrap"),
+    (["secure_aggregation.num_shares=2"], "num_shares as an integer must be greater than 2"),
+    (["secure_aggregation.clip_norm=2.0", "secure_aggregation.clipping_range=1.0"], "is below clip_norm"),
+    (["secure_aggregation.max_error=1e-12"], "worst-case error bound"),
+])
+def test_what_secure_aggregation_cannot_do_is_refused_in_one_line(overrides: list[str], why: str) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError) as refused:
+        load_config(SMOKE, ["secure_aggregation.enabled=true", *overrides])
+    assert why in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_cli_refuses_a_method_that_cannot_aggregate_on_a_sum_with_exit_2(tmp_path: Path) -> None:
+    # Execute
+    done = subprocess.run([sys.executable, "-m", "fedlora.app.cli", "run", str(SMOKE), "--engine", "inprocess",
+                           "--out", str(tmp_path / "run"), "--set", "strategy.name=flexlora",
+                           "--set", "secure_aggregation.enabled=true"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    # Assert: one line on stderr, exit 2, nothing run
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and "flexlora" in done.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
