@@ -293,6 +293,16 @@ def test_fedsa_lora_aggregated_securely_is_the_weighted_mean_of_the_same_uploads
     assert metrics["clients"] == 3 and set(expected) == {"m::A", "head::classifier.weight"}
 
 
+@pytest.mark.parametrize("name", ["ffa_lora", "feddpa", "feddr_lora"])
+def test_the_other_capable_methods_aggregate_securely_to_their_weighted_mean(name: str) -> None:
+    # Execute: one rank (FFA-LoRA's B, FedDPA's global branch, FedDR-LoRA's robust B, and the heads)
+    strategy, _, spy, (_, metrics) = secure_round(name, [4, 4, 4])
+    # Assert: what every client downloads next is the plain weighted mean of what they uploaded
+    report = strategy.records[1].extra["secure_aggregation"]
+    assert_within(strategy.global_arrays(), plain_mean(spy, [0, 1, 2], 4), report["error_bound"])
+    assert metrics["clients"] == 3
+
+
 def test_the_server_never_receives_an_update_only_masked_vectors() -> None:
     # Execute
     strategy, grid, spy, _ = secure_round("fedit", [2, 4, 8])
