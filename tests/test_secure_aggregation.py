@@ -385,3 +385,10 @@ def test_a_whole_run_aggregates_securely(tmp_path: Path) -> None:
         assert (report["masked"], report["dead_recovered"], report["after_share_keys"]) == (3, 0, 3)
         assert 0 < report["error_bound"] < 1e-6 and row["failures"] == 0
     assert results["final"]["global_accuracy"] > 0
+    # the mod's state (private keys, seeds, shares) never reaches a client's checkpoint
+    from fedlora.checkpoint import restore_client_state
+
+    for k in range(3):
+        state = RecordDict()
+        assert restore_client_state(tmp_path / "run" / "checkpoint" / "clients", k, 2, state) == 2
+        assert len(state) > 0 and RECORD_KEY_STATE not in state.config_records
