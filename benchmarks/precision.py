@@ -49,6 +49,25 @@ def build(model_path: str, examples: int, batch_size: int, max_length: int):  # 
     return model, list(loader)
 
 
+def build_causal(model_path: str, examples: int, batch_size: int, max_length: int):  # type: ignore[no-untyped-def]
+    """The LoRA causal LM of configs/llm.toml on ``model_path`` and its first client's training
+    batches (``examples`` WordNet definitions as instructions, right-padded, labels -100 on the
+    prompt), as fedlora's causal-LM loader makes them."""
+    from fedlora.backbones import load_tokenizer
+    from fedlora.causal_lm import make_causal_loader
+    from fedlora.config import load_config
+    from fedlora.data import build_federated_data
+    from fedlora.models import build_model
+
+    config = load_config(ROOT / "configs/llm.toml", [f"model.path={model_path!r}"])
+    federated = build_federated_data(config.data)
+    train = federated.client(0).train
+    train = train.select(range(min(examples, len(train))))
+    model = build_model(config.model, len(federated.label_names), config.model.lora_rank, device="cpu")
+    loader = make_causal_loader(train, load_tokenizer(model_path), batch_size, max_length, shuffle=False)
+    return model, list(loader)
+
+
 def arms(model, batches, steps: int) -> dict[str, harness.Arm]:  # type: ignore[no-untyped-def]
     """One arm per precision: ``steps`` train steps, then one evaluation pass over the batches."""
     import torch

@@ -3,21 +3,30 @@ then fedlora's own step in fp32, bf16 and compiled, with tokens/s and the fracti
 
     python benchmarks/step.py                  # MiniLM, WordNet glosses, 1 thread, 5 interleaved repeats
     python benchmarks/step.py --threads 2      # a client with two cores (federation.num_cpus = 2)
+    python benchmarks/step.py --model smollm2  # SmolLM2-135M (causal LM), WordNet definitions as instructions
     python benchmarks/step.py --quick          # the 2-layer random tiny-bert, a smoke test
+                                               # (--quick --model tiny-llama: the causal-LM path)
 
-**Ceiling.** The GFLOP/s of a float32 and a bfloat16 matrix product of a MiniLM feed-forward shape
-((batch x tokens) x 384 @ 384 x 1536) on ``--threads`` threads and on every core, best of
-``--ceiling-repeat`` timed products.
+**Models.** A classifier (default MiniLM: configs/quickstart.toml's LoRA classifier on WordNet
+glosses) or a causal LM (``--model smollm2``: configs/llm.toml's LoRA SmolLM2-135M on WordNet
+definitions as instructions; its train step is fedlora's per-sample response loss,
+:func:`fedlora.causal_lm.causal_lm_loss`, and its evaluation pass the teacher-forced scoring of
+:func:`fedlora.causal_lm.teacher_forced`, which fedlora's received metrics and response loss use;
+generation for ROUGE-L is not timed). The model kind comes from the backbone registry.
+
+**Ceiling.** The GFLOP/s of a float32 and a bfloat16 matrix product of the model's feed-forward
+shape ((batch x tokens) x hidden @ hidden x intermediate: 384 x 1536 for MiniLM, 576 x 1536 for
+SmolLM2) on ``--threads`` threads and on every core, best of ``--ceiling-repeat`` timed products.
 
 **Arms** (interleaved through :mod:`harness` after a warm-up each; one arm = ``--steps`` train steps
 of fedlora's :func:`fedlora.training.train` on one client's real WordNet batches, then one
-evaluation pass of :func:`fedlora.training.evaluate` over the same batches):
+evaluation pass over the same batches):
 
 - ``fp32``: eager, float32 (what ``train.precision = "fp32"`` runs; today's default on a CPU
   without native bf16);
 - ``bf16``: eager under CPU bf16 autocast (``train.precision = "bf16"``);
 - ``fp32-compiled``: ``torch.compile(model, dynamic=True)`` (inductor; its compile time is
-  measured once before the arms and reported, not counted in the step);
+  measured once before the arms and reported, not counted in the step; ``--no-compile`` drops it);
 - ``fp32-bucketed``: eager fp32 on the same examples batched by length (each batch of
   similar-length glosses, so less padding; a different batch composition, hence compared on
   tokens/s, not seconds per step).
@@ -34,6 +43,7 @@ the ratios fp32 / arm of the median seconds (above 1: the arm is faster).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -44,21 +54,26 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness
-from precision import Batches, build
+from precision import Batches, build, build_causal
 
 NAME = "step"
-FFN = (384, 1536)  # MiniLM's hidden and intermediate sizes: the shape of most of its FLOPs
 
 
-def matmul_gflops(dtype: Any, threads: int, rows: int, repeat: int) -> float:
-    """Best GFLOP/s of a (rows x 384) @ (384 x 1536) product in ``dtype`` on ``threads`` threads."""
+def ffn_shape(model: Any) -> tuple[int, int]:
+    """(hidden, intermediate) of the model's feed-forward layers: the shape of most of its FLOPs."""
+    config = model.config
+    return int(config.hidden_size), int(config.intermediate_size)
+
+
+def matmul_gflops(dtype: Any, threads: int, rows: int, repeat: int, ffn: tuple[int, int]) -> float:
+    """Best GFLOP/s of a (rows x hidden) @ (hidden x intermediate) product in ``dtype`` on ``threads`` threads."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.randn(rows, FFN[0], dtype=dtype)
-        b = torch.randn(FFN[0], FFN[1], dtype=dtype)
+        a = torch.randn(rows, ffn[0], dtype=dtype)
+        b = torch.randn(ffn[0], ffn[1], dtype=dtype)
         for _ in range(3):  # warm-up: kernel selection, caches
             a @ b
         best = float("inf")
@@ -67,31 +82,57 @@ def matmul_gflops(dtype: Any, threads: int, rows: int, repeat: int) -> float:
             for _ in range(10):
                 a @ b
             best = min(best, (time.perf_counter() - started) / 10)
-        return 2 * rows * FFN[0] * FFN[1] / best / 1e9
+        return 2 * rows * ffn[0] * ffn[1] / best / 1e9
     finally:
         torch.set_num_threads(before)
 
 
-def counted_flops(model: Any, batches: list[dict[str, Any]]) -> tuple[float, float]:
+def causal(model_path: str) -> bool:
+    """Whether ``model_path`` names a causal LM in the backbone registry."""
+    from fedlora.backbones import BACKBONES
+
+    spec = BACKBONES.get(model_path)
+    return spec is not None and spec.kind == "causal_lm"
+
+
+def loss_of(is_causal: bool) -> Any:
+    """fedlora's training objective of the model kind."""
+    from fedlora.causal_lm import causal_lm_loss
+    from fedlora.training import cross_entropy_loss
+
+    return causal_lm_loss if is_causal else cross_entropy_loss
+
+
+def evaluation(model: Any, batches: list[dict[str, Any]], precision: str, is_causal: bool) -> None:
+    """fedlora's evaluation pass of the model kind over ``batches`` (a causal LM: teacher-forced)."""
+    import torch
+
+    from fedlora.causal_lm import teacher_forced
+    from fedlora.training import evaluate
+
+    scorer = teacher_forced if is_causal else evaluate
+    scorer(model, Batches(batches), torch.device("cpu"), precision)  # type: ignore[arg-type, operator]
+
+
+def counted_flops(model: Any, batches: list[dict[str, Any]], is_causal: bool) -> tuple[float, float]:
     """FLOPs of one train step (forward + backward of the loss) and of one evaluation batch
     (forward), averaged over ``batches``, counted by torch's FlopCounterMode on the eager model."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fedlora.training import cross_entropy_loss
-
+    loss = loss_of(is_causal)
     model.train()
     train_flops = eval_flops = 0.0
     for batch in batches:
         with FlopCounterMode(display=False) as counter:
-            cross_entropy_loss(model, batch).backward()
+            loss(model, batch).backward()
         train_flops += counter.get_total_flops()
         model.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
         for batch in batches:
             with FlopCounterMode(display=False) as counter:
-                cross_entropy_loss(model, batch)
+                loss(model, batch)
             eval_flops += counter.get_total_flops()
     return train_flops / len(batches), eval_flops / len(batches)
 
@@ -101,10 +142,11 @@ def real_tokens(batches: list[dict[str, Any]]) -> float:
     return sum(float(batch["attention_mask"].sum()) for batch in batches) / len(batches)
 
 
-def bucketed(batches: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+def bucketed(batches: list[dict[str, Any]], tokenizer: Any, is_causal: bool) -> list[dict[str, Any]]:
     """The same examples re-batched by length (shortest first), padded per batch by transformers'
-    collator: every batch holds glosses of similar length."""
-    from transformers import DataCollatorWithPadding
+    collator (a causal LM's right-padded labels with -100, as fedlora's loader does): every batch
+    holds examples of similar length."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
     rows = []
     for batch in batches:
@@ -112,20 +154,23 @@ def bucketed(batches: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, An
             n = int(batch["attention_mask"][i].sum())
             row = {key: batch[key][i][:n].tolist() for key in ("input_ids", "attention_mask", "token_type_ids")
                    if key in batch}
-            rows.append(row | {"labels": int(batch["labels"][i])})
+            rows.append(row | {"labels": batch["labels"][i][:n].tolist() if is_causal else int(batch["labels"][i])})
     rows.sort(key=lambda row: len(row["input_ids"]))
-    collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+    collator = (DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+                if is_causal else DataCollatorWithPadding(tokenizer, return_tensors="pt"))
     size = len(batches[0]["labels"])
     return [dict(collator(rows[i:i + size])) for i in range(0, len(rows), size)]
 
 
 def arms(models: dict[str, Any], batch_sets: dict[str, list[dict[str, Any]]], steps: int,
-         flops: dict[str, tuple[float, float]], tokens: dict[str, float], ceiling: dict[str, float]) -> dict[str, harness.Arm]:
+         flops: dict[str, tuple[float, float]], tokens: dict[str, float], ceiling: dict[str, float],
+         is_causal: bool) -> dict[str, harness.Arm]:
     import torch
 
-    from fedlora.training import evaluate, train
+    from fedlora.training import train
 
     cpu = torch.device("cpu")
+    loss = loss_of(is_causal)
 
     def arm(name: str, precision: str) -> harness.Arm:
         model, batches, (train_flops, eval_flops) = models[name], Batches(batch_sets[name]), flops[name]
@@ -133,9 +178,9 @@ def arms(models: dict[str, Any], batch_sets: dict[str, list[dict[str, Any]]], st
 
         def run() -> dict[str, float]:
             stats = train(model, batches, epochs=1, lr=1e-4, device=cpu, max_steps=steps,  # type: ignore[arg-type]
-                          precision=precision)  # type: ignore[arg-type]
+                          precision=precision, loss_fn=loss)  # type: ignore[arg-type]
             started = time.perf_counter()
-            evaluate(model, batches, cpu, precision)  # type: ignore[arg-type]
+            evaluation(model, batches, precision, is_causal)
             step = stats.seconds / max(stats.steps, 1)
             batch = (time.perf_counter() - started) / len(batches)
             return {"train_step_seconds": step, "eval_batch_seconds": batch,
@@ -144,18 +189,20 @@ def arms(models: dict[str, Any], batch_sets: dict[str, list[dict[str, Any]]], st
                     "train_fraction": train_flops / step / 1e9 / peak, "eval_fraction": eval_flops / batch / 1e9 / peak}
         return run
 
-    return {"fp32": arm("fp32", "fp32"), "bf16": arm("fp32", "bf16"),
-            "fp32-compiled": arm("compiled", "fp32"), "fp32-bucketed": arm("bucketed", "fp32")}
+    chosen = {"fp32": arm("fp32", "fp32"), "bf16": arm("fp32", "bf16"), "fp32-bucketed": arm("bucketed", "fp32")}
+    return chosen | ({"fp32-compiled": arm("compiled", "fp32")} if "compiled" in models else {})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--model", default="minilm", help="model.path of a classifier (default minilm; --quick: tiny-bert)")
+    parser.add_argument("--model", default="minilm", help="model.path of a built-in classifier or causal LM (default "
+                        "minilm; smollm2 for the causal LM; --quick: tiny-bert unless --model names another)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a client's federation.num_cpus)")
     parser.add_argument("--steps", type=int, default=8, help="train steps per run (and evaluation batches)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--ceiling-repeat", type=int, default=5, help="timed products per ceiling figure (best kept)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile arm")
     parser.add_argument("--quick", action="store_true", help="tiny-bert, 2 steps, 1 + 2 runs: a smoke test")
     harness.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -163,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, "error: need --steps >= 1, --batch-size >= 1, --max-length >= 8, --threads >= 1, "
                        "--ceiling-repeat >= 1\n")
     if args.quick:
-        args.model, args.steps, args.ceiling_repeat = "tiny-bert", 2, 1
+        args.steps, args.ceiling_repeat = 2, 1
+        args.model = "tiny-bert" if args.model == "minilm" else args.model
     harness.settle(args, NAME, quick=args.quick, repeat=2 if args.quick else harness.DEFAULT_REPEAT)
     import os
 
@@ -176,57 +224,68 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     env = harness.environment(args.note)
     cores = os.cpu_count() or 1
-    rows = args.batch_size * args.max_length
-    ceiling = {"fp32": matmul_gflops(torch.float32, args.threads, rows, args.ceiling_repeat),
-               "bf16": matmul_gflops(torch.bfloat16, args.threads, rows, args.ceiling_repeat),
-               "fp32_all_cores": matmul_gflops(torch.float32, cores, rows, args.ceiling_repeat),
-               "bf16_all_cores": matmul_gflops(torch.bfloat16, cores, rows, args.ceiling_repeat)}
-    print("ceiling (GFLOP/s of a MiniLM feed-forward product, best of "
+    is_causal = causal(args.model)
+    with output(verbose=False):  # fedlora's lines only
+        build_kind = build_causal if is_causal else build
+        model, batches = build_kind(args.model, args.steps * args.batch_size, args.batch_size, args.max_length)
+    rows, ffn = args.batch_size * args.max_length, ffn_shape(model)
+    ceiling = {"fp32": matmul_gflops(torch.float32, args.threads, rows, args.ceiling_repeat, ffn),
+               "bf16": matmul_gflops(torch.bfloat16, args.threads, rows, args.ceiling_repeat, ffn),
+               "fp32_all_cores": matmul_gflops(torch.float32, cores, rows, args.ceiling_repeat, ffn),
+               "bf16_all_cores": matmul_gflops(torch.bfloat16, cores, rows, args.ceiling_repeat, ffn)}
+    print(f"ceiling (GFLOP/s of a {args.model} feed-forward product, {rows} x {ffn[0]} @ {ffn[0]} x {ffn[1]}, best of "
           f"{args.ceiling_repeat}): " + ", ".join(f"{key} {value:.1f}" for key, value in ceiling.items())
           + f" ({args.threads} thread(s); all cores = {cores})")
-    with output(verbose=False):  # fedlora's lines only
-        model, batches = build(args.model, args.steps * args.batch_size, args.batch_size, args.max_length)
-        bucket_batches = bucketed(batches, load_tokenizer(args.model))
-        flops = counted_flops(model, batches)
-        counted = {"fp32": flops, "compiled": flops, "bucketed": counted_flops(model, bucket_batches)}
-        compiled = torch.compile(model, dynamic=True)
-        started = time.perf_counter()  # compile: one train step and one evaluation batch
-        from fedlora.training import evaluate, train
+    with output(verbose=False):
+        bucket_batches = bucketed(batches, load_tokenizer(args.model), is_causal)
+        flops = counted_flops(model, batches, is_causal)
+        counted = {"fp32": flops, "compiled": flops, "bucketed": counted_flops(model, bucket_batches, is_causal)}
+        models = {"fp32": model, "bucketed": model}
+        compile_seconds = math.nan
+        if not args.no_compile:
+            from fedlora.training import train
 
-        train(compiled, Batches(batches[:1]), epochs=1, lr=1e-4, device=torch.device("cpu"), max_steps=1)  # type: ignore[arg-type]
-        evaluate(compiled, Batches(batches[:1]), torch.device("cpu"))  # type: ignore[arg-type]
-        compile_seconds = time.perf_counter() - started
-        print(f"torch.compile (inductor, dynamic shapes): {compile_seconds:.1f} s for the first train step and "
-              f"evaluation batch; FLOPs per train step {flops[0] / 1e9:.2f} G, per evaluation batch {flops[1] / 1e9:.2f} G")
+            models["compiled"] = compiled = torch.compile(model, dynamic=True)
+            started = time.perf_counter()  # compile: one train step and one evaluation batch
+            train(compiled, Batches(batches[:1]), epochs=1, lr=1e-4, device=torch.device("cpu"), max_steps=1,  # type: ignore[arg-type]
+                  loss_fn=loss_of(is_causal))
+            evaluation(compiled, batches[:1], "fp32", is_causal)
+            compile_seconds = time.perf_counter() - started
+            print(f"torch.compile (inductor, dynamic shapes): {compile_seconds:.1f} s for the first train step and "
+                  "evaluation batch")
+        print(f"FLOPs per train step {flops[0] / 1e9:.2f} G, per evaluation batch {flops[1] / 1e9:.2f} G")
         tokens = {"fp32": real_tokens(batches), "compiled": real_tokens(batches), "bucketed": real_tokens(bucket_batches)}
         padded = sum(float(b["attention_mask"].numel()) for b in batches) / len(batches)
         padded_bucketed = sum(float(b["attention_mask"].numel()) for b in bucket_batches) / len(bucket_batches)
         print(f"real tokens per batch {tokens['fp32']:.0f} of {padded:.0f} padded ({tokens['fp32'] / padded:.0%}); "
               f"bucketed by length: {padded_bucketed:.0f} padded ({tokens['bucketed'] / padded_bucketed:.0%})")
         measured = harness.run_interleaved(
-            arms({"fp32": model, "compiled": compiled, "bucketed": model},
-                 {"fp32": batches, "compiled": batches, "bucketed": bucket_batches}, args.steps, counted, tokens, ceiling),
+            arms(models, {"fp32": batches, "compiled": batches, "bucketed": bucket_batches}, args.steps, counted, tokens,
+                 ceiling, is_causal),
             repeat=args.repeat, warmup=args.warmup)
-    ratios = {arm: harness.compare(measured, "fp32", arm, "train_step_seconds") for arm in ("bf16", "fp32-compiled")}
-    eval_ratios = {arm: harness.compare(measured, "fp32", arm, "eval_batch_seconds") for arm in ("bf16", "fp32-compiled")}
+    compared = ("bf16", "fp32-compiled") if "compiled" in models else ("bf16",)
+    ratios = {arm: harness.compare(measured, "fp32", arm, "train_step_seconds") for arm in compared}
+    eval_ratios = {arm: harness.compare(measured, "fp32", arm, "eval_batch_seconds") for arm in compared}
     bucket_ratio = harness.compare(measured, "fp32-bucketed", "fp32", "train_tokens_per_s")
-    print(harness.report(measured, ratios["fp32-compiled"]))
-    for arm in ("bf16", "fp32-compiled"):
+    print(harness.report(measured, ratios[compared[-1]]))
+    for arm in compared:
         print(f"fp32 / {arm}: train step {ratios[arm].ratio:.3f} (spread {ratios[arm].spread:.3f}), "
               f"evaluation batch {eval_ratios[arm].ratio:.3f} (spread {eval_ratios[arm].spread:.3f})")
     print(f"bucketed / plain real train tokens per second: {bucket_ratio.ratio:.3f} (spread {bucket_ratio.spread:.3f})")
     fp32 = harness.describe(measured.samples["fp32"])
-    last = (f"fp32 train step {fp32['train_step_seconds'].median:.3f}s ({fp32['train_fraction'].median:.1%} of the "
-            f"{ceiling['fp32']:.0f} GFLOP/s ceiling), eval batch {fp32['eval_batch_seconds'].median:.3f}s "
-            f"({fp32['eval_fraction'].median:.1%}); fp32/bf16 train {ratios['bf16'].ratio:.2f} eval "
-            f"{eval_ratios['bf16'].ratio:.2f}; fp32/compiled train {ratios['fp32-compiled'].ratio:.2f} eval "
-            f"{eval_ratios['fp32-compiled'].ratio:.2f} (compile {compile_seconds:.0f}s); bucketed tokens/s "
+    compiled_text = (f"fp32/compiled train {ratios['fp32-compiled'].ratio:.2f} eval "
+                     f"{eval_ratios['fp32-compiled'].ratio:.2f} (compile {compile_seconds:.0f}s)"
+                     if "compiled" in models else "compiled arm left out")
+    last = (f"model={args.model} fp32 train step {fp32['train_step_seconds'].median:.3f}s "
+            f"({fp32['train_fraction'].median:.1%} of the {ceiling['fp32']:.0f} GFLOP/s ceiling), eval batch "
+            f"{fp32['eval_batch_seconds'].median:.3f}s ({fp32['eval_fraction'].median:.1%}); fp32/bf16 train "
+            f"{ratios['bf16'].ratio:.2f} eval {eval_ratios['bf16'].ratio:.2f}; {compiled_text}; bucketed tokens/s "
             f"x{bucket_ratio.ratio:.2f}; native_bf16={native_bf16(torch.device('cpu'))} threads={args.threads}")
     extra = {"ceiling_gflops": ceiling, "flops_per_train_step": flops[0], "flops_per_eval_batch": flops[1],
              "compile_seconds": compile_seconds, "eval_comparisons": eval_ratios, "train_comparisons": ratios,
              "bucketed_tokens_comparison": bucket_ratio, "native_bf16": native_bf16(torch.device("cpu")),
              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    return harness.finish(NAME, args, measured, ratios["fp32-compiled"], last, extra, env)
+    return harness.finish(NAME, args, measured, ratios[compared[-1]], last, extra, env)
 
 
 if __name__ == "__main__":

@@ -305,6 +305,7 @@ def train(msg: Message, context: Context) -> Message:
     log(DEBUG, "client %d round %d: loss %.4f in %.1fs", job.profile.partition_id, job.server_round, stats.loss, stats.seconds)
     content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(upload),
                           protocol.METRICS_RECORD: MetricRecord(metrics), protocol.WORKER_RECORD: _worker()})
+    trainer.release(model)
     return Message(content=content, reply_to=msg)
 
 
@@ -326,4 +327,5 @@ def evaluate(msg: Message, context: Context) -> Message:
     if save_dir:
         labels = None if trainer.causal else job.federated.label_names
         save_adapter(model, f"{save_dir}/client_{job.profile.partition_id}", labels)
+    trainer.release(model)
     return Message(content=RecordDict({protocol.METRICS_RECORD: MetricRecord(metrics)}), reply_to=msg)

@@ -325,11 +325,15 @@ def check_record(record: Any) -> None:
             raise _fail(f"{where} is a {type(value).__name__}, not a dict")
 
 
-def check_strategy_state(saved: Mapping[str, Any], fresh: Mapping[str, Any], where: str) -> None:
-    """CheckpointError unless ``saved`` (a checkpointed strategy state) holds only attributes the
-    strategy has (``fresh``: its state before any round) and each of the same kind: None stands
-    for any kind; numbers, strings, containers, arrays (dtype kind and dimensions) and registered
-    objects must match. A hand-edited state can then never replace a method or change a type."""
+def check_strategy_state(saved: Mapping[str, Any], fresh: Mapping[str, Any], where: str,
+                         retired: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``saved`` (a checkpointed strategy state) without the ``retired`` attributes (ones an older
+    fedlora checkpointed and this one no longer keeps, dropped); CheckpointError unless the rest
+    holds only attributes the strategy has (``fresh``: its state before any round) and each of
+    the same kind: None stands for any kind; numbers, strings, containers, arrays (dtype kind and
+    dimensions) and registered objects must match. A hand-edited state can then never replace a
+    method or change a type."""
+    saved = {key: value for key, value in saved.items() if key not in retired}
     unknown = sorted(set(saved) - set(fresh))
     if unknown:
         raise CheckpointError(f"{where}: the checkpointed strategy state has attributes {unknown[:5]} this strategy "
@@ -338,6 +342,7 @@ def check_strategy_state(saved: Mapping[str, Any], fresh: Mapping[str, Any], whe
         problem = _kind_mismatch(value, fresh[key])
         if problem:
             raise CheckpointError(f"{where}: the checkpointed strategy state's '{key}' is {problem}; refusing to resume")
+    return saved
 
 
 def _kind_mismatch(value: Any, reference: Any) -> str:

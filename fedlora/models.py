@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import re
+import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -265,6 +268,76 @@ def _peft_deprecation_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
+
+
+@dataclass
+class _Built:
+    """A pooled model's key and its state as built: the values of its trainable parameters, every
+    parameter's ``requires_grad``, its train / eval mode and the torch RNG state right after the build."""
+
+    key: tuple[Any, ...]
+    trainable: dict[str, Any]
+    requires_grad: dict[str, bool]
+    training: bool
+    rng_state: Any
+
+
+class ModelPool:
+    """Classifier adapter models kept in this process for the next message that needs the same one.
+
+    :func:`build_model` deep-copies the backbone and wraps it in peft for every message (about 0.1 s
+    for MiniLM on one core, most of a client's cost outside its training loop). A model handed back
+    (:meth:`give_back`) is handed out again (:meth:`take`) for the same configuration, labels, rank,
+    seed and init, reset to its state as built: the trainable parameters' values, every
+    parameter's ``requires_grad``, the train / eval mode, no gradients, and the torch RNG state the
+    build left (so a run's numbers are the same as with a fresh build). Only a model whose use
+    changes nothing else may come back: a trainer that adds adapters, hooks or attributes builds
+    fresh (``LocalTrainer.reuse_model``). One model is handed out to one user at a time (threads of
+    the in-process engine each take their own); at most ``size`` idle models are kept.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._idle: list[tuple[PeftModel, _Built]] = []
+        self._out: weakref.WeakKeyDictionary[PeftModel, _Built] = weakref.WeakKeyDictionary()  # handed out
+        self._lock = threading.Lock()
+
+    def take(self, cfg: ModelConfig, num_labels: int, rank: int | dict[str, int], seed: int = 0,
+             init: str | None = None, device: str = "cpu") -> PeftModel:
+        """A model as :func:`build_model` builds it (a classifier on the CPU), reused when one is idle."""
+        import torch
+
+        key = (cfg.model_dump_json(), num_labels, json.dumps(rank, sort_keys=True), seed, init, device)
+        with self._lock:
+            found = next((i for i, (_, built) in enumerate(self._idle) if built.key == key), None)
+            model, built = self._idle.pop(found) if found is not None else (None, None)
+        if model is None or built is None:
+            model = build_model(cfg, num_labels, rank, seed=seed, init=init, device=device)
+            named = dict(model.named_parameters())
+            built = _Built(key, {n: p.detach().clone() for n, p in named.items() if p.requires_grad},
+                           {n: p.requires_grad for n, p in named.items()}, model.training, torch.get_rng_state())
+        else:
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    parameter.requires_grad_(built.requires_grad[name])
+                    parameter.grad = None
+                    if name in built.trainable:
+                        parameter.copy_(built.trainable[name])
+            model.train(built.training)
+            torch.set_rng_state(built.rng_state)
+        with self._lock:
+            self._out[model] = built
+        return model
+
+    def give_back(self, model: PeftModel) -> None:
+        """Keep ``model`` (taken from this pool, its use over) for a later :meth:`take`."""
+        with self._lock:
+            built = self._out.pop(model, None)
+            if built is not None:
+                self._idle = [*self._idle, (model, built)][-self.size:]
+
+
+MODELS = ModelPool()  # this process's pool (a Ray worker's, a SuperNode ClientApp's, the in-process engine's)
 
 
 class SeededAdapters:

@@ -139,6 +139,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # tests/test_architecture.py checks that every attribute a strategy assigns is declared here or below.
     STATE: ClassVar[tuple[str, ...]] = ("records", "started", "ledger", "rng", "failed_rounds", "common_rank",
                                         "norm_reference", "update_history")
+    # Attributes an older fedlora checkpointed for the method and this one no longer keeps (what a
+    # download's context now carries): a resume drops them (fedlora.checkpoint.check_strategy_state).
+    RETIRED_STATE: ClassVar[frozenset[str]] = frozenset()
     # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",

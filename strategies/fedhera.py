@@ -26,7 +26,6 @@ from fedlora.lora import (
 )
 from fedlora.methods import fedhera
 from fedlora.profile import ClientProfile
-from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
 from fedlora.strategies.download import Download
 
@@ -134,6 +133,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     """
 
     method = fedhera.METHOD
+    RETIRED_STATE = frozenset({"sent", "violations"})  # checkpoints before the Download value
     STATE = (*LoRAStrategy.STATE, "G", "_global", "allocation_rng", "budgets", "head", "initial_rank", "max_rank", "pushes", "scores", "tiers")  # checkpointed
 
     # ---------------------------------------------------------------- budgets
@@ -244,7 +244,7 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
             self.pushes[key] = self._push(partition, for_round)
         return self.pushes[key]
 
-    def download(self, partition: int, for_round: int, phase: Phase) -> Download:
+    def download(self, partition: int, for_round: int, phase: protocol.Phase) -> Download:
         """The push (``context``), its ranks and lambda in the config, and its shapes for the reply:
         A and B at r_tot of every module with r_tot > 0, and the head."""
         push = self.push_for(partition, for_round)

@@ -61,6 +61,7 @@ class FLoRA(LoRAStrategy[NoOptions]):
     """
 
     method = flora.METHOD
+    RETIRED_STATE = frozenset({"sent"})  # checkpoints before the Download value: the stacks each client was sent
     STATE = (*LoRAStrategy.STATE, "head", "merged", "stacks")  # checkpointed
 
     def setup(self) -> None:

@@ -221,3 +221,39 @@ def test_the_usage_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(tm
                          config.train.eval_batch_size, config.train.max_length, shuffle=False)
     accuracy = evaluate(model, loader, torch.device("cpu")).accuracy
     assert accuracy == pytest.approx(results["final"]["global_accuracy"], abs=1e-12)
+
+
+def test_a_pooled_model_comes_back_as_built() -> None:
+    """The process's model pool hands a model back exactly as :func:`build_model` builds it (values
+    of the trainable parameters, ``requires_grad``, no gradients, eval / train mode, the RNG state
+    the build leaves), so reusing it changes no number of a run; another configuration gets its own."""
+    import torch
+
+    from fedlora.models import ModelPool, build_model
+
+    # Prepare: a fresh build and the RNG state it leaves; a pooled model used and changed
+    cfg = ModelConfig(path="tiny-bert", lora_rank=2)
+    fresh = build_model(cfg, num_labels=3, rank=2, seed=5, device="cpu")
+    fresh_rng = torch.get_rng_state()
+    pool = ModelPool()
+    model = pool.take(cfg, 3, 2, seed=5)
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data.add_(1.0)
+            parameter.grad = torch.ones_like(parameter)
+            parameter.requires_grad_(False)
+    model.train()
+    torch.manual_seed(123)
+    pool.give_back(model)
+    # Execute
+    again = pool.take(cfg, 3, 2, seed=5)
+    rng_after_take = torch.get_rng_state()
+    other = pool.take(cfg, 3, 4, seed=5)
+    # Assert: the same object, reset to the fresh build; a different rank is another model
+    assert again is model and other is not model
+    expected = dict(fresh.named_parameters())
+    for name, parameter in again.named_parameters():
+        assert torch.equal(parameter, expected[name]), name
+        assert parameter.requires_grad == expected[name].requires_grad and parameter.grad is None
+    assert again.training == fresh.training
+    assert torch.equal(rng_after_take, fresh_rng)

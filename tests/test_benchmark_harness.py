@@ -255,21 +255,31 @@ def test_llm_throughput_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) ->
     assert stop.value.code == 2 and capsys.readouterr().err.strip().startswith("error: need --steps >= 1")
 
 
-def test_step_buckets_the_same_examples_by_length_and_counts_a_train_step_above_its_forward_pass() -> None:
-    # Prepare: tiny-bert and one client's real batches (benchmarks/precision.py's build)
+@pytest.mark.parametrize("model_path", ["tiny-bert", "tiny-llama"])
+def test_step_buckets_the_same_examples_by_length_and_counts_a_train_step_above_its_forward_pass(model_path: str) -> None:
+    # Prepare: a tiny classifier or causal LM and one client's real batches (benchmarks/precision.py's builds)
     step = load("step")
     from fedlora.backbones import load_tokenizer
 
-    model, batches = load("precision").build("tiny-bert", 48, 16, 32)
+    is_causal = step.causal(model_path)
+    build = load("precision").build_causal if is_causal else load("precision").build
+    model, batches = build(model_path, 48, 16, 32)
     # Execute
-    buckets = step.bucketed(batches, load_tokenizer("tiny-bert"))
-    train_flops, eval_flops = step.counted_flops(model, batches)
+    buckets = step.bucketed(batches, load_tokenizer(model_path), is_causal)
+    train_flops, eval_flops = step.counted_flops(model, batches, is_causal)
 
-    # Assert: the same examples (tokens and labels), batches of one size in length order, no more padding
+    # Assert: the same examples (tokens and labels: a class, or a causal LM's per-token labels with
+    # -100 on the prompt), batches of one size in length order, no more padding
     def examples(of: list) -> list:
-        return sorted((tuple(b["input_ids"][i][b["attention_mask"][i].bool()].tolist()), int(b["labels"][i]))
-                      for b in of for i in range(len(b["labels"])))
+        rows = []
+        for b in of:
+            for i in range(len(b["labels"])):
+                real = b["attention_mask"][i].bool()
+                label = tuple(b["labels"][i][real].tolist()) if is_causal else int(b["labels"][i])
+                rows.append((tuple(b["input_ids"][i][real].tolist()), label))
+        return sorted(rows)
 
+    assert is_causal == (model_path == "tiny-llama")
     assert examples(buckets) == examples(batches) and [len(b["labels"]) for b in buckets] == [16, 16, 16]
     lengths = [int(b["attention_mask"][i].sum()) for b in buckets for i in range(len(b["labels"]))]
     assert lengths == sorted(lengths)

@@ -496,3 +496,17 @@ def test_a_corrupt_or_foreign_checkpoint_is_one_line_and_never_runs_code(checkpo
     # Execute / Assert: refused before any constructor is looked up by name
     with pytest.raises(ConfigError, match="unknown type 'os:system'"):
         load_server(run, load_config(SMOKE, TAMPER_ROUNDS))
+
+
+def test_a_checkpoint_with_a_retired_strategy_attribute_resumes_without_it() -> None:
+    """A checkpoint written before a method stopped keeping an attribute (FedTreeLoRA's ``pushed_B``,
+    now carried by each upload's download) resumes: the retired attribute is dropped, any other
+    unknown one is still refused."""
+    from fedlora.checkpoint import CheckpointError, check_strategy_state
+    from fedlora.strategies.fedtreelora import FedTreeLoRA
+
+    fresh = {"records": {}, "rebuilt": False}
+    saved = {"records": {}, "rebuilt": True, "pushed_B": {0: {}}}
+    assert check_strategy_state(saved, fresh, "--resume x", FedTreeLoRA.RETIRED_STATE) == {"records": {}, "rebuilt": True}
+    with pytest.raises(CheckpointError, match=r"attributes \['pushed_B'\] this strategy does not have"):
+        check_strategy_state(saved, fresh, "--resume x")

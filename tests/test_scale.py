@@ -127,3 +127,60 @@ def test_the_tokenised_split_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -
 
     # Assert: only the two most recent stay
     assert list(training._TOKENIZED) == ["client-2", "client-3"]
+
+
+def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
+    """fedlora's stand-in for Flower's ``add_messages_to_queue`` (simulations/polling.py) queues the
+    same messages in the same order as Flower's loop, asking only the nodes that have one waiting."""
+    import threading
+    from queue import Queue
+    from types import SimpleNamespace
+
+    from flwr.server.superlink.fleet.vce import vce_api
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+
+    from fedlora.simulations.polling import add_messages_to_queue, polling_pending_nodes
+
+    class Store(InMemoryLinkState):
+        """An in-memory LinkState holding only messages (Flower's ``get_message_ins`` rule)."""
+
+        def __init__(self, waiting: list[int]) -> None:  # no base init: no federation needed
+            self.lock = threading.RLock()
+            self.asked: list[int] = []
+            self.message_ins_store = {f"m{i}": SimpleNamespace(metadata=SimpleNamespace(dst_node_id=node, delivered_at=""))
+                                      for i, node in enumerate(waiting)}
+
+        def get_message_ins(self, node_id: int, limit: int | None, *, run_id: int | None = None) -> list:
+            self.asked.append(node_id)
+            found = [m for m in self.message_ins_store.values()
+                     if m.metadata.dst_node_id == node_id and m.metadata.delivered_at == ""][:limit]
+            for message in found:
+                message.metadata.delivered_at = "now"
+            return found
+
+    class OneSweep(threading.Event):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def is_set(self) -> bool:
+            self.calls += 1
+            return self.calls > 1
+
+        def wait(self, timeout: float | None = None) -> bool:
+            return True
+
+    # Prepare: 1,000 nodes, messages waiting for nodes 907, 3 and 3 (a second one for node 3)
+    nodes = {node: node for node in range(1000)}
+    ours, flowers = Store([907, 3, 3]), Store([907, 3, 3])
+    queue_ours, queue_flower = Queue(), Queue()
+    # Execute: one sweep of each loop
+    with polling_pending_nodes():
+        assert vce_api.add_messages_to_queue is add_messages_to_queue
+        add_messages_to_queue(ours, queue_ours, nodes, OneSweep())
+    assert vce_api.add_messages_to_queue is not add_messages_to_queue  # Flower's loop is back
+    vce_api.add_messages_to_queue(flowers, queue_flower, nodes, OneSweep())
+    # Assert: the same messages (one per node and sweep, node order), 2 calls instead of 1,000
+    delivered = [[m.metadata.dst_node_id for m in list(q.queue)] for q in (queue_ours, queue_flower)]
+    assert delivered[0] == delivered[1] == [3, 907]
+    assert ours.asked == [3, 907] and len(flowers.asked) == 1000

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from fedlora import protocol
 from fedlora.backbones import load_tokenizer, resolve_device
@@ -28,7 +28,7 @@ from fedlora.causal_lm import (
 from fedlora.data import ClientData, FederatedData
 from fedlora.lora import Payload, from_array_record, to_array_record, without_head
 from fedlora.methods import options_of
-from fedlora.models import adapter_payload, build_model, load_payload
+from fedlora.models import MODELS, adapter_payload, build_model, load_payload
 from fedlora.profile import ClientProfile
 from fedlora.schema import ExperimentConfig
 from fedlora.training import (
@@ -73,6 +73,11 @@ class LocalTrainer:
     """FedIT's and FlexLoRA's client (and the default): train A, B and the head at the rank the
     server decided; upload them all."""
 
+    # Whether this trainer's model may come from (and go back to) the process's model pool: only when
+    # nothing but parameter values and ``requires_grad`` change while it is used (no added adapters,
+    # hooks or attributes). A subclass that changes more sets it to False.
+    reuse_model: ClassVar[bool] = True
+
 
     def __init__(self, job: ClientJob) -> None:
         self.job = job
@@ -93,10 +98,18 @@ class LocalTrainer:
         return self.config.model.kind == "causal_lm"
 
     def build(self) -> PeftModel:
-        return build_model(
-            self.config.model, len(self.job.federated.label_names), self.model_rank(), seed=self.config.train.seed,
-            device=self.config.train.device,
-        )
+        """The client's model as built (:func:`fedlora.models.build_model`), taken from the process's
+        :data:`~fedlora.models.MODELS` pool where that is safe (:attr:`reuse_model`, a classifier on
+        the CPU, no DP-SGD); :meth:`release` hands it back once the message is answered."""
+        cfg = self.config
+        args = (cfg.model, len(self.job.federated.label_names), self.model_rank())
+        if self.reuse_model and cfg.model.kind == "classification" and self.device.type == "cpu" and not cfg.privacy.dp:
+            return MODELS.take(*args, seed=cfg.train.seed, device=cfg.train.device)
+        return build_model(*args, seed=cfg.train.seed, device=cfg.train.device)
+
+    def release(self, model: PeftModel) -> None:
+        """The message is answered: ``model`` goes back to the pool it came from (if any)."""
+        MODELS.give_back(model)
 
     def prepare(self, download: Payload) -> PeftModel:
         """Local state overlaid with the download."""

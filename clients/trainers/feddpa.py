@@ -101,6 +101,8 @@ def instance_weighted(model: PeftModel, reference: torch.Tensor, weight_max: flo
 class FedDPATrainer(LocalTrainer):
     """g at the common global rank, l at this client's own rank; upload g (+head), keep both."""
 
+    reuse_model = False  # not shown safe to reuse (it changes more than parameter values): built fresh
+
 
     def model_rank(self) -> int:
         """Rank of g (``strategy.global_rank``, 0 = ``model.lora_rank``)."""

@@ -146,6 +146,8 @@ class EpochSplitBatches:
 class FedDRLoRATrainer(LocalTrainer):
     """FedDR-LoRA's client: train A, B^r, B^n (and the head); upload B^r (and a global head)."""
 
+    reuse_model = False  # not shown safe to reuse (it changes more than parameter values): built fresh
+
 
     def __init__(self, job: Any) -> None:
         import torch

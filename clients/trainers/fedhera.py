@@ -57,6 +57,8 @@ def gate_prefix(parameters: Mapping[str, tuple[torch.nn.Parameter, torch.nn.Para
 class FedHeraTrainer(LocalTrainer):
     """FedHera's client (see the module docstring)."""
 
+    reuse_model = False  # not shown safe to reuse (it changes more than parameter values): built fresh
+
 
     def model_rank(self) -> int | dict[str, int]:
         return {m: max(r, 1) for m, r in self.r_tot.items()}  # r_tot = 0: a rank-1 zero placeholder

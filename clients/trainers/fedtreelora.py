@@ -84,6 +84,8 @@ def attach_mixer(model: PeftModel, theta: torch.nn.Parameter, mixed_modules: lis
 class FedTreeLoRATrainer(LocalTrainer):
     """Cluster expert (trainable, uploaded) + frozen external expert, mixed by a local lam."""
 
+    reuse_model = False  # not shown safe to reuse (it changes more than parameter values): built fresh
+
 
     def prepare(self, download: Payload) -> PeftModel:
         import torch

@@ -26,6 +26,8 @@ MERGED_ROUNDS_KEY = "merged-rounds"
 class FLoRATrainer(LocalTrainer):
     """FLoRA's client (see the module docstring)."""
 
+    reuse_model = False  # not shown safe to reuse (it changes more than parameter values): built fresh
+
 
     def prepare(self, download: Payload) -> PeftModel:
         model = self.build()

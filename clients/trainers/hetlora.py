@@ -51,6 +51,8 @@ def prune_payload(payload: Payload, rank: int) -> Payload:
 class HetLoRATrainer(LocalTrainer):
     """HetLoRA's client: the default trainer at the client's own rank r_k, optionally self-pruning."""
 
+    reuse_model = False  # not shown safe to reuse (it changes more than parameter values): built fresh
+
     options: HetLoRAOptions
 
     def __init__(self, job: ClientJob) -> None:

@@ -254,19 +254,21 @@ def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -
 
     from fedlora.app.server import make_server_app
     from fedlora.results import load_results
+    from fedlora.simulations.polling import polling_pending_nodes
 
     module, attr = CLIENT_APP.split(":")
     client_app = getattr(importlib.import_module(module), attr)
     backend = backend_config(config, out)
     start_ray(backend["init_args"], out / LOG_FILE, verbose)
     try:
-        run_simulation(
-            server_app=make_server_app(config, str(out), resume=bool(resume)),
-            client_app=client_app,
-            num_supernodes=config.data.num_clients,
-            backend_config=backend,
-            verbose_logging=verbose,
-        )
+        with polling_pending_nodes():  # Flower's engine sweeps only the nodes with a message waiting
+            run_simulation(
+                server_app=make_server_app(config, str(out), resume=bool(resume)),
+                client_app=client_app,
+                num_supernodes=config.data.num_clients,
+                backend_config=backend,
+                verbose_logging=verbose,
+            )
     except RuntimeError as error:  # Flower wraps the ServerApp's exception: report its cause
         raise RunError(f"{root_cause(error)}{results_so_far(out)}") from None
     finally:

@@ -112,8 +112,9 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         if missing:
             raise checkpoint.CheckpointError(f"--resume {out_dir}: clients {missing} of the checkpoint did not "
                                              f"join this run; resume with every client of the run")
-        checkpoint.check_strategy_state(saved["strategy"], strategy.state_dict(), f"--resume {out_dir}")
-        strategy.load_state_dict(saved["strategy"])
+        state = checkpoint.check_strategy_state(saved["strategy"], strategy.state_dict(), f"--resume {out_dir}",
+                                                strategy.RETIRED_STATE)
+        strategy.load_state_dict(state)
         strategy.paths.resumed_from = first = saved["round"]
         if strategy.paths.checkpoint_dir:  # states the interrupted round wrote belong to no completed round
             checkpoint.drop_client_states_after(strategy.paths.checkpoint_dir, saved["round"])
