@@ -17,6 +17,7 @@ from flwr.clientapp.mod import fixedclipping_mod
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedlora import protocol
+from fedlora.clients.secure import masked_update, secure_when_asked
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -269,7 +270,8 @@ def clipping_when_asked(msg: Message, context: Context, call_next: Callable[[Mes
     return call_next(msg, context)
 
 
-@app.train(mods=[clipping_when_asked])
+# SecAgg+ (secure_aggregation.enabled): Flower's secaggplus_mod outermost, the reply masked (clients/secure.py)
+@app.train(mods=[secure_when_asked, masked_update, clipping_when_asked])
 def train(msg: Message, context: Context) -> Message:
     """Merge the download with local state, train locally, upload what the method uploads."""
     from fedlora.clients.faults import maybe_corrupt, maybe_fail

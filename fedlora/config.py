@@ -28,6 +28,7 @@ from fedlora.schema import (
     ModelConfig,
     OutputConfig,
     PrivacyConfig,
+    SecureAggregationConfig,
     StrategyConfig,
     TrainConfig,
     apply_overrides,
@@ -37,7 +38,8 @@ from fedlora.schema import (
 
 __all__ = [
     "BudgetTier", "ClientsConfig", "ConfigError", "DataConfig", "ExperimentConfig", "FaultsConfig",
-    "FederationConfig", "ModelConfig", "OutputConfig", "PrivacyConfig", "StrategyConfig", "TrainConfig",
+    "FederationConfig", "ModelConfig", "OutputConfig", "PrivacyConfig", "SecureAggregationConfig", "StrategyConfig",
+    "TrainConfig",
     "apply_overrides", "build_config", "config_from_json", "load_config", "parse_override",
 ]
 

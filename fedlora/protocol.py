@@ -74,10 +74,17 @@ STATE_ON_DISK: Final = "state-on-disk"  # simulation: between messages the state
 EVAL_RECEIVED: Final = "eval-received"  # train: evaluate the received model before local training
 EVAL_GLOBAL: Final = "eval-global"  # evaluate: also evaluate on the global test set (no global model)
 SAVE_ADAPTER_DIR: Final = "save-adapter-dir"  # evaluate, last round: save the client's adapter there
+# secure aggregation (SecAgg+, docs/secure-aggregation.md): the train message of its masking stage, which also
+# carries Flower's own record (``secaggplus_configs``, Flower's keys); read by clients/secure.py
+SECAGG_WEIGHT: Final = "secagg-weight"  # the aggregation weight the server chose for this client (at most W)
+SECAGG_CLIP: Final = "secagg-clip"  # scale the update down to this L2 norm before masking (0: no clipping)
+SECAGG_RANGE: Final = "secagg-range"  # c: refuse to mask an update with an entry beyond [-c, c]
+SECAGG_PAD_RANK: Final = "secagg-pad-rank"  # zero-pad A rows / B columns to this rank before masking (0: none)
+SECAGG_KEYS: Final = frozenset({SECAGG_WEIGHT, SECAGG_CLIP, SECAGG_RANGE, SECAGG_PAD_RANK})
 # fedlora's own message config keys: a config given to ``configure_*`` (Flower's ``train_config`` /
 # ``evaluate_config``) travels next to them, without these keys
 MESSAGE_KEYS: Final = frozenset({SERVER_ROUND, EXPERIMENT, RANK, CHECKPOINT_DIR, RESUME_ROUND, STATE_ON_DISK,
-                                 EVAL_RECEIVED, EVAL_GLOBAL, SAVE_ADAPTER_DIR})
+                                 EVAL_RECEIVED, EVAL_GLOBAL, SAVE_ADAPTER_DIR, *SECAGG_KEYS})
 
 # a method's own message config (its strategy's ``Download.config``, read by its trainer)
 # centralized, train: the clients a federated round samples (the step budget)

@@ -497,6 +497,59 @@ class PrivacyConfig(_Section):
         return self
 
 
+class SecureAggregationConfig(_Section):
+    """Secure aggregation: Flower's SecAgg+ protocol, so that the server learns the weighted mean
+    of the sampled clients' updates and no client's own (docs/secure-aggregation.md)."""
+
+    enabled: bool = Field(
+        False, description="Aggregate every training round with SecAgg+: each client masks its update "
+        "(upload minus download) with pairwise and private masks; the server sums the masked vectors, "
+        "removes the masks with the shares the surviving clients send, and hands the method the weighted "
+        "mean. Only methods whose aggregate is a weighted mean of the uploads can (capability matrix), "
+        "with faults.aggregation = 'mean'.",
+    )
+    num_shares: int | float = Field(
+        1.0, description="Neighbours each client secret-shares its mask seed and private key with, itself "
+        "included (Flower's num_shares): a float in (0, 1] is a fraction of the round's sampled clients "
+        "(1.0 = all of them: SecAgg), an int > 2 a count (made odd, at most the sampled clients).",
+    )
+    reconstruction_threshold: int | float = Field(
+        0.5, description="Shares that reconstruct a secret (Flower's reconstruction_threshold): a float in "
+        "(0, 1] is a fraction of num_shares (at least 2), an int >= 2 a count. A round halts when a "
+        "client has fewer surviving neighbours; a server colluding with fewer clients learns nothing.",
+    )
+    clip_norm: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="Each client scales its update down to this L2 norm "
+        "before masking (as Flower's fixedclipping_mod does); 0 = no clipping.",
+    )
+    clipping_range: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="c: every entry of a client's update must lie in "
+        "[-c, c] (a client with a larger entry refuses the round: a dropout the protocol absorbs, never a "
+        "silent cut); 0 = clip_norm when set, else 8.0 (Flower's default). At least clip_norm.",
+    )
+    quantization_range: int = Field(
+        0, ge=0, le=2**30, description="T: [-c, c] is quantised to the integers 0..T (the aggregate is exact "
+        "within 3 c |S| / (T D)); 0 = the largest power of 2 with sampled x T < modulus_range, at most "
+        "2**30. A larger T than fits is refused (the masked sum would wrap).",
+    )
+    modulus_range: int = Field(
+        2**32, gt=2, le=2**32, description="M: masks and sums are taken modulo M, a power of 2 "
+        "(Flower's default 2**32, the largest allowed).",
+    )
+    max_error: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="Refuse a config whose worst-case error bound "
+        "3 c N / T (N sampled clients) exceeds this; 0 = no limit. Each round's own bound is in "
+        "results.json (rounds[].extra.secure_aggregation.error_bound).",
+    )
+
+    @field_validator("modulus_range")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of 2, got {value}")
+        return value
+
+
 class OutputConfig(_Section):
     """Where results go."""
 
@@ -550,12 +603,25 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("faults", None, "anomaly_action"): "log",
     ("faults", None, "num_malicious"): 1,
     ("faults", None, "multikrum_select"): 0,
+    ("secure_aggregation", None, "enabled"): False,
+    ("secure_aggregation", None, "num_shares"): 1.0,
+    ("secure_aggregation", None, "reconstruction_threshold"): 0.5,
+    ("secure_aggregation", None, "clip_norm"): 0.0,
+    ("secure_aggregation", None, "clipping_range"): 0.0,
+    ("secure_aggregation", None, "quantization_range"): 0,
+    ("secure_aggregation", None, "modulus_range"): 2**32,
+    ("secure_aggregation", None, "max_error"): 0.0,
 }
+# Sections added after runs were recorded: a record without one is read with its RECORD_DEFAULTS
+# (every run before [secure_aggregation] existed aggregated in the clear).
+ADDED_SECTIONS: tuple[str, ...] = ("secure_aggregation",)
 
 
 def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """A recorded config (a dict of sections) with :data:`RECORD_DEFAULTS` filled where it lacks them."""
     filled = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for section in ADDED_SECTIONS:
+        filled.setdefault(section, {})
     for (section, strategy, key), value in RECORD_DEFAULTS.items():
         values = filled.get(section)
         if isinstance(values, dict) and (strategy is None or filled.get("strategy", {}).get("name") == strategy):
@@ -574,6 +640,7 @@ class ExperimentConfig(_Section):
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    secure_aggregation: SecureAggregationConfig = Field(default_factory=SecureAggregationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")

@@ -75,6 +75,7 @@ from fedlora.strategies.replies import ClientUpload, Expectation
 from fedlora.strategies.robust import minimum_uploads
 from fedlora.strategies.roster import ClientRoster, profile_problem
 from fedlora.strategies.screening import drop_outliers, select_byzantine, watch_updates, weigh
+from fedlora.strategies.secure_round import SecureRound, aggregate_secure_round, start_secure_round
 from fedlora.strategies.validation import reference_norm, replacement_problem, update_norm
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
@@ -144,7 +145,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
-        "_sent", "_initial_norm", "min_evaluate_nodes", "min_available_nodes",
+        "_sent", "_initial_norm", "min_evaluate_nodes", "min_available_nodes", "secure_round",
     })
 
     def __init__(
@@ -190,6 +191,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self._sent: dict[Phase, dict[int, Download]] = {}  # this round's downloads, by phase and partition
         self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
         self.update_history: list[Fingerprint] = []  # the anomaly rule's sketches of recent uploads
+        self.secure_round: SecureRound | None = None  # secure_aggregation.enabled: this round's SecAgg+ (secure.py)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -469,12 +471,12 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         record.refused = sorted(self.roster.refused_partitions)
         partitions = self.sample_train(server_round)
         self._sent["train"] = {p: self.download(p, server_round, "train") for p in partitions}
-        messages = []
-        for download in self._sent["train"].values():
-            record.bytes_down += payload_bytes(download.payload)
-            messages.append(self._message(download, server_round, config))
-            record.wire_bytes_down += wire_size(messages[-1])
-        record.sampled = len(messages)
+        messages = [self._message(download, server_round, config) for download in self._sent["train"].values()]
+        if self.experiment.secure_aggregation.enabled:  # SecAgg+: its first stages now, the masking on these messages
+            self.secure_round, messages = start_secure_round(self, grid, server_round, messages)
+        record.bytes_down += sum(payload_bytes(download.payload) for download in self._sent["train"].values())
+        record.wire_bytes_down += sum(wire_size(message) for message in messages)
+        record.sampled = len(partitions)
         log(INFO, "configure_train: round %d, %d of %d clients", server_round, len(partitions), len(self.roster.profiles))
         return messages
 
@@ -495,7 +497,11 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
            where one is configured.
 
         Returns the new :meth:`global_arrays` and the round's train loss and client count; (None,
-        None) when too few updates were valid (the state is unchanged, as are Flower's arrays)."""
+        None) when too few updates were valid (the state is unchanged, as are Flower's arrays).
+        A secure round (``secure_aggregation.enabled``) is read by :func:`~fedlora.strategies.secure_round.aggregate_secure_round`."""
+        if self.secure_round is not None:
+            secure, self.secure_round = self.secure_round, None
+            return aggregate_secure_round(self, secure, server_round, replies)
         record = self.record(server_round)
         replies = list(replies)
         record.wire_bytes_up += sum(reply_wire_size(reply) for reply in replies)

@@ -93,7 +93,11 @@ def test_a_record_without_the_option_counts_as_a_complete_fp32_run(tmp_path: Pat
 def test_record_defaults_fill_only_what_is_missing() -> None:
     # Execute
     filled = with_record_defaults({"train": {"lr": 0.1}, "model": {"path": "x"}})
-    kept = with_record_defaults({"train": {"precision": "bf16"}})
-    # Assert
-    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False}, "model": {"path": "x"}}
-    assert kept == {"train": {"precision": "bf16", "group_by_length": False}}
+    kept = with_record_defaults({"train": {"precision": "bf16"}, "secure_aggregation": {"enabled": True}})
+    # Assert: a section added since (ADDED_SECTIONS) is filled in whole: every earlier run aggregated in the clear
+    secure = {"enabled": False, "num_shares": 1.0, "reconstruction_threshold": 0.5, "clip_norm": 0.0,
+              "clipping_range": 0.0, "quantization_range": 0, "modulus_range": 2**32, "max_error": 0.0}
+    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False}, "model": {"path": "x"},
+                      "secure_aggregation": secure}
+    assert kept == {"train": {"precision": "bf16", "group_by_length": False},
+                    "secure_aggregation": {**secure, "enabled": True}}

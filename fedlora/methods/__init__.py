@@ -112,6 +112,7 @@ def validate(config: ExperimentConfig) -> None:
     _check_privacy(declared, config)
     _check_causal_lm(declared, config)
     _check_robust_aggregation(declared, config)
+    _check_secure_aggregation(declared, config)
     if declared.check is not None:
         try:
             declared.check(config, options)
@@ -166,6 +167,57 @@ def _check_robust_aggregation(declared: Method[Any], config: ExperimentConfig) -
     raise ConfigError(f"faults.aggregation = '{config.faults.aggregation}' is not supported by strategy "
                       f"'{declared.name}': {declared.capabilities.not_robust}; use one of {usable}, or "
                       "faults.aggregation = 'mean'")
+
+
+def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -> None:
+    """``secure_aggregation.enabled`` with a method or a config SecAgg+ cannot aggregate: a method
+    whose aggregate is not a weighted mean of the uploads, a robust ``faults.aggregation``, mixed
+    ranks where the method's mean is not over zero-padded uploads, fewer than 2 sampled clients,
+    parameters Flower refuses, a sum that could wrap, an error bound above ``max_error``."""
+    secure = config.secure_aggregation
+    if not secure.enabled:
+        return
+    from fedlora import secagg
+    from fedlora.schema import sample_size
+
+    caps = declared.capabilities
+    if not caps.secure_aggregation:
+        usable = ", ".join(n for n in method_names() if method(n).capabilities.secure_aggregation)
+        raise ConfigError(f"secure_aggregation.enabled = true is not supported by strategy '{declared.name}': "
+                          f"{caps.not_secure}; use one of {usable}, or secure_aggregation.enabled = false")
+    if config.faults.aggregation != "mean":
+        raise ConfigError(f"secure_aggregation.enabled = true needs faults.aggregation = 'mean' (the server sees only "
+                          f"the masked sum, not the uploads '{config.faults.aggregation}' combines)")
+    ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
+    if caps.secure_one_rank and len(ranks) > 1 and caps.mixed_ranks:
+        raise ConfigError(f"secure_aggregation.enabled = true with strategy '{declared.name}' needs one LoRA rank, "
+                          f"but clients declare ranks {sorted(ranks)}: {caps.secure_one_rank}; give every client one rank")
+    clients = config.data.num_clients
+    sampled = sample_size(clients, config.federation.fraction_train, config.federation.min_clients)
+    if sampled < 2:
+        raise ConfigError(f"secure_aggregation.enabled = true needs at least 2 clients a round, but a round samples "
+                          f"{sampled} of data.num_clients = {clients}")
+    quantization = secure.quantization_range or secagg.quantization_range(sampled, secure.modulus_range)
+    problem = (secagg.flower_problem(secure.num_shares, secure.reconstruction_threshold, quantization,
+                                     secure.modulus_range)
+               or secagg.wrap_problem(sampled, quantization, secure.modulus_range))
+    if problem:
+        raise ConfigError(f"secure_aggregation: {problem}")
+    shares = secagg.resolve_shares(secure.num_shares, sampled)
+    threshold = secagg.resolve_threshold(secure.reconstruction_threshold, shares)
+    if threshold > shares:
+        raise ConfigError(f"secure_aggregation.reconstruction_threshold = {threshold} is above the {shares} shares "
+                          f"a round of {sampled} clients makes (num_shares = {secure.num_shares!r}): no secret could "
+                          "be reconstructed")
+    if secure.clipping_range and secure.clipping_range < secure.clip_norm:
+        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below clip_norm = "
+                          f"{secure.clip_norm:g}: a clipped update could still hold an entry beyond it")
+    bound = secagg.error_bound(secagg.clipping_range(secure.clip_norm, secure.clipping_range), sampled, quantization, 1.0)
+    if secure.max_error and bound > secure.max_error:
+        raise ConfigError(f"secure_aggregation: the worst-case error bound 3 c N / T = {bound:.3g} (c = "
+                          f"{secagg.clipping_range(secure.clip_norm, secure.clipping_range):g}, N = {sampled}, T = "
+                          f"{secagg.power(quantization)}) is above max_error = {secure.max_error:g}; lower "
+                          "clipping_range or raise quantization_range")
 
 
 def _check_rank_policy(declared: Method[Any], config: ExperimentConfig) -> None:

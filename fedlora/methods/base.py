@@ -49,6 +49,12 @@ class Capabilities:
     # plus the client's update, and it continues from the noised arrays it is given (docs/flower.md)
     flower_dp: bool = False
     not_flower_dp: str = ""  # why the wrapper cannot wrap the method (flower_dp False)
+    # secure_aggregation.enabled (SecAgg+, docs/secure-aggregation.md): the method's aggregate is the weighted
+    # mean of the uploads, A rows and B columns zero-padded to the round's largest rank, and each upload has the
+    # keys and shapes of its download (a client masks upload - download; the server sees only the mean)
+    secure_aggregation: bool = False
+    not_secure: str = ""  # why the method refuses secure aggregation (secure_aggregation False)
+    secure_one_rank: str = ""  # why it refuses secure aggregation with mixed ranks ('' = mixed ranks are fine)
 
 
 OptionsT = TypeVar("OptionsT", bound=MethodOptions)

@@ -23,6 +23,7 @@ METHOD = Method(
         paper="reference: centralised training on the pooled client data",
         not_robust="one trainer: there is no second upload to combine",
         not_flower_dp="one trainer on the pooled data of every client: there are no per-client updates to clip",
+        not_secure="one trainer on the pooled data of every client: there is no sum of client updates",
     ),
     strategy="fedlora.strategies.centralized:Centralized",
     trainer="fedlora.clients.trainers.centralized:CentralizedTrainer",

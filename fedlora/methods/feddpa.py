@@ -65,6 +65,7 @@ METHOD = Method(
         paper="Yang et al., NeurIPS 2024 (arXiv:2403.19211)",
         robust_aggregation=True,
         flower_dp=True,  # the weighted mean of g (l never leaves the client)
+        secure_aggregation=True,  # the weighted mean of g, one rank r_g for every client
     ),
     strategy="fedlora.strategies.feddpa:FedDPA",
     trainer="fedlora.clients.trainers.feddpa:FedDPATrainer",

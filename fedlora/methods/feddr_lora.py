@@ -253,6 +253,7 @@ METHOD = Method(
         causal_lm="its clean / noisy split and negative learning act on noisy class labels, which "
         "instruction tuning does not have",
         flower_dp=True,  # the weighted mean of B^r (A and the noise branch never leave the client)
+        secure_aggregation=True,  # the same mean; the noise-split metrics still travel in the clear
     ),
     strategy="fedlora.strategies.feddr_lora:FedDRLoRA",
     trainer="fedlora.clients.trainers.feddr_lora:FedDRLoRATrainer",

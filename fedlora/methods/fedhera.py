@@ -440,6 +440,8 @@ METHOD = Method(
             "SVD-based: its arrays are the SVD factors of sum_k w_k s_k B_k A_k, a product of factors and not a "
             "mean of the uploads, so noise on them is not noise on a mean of clipped updates"
         ),
+        not_secure=("SVD-based: it allocates ranks from the spectrum of sum_k w_k s_k B_k A_k (a sum of factor "
+                    "products, not of the uploads) and scores each client's own update"),
     ),
     strategy="fedlora.strategies.fedhera:FedHera",
     trainer="fedlora.clients.trainers.fedhera:FedHeraTrainer",

@@ -20,6 +20,7 @@ METHOD = Method(
         paper="Zhang et al., ICASSP 2024 (arXiv:2305.05644)",
         robust_aggregation=True,
         flower_dp=True,  # the weighted means of A and B (zero-padded to r_max)
+        secure_aggregation=True,  # the same means: each client masks its update zero-padded to the round's r_max
     ),
     strategy="fedlora.strategies.fedit:FedIT",
 )

@@ -284,6 +284,7 @@ METHOD = Method(
             "clients upload A and B but download only B (A stays local), so a reply is not the download plus "
             "an update (Flower's mod needs the same keys), and the projectors come from the unclipped A"
         ),
+        not_secure="its projection correction and consensus are per-client terms, not a mean of the uploads",
     ),
     strategy="fedlora.strategies.fedpissa:FedPissa",
     trainer="fedlora.clients.trainers.fedpissa:FedPissaTrainer",

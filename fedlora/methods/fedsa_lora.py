@@ -88,6 +88,9 @@ METHOD = Method(
         robust_aggregation=True,  # A's rows by coordinate-wise median / trimmed mean over their holders
         paper="Guo et al., ICLR 2025 (arXiv:2410.01463)",
         flower_dp=True,  # the weighted mean of A with one rank (mixed ranks average rows over their holders: refused)
+        secure_aggregation=True,
+        secure_one_rank=("with mixed ranks row j of A is averaged over the clients holding it, a normaliser per row, "
+                         "not the one total weight of a masked sum"),
     ),
     strategy="fedlora.strategies.fedsa_lora:FedSALoRA",
     trainer="fedlora.clients.trainers.fedsa_lora:FedSALoRATrainer",

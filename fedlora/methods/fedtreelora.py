@@ -360,6 +360,7 @@ METHOD = Method(
             "clients download their cluster's and an external expert, which stay in the strategy un-noised "
             "(Flower's arrays are only the all-client mean), and the tree is built from the raw B"
         ),
+        not_secure="it clusters the clients on their own factors and averages the few clients of each cluster",
     ),
     strategy="fedlora.strategies.fedtreelora:FedTreeLoRA",
     trainer="fedlora.clients.trainers.fedtreelora:FedTreeLoRATrainer",

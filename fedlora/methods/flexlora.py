@@ -83,6 +83,8 @@ METHOD = Method(
             "SVD-based: its arrays are factors of G = sum_k p_k s_k B_k A_k, a mean of factor products, so a "
             "clipped factor update does not bound a client's change of G and noise on them is not noise on a mean"
         ),
+        not_secure=("SVD-based: it needs sum_k p_k s_k B_k A_k, a sum of factor products, which masked factors "
+                    "do not give (only the dense products could be masked, d_out x d_in per module)"),
     ),
     strategy="fedlora.strategies.flexlora:FlexLoRA",
 )

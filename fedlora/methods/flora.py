@@ -41,6 +41,7 @@ METHOD = Method(
             "stacking: clients merge every stack into their bases and upload a fresh LoRA, not the download "
             "plus an update, and the strategy cannot continue from noised arrays"
         ),
+        not_secure="stacking: every client's factors are broadcast to every client, so there is nothing to hide",
     ),
     strategy="fedlora.strategies.flora:FLoRA",
     trainer="fedlora.clients.trainers.flora:FLoRATrainer",

@@ -82,6 +82,8 @@ METHOD = Method(
             "weighting = 'norm' weighs each upload by the Frobenius norm of its own B_k A_k, so a client's weight "
             "depends on its data and the noise is not calibrated to the clipped updates"
         ),
+        not_secure=("it weighs each upload by ||B_k A_k||_F and reads each client's self-pruned rank, both from the "
+                    "client's own arrays"),
     ),
     strategy="fedlora.strategies.hetlora:HetLoRA",
     trainer="fedlora.clients.trainers.hetlora:HetLoRATrainer",

@@ -19,6 +19,7 @@ METHOD = Method(
         paper="no-federation baseline (lower bound)",
         not_robust="nothing is aggregated",
         not_flower_dp="nothing is uploaded or aggregated: no update to clip, no aggregate to noise",
+        not_secure="nothing is uploaded or aggregated",
     ),
     strategy="fedlora.strategies.local:LocalOnly",
     trainer="fedlora.clients.trainers.local:LocalOnlyTrainer",

@@ -1,0 +1,394 @@
+"""Secure aggregation (SecAgg+, docs/secure-aggregation.md): the arithmetic of fedlora/secagg.py,
+the refusals, and rounds of the real protocol on the in-process grid.
+
+The protocol tests run Flower's ``secaggplus_mod`` and fedlora's client mods (``clients/secure.py``)
+around a small training handler (the download plus seeded noise, recorded by a spy) on the
+in-process grid, and fedlora's server port (``strategies/secure.py``) in ``configure_train`` /
+``aggregate_train`` of a strategy over one hand-made module: every number below comes from
+the clients' real uploads and the strategy's real aggregate. The last test runs a whole
+``fedlora run`` with secure aggregation on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+    Stage,
+)
+from flwr.common.serde import message_to_proto
+from scipy.stats import chisquare
+
+from fedlora import secagg
+from fedlora.clients.secure import masked_update, secure_when_asked
+from fedlora.config import ConfigError, load_config
+from fedlora.lora import from_array_record, to_array_record
+from fedlora.profile import ClientProfile
+from fedlora.simulations.inprocess import InProcessGrid
+from fedlora.strategies.registry import create_strategy
+from fedlora.version import __version__
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs/smoke.toml"
+DECLARED = [100, 110, 120]  # training examples each client declares (and trains on)
+MODULE = {"m": (48, 40)}  # one adapted module (d_out, d_in)
+NODE = 1000  # InProcessGrid: node 1000 + k holds partition k
+M = 2**32
+
+
+# ---------------------------------------------------------------------------------- the arithmetic
+def test_the_quantization_range_is_the_largest_power_of_two_that_cannot_wrap() -> None:
+    # Execute / Assert: sampled * T < M, T <= 2^30 (the memo's table for M = 2^32)
+    assert [secagg.quantization_range(n, M) for n in (2, 3, 4, 5, 10, 20)] == [2**30, 2**30, 2**29, 2**29, 2**28, 2**27]
+    assert secagg.quantization_range(3, 2**8) == 64  # 3 x 64 = 192 < 256 <= 3 x 128
+    # the wrap condition is strict: N x T = M wraps a full column to 0
+    assert secagg.wrap_problem(4, 2**30, M).startswith("4 clients x quantization_range 2^30 >= modulus_range 2^32")
+    assert secagg.wrap_problem(3, 2**30, M) == ""
+    assert secagg.wrap_problem(5, 2**29, M) == ""
+
+
+def test_the_error_bound_is_three_c_n_over_t_d() -> None:
+    # Execute / Assert: 3 c |S| / (T D)
+    assert secagg.error_bound(1.0, 5, 2**22, 1.0) == pytest.approx(15 / 2**22)
+    assert secagg.error_bound(8.0, 3, 2**30, 1.5) == pytest.approx(3 * 8 * 3 / (2**30 * 1.5))
+    assert secagg.error_bound(1.0, 20, 2**27, 20.0) == pytest.approx(3 / 2**27)  # equal weights: 3c / T
+
+
+def test_shares_and_threshold_follow_flowers_rules() -> None:
+    # Execute / Assert: a fraction of the sampled, made odd, all of them when <= 2; an even count made odd
+    assert [secagg.resolve_shares(1.0, n) for n in (2, 3, 5)] == [2, 3, 5]
+    assert secagg.resolve_shares(0.4, 5) == 3  # round(2.0) = 2 -> odd 3
+    assert secagg.resolve_shares(0.1, 10) == 10  # 1 -> all of them
+    assert secagg.resolve_shares(4, 10) == 5  # Flower sends 4 and builds neighbourhoods of 5
+    assert secagg.resolve_shares(7, 5) == 5
+    assert secagg.resolve_threshold(0.5, 3) == 2 and secagg.resolve_threshold(0.5, 2) == 2
+    assert secagg.resolve_threshold(0.6, 10) == 6 and secagg.resolve_threshold(3, 10) == 3
+    assert secagg.neighbours([5, 6, 7, 8, 9], 3) == {5: {9, 5, 6}, 6: {5, 6, 7}, 7: {6, 7, 8}, 8: {7, 8, 9},
+                                                     9: {8, 9, 5}}
+
+
+@pytest.mark.parametrize(("num_shares", "threshold", "T", "modulus"), [
+    (1.0, 0.5, 2**22, M), (5, 3, 2**22, M), (5, 5, 2**22, M), (2, 0.5, 2**22, M), (0.0, 0.5, 2**22, M),
+    (1.0, 0.0, 2**22, M), (1.0, 1.5, 2**22, M), (1.0, 0.5, 0, M), (1.0, 0.5, M, M), (1.0, 0.5, 2**22, 3 * 2**30),
+    (3, 1, 2**22, M),
+])
+def test_every_parameter_flower_refuses_is_refused(num_shares: Any, threshold: Any, T: int, modulus: int) -> None:
+    from flwr.server.workflow import SecAggPlusWorkflow
+
+    # Execute
+    ours = secagg.flower_problem(num_shares, threshold, T, modulus)
+    try:
+        SecAggPlusWorkflow(num_shares, threshold, quantization_range=T, modulus_range=modulus)
+        flowers = ""
+    except (TypeError, ValueError) as error:
+        flowers = str(error)
+    # Assert: Flower's refusals are ours (ours are a little stricter, never looser)
+    assert bool(ours) >= bool(flowers), (ours, flowers)
+
+
+def test_a_client_masks_its_padded_update_and_refuses_what_does_not_fit() -> None:
+    # Prepare: a rank-2 upload in a round whose largest rank is 4
+    download = {"m::A": np.ones((2, 3), np.float32), "m::B": np.zeros((5, 2), np.float32),
+                "head::w": np.zeros((2, 5), np.float32)}
+    upload = {"m::A": np.full((2, 3), 1.5, np.float32), "m::B": np.full((5, 2), -0.25, np.float32),
+              "head::w": np.full((2, 5), 0.125, np.float32)}
+    # Execute
+    vector = secagg.update_vector(upload, download, pad_rank=4, clip_norm=0.0, clip_range=8.0)
+    shapes = secagg.canonical_shapes({k: v.shape for k, v in upload.items()}, 4)
+    update = secagg.unflatten(vector, shapes)
+    # Assert: sorted keys, A rows / B columns zero-padded to 4, the update upload - download
+    assert list(shapes) == ["head::w", "m::A", "m::B"] and shapes["m::A"] == (4, 3) and shapes["m::B"] == (5, 4)
+    assert np.array_equal(update["m::A"], np.vstack([np.full((2, 3), 0.5), np.zeros((2, 3))]))
+    assert np.array_equal(update["m::B"], np.hstack([np.full((5, 2), -0.25), np.zeros((5, 2))]))
+    assert np.array_equal(update["head::w"], np.full((2, 5), 0.125))
+    # clipped to the L2 norm asked for, and refused beyond the clipping range, for NaN, other arrays
+    clipped = secagg.update_vector(upload, download, 4, clip_norm=0.5, clip_range=8.0)
+    assert np.linalg.norm(clipped) == pytest.approx(0.5) and np.allclose(clipped / np.linalg.norm(clipped),
+                                                                         vector / np.linalg.norm(vector))
+    with pytest.raises(ValueError, match="beyond secure_aggregation's clipping range 0.4"):
+        secagg.update_vector(upload, download, 4, 0.0, 0.4)
+    with pytest.raises(ValueError, match="NaN"):
+        secagg.update_vector({**upload, "m::A": np.full((2, 3), np.nan, np.float32)}, download, 4, 0.0, 8.0)
+    with pytest.raises(ValueError, match="not the download's"):
+        secagg.update_vector({"m::A": upload["m::A"]}, download, 4, 0.0, 8.0)
+
+
+def test_the_weight_of_a_round_is_its_largest_sampled_weight() -> None:
+    # Execute
+    params = secagg.choose_params([0.2, 0.5, 0.3], 1.0, 0.5, clip_norm=2.0, configured_clipping=0.0,
+                                  configured_quantization=0, modulus_range=M)
+    # Assert
+    assert (params.max_weight, params.clipping_range, params.quantization_range) == (0.5, 2.0, 2**30)
+    assert (params.num_shares, params.threshold) == (3, 2)
+    assert secagg.weight_factor(0.2, 0.5, 2**30) == round(0.4 * 2**30)
+
+
+# ---------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["strategy.name=flexlora"], "not supported by strategy 'flexlora': SVD-based"),
+    (["strategy.name=local"], "not supported by strategy 'local': nothing is uploaded"),
+    (["strategy.name=hetlora"], "not supported by strategy 'hetlora'"),
+    (["faults.aggregation='median'"], "needs faults.aggregation = 'mean'"),
+    (["strategy.name=fedsa_lora"], "strategy 'fedsa_lora' needs one LoRA rank, but clients declare ranks [2, 4, 8]"),
+    (["secure_aggregation.quantization_range=1073741824", "data.num_clients=4", "clients.ranks=[4, 4, 4, 4]"],
+     "4 clients x quantization_range 2^30 >= modulus_range 2^32: the masked sum would wrap"),
+    (["secure_aggregation.num_shares=2"], "num_shares as an integer must be greater than 2"),
+    (["secure_aggregation.clip_norm=2.0", "secure_aggregation.clipping_range=1.0"], "is below clip_norm"),
+    (["secure_aggregation.max_error=1e-12"], "worst-case error bound"),
+])
+def test_what_secure_aggregation_cannot_do_is_refused_in_one_line(overrides: list[str], why: str) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError) as refused:
+        load_config(SMOKE, ["secure_aggregation.enabled=true", *overrides])
+    assert why in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_cli_refuses_a_method_that_cannot_aggregate_on_a_sum_with_exit_2(tmp_path: Path) -> None:
+    # Execute
+    done = subprocess.run([sys.executable, "-m", "fedlora.app.cli", "run", str(SMOKE), "--engine", "inprocess",
+                           "--out", str(tmp_path / "run"), "--set", "strategy.name=flexlora",
+                           "--set", "secure_aggregation.enabled=true"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    # Assert: one line on stderr, exit 2, nothing run
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and "flexlora" in done.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+# ---------------------------------------------------------------------------------- the protocol, in process
+def initial_adapter(rank: int) -> dict[str, np.ndarray]:
+    """The common initial adapter at ``rank`` over :data:`MODULE` (seeded A, B = 0) and a 2-class head."""
+    d_out, d_in = MODULE["m"]
+    rng = np.random.default_rng(rank)
+    return {"m::A": (0.1 * rng.standard_normal((rank, d_in))).astype(np.float32),
+            "m::B": np.zeros((d_out, rank), np.float32),
+            "head::classifier.weight": (0.1 * rng.standard_normal((2, d_out))).astype(np.float32)}
+
+
+class RecordingGrid(InProcessGrid):
+    """The in-process grid, keeping every message the server sent and every reply it received."""
+
+    def __init__(self, client_app: Any, nodes: list[dict[str, Any]]) -> None:
+        super().__init__(client_app, nodes)
+        self.sent: list[Message] = []
+        self.received: list[Message] = []
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        self.sent += messages
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        self.received += replies
+        return replies
+
+
+def secure_client(ranks: list[int], spy: dict[int, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
+                  kill: dict[int, str]) -> ClientApp:
+    """fedlora's client mods and Flower's ``secaggplus_mod`` around a small training handler: the
+    upload is the download plus seeded noise (kept in ``spy``: partition -> (download, upload)).
+    ``kill``: partition -> the stage at which that client raises (its ClientApp crashes)."""
+    app = ClientApp()
+
+    def partition(context: Context) -> int:
+        return int(context.node_config["partition-id"])
+
+    def crash(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+        if configs is not None and kill.get(partition(context)) == configs.get(Key.STAGE):
+            raise RuntimeError("killed")
+        return call_next(msg, context)
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        k = partition(context)
+        profile = ClientProfile(partition_id=k, rank=ranks[k], num_train_examples=DECLARED[k],
+                                fedlora_version=__version__)
+        return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
+
+    @app.train(mods=[crash, secure_when_asked, masked_update])
+    def train(msg: Message, context: Context) -> Message:
+        k = partition(context)
+        assert RECORD_KEY_CONFIGS not in msg.content.config_records  # Flower's record stays with the mods
+        assert RECORD_KEY_STATE not in context.state.config_records  # and the mod's state out of the handler
+        download = from_array_record(msg.content.array_records["arrays"])
+        rng = np.random.default_rng(k)
+        upload = {key: (value + 0.05 * rng.standard_normal(value.shape)).astype(np.float32)
+                  for key, value in download.items()}
+        spy[k] = (download, upload)
+        metrics = {"num-examples": DECLARED[k], "partition-id": k, "train-loss": 1.0 + k, "train-seconds": 1.0,
+                   "train-examples": 40}
+        return Message(RecordDict({"arrays": to_array_record(upload), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+    return app
+
+
+def secure_round(name: str, ranks: list[int], kill: dict[int, str] | None = None,
+                 overrides: tuple[str, ...] = ()) -> tuple[Any, RecordingGrid, dict[int, Any], Any]:
+    """Round 1 of ``name`` with secure aggregation over 3 clients of ``ranks``: configure_train
+    (setup, share keys), the masking stage's messages and replies, aggregate_train (unmask)."""
+    config = load_config(SMOKE, [f"strategy.name={name}", "secure_aggregation.enabled=true",
+                                 f"clients.ranks={ranks}", *overrides])
+    strategy = create_strategy(config, initial_adapter, dict(MODULE))
+    spy: dict[int, Any] = {}
+    grid = RecordingGrid(secure_client(ranks, spy, kill or {}), [{"partition-id": k} for k in range(3)])
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    replies = grid.send_and_receive(messages, timeout=60.0)
+    return strategy, grid, spy, strategy.aggregate_train(1, replies)
+
+
+def plain_mean(spy: dict[int, Any], survivors: list[int], pad_rank: int) -> dict[str, np.ndarray]:
+    """The plain example-weighted mean of the survivors' uploads, A rows / B columns zero-padded."""
+    shapes = secagg.canonical_shapes({k: v.shape for k, v in spy[survivors[0]][1].items()}, pad_rank)
+    n = np.array([DECLARED[k] for k in survivors], dtype=np.float64)
+    stacked = np.stack([secagg.flatten(spy[k][1], shapes) for k in survivors])
+    return secagg.unflatten(n @ stacked / n.sum(), shapes)
+
+
+def assert_within(got: dict[str, np.ndarray], expected: dict[str, np.ndarray], bound: float) -> float:
+    """Every entry of ``got`` within ``bound`` of ``expected`` (plus float32's rounding of it);
+    returns the largest difference."""
+    assert got.keys() == expected.keys()
+    largest = 0.0
+    for key, value in expected.items():
+        difference = np.abs(got[key].astype(np.float64) - value)
+        assert np.all(difference <= bound + 2**-23 * np.abs(value)), (key, difference.max(), bound)
+        largest = max(largest, float(difference.max()))
+    return largest
+
+
+def test_fedit_aggregated_securely_is_the_weighted_mean_of_the_same_uploads_within_the_bound() -> None:
+    # Execute: mixed ranks (2, 4, 8): every client masks its update zero-padded to rank 8
+    strategy, _, spy, (arrays, metrics) = secure_round("fedit", [2, 4, 8])
+    # Assert
+    report = strategy.records[1].extra["secure_aggregation"]
+    expected = plain_mean(spy, [0, 1, 2], 8)
+    largest = assert_within(strategy.global_adapter, expected, report["error_bound"])
+    assert 0 < report["error_bound"] < 1e-6 and largest <= report["error_bound"] + 1e-7
+    assert metrics["clients"] == 3 and strategy.records[1].failures == 0 and arrays is not None
+    assert report["masked"] == 3 and report["quantization_range"] == 2**30 and report["pad_rank"] == 8
+    assert report["max_weight"] == pytest.approx(120 / 330)  # the largest sampled aggregation weight
+    # the weights matter: the unweighted mean is farther away than the bound
+    shapes = {key: value.shape for key, value in expected.items()}
+    unweighted = np.mean([secagg.flatten(spy[k][1], shapes) for k in range(3)], axis=0)
+    assert np.max(np.abs(unweighted - secagg.flatten(expected, shapes))) > 100 * report["error_bound"]
+
+
+def test_fedsa_lora_aggregated_securely_is_the_weighted_mean_of_the_same_uploads_within_the_bound() -> None:
+    # Execute: one rank (FedSA-LoRA averages A rows over their holders with mixed ranks: refused)
+    strategy, _, spy, (_, metrics) = secure_round("fedsa_lora", [4, 4, 4])
+    # Assert: the global A and head
+    report = strategy.records[1].extra["secure_aggregation"]
+    expected = plain_mean(spy, [0, 1, 2], 4)
+    assert_within(strategy.global_arrays(), expected, report["error_bound"])
+    assert metrics["clients"] == 3 and set(expected) == {"m::A", "head::classifier.weight"}
+
+
+@pytest.mark.parametrize("name", ["ffa_lora", "feddpa", "feddr_lora"])
+def test_the_other_capable_methods_aggregate_securely_to_their_weighted_mean(name: str) -> None:
+    # Execute: one rank (FFA-LoRA's B, FedDPA's global branch, FedDR-LoRA's robust B, and the heads)
+    strategy, _, spy, (_, metrics) = secure_round(name, [4, 4, 4])
+    # Assert: what every client downloads next is the plain weighted mean of what they uploaded
+    report = strategy.records[1].extra["secure_aggregation"]
+    assert_within(strategy.global_arrays(), plain_mean(spy, [0, 1, 2], 4), report["error_bound"])
+    assert metrics["clients"] == 3
+
+
+def test_the_server_never_receives_an_update_only_masked_vectors() -> None:
+    # Execute
+    strategy, grid, spy, _ = secure_round("fedit", [2, 4, 8])
+    # Assert: no reply of any stage carries an array, nor the bytes of an upload or of an update
+    shapes = secagg.canonical_shapes({k: v.shape for k, v in spy[2][1].items()}, 8)
+    secrets = [array.tobytes() for _, upload in spy.values() for array in upload.values()]
+    secrets += [secagg.update_vector(up, down, 8, 0.0, 8.0).tobytes()[:64] for down, up in spy.values()]
+    masked = []
+    assert {reply.metadata.src_node_id for reply in grid.received} == {NODE, NODE + 1, NODE + 2}
+    for reply in grid.received:
+        assert all(len(record) == 0 for record in reply.content.array_records.values())
+        wire = message_to_proto(reply).SerializeToString()
+        assert not any(secret in wire for secret in secrets)
+        configs = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+        if Key.MASKED_PARAMETERS in configs:
+            from flwr.common import bytes_to_ndarray
+
+            masked.append(bytes_to_ndarray(configs[Key.MASKED_PARAMETERS][1]))
+    # the masked entries are uniform on [0, M): without the masks they would sit near c T / 2c = T / 2
+    assert len(masked) == 3 and all(v.shape == (sum(int(np.prod(s)) for s in shapes.values()),) for v in masked)
+    counts = np.histogram(np.concatenate(masked), bins=16, range=(0, M))[0]
+    assert chisquare(counts).pvalue > 1e-3, counts
+    assert strategy.records[1].clients == 3
+
+
+def test_a_client_killed_after_sharing_its_keys_leaves_the_round_to_the_survivors() -> None:
+    # Execute: client 1 crashes in its training handler (after the setup and share-keys stages)
+    strategy, _, spy, (arrays, metrics) = secure_round("fedit", [2, 4, 8], kill={1: Stage.COLLECT_MASKED_VECTORS})
+    # Assert: its pairwise masks were rebuilt from its key's shares; the mean of clients 0 and 2
+    report, record = strategy.records[1].extra["secure_aggregation"], strategy.records[1]
+    assert report["dead_recovered"] == 1 and report["masked"] == 2 and 1 not in spy
+    assert metrics["clients"] == 2 and record.clients == 2 and record.failures == 1 and arrays is not None
+    assert_within(strategy.global_adapter, plain_mean(spy, [0, 2], 8), report["error_bound"])
+
+
+def test_a_client_lost_while_sharing_keys_leaves_the_round_to_the_survivors() -> None:
+    # Execute: client 1 crashes at the share-keys stage (Flower 1.39's workflow halts such a round
+    # after every client trained: it asks the survivors for shares of a key they never received)
+    strategy, grid, spy, (arrays, metrics) = secure_round("fedit", [2, 4, 8], kill={1: Stage.SHARE_KEYS})
+    # Assert: client 1 is sent no training message; the round is the mean of clients 0 and 2
+    report, record = strategy.records[1].extra["secure_aggregation"], strategy.records[1]
+    trained = {m.metadata.dst_node_id for m in grid.sent if "arrays" in m.content.array_records}
+    assert trained == {NODE, NODE + 2} and report["after_share_keys"] == 2 and report["dead_recovered"] == 0
+    assert metrics["clients"] == 2 and record.failures == 1 and arrays is not None
+    assert_within(strategy.global_adapter, plain_mean(spy, [0, 2], 8), report["error_bound"])
+
+
+def test_a_round_below_the_threshold_fails_cleanly_and_leaves_the_state_as_it_was() -> None:
+    # Execute: two of three clients crash after sharing keys: one survivor < threshold 2
+    strategy, _, spy, result = secure_round("fedit", [2, 4, 8],
+                                            kill={0: Stage.COLLECT_MASKED_VECTORS, 2: Stage.COLLECT_MASKED_VECTORS})
+    # Assert: no aggregate, the failure counted, the global adapter the initial one
+    record = strategy.records[1]
+    assert result == (None, None) and strategy.failed_rounds == 1 and record.clients == 0
+    assert record.extra["secure_aggregation"]["failed_stage"].startswith(Stage.COLLECT_MASKED_VECTORS)
+    assert all(np.array_equal(value, initial_adapter(8)[key]) for key, value in strategy.global_adapter.items())
+    assert set(spy) == {1}
+
+
+def test_a_round_halted_at_setup_sends_no_training_message_and_counts_every_client_as_failed() -> None:
+    # Execute: two of three clients crash at the setup stage
+    strategy, grid, spy, result = secure_round("fedit", [2, 4, 8], kill={0: Stage.SETUP, 1: Stage.SETUP})
+    # Assert: nobody trained, the round failed at setup
+    record = strategy.records[1]
+    assert result == (None, None) and spy == {} and record.failures == 3 and strategy.failed_rounds == 1
+    assert record.extra["secure_aggregation"]["failed_stage"].startswith(Stage.SETUP)
+    assert not any("arrays" in m.content.array_records for m in grid.sent)
+
+
+def test_a_whole_run_aggregates_securely(tmp_path: Path) -> None:
+    import fedlora
+
+    # Execute: configs/smoke.toml (tiny BERT, 3 clients, ranks 2 / 4 / 8, 2 rounds), fedlora's ClientApp
+    results = fedlora.run(str(SMOKE), overrides=["secure_aggregation.enabled=true"], out_dir=tmp_path / "run",
+                          engine="inprocess")
+    # Assert: every round masked and aggregated the three clients, within a tiny error bound
+    assert [r["clients"] for r in results["rounds"]] == [3, 3]
+    for row in results["rounds"]:
+        report = row["extra"]["secure_aggregation"]
+        assert (report["masked"], report["dead_recovered"], report["after_share_keys"]) == (3, 0, 3)
+        assert 0 < report["error_bound"] < 1e-6 and row["failures"] == 0
+    assert results["final"]["global_accuracy"] > 0
+    # the mod's state (private keys, seeds, shares) never reaches a client's checkpoint
+    from fedlora.checkpoint import restore_client_state
+
+    for k in range(3):
+        state = RecordDict()
+        assert restore_client_state(tmp_path / "run" / "checkpoint" / "clients", k, 2, state) == 2
+        assert len(state) > 0 and RECORD_KEY_STATE not in state.config_records
