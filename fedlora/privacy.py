@@ -105,14 +105,14 @@ def private_train(
     if max_steps:
         per_round = min(per_round, max_steps)
     sigma = noise_for_target(privacy, sample_rate, rounds * per_round)
-    engine = PrivacyEngine(accountant="rdp")
-    engine.accountant.history = [tuple(h) for h in history]
     with warnings.catch_warnings():
-        # Opacus warns that its secure mode (a CSPRNG) is off: documented above; the generator's
-        # seed is OS entropy unless privacy.reproducible_noise asks otherwise
+        # Opacus warns, when the engine is built, that its secure mode (a CSPRNG) is off: documented
+        # above; the generator's seed is OS entropy unless privacy.reproducible_noise asks otherwise
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         # the frozen backbone's embeddings receive no gradient; Opacus notices it on every step
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        engine = PrivacyEngine(accountant="rdp")
+        engine.accountant.history = [tuple(h) for h in history]
         private_model, optimizer, poisson = engine.make_private(
             module=model, optimizer=optimizer, data_loader=poisson, noise_multiplier=sigma,
             max_grad_norm=privacy.max_grad_norm, poisson_sampling=False,  # already Poisson, seeded above

@@ -8,14 +8,18 @@ from fedlora.app.capabilities import (
     DEPLOYMENT_TESTED,
     FLOWER_DP_END,
     FLOWER_DP_START,
+    SECURE_END,
+    SECURE_START,
     readme_block,
     render_flower_dp,
     render_matrix,
+    render_secure,
 )
 from fedlora.strategies.registry import strategy_names
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FLOWER_DOC = README.parent / "docs" / "flower.md"
+SECURE_DOC = README.parent / "docs" / "secure-aggregation.md"
 
 
 def test_readme_capability_matrix_is_current() -> None:
@@ -28,6 +32,12 @@ def test_flower_docs_flower_dp_table_is_current() -> None:
     block = readme_block(FLOWER_DOC.read_text(), FLOWER_DP_START, FLOWER_DP_END)
     assert block is not None, "docs/flower.md lacks the Flower DP table markers"
     assert block == render_flower_dp(), "docs/flower.md's Flower DP table is stale: run `fedlora capabilities --write`"
+
+
+def test_secure_aggregation_docs_table_is_current() -> None:
+    block = readme_block(SECURE_DOC.read_text(), SECURE_START, SECURE_END)
+    assert block is not None, "docs/secure-aggregation.md lacks the table markers"
+    assert block == render_secure(), "docs/secure-aggregation.md's table is stale: run `fedlora capabilities --write`"
 
 
 def test_matrix_lists_every_registered_strategy() -> None:

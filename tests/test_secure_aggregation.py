@@ -28,9 +28,11 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
     Stage,
 )
 from flwr.common.serde import message_to_proto
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 from scipy.stats import chisquare
 
 from fedlora import secagg
+from fedlora.clients.app import clipping_when_asked
 from fedlora.clients.secure import masked_update, secure_when_asked
 from fedlora.config import ConfigError, load_config
 from fedlora.lora import from_array_record, to_array_record
@@ -193,10 +195,11 @@ class RecordingGrid(InProcessGrid):
 
 
 def secure_client(ranks: list[int], spy: dict[int, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
-                  kill: dict[int, str]) -> ClientApp:
+                  kill: dict[int, str], clip: bool = False) -> ClientApp:
     """fedlora's client mods and Flower's ``secaggplus_mod`` around a small training handler: the
     upload is the download plus seeded noise (kept in ``spy``: partition -> (download, upload)).
-    ``kill``: partition -> the stage at which that client raises (its ClientApp crashes)."""
+    ``kill``: partition -> the stage at which that client raises (its ClientApp crashes). ``clip``:
+    fedlora's ``clipping_when_asked`` innermost, as in fedlora's ClientApp (Flower's DP wrapper)."""
     app = ClientApp()
 
     def partition(context: Context) -> int:
@@ -215,7 +218,7 @@ def secure_client(ranks: list[int], spy: dict[int, tuple[dict[str, np.ndarray], 
                                 fedlora_version=__version__)
         return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
 
-    @app.train(mods=[crash, secure_when_asked, masked_update])
+    @app.train(mods=[crash, secure_when_asked, masked_update, *([clipping_when_asked] if clip else [])])
     def train(msg: Message, context: Context) -> Message:
         k = partition(context)
         assert RECORD_KEY_CONFIGS not in msg.content.config_records  # Flower's record stays with the mods
@@ -372,22 +375,80 @@ def test_a_round_halted_at_setup_sends_no_training_message_and_counts_every_clie
     assert not any("arrays" in m.content.array_records for m in grid.sent)
 
 
-def test_a_whole_run_aggregates_securely(tmp_path: Path) -> None:
-    import fedlora
+def test_client_level_dp_noise_and_secure_aggregation_combine() -> None:
+    # Prepare: FedIT at rank 8 with secure aggregation, wrapped in Flower's client-level DP
+    # (client-side fixed clipping to C, Gaussian noise of std z C / m on the aggregate)
+    config = load_config(SMOKE, ["strategy.name=fedit", "secure_aggregation.enabled=true", "clients.ranks=[8, 8, 8]"])
+    strategy = create_strategy(config, initial_adapter, dict(MODULE))
+    z, C = 1.0, 0.1  # every client's update (0.05 N(0, 1) on 800 entries, norm about 1.4) is clipped to C
+    dp = DifferentialPrivacyClientSideFixedClipping(strategy, noise_multiplier=z, clipping_norm=C, num_sampled_clients=3)
+    spy: dict[int, Any] = {}
+    grid = RecordingGrid(secure_client([8, 8, 8], spy, {}, clip=True), [{"partition-id": k} for k in range(3)])
+    np.random.seed(0)  # Flower draws the noise from numpy's global generator
+    # Execute: a round through the wrapper (the clients clip, then mask what they clipped)
+    replies = grid.send_and_receive(list(dp.configure_train(1, ArrayRecord(), ConfigRecord(), grid)), timeout=60.0)
+    arrays, metrics = dp.aggregate_train(1, replies)
+    # Assert: the server summed masked vectors only; the strategy's aggregate is the weighted mean
+    # of the clipped uploads, computed here by hand, within the secure aggregation's error bound
+    report = strategy.records[1].extra["secure_aggregation"]
+    assert arrays is not None and metrics is not None and metrics["clients"] == 3 and report["masked"] == 3
+    assert all(len(record) == 0 for reply in grid.received for record in reply.content.array_records.values())
+    clipped = {}
+    for k, (download, upload) in spy.items():
+        update = {key: upload[key].astype(np.float64) - download[key] for key in download}
+        norm = np.sqrt(sum(float(np.sum(v**2)) for v in update.values()))
+        assert norm > 5 * C  # the clipping binds: an unclipped update would be far from the mean below
+        clipped[k] = (download, {key: download[key] + update[key] * C / norm for key in download})
+    expected = plain_mean(clipped, [0, 1, 2], 8)
+    assert_within(strategy.global_arrays(), expected, report["error_bound"] + 1e-7)
+    # ... and the wrapper returned it plus Flower's Gaussian noise, std z C / m, on every entry
+    noised = from_array_record(arrays)
+    residual = np.concatenate([(noised[key].astype(np.float64) - expected[key]).ravel() for key in expected])
+    std = z * C / 3
+    assert residual.size == 800 and abs(residual.std() / std - 1.0) < 0.1, (residual.std(), std)
+    assert abs(residual.mean()) < 4 * std / np.sqrt(residual.size)
 
-    # Execute: configs/smoke.toml (tiny BERT, 3 clients, ranks 2 / 4 / 8, 2 rounds), fedlora's ClientApp
-    results = fedlora.run(str(SMOKE), overrides=["secure_aggregation.enabled=true"], out_dir=tmp_path / "run",
-                          engine="inprocess")
+
+def server_arrays(state: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    """Every float array of a strategy's checkpointed state, by its path in the state."""
+    if isinstance(state, np.ndarray):
+        return {prefix: state} if state.dtype.kind == "f" else {}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    return {path: array for key, value in items for path, array in server_arrays(value, f"{prefix}/{key}").items()}
+
+
+@pytest.mark.parametrize("name", ["fedit", "fedsa_lora"])
+def test_a_whole_run_aggregated_securely_ends_at_the_plain_runs_adapter(name: str, tmp_path: Path) -> None:
+    import fedlora
+    from fedlora.checkpoint import load_server, restore_client_state
+
+    # Execute: configs/smoke.toml (tiny BERT, 3 clients, 2 rounds; FedIT at ranks 2 / 4 / 8,
+    # FedSA-LoRA at rank 4: it refuses mixed ranks), fedlora's ClientApp, plain and secure
+    overrides = [f"strategy.name={name}", *(["clients.ranks=[4, 4, 4]"] if name == "fedsa_lora" else [])]
+    plain = fedlora.run(str(SMOKE), overrides=overrides, out_dir=tmp_path / "plain", engine="inprocess")
+    results = fedlora.run(str(SMOKE), overrides=[*overrides, "secure_aggregation.enabled=true"],
+                          out_dir=tmp_path / "run", engine="inprocess")
     # Assert: every round masked and aggregated the three clients, within a tiny error bound
     assert [r["clients"] for r in results["rounds"]] == [3, 3]
+    bounds = []
     for row in results["rounds"]:
         report = row["extra"]["secure_aggregation"]
         assert (report["masked"], report["dead_recovered"], report["after_share_keys"]) == (3, 0, 3)
         assert 0 < report["error_bound"] < 1e-6 and row["failures"] == 0
-    assert results["final"]["global_accuracy"] > 0
+        bounds.append(report["error_bound"])
+    # the server's state after round 2 (the global adapter; FedSA-LoRA's A and head) is the plain
+    # run's within the rounds' error bounds (round 2's clients trained from round 1's secure mean)
+    # plus float32's rounding of each of the two means
+    secure_state = server_arrays(load_server(tmp_path / "run")["strategy"])
+    plain_state = server_arrays(load_server(tmp_path / "plain")["strategy"])
+    assert secure_state.keys() == plain_state.keys() and len(plain_state) >= 2
+    for key, value in plain_state.items():
+        difference = np.abs(secure_state[key].astype(np.float64) - value)
+        assert np.all(difference <= sum(bounds) + 2 * 2**-23 * np.abs(value)), (key, difference.max(), bounds)
+    assert sum(float(np.abs(v).sum()) for v in plain_state.values()) > 0
+    for metric in ("global_accuracy", "personalized_accuracy", "train_loss"):
+        assert [r[metric] for r in results["rounds"]] == pytest.approx([r[metric] for r in plain["rounds"]], abs=1e-5)
     # the mod's state (private keys, seeds, shares) never reaches a client's checkpoint
-    from fedlora.checkpoint import restore_client_state
-
     for k in range(3):
         state = RecordDict()
         assert restore_client_state(tmp_path / "run" / "checkpoint" / "clients", k, 2, state) == 2

@@ -130,13 +130,15 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
 
 
 def _cmd_capabilities(args: argparse.Namespace) -> int:
-    from fedlora.app.capabilities import render_matrix, write_flower_doc, write_readme
+    from fedlora.app.capabilities import render_matrix, write_flower_doc, write_readme, write_secure_doc
 
     if args.write:
         changed = write_readme(args.readme)
         print(f"{args.readme}: capability matrix {'updated' if changed else 'already current'}")
         changed = write_flower_doc(args.flower_doc)
         print(f"{args.flower_doc}: Flower DP table {'updated' if changed else 'already current'}")
+        changed = write_secure_doc(args.secure_doc)
+        print(f"{args.secure_doc}: secure aggregation table {'updated' if changed else 'already current'}")
     else:
         print(render_matrix())
     return 0
@@ -286,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     caps.add_argument("--readme", default="README.md", help="README to update (default: README.md)")
     caps.add_argument("--flower-doc", default="docs/flower.md",
                       help="Flower guide whose Flower DP table --write updates (default: docs/flower.md)")
+    caps.add_argument("--secure-doc", default="docs/secure-aggregation.md",
+                      help="secure aggregation guide whose table --write updates (default: docs/secure-aggregation.md)")
     caps.set_defaults(func=_cmd_capabilities)
     return parser
 
