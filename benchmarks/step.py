@@ -24,7 +24,8 @@ evaluation pass over the same batches):
 
 - ``fp32``: eager, float32 (what ``train.precision = "fp32"`` runs; today's default on a CPU
   without native bf16);
-- ``bf16``: eager under CPU bf16 autocast (``train.precision = "bf16"``);
+- ``bf16``: eager under CPU bf16 autocast (``train.precision = "bf16"``; ``--no-bf16`` drops it:
+  on a CPU without native bf16 an emulated SmolLM2 bf16 step takes over a minute);
 - ``fp32-compiled``: ``torch.compile(model, dynamic=True)`` (inductor; its compile time is
   measured once before the arms and reported, not counted in the step; ``--no-compile`` drops it);
 - ``fp32-bucketed``: eager fp32 on the same examples batched by length (each batch of
@@ -164,7 +165,7 @@ def bucketed(batches: list[dict[str, Any]], tokenizer: Any, is_causal: bool) -> 
 
 def arms(models: dict[str, Any], batch_sets: dict[str, list[dict[str, Any]]], steps: int,
          flops: dict[str, tuple[float, float]], tokens: dict[str, float], ceiling: dict[str, float],
-         is_causal: bool) -> dict[str, harness.Arm]:
+         is_causal: bool, bf16: bool = True) -> dict[str, harness.Arm]:
     import torch
 
     from fedlora.training import train
@@ -189,7 +190,8 @@ def arms(models: dict[str, Any], batch_sets: dict[str, list[dict[str, Any]]], st
                     "train_fraction": train_flops / step / 1e9 / peak, "eval_fraction": eval_flops / batch / 1e9 / peak}
         return run
 
-    chosen = {"fp32": arm("fp32", "fp32"), "bf16": arm("fp32", "bf16"), "fp32-bucketed": arm("bucketed", "fp32")}
+    chosen = {"fp32": arm("fp32", "fp32"), "fp32-bucketed": arm("bucketed", "fp32")} | (
+        {"bf16": arm("fp32", "bf16")} if bf16 else {})
     return chosen | ({"fp32-compiled": arm("compiled", "fp32")} if "compiled" in models else {})
 
 
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--ceiling-repeat", type=int, default=5, help="timed products per ceiling figure (best kept)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile arm")
+    parser.add_argument("--no-bf16", action="store_true", help="leave out the bf16 arm and ceiling (on a CPU without "
+                        "native bf16 they are emulated: a SmolLM2 bf16 step takes over a minute, its product seconds)")
     parser.add_argument("--quick", action="store_true", help="tiny-bert, 2 steps, 1 + 2 runs: a smoke test")
     harness.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -228,10 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     with output(verbose=False):  # fedlora's lines only
         model, batches = build(args.model, args.steps * args.batch_size, args.batch_size, args.max_length, is_causal)
     rows, ffn = args.batch_size * args.max_length, ffn_shape(model)
-    ceiling = {"fp32": matmul_gflops(torch.float32, args.threads, rows, args.ceiling_repeat, ffn),
-               "bf16": matmul_gflops(torch.bfloat16, args.threads, rows, args.ceiling_repeat, ffn),
-               "fp32_all_cores": matmul_gflops(torch.float32, cores, rows, args.ceiling_repeat, ffn),
-               "bf16_all_cores": matmul_gflops(torch.bfloat16, cores, rows, args.ceiling_repeat, ffn)}
+    dtypes = {"fp32": torch.float32} | ({} if args.no_bf16 else {"bf16": torch.bfloat16})
+    ceiling = {f"{name}{suffix}": matmul_gflops(dtype, n, rows, args.ceiling_repeat, ffn)
+               for suffix, n in (("", args.threads), ("_all_cores", cores)) for name, dtype in dtypes.items()}
     print(f"ceiling (GFLOP/s of a {args.model} feed-forward product, {rows} x {ffn[0]} @ {ffn[0]} x {ffn[1]}, best of "
           f"{args.ceiling_repeat}): " + ", ".join(f"{key} {value:.1f}" for key, value in ceiling.items())
           + f" ({args.threads} thread(s); all cores = {cores})")
@@ -260,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
               f"bucketed by length: {padded_bucketed:.0f} padded ({tokens['bucketed'] / padded_bucketed:.0%})")
         measured = harness.run_interleaved(
             arms(models, {"fp32": batches, "compiled": batches, "bucketed": bucket_batches}, args.steps, counted, tokens,
-                 ceiling, is_causal),
+                 ceiling, is_causal, bf16=not args.no_bf16),
             repeat=args.repeat, warmup=args.warmup)
-    compared = ("bf16", "fp32-compiled") if "compiled" in models else ("bf16",)
+    compared = tuple(arm for arm in ("bf16", "fp32-compiled") if arm in measured.samples)
     ratios = {arm: harness.compare(measured, "fp32", arm, "train_step_seconds") for arm in compared}
     eval_ratios = {arm: harness.compare(measured, "fp32", arm, "eval_batch_seconds") for arm in compared}
     bucket_ratio = harness.compare(measured, "fp32-bucketed", "fp32", "train_tokens_per_s")
-    print(harness.report(measured, ratios[compared[-1]]))
+    main_ratio = ratios[compared[-1]] if compared else bucket_ratio  # --no-bf16 --no-compile: the bucketing
+    print(harness.report(measured, main_ratio))
     for arm in compared:
         print(f"fp32 / {arm}: train step {ratios[arm].ratio:.3f} (spread {ratios[arm].spread:.3f}), "
               f"evaluation batch {eval_ratios[arm].ratio:.3f} (spread {eval_ratios[arm].spread:.3f})")
@@ -275,16 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     compiled_text = (f"fp32/compiled train {ratios['fp32-compiled'].ratio:.2f} eval "
                      f"{eval_ratios['fp32-compiled'].ratio:.2f} (compile {compile_seconds:.0f}s)"
                      if "compiled" in models else "compiled arm left out")
+    bf16_text = (f"fp32/bf16 train {ratios['bf16'].ratio:.2f} eval {eval_ratios['bf16'].ratio:.2f}"
+                 if "bf16" in ratios else "bf16 arm left out")
     last = (f"model={args.model} fp32 train step {fp32['train_step_seconds'].median:.3f}s "
             f"({fp32['train_fraction'].median:.1%} of the {ceiling['fp32']:.0f} GFLOP/s ceiling), eval batch "
-            f"{fp32['eval_batch_seconds'].median:.3f}s ({fp32['eval_fraction'].median:.1%}); fp32/bf16 train "
-            f"{ratios['bf16'].ratio:.2f} eval {eval_ratios['bf16'].ratio:.2f}; {compiled_text}; bucketed tokens/s "
+            f"{fp32['eval_batch_seconds'].median:.3f}s ({fp32['eval_fraction'].median:.1%}); {bf16_text}; "
+            f"{compiled_text}; bucketed tokens/s "
             f"x{bucket_ratio.ratio:.2f}; native_bf16={native_bf16(torch.device('cpu'))} threads={args.threads}")
     extra = {"ceiling_gflops": ceiling, "flops_per_train_step": flops[0], "flops_per_eval_batch": flops[1],
              "compile_seconds": compile_seconds, "eval_comparisons": eval_ratios, "train_comparisons": ratios,
              "bucketed_tokens_comparison": bucket_ratio, "native_bf16": native_bf16(torch.device("cpu")),
              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    return harness.finish(NAME, args, measured, ratios[compared[-1]], last, extra, env)
+    return harness.finish(NAME, args, measured, main_ratio, last, extra, env)
 
 
 if __name__ == "__main__":
