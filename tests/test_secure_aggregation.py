@@ -195,10 +195,12 @@ class RecordingGrid(InProcessGrid):
 
 
 def secure_client(ranks: list[int], spy: dict[int, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
-                  kill: dict[int, str], clip: bool = False) -> ClientApp:
+                  kill: dict[int, str], clip: bool = False,
+                  tamper: dict[int, tuple[str, Callable[[ConfigRecord], None]]] | None = None) -> ClientApp:
     """fedlora's client mods and Flower's ``secaggplus_mod`` around a small training handler: the
     upload is the download plus seeded noise (kept in ``spy``: partition -> (download, upload)).
-    ``kill``: partition -> the stage at which that client raises (its ClientApp crashes). ``clip``:
+    ``kill``: partition -> the stage at which that client raises (its ClientApp crashes). ``tamper``:
+    partition -> (stage, edit): that client's reply at that stage has its SecAgg+ record edited. ``clip``:
     fedlora's ``clipping_when_asked`` innermost, as in fedlora's ClientApp (Flower's DP wrapper)."""
     app = ClientApp()
 
@@ -207,9 +209,14 @@ def secure_client(ranks: list[int], spy: dict[int, tuple[dict[str, np.ndarray], 
 
     def crash(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
         configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
-        if configs is not None and kill.get(partition(context)) == configs.get(Key.STAGE):
+        asked = None if configs is None else configs.get(Key.STAGE)  # read first: the mods consume the record
+        if asked is not None and kill.get(partition(context)) == asked:
             raise RuntimeError("killed")
-        return call_next(msg, context)
+        reply = call_next(msg, context)
+        stage, edit = (tamper or {}).get(partition(context), ("", None))
+        if asked is not None and edit is not None and stage == asked and not reply.has_error():
+            edit(reply.content.config_records[RECORD_KEY_CONFIGS])
+        return reply
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -236,14 +243,16 @@ def secure_client(ranks: list[int], spy: dict[int, tuple[dict[str, np.ndarray], 
 
 
 def secure_round(name: str, ranks: list[int], kill: dict[int, str] | None = None,
-                 overrides: tuple[str, ...] = ()) -> tuple[Any, RecordingGrid, dict[int, Any], Any]:
+                 overrides: tuple[str, ...] = (),
+                 tamper: dict[int, tuple[str, Callable[[ConfigRecord], None]]] | None = None,
+                 ) -> tuple[Any, RecordingGrid, dict[int, Any], Any]:
     """Round 1 of ``name`` with secure aggregation over 3 clients of ``ranks``: configure_train
     (setup, share keys), the masking stage's messages and replies, aggregate_train (unmask)."""
     config = load_config(SMOKE, [f"strategy.name={name}", "secure_aggregation.enabled=true",
                                  f"clients.ranks={ranks}", *overrides])
     strategy = create_strategy(config, initial_adapter, dict(MODULE))
     spy: dict[int, Any] = {}
-    grid = RecordingGrid(secure_client(ranks, spy, kill or {}), [{"partition-id": k} for k in range(3)])
+    grid = RecordingGrid(secure_client(ranks, spy, kill or {}, tamper=tamper), [{"partition-id": k} for k in range(3)])
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
     replies = grid.send_and_receive(messages, timeout=60.0)
     return strategy, grid, spy, strategy.aggregate_train(1, replies)
@@ -351,6 +360,61 @@ def test_a_client_lost_while_sharing_keys_leaves_the_round_to_the_survivors() ->
     assert trained == {NODE, NODE + 2} and report["after_share_keys"] == 2 and report["dead_recovered"] == 0
     assert metrics["clients"] == 2 and record.failures == 1 and arrays is not None
     assert_within(strategy.global_adapter, plain_mean(spy, [0, 2], 8), report["error_bound"])
+
+
+def replace(key: str, value: Any) -> Callable[[ConfigRecord], None]:
+    def edit(record: ConfigRecord) -> None:
+        record[key] = value
+    return edit
+
+
+def scramble_masked(record: ConfigRecord) -> None:
+    """Random int64 entries in [0, M) of the right shapes: a masked vector the server cannot tell from a real one."""
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+
+    vector = [bytes_to_ndarray(b) for b in record[Key.MASKED_PARAMETERS]]
+    rng = np.random.default_rng(7)
+    record[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(rng.integers(0, M, v.shape, dtype=np.int64)) for v in vector]
+
+
+# client 1's reply at a stage, edited, and what must happen (the server never raises): the round
+# fails cleanly, or aggregates clients 0 and 2 without client 1 ("survivors"), or all three where
+# the two honest clients' shares suffice to remove every mask ("all")
+HOSTILE = [
+    ("setup: a public key that is no key", Stage.SETUP, replace(Key.PUBLIC_KEY_1, b"\x00" * 33), "survivors"),
+    ("setup: a key of the wrong type", Stage.SETUP, replace(Key.PUBLIC_KEY_2, 12345), "survivors"),
+    ("share keys: ciphertexts that decrypt to nothing", Stage.SHARE_KEYS,
+     replace(Key.CIPHERTEXT_LIST, [b"junk", b"junk"]), "fails"),
+    ("share keys: lists of different lengths", Stage.SHARE_KEYS, replace(Key.DESTINATION_LIST, [1]), "survivors"),
+    ("share keys: destinations that are no neighbour", Stage.SHARE_KEYS,
+     replace(Key.DESTINATION_LIST, [-1, 10**12]), "fails"),
+    ("masking: bytes that are no array", Stage.COLLECT_MASKED_VECTORS,
+     replace(Key.MASKED_PARAMETERS, [b"junk", b"junk"]), "survivors"),
+    ("masking: a uniform vector of the right shape", Stage.COLLECT_MASKED_VECTORS, scramble_masked, "fails"),
+    ("unmask: junk shares", Stage.UNMASK, replace(Key.SHARE_LIST, [b"junk", b"junk"]), "all"),
+    ("unmask: node ids of the wrong type", Stage.UNMASK, replace(Key.NODE_ID_LIST, ["x", "y"]), "all"),
+]
+
+
+@pytest.mark.parametrize(("case", "stage", "edit", "outcome"), HOSTILE, ids=[case for case, *_ in HOSTILE])
+def test_a_hostile_reply_at_any_stage_never_crashes_the_server_nor_moves_the_model_unnoticed(
+        case: str, stage: str, edit: Callable[[ConfigRecord], None], outcome: str) -> None:
+    # Execute: client 1 edits its SecAgg+ reply at one stage; 3 clients, threshold 2
+    strategy, _, spy, result = secure_round("fedit", [2, 4, 8], tamper={1: (stage, edit)})
+    # Assert: aggregate_train returned; either the round failed cleanly (state as it was, counted)
+    # or the survivors' mean was taken within the bound, never a silently wrong aggregate
+    record = strategy.records[1]
+    report = record.extra["secure_aggregation"]
+    if outcome == "fails":
+        assert result == (None, None) and strategy.failed_rounds == 1, report
+        assert all(np.array_equal(value, initial_adapter(8)[key]) for key, value in strategy.global_adapter.items())
+        assert report.get("failed_stage") or record.clients == 0, report
+    else:
+        summed = [0, 2] if outcome == "survivors" else [0, 1, 2]
+        arrays, metrics = result
+        assert arrays is not None and metrics["clients"] == len(summed), report
+        assert record.failures == 3 - len(summed), report
+        assert_within(strategy.global_adapter, plain_mean(spy, summed, 8), report["error_bound"])
 
 
 def test_a_round_below_the_threshold_fails_cleanly_and_leaves_the_state_as_it_was() -> None:
