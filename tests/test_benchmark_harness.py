@@ -286,3 +286,51 @@ def test_step_buckets_the_same_examples_by_length_and_counts_a_train_step_above_
     assert step.real_tokens(buckets) == step.real_tokens(batches)
     # Assert: a train step (forward + backward) counts more FLOPs than a forward pass, both counted
     assert eval_flops > 0 and train_flops > 1.5 * eval_flops
+
+
+def test_secagg_compares_real_plain_and_secure_runs_from_its_record(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/secagg.py --quick: one plain and one secure `fedlora run` of 3 clients (fresh
+    processes, in process). The ratios on its last line must be the record's own; the bytes must be
+    what secure aggregation sends: the same downloads, a masked int64 vector (twice the float32
+    upload, plus the weight factor) up, and the stages' messages on top of the training messages."""
+    secagg = load("secagg")
+    out = tmp_path / "secagg.json"
+    # Execute: the smoke version (3 clients, 3 rounds, one run per arm)
+    assert secagg.main(["--quick", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    # Assert: the last line is the record's, its ratios the medians' of the record's samples
+    values = dict(item.split("=") for item in last.split())
+    back = json.loads(out.read_text())
+    assert back["last_line"] == last and values["clients"] == "3" and back["arguments"]["sizes"] == [3]
+    assert back["order"] == [["plain-3", 0], ["secure-3", 0]] and back["environment"]["cpu_count"] == os.cpu_count()
+    [plain], [secure] = back["samples"]["plain-3"], back["samples"]["secure-3"]
+    assert float(values["seconds_ratio"]) == pytest.approx(secure["seconds"] / plain["seconds"], abs=5e-4)
+    assert float(values["wire_up_ratio"]) == pytest.approx(secure["wire_bytes_up"] / plain["wire_bytes_up"], abs=5e-4)
+    # Assert: FedIT uploads the arrays it downloads; a secure client uploads them masked as int64 (+ its weight factor)
+    assert plain["bytes_up"] == plain["bytes_down"] == secure["bytes_down"] > 0
+    assert secure["bytes_up"] == 2 * plain["bytes_up"] + 8 * 3
+    stages_down = sum(secure[f"{stage}_wire_bytes_down"] for stage in secagg.STAGES)
+    stages_up = sum(secure[f"{stage}_wire_bytes_up"] for stage in secagg.STAGES)
+    assert stages_down > 0 and stages_up > 0
+    assert secure["wire_bytes_down"] - stages_down > plain["wire_bytes_down"]  # the forwarded shares ride along
+    assert secure["wire_bytes_up"] - stages_up > plain["wire_bytes_up"]  # int64 masked vectors, not float32 arrays
+    # Assert: the stages outside the training exchange and the rest make up the (one steady) round
+    stages = sum(secure[f"{stage}_seconds"] for stage in secagg.STAGES)
+    assert 0 < stages < secure["seconds"]
+    assert secure["train_stage_seconds"] == pytest.approx(secure["seconds"] - stages)
+    assert plain["train_stage_seconds"] == plain["seconds"] and "setup_seconds" not in plain
+    assert 0 < secure["error_bound"] < 1e-6  # 3 c |S| / (T D) with c = 8, T = 2^30, 3 clients
+
+
+def test_secagg_refuses_a_round_that_did_not_aggregate_every_client() -> None:
+    secagg = load("secagg")
+    round_ = {"round": 1, "sampled": 5, "clients": 5, "failures": 0, "seconds": 1.0, "client_train_seconds": 0.5,
+              "bytes_up": 8, "bytes_down": 4, "wire_bytes_up": 9, "wire_bytes_down": 5, "extra": {}}
+    results = {"rounds": [round_, round_ | {"round": 2, "clients": 4, "failures": 1}], "final": {"global_accuracy": 0.1}}
+    with pytest.raises(SystemExit, match="round 2 of a 5-client run sampled 5, aggregated 4, 1 failures"):
+        secagg.figures(results, 10.0, 5, secure=False)
+    with pytest.raises(SystemExit, match="round 1 was not securely aggregated"):
+        secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=True)
+    assert secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=False)["seconds"] == 1.0
+    assert [r["round"] for r in secagg.steady_rounds([{"round": k} for k in range(1, 6)])] == [2, 3, 4]

@@ -1,0 +1,307 @@
+"""What does secure aggregation (SecAgg+) cost per round: seconds and bytes, plain vs secure, at 5, 10, 20 clients.
+
+    python benchmarks/secagg.py                     # 5 / 10 / 20 clients, in process, 1 warm-up + 5 runs per arm
+    python benchmarks/secagg.py --engine ray --repeat 3
+    python benchmarks/secagg.py --quick             # 3 clients, 3 rounds, 1 run per arm: a smoke test (~40 s)
+
+Two arms per federation size N (``--sizes``): **plain**, ``fedlora run`` with strategy ``fedit``,
+and **secure**, the same run with ``--set secure_aggregation.enabled=true`` (docs/secure-aggregation.md).
+The base config is ``configs/smoke.toml`` (the tiny random-weight test backbone), made into an
+N-client federation: every client holds the same ``--per-client`` examples (IID; the pool is
+``per_client x N`` plus the global test set) and trains at one rank (``model.lora_rank``,
+``--rank``; smoke's three per-client ranks are cleared), every client is sampled in every round
+(``federation.fraction_train = 1``) and every one must reply (``federation.min_clients = N``;
+SecAgg+ needs at least 3), no personalised evaluation (``federation.fraction_evaluate = 0``) and
+the server's evaluation only in the last round (``federation.evaluate_every = rounds``). So a
+round is training and aggregation only, and both arms do the same training.
+
+Every run is a fresh process (``fedlora run --engine inprocess``, or ``--engine ray``) writing
+its results.json to a temporary folder. Per run, from ``rounds[]`` of its results.json:
+
+- ``seconds``: the median round time over the **steady rounds** 2..R-1 (round 1 also loads the
+  backbone and tokenises every client's split; round R carries the evaluation); with R < 3, rounds
+  2..R. ``train_seconds`` is the clients' summed training loops (``client_train_seconds``) and
+  ``rest_seconds`` the round minus them, medians over the same rounds;
+- ``bytes_up`` / ``bytes_down``: fedlora's payload bytes (the arrays; a secure upload is the
+  masked int64 vector), ``wire_bytes_up`` / ``wire_bytes_down``: every message as serialised, the
+  secure stages' messages included (steady-round medians; they do not change between rounds);
+- secure arm only, from ``extra.secure_aggregation``: the stages the server runs outside Flower's
+  training exchange, ``setup_seconds``, ``share_keys_seconds``, ``unmask_seconds`` (the unmask
+  stage includes the server regenerating the masks), their wire bytes, and the error bound;
+  ``train_stage_seconds`` is the round minus those stages (the training messages, with the
+  clients' masking, and the aggregation); on the plain arm it is the whole round.
+
+Every run is checked: every round must sample and aggregate all N clients with no failure, and a
+secure run must have masked all N (a run that is not what it claims stops the benchmark).
+
+The arms run through :mod:`harness` (benchmarks/harness.py): ``--warmup`` runs of every arm
+(default 1, discarded), then plain-5, secure-5, plain-10, secure-10, plain-20, secure-20, ...
+``--repeat`` times (default 5), so a drifting machine hits every arm alike; min / median / max per
+arm and figure, and for each N the ratio secure / plain of the medians with its spread (max / min
+of the per-pair ratios). The JSON record (``benchmarks/results/secagg.json``; ``--quick``:
+``runs/benchmarks/secagg-quick.json``) holds the machine, every run and the side-by-side table.
+The last line gives, per N in the order of ``clients=``, the medians and ratios:
+
+    clients=5,10,20 plain_seconds=... secure_seconds=... seconds_ratio=... spread=... bytes_up_ratio=...
+    wire_up_ratio=... wire_down_ratio=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]  # the repository, then benchmarks/ (for harness)
+
+import harness
+
+NAME = "secagg"
+MIN_CLIENTS = 3  # SecAgg+ in fedlora needs at least 3 clients a round (docs/secure-aggregation.md)
+STAGES = ("setup", "share_keys", "unmask")  # the stages outside Flower's training exchange
+DEFAULTS = {"sizes": "5,10,20", "rounds": 5, "per_client": 100}
+QUICK = {"sizes": "3", "rounds": 3, "per_client": 40}
+
+
+def overrides(size: int, secure: bool, args: argparse.Namespace) -> list[str]:
+    """configs/smoke.toml as a ``size``-client FedIT federation, every client sampled and needed."""
+    return [
+        "strategy.name=\"fedit\"",
+        f"model.lora_rank={args.rank}",
+        f"data.num_clients={size}",
+        f"data.max_examples={args.per_client * size + args.global_test}",
+        f"data.global_test_size={args.global_test}",
+        "data.partition=\"iid\"",
+        f"train.rounds={args.rounds}",
+        "train.device=\"cpu\"",
+        "federation.fraction_train=1.0",
+        "federation.fraction_evaluate=0.0",
+        f"federation.evaluate_every={args.rounds}",
+        f"federation.min_clients={size}",
+        "clients.ranks=[]",  # smoke's three ranks are for its three clients: every client at model.lora_rank
+        "clients.rank_tiers={}",
+        "output.save_adapters=false",
+        "output.tensorboard=false",
+        f"secure_aggregation.enabled={'true' if secure else 'false'}",
+    ]
+
+
+def fedlora_run(config: str, sets: list[str], out: Path, engine: str) -> tuple[dict[str, Any], float]:
+    """``fedlora run`` in a fresh process; its results.json and the process's wall time."""
+    command = [sys.executable, "-m", "fedlora.app.cli", "run", config, "--out", str(out), "--engine", engine]
+    for item in sets:
+        command += ["--set", item]
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false",
+                        # Ray starts its workers 15 nice levels below itself: same priority as in process
+                        "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
+    started = time.perf_counter()
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, env=env)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"secagg: fedlora run failed ({proc.returncode}): {' '.join(sets)}\n"
+                         f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads((out / "results.json").read_text()), wall
+
+
+def steady_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rounds 2..R-1 (round 1 loads and tokenises, round R evaluates); 2..R when R < 3; all when R = 1."""
+    if len(rounds) >= 3:
+        return rounds[1:-1]
+    return rounds[1:] or rounds
+
+
+def figures(results: dict[str, Any], wall: float, size: int, secure: bool) -> dict[str, float]:
+    """One run's figures (module docstring), after checking that every round was what it claims."""
+    rounds = results["rounds"]
+    for r in rounds:
+        if (r["sampled"], r["clients"], r["failures"]) != (size, size, 0):
+            raise SystemExit(f"secagg: round {r['round']} of a {size}-client run sampled {r['sampled']}, aggregated "
+                             f"{r['clients']}, {r['failures']} failures: not a round of {size} clients")
+        report = r.get("extra", {}).get("secure_aggregation")
+        if secure and (report is None or report.get("masked") != size or "failed_stage" in report):
+            raise SystemExit(f"secagg: round {r['round']} was not securely aggregated over {size} clients: {report}")
+        if not secure and report is not None:
+            raise SystemExit(f"secagg: round {r['round']} of a plain run reports secure aggregation")
+    steady = steady_rounds(rounds)
+
+    def median(values: list[float]) -> float:
+        return float(statistics.median(values))
+
+    out = {
+        "seconds": median([r["seconds"] for r in steady]),
+        "train_seconds": median([r["client_train_seconds"] for r in steady]),
+        "rest_seconds": median([r["seconds"] - r["client_train_seconds"] for r in steady]),
+        "first_round_seconds": float(rounds[0]["seconds"]),
+        "bytes_up": median([r["bytes_up"] for r in steady]),
+        "bytes_down": median([r["bytes_down"] for r in steady]),
+        "wire_bytes_up": median([r["wire_bytes_up"] for r in steady]),
+        "wire_bytes_down": median([r["wire_bytes_down"] for r in steady]),
+    }
+    if secure:
+        reports = [r["extra"]["secure_aggregation"] for r in steady]
+        for stage in STAGES:
+            out[f"{stage}_seconds"] = median([rep["seconds"][stage] for rep in reports])
+            out[f"{stage}_wire_bytes_down"] = median([rep["wire_bytes"][stage]["down"] for rep in reports])
+            out[f"{stage}_wire_bytes_up"] = median([rep["wire_bytes"][stage]["up"] for rep in reports])
+        out["train_stage_seconds"] = median([r["seconds"] - sum(rep["seconds"][s] for s in STAGES)
+                                             for r, rep in zip(steady, reports, strict=True)])
+        out["error_bound"] = max(float(rep["error_bound"]) for rep in reports)
+    else:
+        out["train_stage_seconds"] = out["seconds"]
+    out["wall_seconds"] = wall
+    out["global_accuracy"] = float(results["final"]["global_accuracy"])
+    return out
+
+
+def arms(args: argparse.Namespace, tmp: Path) -> dict[str, harness.Arm]:
+    """plain-N and secure-N for every N, each a fresh ``fedlora run`` per call, writing under ``tmp``."""
+    runs = iter(range(1_000_000))
+
+    def arm(size: int, secure: bool) -> harness.Arm:
+        def run() -> dict[str, float]:
+            out = tmp / f"{'secure' if secure else 'plain'}-{size}-{next(runs)}"
+            results, wall = fedlora_run(args.config, overrides(size, secure, args), out, args.engine)
+            return figures(results, wall, size, secure)
+        return run
+
+    return {f"{side}-{size}": arm(size, side == "secure") for size in args.sizes for side in ("plain", "secure")}
+
+
+# the figures compared secure / plain per N, as (record key, column name)
+COMPARED = (("seconds", "seconds"), ("train_stage_seconds", "train_stage"), ("rest_seconds", "rest"),
+            ("bytes_up", "bytes_up"), ("bytes_down", "bytes_down"), ("wire_bytes_up", "wire_up"),
+            ("wire_bytes_down", "wire_down"))
+
+
+def side_by_side(measured: harness.Measurements, sizes: list[int]) -> list[dict[str, Any]]:
+    """Per N: min / median / max of both arms' figures, the ratio of the medians secure / plain and
+    its spread for every compared figure, and the secure stages' medians."""
+    rows = []
+    for size in sizes:
+        plain, secure = f"plain-{size}", f"secure-{size}"
+        stats = {arm: {k: vars(v) for k, v in harness.describe(measured.samples[arm]).items()} for arm in (plain, secure)}
+        row: dict[str, Any] = {"clients": size, "plain": stats[plain], "secure": stats[secure], "ratio": {}, "spread": {}}
+        for key, _ in COMPARED:
+            c = harness.compare(measured, secure, plain, key)
+            row["ratio"][key], row["spread"][key] = c.ratio, c.spread
+            row.setdefault("pair_ratios", {})[key] = c.pair_ratios
+        rows.append(row)
+    return rows
+
+
+SECONDS_HEADER = ("| clients | plain s/round | secure s/round | ratio (spread) | plain train loops s "
+                  "| secure train loops s | plain rest s | secure rest s |")
+BYTES_HEADER = ("| clients | payload up KB plain / secure (ratio) | payload down KB plain / secure (ratio) "
+                "| wire up KB plain / secure (ratio) | wire down KB plain / secure (ratio) |")
+STAGES_HEADER = ("| clients | secure s/round | setup s | share keys s | training messages + aggregation s "
+                 "| the same, plain (whole round) s | unmask s | stage wire KB down / up: setup; share keys; unmask |")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The side-by-side tables (markdown): seconds per round, then bytes per round, then the secure stages."""
+    def mmm(stats: dict[str, float], digits: int = 2) -> str:
+        return f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}-{stats['max']:.{digits}f})"
+
+    lines = [SECONDS_HEADER, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, s = r["plain"], r["secure"]
+        lines.append(f"| {r['clients']} | {mmm(p['seconds'])} | {mmm(s['seconds'])} | **{r['ratio']['seconds']:.2f}** "
+                     f"({r['spread']['seconds']:.2f}) | {mmm(p['train_seconds'])} | {mmm(s['train_seconds'])} "
+                     f"| {mmm(p['rest_seconds'])} | {mmm(s['rest_seconds'])} |")
+    lines += ["", BYTES_HEADER, "|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for key in ("bytes_up", "bytes_down", "wire_bytes_up", "wire_bytes_down"):
+            cells.append(f"{r['plain'][key]['median'] / 1e3:.1f} / {r['secure'][key]['median'] / 1e3:.1f} "
+                         f"({r['ratio'][key]:.2f})")
+        lines.append(f"| {r['clients']} | " + " | ".join(cells) + " |")
+    lines += ["", STAGES_HEADER, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, p = r["secure"], r["plain"]
+        wire = "; ".join(f"{s[f'{stage}_wire_bytes_down']['median'] / 1e3:.1f} / {s[f'{stage}_wire_bytes_up']['median'] / 1e3:.1f}"
+                         for stage in STAGES)
+        lines.append(f"| {r['clients']} | {mmm(s['seconds'])} | {mmm(s['setup_seconds'], 3)} "
+                     f"| {mmm(s['share_keys_seconds'])} | {mmm(s['train_stage_seconds'])} "
+                     f"| {mmm(p['train_stage_seconds'])} | {mmm(s['unmask_seconds'])} | {wire} |")
+    return "\n".join(lines)
+
+
+def last_line(rows: list[dict[str, Any]]) -> str:
+    """``key=value`` per figure, each value the comma-separated list over the sizes in ``clients=``."""
+    def joined(values: list[float], digits: int = 3) -> str:
+        return ",".join(f"{v:.{digits}f}" for v in values)
+
+    return " ".join([
+        "clients=" + ",".join(str(r["clients"]) for r in rows),
+        "plain_seconds=" + joined([r["plain"]["seconds"]["median"] for r in rows]),
+        "secure_seconds=" + joined([r["secure"]["seconds"]["median"] for r in rows]),
+        "seconds_ratio=" + joined([r["ratio"]["seconds"] for r in rows]),
+        "spread=" + joined([r["spread"]["seconds"] for r in rows]),
+        "bytes_up_ratio=" + joined([r["ratio"]["bytes_up"] for r in rows]),
+        "wire_up_ratio=" + joined([r["ratio"]["wire_bytes_up"] for r in rows]),
+        "wire_down_ratio=" + joined([r["ratio"]["wire_bytes_down"] for r in rows]),
+    ])
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs/smoke.toml"), help="base config (model, data source)")
+    parser.add_argument("--sizes", default=None, help=f"numbers of clients (default {DEFAULTS['sizes']}; "
+                        f"--quick {QUICK['sizes']}); at least {MIN_CLIENTS}")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"rounds per run (default {DEFAULTS['rounds']}; --quick {QUICK['rounds']})")
+    parser.add_argument("--per-client", type=int, default=None,
+                        help=f"examples per client (default {DEFAULTS['per_client']}; --quick {QUICK['per_client']})")
+    parser.add_argument("--global-test", type=int, default=100, help="global test set size")
+    parser.add_argument("--rank", type=int, default=4, help="model.lora_rank, every client's rank")
+    parser.add_argument("--engine", choices=("inprocess", "ray"), default="inprocess", help="fedlora's engine")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 3 clients, 3 rounds, no warm-up, 1 run per arm (checks the plumbing, "
+                        "measures nothing)")
+    harness.add_arguments(parser)
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else DEFAULTS
+    args.sizes = [int(s) for s in str(args.sizes or preset["sizes"]).split(",")]
+    args.rounds = args.rounds or preset["rounds"]
+    args.per_client = args.per_client or preset["per_client"]
+    if min(args.sizes) < MIN_CLIENTS or len(set(args.sizes)) != len(args.sizes):
+        parser.exit(2, f"error: --sizes must be distinct numbers of clients >= {MIN_CLIENTS} "
+                       f"(secure aggregation needs {MIN_CLIENTS} a round), got {args.sizes}\n")
+    if args.rounds < 1 or args.per_client < 1 or args.rank < 1:
+        parser.exit(2, "error: need --rounds >= 1, --per-client >= 1 and --rank >= 1\n")
+    harness.settle(args, NAME, quick=args.quick, repeat=1 if args.quick else harness.DEFAULT_REPEAT,
+                   warmup=0 if args.quick else harness.DEFAULT_WARMUP)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    env = harness.environment(args.note)
+    print(f"secagg: fedit on {Path(args.config).name}, sizes {args.sizes}, {args.rounds} rounds (steady: "
+          f"{'2..R-1' if args.rounds >= 3 else '2..R'}), {args.per_client} examples per client, rank {args.rank}, "
+          f"engine {args.engine}; {args.warmup} warm-up + {args.repeat} interleaved runs per arm", flush=True)
+    with tempfile.TemporaryDirectory(prefix="fedlora-secagg-") as tmp:
+        measured = harness.run_interleaved(arms(args, Path(tmp)), repeat=args.repeat, warmup=args.warmup)
+    rows = side_by_side(measured, args.sizes)
+    largest = args.sizes[-1]
+    comparison = harness.compare(measured, f"secure-{largest}", f"plain-{largest}", "seconds")
+    print(harness.report(measured, comparison))
+    text = table(rows)
+    print(text)
+    extra = {"side_by_side": rows, "table": text,
+             "steady_rounds": "2..R-1" if args.rounds >= 3 else "2..R",
+             "overrides": {"plain": overrides(largest, False, args), "secure": overrides(largest, True, args)}}
+    return harness.finish(NAME, args, measured, comparison, last_line(rows), extra, env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
