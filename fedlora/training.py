@@ -71,14 +71,26 @@ def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_
 
 
 TOKENIZED_CACHE_SIZE = 256  # tokenised splits kept per process (most recently used)
-_TOKENIZED: collections.OrderedDict[str, datasets.Dataset] = collections.OrderedDict()
+# key -> a tokenised split: a datasets.Dataset (causal LMs) or its rows (classifiers, make_loader)
+_TOKENIZED: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+Row = dict[str, Any]  # one tokenised example: input_ids, attention_mask[, token_type_ids], label, index
+Tokenize = Callable[["datasets.Dataset", "PreTrainedTokenizerBase", int], Any]
+LOADER_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "label", "index")
 
 
-Tokenize = Callable[["datasets.Dataset", "PreTrainedTokenizerBase", int], "datasets.Dataset"]
+def tokenized_rows(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[Row]:
+    """:func:`tokenize`, as plain rows with their ``index`` (the row in ``dataset``) and only the
+    columns a loader reads. A loader built on rows costs no datasets transform (``add_column``,
+    ``select``: each fingerprints and copies the table, about 20 ms a call), which made up most of
+    a small client's message outside its training steps."""
+    encoded = tokenize(dataset, tokenizer, max_length)
+    keep = [c for c in LOADER_COLUMNS if c in encoded.column_names]
+    return [row | {"index": i} for i, row in enumerate(encoded.select_columns(keep).to_list())]
 
 
 def cached_tokenized(key: str | None, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
-                     max_length: int, tokenize_fn: Tokenize = tokenize) -> datasets.Dataset:
+                     max_length: int, tokenize_fn: Tokenize = tokenize) -> Any:
     """``tokenize_fn(dataset, tokenizer, max_length)`` through a per-process cache keyed by ``key``
     (None: not cached): a client sampled again reuses its tokenised splits; bounded, so a process
     serving many clients of a large federation does not keep every client's splits. The key must
@@ -113,25 +125,21 @@ def make_loader(
     in dataset order; ``benchmarks/step.py``: 1.6x the real tokens per second). Nothing reads an
     evaluation loader by position: each batch carries its ``labels`` and ``index`` (the row in
     ``dataset``), and accuracy, loss and FedDPA's mean embedding do not depend on the order."""
-    import numpy as np
     from transformers import DataCollatorWithPadding
 
-    encoded = cached_tokenized(cache_key, dataset, tokenizer, max_length)
-    encoded = encoded.add_column("index", list(range(len(encoded))))
-    if not shuffle and len(encoded) > 1:
-        by_length = np.argsort([len(ids) for ids in encoded["input_ids"]], kind="stable")
-        encoded = encoded.select(by_length)
+    rows: list[Row] = cached_tokenized(cache_key, dataset, tokenizer, max_length, tokenized_rows)
+    if not shuffle:
+        rows = sorted(rows, key=lambda row: len(row["input_ids"]))  # stable: ties keep the split's order
     # transformers' collator pads per batch and renames ``label`` to ``labels``; ``index`` (the row
     # in ``dataset``) rides along for methods that track samples (FedDR-LoRA's split)
     collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")
-    keep = [c for c in ("input_ids", "attention_mask", "token_type_ids", "label", "index") if c in encoded.column_names]
-    grouped = [len(ids) for ids in encoded["input_ids"]] if shuffle and group_by_length else None
-    return batch_loader(encoded.select_columns(keep), collator, batch_size, shuffle, seed, grouped)
+    grouped = [len(row["input_ids"]) for row in rows] if shuffle and group_by_length else None
+    return batch_loader(rows, collator, batch_size, shuffle, seed, grouped)
 
 
-def batch_loader(encoded: datasets.Dataset, collator: Any, batch_size: int, shuffle: bool, seed: int,
+def batch_loader(encoded: datasets.Dataset | list[Row], collator: Any, batch_size: int, shuffle: bool, seed: int,
                  lengths: list[int] | None = None) -> DataLoader[Any]:
-    """A DataLoader of the tokenized rows ``encoded``, batched by the transformers ``collator`` (its
+    """A DataLoader of the tokenized rows ``encoded`` (a dataset, or its rows), batched by the transformers ``collator`` (its
     output as a plain dict), in an order drawn from ``seed`` when ``shuffle``; with ``lengths``
     (one per row) and ``shuffle``, batches of similar lengths (transformers' ``LengthGroupedSampler``)."""
     import torch
