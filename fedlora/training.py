@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fedlora.errors import ConfigError
 
@@ -149,12 +149,13 @@ def batch_loader(encoded: datasets.Dataset | list[Row], collator: Any, batch_siz
         return dict(collator(rows))
 
     generator = torch.Generator().manual_seed(seed)
+    rows = cast("torch.utils.data.Dataset[Any]", encoded)  # map-style: a length and rows by position
     if shuffle and lengths is not None:
         from transformers.trainer_pt_utils import LengthGroupedSampler
 
         sampler = LengthGroupedSampler(batch_size, lengths=lengths, generator=generator)
-        return DataLoader(encoded, batch_size=batch_size, sampler=sampler, collate_fn=collate)
-    return DataLoader(encoded, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator)
+        return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collate)
+    return DataLoader(rows, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator)
 
 
 def model_inputs(batch: Batch, device: torch.device) -> dict[str, Any]:
