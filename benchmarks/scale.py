@@ -319,7 +319,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs/smoke.toml"))
     parser.add_argument("--quick", action="store_true", help="a smoke test of this script (minutes)")
     parser.add_argument("--out", type=Path, default=None, help="JSON record (default benchmarks/results/scale.json)")
-    parser.add_argument("--runs", default=str(ROOT / "runs" / "scale"), help="where the runs' folders go")
+    parser.add_argument("--runs", default=str(ROOT / "runs" / "scale"),
+                        help="where the runs' folders go (a subfolder per invocation, named by its start time)")
     parser.add_argument("--note", default="", help="free text stored in the record (e.g. 'machine busy')")
     parser.add_argument("--trace-engine", action="store_true",
                         help="diagnostic: CPU time of the Ray engine's per-node polling (Flower's link state)")
@@ -343,6 +344,8 @@ def main() -> None:
     out = args.out or (QUICK_RESULTS / "scale-quick.json" if quick else RESULTS / "scale.json")
     if any(size < SAMPLED for size in sizes):
         raise SystemExit(f"scale: every size must be >= {SAMPLED} (clients sampled per round)")
+    # a folder of this invocation's runs: an earlier invocation's run folders are kept, never reused
+    args.runs = str(Path(args.runs) / time.strftime("%Y%m%d-%H%M%S"))
     print(f"scale: sizes {sizes}, {SAMPLED} clients per round, {args.rounds} rounds, {args.per_client} examples "
           f"per client, engines {engines}, strategies {strategies}, {repeat} run(s) per size, interleaved", flush=True)
 
