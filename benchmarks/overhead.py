@@ -134,19 +134,9 @@ def plain_fedavg(config) -> dict[str, object]:
 
 
 def fedlora_run(config_path: Path, overrides: list[str], out: Path, engine: str) -> dict[str, object]:
-    """(b): ``fedlora run`` on Flower's simulation engine (or the in-process one), in a fresh process."""
-    command = [sys.executable, "-m", "fedlora.app.cli", "run", str(config_path), "--out", str(out), "--engine", engine]
-    for override in overrides:
-        command += ["--set", override]
-    # Ray starts its workers 15 nice levels below the raylet (its worker_niceness): on a busy machine
-    # the clients would then train at a lower priority than the plain arm. Same priority for both.
-    env = os.environ | {"RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
-    started = time.perf_counter()
-    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, env=env)
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"fedlora run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    results = json.loads((out / "results.json").read_text())
+    """(b): ``fedlora run`` on Flower's simulation engine (or the in-process one), in a fresh process
+    (:func:`harness.fedlora_run`: Ray's workers at the same priority as the plain arm)."""
+    results, wall = harness.fedlora_run(config_path, overrides, out, engine, name="overhead")
     return {
         "round_seconds": [r["seconds"] for r in results["rounds"]],
         "train_seconds": [r["client_train_seconds"] for r in results["rounds"]],

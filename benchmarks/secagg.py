@@ -49,13 +49,9 @@ The last line gives, per N in the order of ``clients=``, the medians and ratios:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -93,23 +89,6 @@ def overrides(size: int, secure: bool, args: argparse.Namespace) -> list[str]:
         "output.tensorboard=false",
         f"secure_aggregation.enabled={'true' if secure else 'false'}",
     ]
-
-
-def fedlora_run(config: str, sets: list[str], out: Path, engine: str) -> tuple[dict[str, Any], float]:
-    """``fedlora run`` in a fresh process; its results.json and the process's wall time."""
-    command = [sys.executable, "-m", "fedlora.app.cli", "run", config, "--out", str(out), "--engine", engine]
-    for item in sets:
-        command += ["--set", item]
-    env = os.environ | {"TOKENIZERS_PARALLELISM": "false",
-                        # Ray starts its workers 15 nice levels below itself: same priority as in process
-                        "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
-    started = time.perf_counter()
-    proc = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, env=env)
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"secagg: fedlora run failed ({proc.returncode}): {' '.join(sets)}\n"
-                         f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return json.loads((out / "results.json").read_text()), wall
 
 
 def steady_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -169,7 +148,8 @@ def arms(args: argparse.Namespace, tmp: Path) -> dict[str, harness.Arm]:
     def arm(size: int, secure: bool) -> harness.Arm:
         def run() -> dict[str, float]:
             out = tmp / f"{'secure' if secure else 'plain'}-{size}-{next(runs)}"
-            results, wall = fedlora_run(args.config, overrides(size, secure, args), out, args.engine)
+            results, wall = harness.fedlora_run(args.config, overrides(size, secure, args), out, args.engine,
+                                                 name="secagg")
             return figures(results, wall, size, secure)
         return run
 
