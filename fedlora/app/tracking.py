@@ -115,6 +115,26 @@ def tensorboard_dir(config: ExperimentConfig, out_dir: Path) -> Path:
     return Path(config.output.tensorboard_dir) if config.output.tensorboard_dir else out_dir / "tensorboard"
 
 
+def _wait_to_sort_last(folder: Path) -> None:
+    """Wait, at most a second, until a new event file in ``folder`` sorts after every file there.
+
+    TensorBoard reads a folder's event files in name order, and a resumed run's purge only drops
+    the events read before it. A file's name starts with its creation second, then host, process
+    id and a per-process counter compared as text (``...9`` sorts after ``...10``), so a writer
+    opened in the same second as the last one (a resume in the same process) could be read first
+    and purge nothing."""
+    import time
+
+    seconds = [
+        int(name.split(".")[3])
+        for name in (p.name for p in folder.glob("events.out.tfevents.*"))
+        if name.split(".")[3].isdigit()
+    ]
+    if seconds:
+        while int(time.time()) <= max(seconds):
+            time.sleep(0.05)
+
+
 class Tracker:
     """TensorBoard and/or MLflow for one run (see the module docstring); does nothing when both
     are off. ``first_round`` > 1 means a resumed run."""
@@ -127,9 +147,10 @@ class Tracker:
         if config.output.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(
-                str(tensorboard_dir(config, out_dir)), purge_step=first_round if first_round > 1 else None
-            )
+            folder = tensorboard_dir(config, out_dir)
+            if first_round > 1:
+                _wait_to_sort_last(folder)
+            self._tb = SummaryWriter(str(folder), purge_step=first_round if first_round > 1 else None)
             if first_round == 1:
                 self._tb.add_text("config", f"```\n{config.model_dump_json(indent=2)}\n```", 0)
         if config.output.mlflow_uri:
@@ -158,7 +179,10 @@ class Tracker:
             self._run_id = str(json.loads(saved.read_text())["run_id"])
             client.update_run(self._run_id, status="RUNNING")
         else:
-            name = self.config.output.mlflow_run_name or f"{self.config.strategy.name} seed{self.config.train.seed}"
+            name = (
+                self.config.output.mlflow_run_name
+                or f"{self.config.strategy.name} seed{self.config.train.seed}"
+            )
             run = client.create_run(
                 experiment_id,
                 run_name=name,
@@ -172,7 +196,9 @@ class Tracker:
                 client.log_batch(self._run_id, params=params[start : start + 100])
             saved.write_text(json.dumps({"run_id": self._run_id, "tracking_uri": uri}))
         self._mlflow = client
-        logger.info("mlflow: run %s in experiment %r at %s", self._run_id, self.config.output.mlflow_experiment, uri)
+        logger.info(
+            "mlflow: run %s in experiment %r at %s", self._run_id, self.config.output.mlflow_experiment, uri
+        )
 
     def round(self, record: RoundRecord) -> None:
         metrics = list(round_metrics(record))
@@ -228,7 +254,11 @@ def write_mean_curves(folder: Path, runs: dict[str, list[dict[str, Any]]]) -> li
                 entries: dict[str, Any] = {name: row.get(field) for field, name in ROUND_METRICS.items()}
                 entries.update(extra_metrics(row.get("extra")))
                 for name, value in entries.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    if (
+                        isinstance(value, (int, float))
+                        and not isinstance(value, bool)
+                        and math.isfinite(value)
+                    ):
                         per_round.setdefault(int(row["round"]), {}).setdefault(name, []).append(float(value))
         with SummaryWriter(str(target)) as writer:
             for step, metrics in sorted(per_round.items()):
