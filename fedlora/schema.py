@@ -128,7 +128,8 @@ class DataConfig(_Section):
     task: str = Field(
         "noun8",
         description="WordNet task: 'noun8' (8 largest noun topics), 'topics45' (all 45 "
-        "lexicographer files), 'pos' (part of speech), or 'define' (instructions \"Define the word "
+        "lexicographer files), 'pos' (part of speech), 'noun8+kind' (noun8's glosses, half labelled "
+        "by topic (classes 0-7), half by the kind of concept: instance, general, specific (8-10)), or 'define' (instructions \"Define the word "
         "'X' (noun).\" -> its gloss, class = the 8 largest noun topics; model.kind = 'causal_lm'). "
         "Ignored by other sources.",
     )
@@ -147,6 +148,12 @@ class DataConfig(_Section):
     )
     num_groups: int = Field(2, ge=1, le=MAX_CLIENTS, description="Client groups (partition = 'grouped'), at most "
                             "100000.")
+    class_blocks: list[int] = Field(
+        default_factory=list,
+        description="partition = 'grouped': how many classes each group's block holds, in class order "
+        "(e.g. [8, 3] for task 'noun8+kind': topics to group 0, kinds of concept to group 1; sums to "
+        "the number of classes, one entry per group). Empty: num_groups blocks as equal as possible.",
+    )
     dirichlet_alpha: float = Field(0.5, gt=0.0, description="Dirichlet concentration (label skew).")
     classes_per_client: int = Field(2, ge=1, description="Classes per client (pathological).")
     test_fraction: float = Field(
@@ -593,6 +600,7 @@ class OutputConfig(_Section):
 # the per-client diagnostics it did not record.
 RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("train", None, "precision"): "fp32",
+    ("data", None, "class_blocks"): [],
     ("train", None, "group_by_length"): False,
     ("strategy", "fedtreelora", "rebuild_every"): 0,
     ("strategy", "fedtreelora", "tree_distance"): "raw",

