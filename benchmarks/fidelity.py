@@ -90,7 +90,7 @@ logger = logging.getLogger("fedlora")
 
 SCENARIO_CONFIGS = Path("configs/scenarios")  # under ROOT: every <name>.toml there with a [fidelity] table
 TABLE = "fidelity"  # the config's table this benchmark reads (fedlora.schema.IGNORED_TABLES: a run skips it)
-Role = Literal["method", "ablation", "bytes-matched", "baseline", "reference"]
+Role = Literal["method", "ablation", "variant", "bytes-matched", "baseline", "reference"]
 
 
 # --------------------------------------------------------------------------- the scenarios' data
@@ -115,7 +115,8 @@ class JobSpec(_Table):
         (), description="`section.key=value` overrides (as `--set` takes them) the row always runs with; keys it "
         "sets itself win over a configuration it reuses (`tuned_as`).")
     role: Role = Field("baseline", description="What the row is: the method, an ablation (the method without one "
-                       "mechanism), a bytes-matched variant, a baseline of the paper or the centralised reference.")
+                       "mechanism), a variant (the method with one choice its sources leave open made the other way), a "
+                       "bytes-matched variant, a baseline of the paper or the centralised reference.")
     core: bool = Field(False, description="Runs every seed; otherwise the first `seeds.other` of them.")
     knob: Knob | None = Field(
         None, description="The method's own option tuned inside the equal budget, `{ key, values }` (values as "

@@ -102,6 +102,7 @@ def test_the_declared_primary_comparisons() -> None:
         "fedhera": (("fedhera", "flexlora"), "received_accuracy"),
         "feddr_lora": (("feddr_lora", "fedit"), "personalized_accuracy"),
         "fedtreelora": (("fedtreelora", "fedsa_lora"), "personalized_accuracy"),
+        "fedtreelora_conflict": (("fedtreelora", "fedsa_lora"), "personalized_accuracy"),
         "fedhera_llm": (("fedhera", "flexlora"), "received_token_accuracy"),
         "fedtreelora_llm": (("fedtreelora", "fedsa_lora"), "personalized_rouge_l"),
     }
@@ -110,7 +111,7 @@ def test_the_declared_primary_comparisons() -> None:
 # --------------------------------------------------------------------------- the scenarios' data
 def test_every_scenario_config_carries_its_plan() -> None:
     configs = sorted(path.stem for path in (fidelity.ROOT / fidelity.SCENARIO_CONFIGS).glob("*.toml"))
-    assert sorted(SCENARIOS) == configs and len(configs) == 6
+    assert sorted(SCENARIOS) == configs and len(configs) == 7
     for name, scenario in fidelity.scenarios().items():
         assert scenario.config == f"{fidelity.SCENARIO_CONFIGS}/{name}.toml"
         base = resolve_base(str(fidelity.ROOT / scenario.config))  # fedlora's loader ignores the table
