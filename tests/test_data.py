@@ -469,6 +469,24 @@ def test_realised_rate_is_within_two_points(n: int, seed: int) -> None:
     assert abs(flipped.mean() - 0.2) <= 0.02
 
 
+def test_the_source_table_is_gathered_once_and_a_memory_mapped_one_stays_on_disk(tmp_path: Path) -> None:
+    from datasets.table import InMemoryTable, MemoryMappedTable
+
+    # Prepare: a source saved to disk (read back memory-mapped) and a subsample of it
+    datasets.Dataset.from_list(TABLE_ROWS).save_to_disk(str(tmp_path))
+    mapped = datasets.load_from_disk(str(tmp_path))
+    selected = mapped.select([5, 3, 8])
+
+    # Execute
+    flat_mapped, flat_selected = federated._flat(mapped), federated._flat(selected)
+
+    # Assert: read whole, it stays memory-mapped; a subsample becomes its rows in memory, in its order
+    assert isinstance(flat_mapped.data, MemoryMappedTable) and flat_mapped is mapped
+    assert isinstance(flat_selected.data, InMemoryTable) and flat_selected._indices is None
+    assert flat_selected["sentence"][:] == selected["sentence"][:]
+    assert federated._take(flat_mapped, np.array([8, 5]))["sentence"][:] == [TABLE_ROWS[8]["sentence"], TABLE_ROWS[5]["sentence"]]
+
+
 def test_tokenized_rows_are_the_rows_of_the_mapped_tokenizer() -> None:
     from fedlora.backbones import load_tokenizer
     from fedlora.config import load_config

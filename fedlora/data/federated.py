@@ -161,8 +161,7 @@ def _build_cached(config_json: str) -> FederatedData:
     started = time.perf_counter()
     cfg = DataConfig.model_validate_json(config_json)
     source = load_instructions(cfg) if is_instruction_data(cfg) else load_source(cfg)
-    # one contiguous table: every client's splits are Arrow takes from it (_take)
-    source = _dataset(_arrow(source).combine_chunks(), source.features)
+    source = _flat(source)
     labels = np.asarray(source["label"][:], dtype=np.int64)
     pool_rows, global_test_rows = _hold_out_global_test(labels, cfg)
     client_rows = [pool_rows[rows] for rows in _partition(labels[pool_rows], cfg)]
@@ -368,6 +367,19 @@ def _arrow(source: datasets.Dataset) -> pa.Table:
     if source._indices is not None:  # a select()ed source: gather its rows once
         table = table.take(source._indices.column(0))
     return table
+
+
+def _flat(source: datasets.Dataset) -> datasets.Dataset:
+    """``source`` as one table every client's splits are Arrow takes from (:func:`_take`): an
+    in-memory source, or the rows a subsample selected, as one contiguous in-memory table (a
+    ``select``ed source would otherwise gather its indices at every take); a memory-mapped source
+    read whole (a hub dataset without ``max_examples``) stays memory-mapped, so memory stays what
+    the run reads."""
+    from datasets.table import InMemoryTable
+
+    if source._indices is None and not isinstance(source.data, InMemoryTable):
+        return source
+    return _dataset(_arrow(source).combine_chunks(), source.features)
 
 
 def _dataset(table: pa.Table, features: datasets.Features) -> datasets.Dataset:
