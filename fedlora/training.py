@@ -50,6 +50,12 @@ class EvalStats:
     examples: int
 
 
+def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase, max_length: int) -> Any:
+    """Token ids of ``texts``, truncated at ``max_length``, unpadded: the one tokenizer call of
+    :func:`tokenize` and :func:`tokenized_rows`."""
+    return tokenizer(texts, truncation=True, max_length=max_length)
+
+
 def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> datasets.Dataset:
     """Token ids without padding (padding happens per batch); keeps ``label``.
 
@@ -62,7 +68,7 @@ def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_
 
     hf_datasets.disable_progress_bars()  # one bar per client split floods the simulation log
     encoded = dataset.map(
-        lambda rows: tokenizer(rows["text"], truncation=True, max_length=max_length),
+        lambda rows: encode_texts(rows["text"], tokenizer, max_length),
         batched=True,
         remove_columns=[c for c in dataset.column_names if c not in ("label", "is_noisy")],
         new_fingerprint=uuid.uuid4().hex,
@@ -86,7 +92,7 @@ def tokenized_rows(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
     a small client's message outside its training steps; the tokenizer is called on the split's
     texts directly (the same per-text call :func:`tokenize` maps, without ``Dataset.map``'s
     6-10 ms a split, which a 1,000-client federation pays for nearly every sampled client)."""
-    encoded = tokenizer(dataset["text"][:], truncation=True, max_length=max_length)  # what tokenize() maps
+    encoded = encode_texts(dataset["text"][:], tokenizer, max_length)
     columns = {c: encoded[c] for c in LOADER_COLUMNS if c in encoded}
     columns["label"] = dataset["label"][:]
     return [{c: values[i] for c, values in columns.items()} | {"index": i} for i in range(len(dataset))]
