@@ -30,6 +30,7 @@ direction look like the honest ones, a replay with noise above the tolerance add
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Mapping, Sequence
@@ -93,11 +94,20 @@ def sketch(payload: Mapping[str, np.ndarray]) -> np.ndarray:
     out = np.zeros(SKETCH_SIZE)
     for key in sorted(payload):
         values = np.asarray(payload[key], dtype=np.float64).ravel()
-        rng = np.random.default_rng([zlib.crc32(key.encode()), values.size])
-        buckets = rng.integers(0, SKETCH_SIZE, values.size)
-        signs = rng.integers(0, 2, values.size) * 2.0 - 1.0
+        buckets, signs = _sketch_hashes(key, values.size)
         out += np.bincount(buckets, weights=signs * values, minlength=SKETCH_SIZE)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _sketch_hashes(key: str, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The buckets and signs of an array ``key`` of ``size`` entries (drawn once per process:
+    2 bytes an entry, for every client and round)."""
+    rng = np.random.default_rng([zlib.crc32(key.encode()), size])
+    buckets = rng.integers(0, SKETCH_SIZE, size).astype(np.uint8)
+    signs = (rng.integers(0, 2, size) * 2 - 1).astype(np.int8)
+    buckets.flags.writeable = signs.flags.writeable = False
+    return buckets, signs
 
 
 def _norm(arrays: Mapping[str, np.ndarray]) -> float:
@@ -110,9 +120,22 @@ def _padded(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def median_change(changes: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The coordinate-wise median of the changes, key by key over the clients that uploaded the
-    key; arrays of the same rank (ndim) but other sizes (mixed LoRA ranks) zero-padded to the largest."""
+    key; arrays of the same rank (ndim) but other sizes (mixed LoRA ranks) zero-padded to the largest.
+    The keys every client uploaded at one shape (the usual case) take one median over their
+    concatenation: the same numbers, one call instead of one per key."""
     median: dict[str, np.ndarray] = {}
-    for key in sorted({k for change in changes for k in change}):
+    keys = sorted({k for change in changes for k in change})
+    alike = [k for k in keys if all(k in change for change in changes)
+             and len({change[k].shape for change in changes}) == 1]
+    if alike:
+        flat = np.median(np.stack([np.concatenate([change[k].ravel() for k in alike]) for change in changes]), axis=0)
+        offset = 0
+        for key in alike:
+            shape = changes[0][key].shape
+            size = int(np.prod(shape, dtype=np.int64))
+            median[key] = flat[offset:offset + size].reshape(shape)
+            offset += size
+    for key in (k for k in keys if k not in set(alike)):
         arrays = [change[key] for change in changes if key in change]
         if len({a.ndim for a in arrays}) != 1:
             continue

@@ -189,3 +189,22 @@ def test_bad_anomaly_options_are_config_errors(option: str) -> None:
 
     with pytest.raises(ConfigError):
         load_config(ROOT / "configs/smoke.toml", [option])
+
+
+def test_the_median_update_is_the_coordinate_wise_median_key_by_key() -> None:
+    """median_change: the keys every client uploaded at one shape (one median over their
+    concatenation) and a key of mixed ranks (zero-padded) give each key's own coordinate-wise median."""
+    from fedlora.strategies.anomaly import median_change
+
+    rng = np.random.default_rng(3)
+    changes = [{"a": rng.standard_normal((2, 3)), "b": rng.standard_normal(4), "c": rng.standard_normal((r, 5))}
+               for r in (2, 3, 2)]
+    changes[2]["d"] = rng.standard_normal(2)  # a key one client uploaded alone
+    median = median_change(changes)
+    assert sorted(median) == ["a", "b", "c", "d"]
+    for key in ("a", "b"):
+        np.testing.assert_array_equal(median[key], np.median(np.stack([c[key] for c in changes]), axis=0))
+        assert median[key].shape == changes[0][key].shape
+    padded = np.stack([np.pad(c["c"], [(0, 3 - c["c"].shape[0]), (0, 0)]) for c in changes])
+    np.testing.assert_array_equal(median["c"], np.median(padded, axis=0))
+    np.testing.assert_array_equal(median["d"], changes[2]["d"])

@@ -162,12 +162,14 @@ def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.calls = 0
+            self.waited: list[float | None] = []
 
         def is_set(self) -> bool:
             self.calls += 1
             return self.calls > 1
 
         def wait(self, timeout: float | None = None) -> bool:
+            self.waited.append(timeout)
             return True
 
     # Prepare: 1,000 nodes, messages waiting for nodes 907, 3 and 3 (a second one for node 3)
@@ -175,12 +177,37 @@ def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
     ours, flowers = Store([907, 3, 3]), Store([907, 3, 3])
     queue_ours, queue_flower = Queue(), Queue()
     # Execute: one sweep of each loop
+    sweeps = OneSweep(), OneSweep()
     with polling_pending_nodes():
         assert vce_api.add_messages_to_queue is add_messages_to_queue
-        add_messages_to_queue(ours, queue_ours, nodes, OneSweep())
+        add_messages_to_queue(ours, queue_ours, nodes, sweeps[0])
     assert vce_api.add_messages_to_queue is not add_messages_to_queue  # Flower's loop is back
-    vce_api.add_messages_to_queue(flowers, queue_flower, nodes, OneSweep())
-    # Assert: the same messages (one per node and sweep, node order), 2 calls instead of 1,000
+    vce_api.add_messages_to_queue(flowers, queue_flower, nodes, sweeps[1])
+    # Assert: the same messages (one per node and sweep, node order), 2 calls instead of 1,000,
+    # and the next sweep after 10 ms (3 messages stored) instead of Flower's 0.1 s
     delivered = [[m.metadata.dst_node_id for m in list(q.queue)] for q in (queue_ours, queue_flower)]
     assert delivered[0] == delivered[1] == [3, 907]
     assert ours.asked == [3, 907] and len(flowers.asked) == 1000
+    assert sweeps[0].waited == [0.01] and sweeps[1].waited == [0.1]
+
+
+def test_the_simulation_grid_checks_for_replies_as_often_as_the_round_allows() -> None:
+    """The pause between two reply checks of Flower's simulation grid: 10 ms for a round of up to
+    100 messages, 0.1 ms a message above, at most Flower's 0.1 s; another grid is left alone."""
+    from types import SimpleNamespace
+
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    from fedlora.simulations.inprocess import InProcessGrid
+    from fedlora.simulations.polling import poll_seconds, prompt_replies
+
+    assert [poll_seconds(n) for n in (0, 4, 100, 500, 1000, 5000)] == [0.01, 0.01, 0.01, 0.05, 0.1, 0.1]
+    grid = InMemoryGrid(state_factory=SimpleNamespace(state=lambda: None))  # as run_simulation builds it
+    assert grid.pull_interval == 0.1  # Flower's default, which run_simulation keeps
+    prompt_replies(grid, 4)
+    assert grid.pull_interval == 0.01
+    prompt_replies(grid, 500)
+    assert grid.pull_interval == 0.05
+    other = InProcessGrid(lambda *a: None, [])
+    prompt_replies(other, 4)
+    assert not hasattr(other, "pull_interval")

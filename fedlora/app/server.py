@@ -174,20 +174,22 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
     aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate -> evaluate_fn,
     the arrays aggregate_train returns passed on to the next hooks as ``start`` does (the first
     round, and a resumed run, start from an empty record: the strategy's own state)."""
+    from fedlora.simulations.polling import prompt_replies
+
     arrays, timeout = ArrayRecord(), strategy.experiment.federation.round_timeout
     if first == 1:
         strategy.summary()
     for server_round in range(first, last + 1):
         logger.debug("[ROUND %s/%s]", server_round, last)
-        replies = grid.send_and_receive(
-            messages=strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
-        )
+        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+        prompt_replies(grid, len(messages))  # simulation: check for replies as often as the round allows
+        replies = grid.send_and_receive(messages=messages, timeout=timeout)
         aggregated, _ = strategy.aggregate_train(server_round, replies)
         if aggregated is not None:
             arrays = aggregated
-        replies = grid.send_and_receive(
-            messages=strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
-        )
+        messages = list(strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid))
+        prompt_replies(grid, len(messages))
+        replies = grid.send_and_receive(messages=messages, timeout=timeout)
         strategy.aggregate_evaluate(server_round, replies)
         evaluate_fn(server_round, arrays)
 
