@@ -13,13 +13,14 @@ lock), so a sweep costs one pass over the stored messages plus one call per wait
 LinkState other than the in-memory one gets Flower's own loop. Listed in docs/design.md's table
 of Flower internals.
 
-Both waits of a round, the engine's sweep for new messages and the grid's check for replies
-(Flower's ``InMemoryGrid.pull_interval``, a constructor parameter that ``run_simulation`` leaves at
-0.1 s), are :func:`poll_seconds` of the messages in flight: 10 ms for a round of up to 100
-messages, growing with the messages to Flower's 0.1 s at 1,000, so a poll costs about 1 % of a
-core at every size. At Flower's fixed 0.1 s a round waited on average 0.05 s for its messages to
-be picked up and 0.05 s for its last reply to be seen (``benchmarks/overhead.py``,
-docs/results/overhead.md).
+Neither wait of a round is Flower's fixed 0.1 s any more (on average 0.05 s for a round's messages
+to be picked up and 0.05 s for its last reply to be seen; ``benchmarks/overhead.py``,
+docs/results/overhead.md): the sweep runs as soon as a message is stored (the state's
+``store_message_ins`` also sets an event the loop waits on, at most 0.1 s, so it still sees a
+stop), and the grid checks for replies every :func:`poll_seconds` of the round's messages
+(Flower's ``InMemoryGrid.pull_interval``, a constructor parameter that ``run_simulation`` leaves
+at 0.1 s): 10 ms for a round of up to 100 messages, growing with the messages to Flower's 0.1 s
+at 1,000, since a check reads every message of the round.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Any
 
 MIN_POLL_SECONDS = 0.01  # the shortest pause between two polls (a round of up to 100 messages)
 MAX_POLL_SECONDS = 0.1  # Flower's pause between two sweeps and between two reply checks
-POLL_SECONDS_PER_MESSAGE = 1e-4  # a poll reads every message in flight: wait longer the more there are
+POLL_SECONDS = MAX_POLL_SECONDS  # the longest the sweep waits for a stored message (then it checks for a stop)
+POLL_SECONDS_PER_MESSAGE = 1e-4  # a reply check reads every message of the round: wait longer the more there are
 FLOWER_LOOP: list[Any] = []  # Flower's own loop, while ours stands in for it (polling_pending_nodes)
 
 
@@ -46,7 +48,7 @@ def poll_seconds(in_flight: int) -> float:
 def prompt_replies(grid: Any, in_flight: int) -> None:
     """Set the pause between two reply checks of Flower's simulation grid (``InMemoryGrid``, its
     public ``pull_interval``) for a round of ``in_flight`` messages; any other grid is left as it is."""
-    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    from flwr.superlink.grid import InMemoryGrid
 
     if isinstance(grid, InMemoryGrid):
         grid.pull_interval = poll_seconds(in_flight)
@@ -66,17 +68,30 @@ def waiting_nodes(state: Any) -> set[int] | None:
 
 def add_messages_to_queue(state: Any, queue: Queue[Any], nodes_mapping: dict[int, int],
                           f_stop: threading.Event) -> None:
-    """Flower's ``add_messages_to_queue`` (same arguments), sweeping only the waiting nodes."""
+    """Flower's ``add_messages_to_queue`` (same arguments), sweeping only the waiting nodes, and
+    as soon as a message is stored rather than every 0.1 s."""
     if waiting_nodes(state) is None:
         FLOWER_LOOP[0](state, queue, nodes_mapping, f_stop)
         return
-    while not f_stop.is_set():
-        waiting = waiting_nodes(state) or set()
-        for node_id in (node for node in nodes_mapping if node in waiting):
-            for message in state.get_message_ins(node_id=node_id, limit=1):
-                queue.put(message)
-        f_stop.wait(poll_seconds(len(state.message_ins_store)))  # a sweep reads every stored message
+    stored = threading.Event()
+    store = state.store_message_ins
 
+    def store_and_tell(*args: Any, **kwargs: Any) -> Any:
+        result = store(*args, **kwargs)
+        stored.set()
+        return result
+
+    state.store_message_ins = store_and_tell  # this state only, for as long as the loop runs
+    try:
+        while not f_stop.is_set():
+            stored.clear()  # a message stored from here on wakes the next wait
+            waiting = waiting_nodes(state) or set()
+            for node_id in (node for node in nodes_mapping if node in waiting):
+                for message in state.get_message_ins(node_id=node_id, limit=1):
+                    queue.put(message)
+            stored.wait(POLL_SECONDS)
+    finally:
+        del state.store_message_ins
 
 
 @contextlib.contextmanager

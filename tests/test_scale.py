@@ -158,18 +158,20 @@ def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
                 message.metadata.delivered_at = "now"
             return found
 
+        def store_message_ins(self, message: object) -> None:
+            with self.lock:
+                self.message_ins_store[f"m{len(self.message_ins_store)}"] = message
+
     class OneSweep(threading.Event):
         def __init__(self) -> None:
             super().__init__()
             self.calls = 0
-            self.waited: list[float | None] = []
 
         def is_set(self) -> bool:
             self.calls += 1
             return self.calls > 1
 
         def wait(self, timeout: float | None = None) -> bool:
-            self.waited.append(timeout)
             return True
 
     # Prepare: 1,000 nodes, messages waiting for nodes 907, 3 and 3 (a second one for node 3)
@@ -177,18 +179,30 @@ def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
     ours, flowers = Store([907, 3, 3]), Store([907, 3, 3])
     queue_ours, queue_flower = Queue(), Queue()
     # Execute: one sweep of each loop
-    sweeps = OneSweep(), OneSweep()
     with polling_pending_nodes():
         assert vce_api.add_messages_to_queue is add_messages_to_queue
-        add_messages_to_queue(ours, queue_ours, nodes, sweeps[0])
+        add_messages_to_queue(ours, queue_ours, nodes, OneSweep())
     assert vce_api.add_messages_to_queue is not add_messages_to_queue  # Flower's loop is back
-    vce_api.add_messages_to_queue(flowers, queue_flower, nodes, sweeps[1])
-    # Assert: the same messages (one per node and sweep, node order), 2 calls instead of 1,000,
-    # and the next sweep after 10 ms (3 messages stored) instead of Flower's 0.1 s
+    vce_api.add_messages_to_queue(flowers, queue_flower, nodes, OneSweep())
+    # Assert: the same messages (one per node and sweep, node order), 2 calls instead of 1,000
     delivered = [[m.metadata.dst_node_id for m in list(q.queue)] for q in (queue_ours, queue_flower)]
     assert delivered[0] == delivered[1] == [3, 907]
     assert ours.asked == [3, 907] and len(flowers.asked) == 1000
-    assert sweeps[0].waited == [0.01] and sweeps[1].waited == [0.1]
+    assert "store_message_ins" not in vars(ours)  # the state's own method again once the loop ends
+
+    # a message stored while the loop waits is swept at once, not at the next poll (here 1 hour away)
+    later = Store([])
+    stop, swept = threading.Event(), Queue()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("fedlora.simulations.polling.POLL_SECONDS", 3600.0)
+        loop = threading.Thread(target=add_messages_to_queue, args=(later, swept, nodes, stop), daemon=True)
+        loop.start()
+        later.store_message_ins(message=SimpleNamespace(metadata=SimpleNamespace(dst_node_id=42, delivered_at="")))
+        assert swept.get(timeout=30).metadata.dst_node_id == 42
+        stop.set()
+        later.store_message_ins(message=SimpleNamespace(metadata=SimpleNamespace(dst_node_id=7, delivered_at="")))
+        loop.join(timeout=30)
+    assert not loop.is_alive()
 
 
 def test_the_simulation_grid_checks_for_replies_as_often_as_the_round_allows() -> None:
@@ -196,7 +210,7 @@ def test_the_simulation_grid_checks_for_replies_as_often_as_the_round_allows() -
     100 messages, 0.1 ms a message above, at most Flower's 0.1 s; another grid is left alone."""
     from types import SimpleNamespace
 
-    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    from flwr.superlink.grid import InMemoryGrid
 
     from fedlora.simulations.inprocess import InProcessGrid
     from fedlora.simulations.polling import poll_seconds, prompt_replies
