@@ -14,44 +14,68 @@ LinkState other than the in-memory one gets Flower's own loop. Listed in docs/de
 of Flower internals.
 
 Neither wait of a round is Flower's fixed 0.1 s any more (on average 0.05 s for a round's messages
-to be picked up and 0.05 s for its last reply to be seen; ``benchmarks/overhead.py``,
-docs/results/overhead.md): the sweep runs as soon as a message is stored (the state's
-``store_message_ins`` also sets an event the loop waits on, at most 0.1 s, so it still sees a
-stop), and the grid checks for replies every :func:`poll_seconds` of the round's messages
-(Flower's ``InMemoryGrid.pull_interval``, a constructor parameter that ``run_simulation`` leaves
-at 0.1 s): 10 ms for a round of up to 100 messages, growing with the messages to Flower's 0.1 s
-at 1,000, since a check reads every message of the round.
+to be picked up and 0.05 s for its last reply to be seen, and a reply check every 0.1 s or a
+sweep every 0.1 s in between; ``benchmarks/overhead.py``, docs/results/overhead.md): the sweep
+runs as soon as a message is stored, and :func:`send_and_receive` checks for replies as soon as
+one is stored. Each waits on an event that the state's ``store_message_ins`` /
+``store_message_res`` also set (wrapped on the one state instance while the loop runs), and
+at most :data:`POLL_SECONDS`, Flower's 0.1 s, so a stop or a deadline is still seen and a state
+that is not the one wrapped still works, at Flower's pace.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from queue import Queue
 from typing import Any
 
-MIN_POLL_SECONDS = 0.01  # the shortest pause between two polls (a round of up to 100 messages)
-MAX_POLL_SECONDS = 0.1  # Flower's pause between two sweeps and between two reply checks
-POLL_SECONDS = MAX_POLL_SECONDS  # the longest the sweep waits for a stored message (then it checks for a stop)
-POLL_SECONDS_PER_MESSAGE = 1e-4  # a reply check reads every message of the round: wait longer the more there are
+POLL_SECONDS = 0.1  # Flower's pause between two sweeps and between two reply checks: now the longest wait
 FLOWER_LOOP: list[Any] = []  # Flower's own loop, while ours stands in for it (polling_pending_nodes)
 
 
-def poll_seconds(in_flight: int) -> float:
-    """The pause between two polls with ``in_flight`` messages outstanding: :data:`MIN_POLL_SECONDS`
-    up to 100 messages, then :data:`POLL_SECONDS_PER_MESSAGE` a message, at most Flower's
-    :data:`MAX_POLL_SECONDS`."""
-    return min(MAX_POLL_SECONDS, max(MIN_POLL_SECONDS, in_flight * POLL_SECONDS_PER_MESSAGE))
+@contextlib.contextmanager
+def telling(state: Any, method: str) -> Iterator[threading.Event]:
+    """Within the block, ``state.<method>`` (a store) also sets the event yielded."""
+    stored = threading.Event()
+    store = getattr(state, method)
+
+    def store_and_tell(*args: Any, **kwargs: Any) -> Any:
+        result = store(*args, **kwargs)
+        stored.set()
+        return result
+
+    setattr(state, method, store_and_tell)  # this instance only
+    try:
+        yield stored
+    finally:
+        delattr(state, method)
 
 
-def prompt_replies(grid: Any, in_flight: int) -> None:
-    """Set the pause between two reply checks of Flower's simulation grid (``InMemoryGrid``, its
-    public ``pull_interval``) for a round of ``in_flight`` messages; any other grid is left as it is."""
+def send_and_receive(grid: Any, messages: list[Any], timeout: float | None) -> list[Any]:
+    """``grid.send_and_receive(messages=messages, timeout=timeout)``; on Flower's simulation grid
+    (``InMemoryGrid``) the same loop (push, then pull the replies until every message has one or
+    the deadline passes), checking as soon as a reply is stored instead of every
+    ``pull_interval`` (0.1 s)."""
     from flwr.superlink.grid import InMemoryGrid
 
-    if isinstance(grid, InMemoryGrid):
-        grid.pull_interval = poll_seconds(in_flight)
+    if not isinstance(grid, InMemoryGrid):
+        return list(grid.send_and_receive(messages=messages, timeout=timeout))
+    with telling(grid.state, "store_message_res") as replied:
+        pending = set(grid.push_messages(messages))
+        end = time.time() + (timeout or 0.0)
+        replies: list[Any] = []
+        while timeout is None or time.time() < end:
+            replied.clear()  # a reply stored from here on wakes the wait below
+            found = list(grid.pull_messages(pending))
+            replies.extend(found)
+            pending.difference_update(message.metadata.reply_to_message_id for message in found)
+            if not pending:
+                break
+            replied.wait(POLL_SECONDS if timeout is None else max(0.0, min(POLL_SECONDS, end - time.time())))
+    return replies
 
 
 def waiting_nodes(state: Any) -> set[int] | None:
@@ -73,16 +97,7 @@ def add_messages_to_queue(state: Any, queue: Queue[Any], nodes_mapping: dict[int
     if waiting_nodes(state) is None:
         FLOWER_LOOP[0](state, queue, nodes_mapping, f_stop)
         return
-    stored = threading.Event()
-    store = state.store_message_ins
-
-    def store_and_tell(*args: Any, **kwargs: Any) -> Any:
-        result = store(*args, **kwargs)
-        stored.set()
-        return result
-
-    state.store_message_ins = store_and_tell  # this state only, for as long as the loop runs
-    try:
+    with telling(state, "store_message_ins") as stored:
         while not f_stop.is_set():
             stored.clear()  # a message stored from here on wakes the next wait
             waiting = waiting_nodes(state) or set()
@@ -90,8 +105,6 @@ def add_messages_to_queue(state: Any, queue: Queue[Any], nodes_mapping: dict[int
                 for message in state.get_message_ins(node_id=node_id, limit=1):
                     queue.put(message)
             stored.wait(POLL_SECONDS)
-    finally:
-        del state.store_message_ins
 
 
 @contextlib.contextmanager

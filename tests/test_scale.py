@@ -205,23 +205,37 @@ def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
     assert not loop.is_alive()
 
 
-def test_the_simulation_grid_checks_for_replies_as_often_as_the_round_allows() -> None:
-    """The pause between two reply checks of Flower's simulation grid: 10 ms for a round of up to
-    100 messages, 0.1 ms a message above, at most Flower's 0.1 s; another grid is left alone."""
+def test_the_simulation_grid_sees_a_reply_as_soon_as_it_is_stored() -> None:
+    """send_and_receive on Flower's simulation grid: pushes the messages, returns once each has a
+    reply, checking when a reply is stored (not at the next 0.1 s poll: here 1 hour away), and
+    stops at the deadline when a reply never comes; the state's own store method is back after."""
+    import threading
+    import time
     from types import SimpleNamespace
 
     from flwr.superlink.grid import InMemoryGrid
 
-    from fedlora.simulations.inprocess import InProcessGrid
-    from fedlora.simulations.polling import poll_seconds, prompt_replies
+    from fedlora.simulations import polling
 
-    assert [poll_seconds(n) for n in (0, 4, 100, 500, 1000, 5000)] == [0.01, 0.01, 0.01, 0.05, 0.1, 0.1]
-    grid = InMemoryGrid(state_factory=SimpleNamespace(state=lambda: None))  # as run_simulation builds it
-    assert grid.pull_interval == 0.1  # Flower's default, which run_simulation keeps
-    prompt_replies(grid, 4)
-    assert grid.pull_interval == 0.01
-    prompt_replies(grid, 500)
-    assert grid.pull_interval == 0.05
-    other = InProcessGrid(lambda *a: None, [])
-    prompt_replies(other, 4)
-    assert not hasattr(other, "pull_interval")
+    class State:
+        def __init__(self) -> None:
+            self.replies: dict[str, object] = {}
+
+        def store_message_res(self, message: object) -> None:
+            self.replies[message.metadata.reply_to_message_id] = message  # type: ignore[attr-defined]
+
+    state = State()
+    grid = InMemoryGrid(state_factory=SimpleNamespace(state=lambda: state))  # as run_simulation builds it
+    grid.push_messages = lambda messages: [m.metadata.message_id for m in messages]  # type: ignore[method-assign]
+    grid.pull_messages = lambda ids: [state.replies.pop(i) for i in list(ids) if i in state.replies]  # type: ignore[method-assign]
+    message = SimpleNamespace(metadata=SimpleNamespace(message_id="m1"))
+    reply = SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="m1"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(polling, "POLL_SECONDS", 3600.0)
+        later = threading.Timer(0.2, lambda: state.store_message_res(reply))
+        later.start()
+        assert polling.send_and_receive(grid, [message], timeout=None) == [reply]
+        started = time.monotonic()
+        assert polling.send_and_receive(grid, [message], timeout=0.3) == []  # no reply: the deadline ends it
+        assert time.monotonic() - started < 60
+    assert "store_message_res" not in vars(state)

@@ -174,7 +174,7 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
     aggregate_train -> configure_evaluate -> send_and_receive -> aggregate_evaluate -> evaluate_fn,
     the arrays aggregate_train returns passed on to the next hooks as ``start`` does (the first
     round, and a resumed run, start from an empty record: the strategy's own state)."""
-    from fedlora.simulations.polling import prompt_replies
+    from fedlora.simulations.polling import send_and_receive  # the grid's, replies seen as they arrive
 
     arrays, timeout = ArrayRecord(), strategy.experiment.federation.round_timeout
     if first == 1:
@@ -182,14 +182,12 @@ def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
     for server_round in range(first, last + 1):
         logger.debug("[ROUND %s/%s]", server_round, last)
         messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
-        prompt_replies(grid, len(messages))  # simulation: check for replies as often as the round allows
-        replies = grid.send_and_receive(messages=messages, timeout=timeout)
+        replies = send_and_receive(grid, messages, timeout)
         aggregated, _ = strategy.aggregate_train(server_round, replies)
         if aggregated is not None:
             arrays = aggregated
         messages = list(strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid))
-        prompt_replies(grid, len(messages))
-        replies = grid.send_and_receive(messages=messages, timeout=timeout)
+        replies = send_and_receive(grid, messages, timeout)
         strategy.aggregate_evaluate(server_round, replies)
         evaluate_fn(server_round, arrays)
 
