@@ -15,9 +15,11 @@ the same partition), never by position. Per comparison and metric:
   spread, narrower than a t interval; it never reaches beyond the smallest / largest difference.
   One seed has no spread to resample: no interval (NaN, "n/a"), as for the t-test;
 - a two-sided **paired t-test** p-value (``scipy.stats.ttest_1samp`` of the differences against 0,
-  which is ``scipy.stats.ttest_rel``); n - 1 degrees of freedom. Where the differences have no
-  spread (identical, or equal up to float rounding: sample standard deviation at most
-  :data:`NO_SPREAD` times their mean's magnitude) the t statistic is infinite or set by rounding
+  which is ``scipy.stats.ttest_rel``); n - 1 degrees of freedom. A difference of at most
+  :data:`ROUNDING` (1e-6, float rounding of equal runs) counts as 0 in the tests. Where the
+  differences have no spread (identical, or equal up to float rounding: sample standard deviation
+  at most :data:`NO_SPREAD` times their mean's magnitude, or at most :data:`ROUNDING`) the t
+  statistic is infinite or set by rounding
   (p = 0, or p = 1e-32 from 1e-17 of noise), so the p-value is the exact two-sided **sign test**
   instead (``scipy.stats.binomtest`` of the positive differences among the non-zero ones; p = 1
   when all are 0): 5 seeds all of one sign give 0.0625, never 0. The ``test`` column says which;
@@ -72,6 +74,11 @@ RESAMPLES = 10_000
 #: accuracies are fractions of at most millions of examples, so a real spread is far above 1e-9
 #: of the mean, and float rounding of equal differences (about 1e-16) far below it.
 NO_SPREAD = 1e-9
+#: A difference at most this large (in fractions: 1e-4 points) is float rounding, not a difference:
+#: the paired metrics are fractions of at most about 1e5 examples (the smallest real difference is
+#: 1e-5), kept through float32 (rounding about 6e-8); the tests read it as 0, and a spread of
+#: the differences this small as none.
+ROUNDING = 1e-6
 LEVEL = 0.95
 BOOTSTRAP_SEED = 0
 PAIRED_CSV = "paired.csv"
@@ -117,14 +124,15 @@ def bootstrap_ci(
 
 def paired_test(differences: Sequence[float]) -> tuple[float, str]:
     """(two-sided p, test): the paired t-test of the differences against 0 (``"t"``), or where they
-    have no spread (:data:`NO_SPREAD`) the exact sign test (``"sign"``); (NaN, "") for fewer than 2 seeds."""
+    have no spread (:data:`NO_SPREAD`, :data:`ROUNDING`) the exact sign test (``"sign"``); (NaN, "") for fewer than 2 seeds."""
     import numpy as np
     from scipy import stats
 
     values = np.asarray(differences, dtype=float)
     if values.size < 2:
         return math.nan, ""
-    if float(values.std(ddof=1)) <= NO_SPREAD * abs(float(values.mean())):  # t is 0 / 0, +-inf, or rounding
+    values = np.where(np.abs(values) <= ROUNDING, 0.0, values)  # float rounding is no difference
+    if float(values.std(ddof=1)) <= max(NO_SPREAD * abs(float(values.mean())), ROUNDING):  # t: 0 / 0, +-inf, rounding
         nonzero = values[values != 0.0]
         if not nonzero.size:
             return 1.0, "sign"
