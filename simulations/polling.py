@@ -13,14 +13,14 @@ lock), so a sweep costs one pass over the stored messages plus one call per wait
 LinkState other than the in-memory one gets Flower's own loop. Listed in docs/design.md's table
 of Flower internals.
 
-Neither wait of a round is Flower's fixed 0.1 s any more (on average 0.05 s for a round's messages
-to be picked up and 0.05 s for its last reply to be seen, and a reply check every 0.1 s or a
-sweep every 0.1 s in between; ``benchmarks/overhead.py``, docs/results/overhead.md): the sweep
-runs as soon as a message is stored, and :func:`send_and_receive` checks for replies as soon as
-one is stored. Each waits on an event that the state's ``store_message_ins`` /
-``store_message_res`` also set (wrapped on the one state instance while the loop runs), and
-at most :data:`POLL_SECONDS`, Flower's 0.1 s, so a stop or a deadline is still seen and a state
-that is not the one wrapped still works, at Flower's pace.
+Neither wait of a round is Flower's fixed 0.1 s poll any more. With it, a round waited on average
+0.05 s for its messages to be picked up and 0.05 s for its last reply to be seen
+(``benchmarks/overhead.py``, docs/results/overhead.md). Now the sweep runs as soon as a message is
+stored, and :func:`send_and_receive` checks for replies as soon as one is stored: each loop waits
+on an event that the state's ``store_message_ins`` / ``store_message_res`` also sets (wrapped on
+that one state instance while the loop runs), for at most :data:`POLL_SECONDS` (Flower's 0.1 s),
+so a stop or a deadline is still seen, and a state that is not the one wrapped still works at
+Flower's pace.
 """
 
 from __future__ import annotations
