@@ -129,13 +129,10 @@ def median_change(changes: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.n
              and len({change[k].shape for change in changes}) == 1]
     if alike:
         flat = np.median(np.stack([np.concatenate([change[k].ravel() for k in alike]) for change in changes]), axis=0)
-        offset = 0
-        for key in alike:
-            shape = changes[0][key].shape
-            size = int(np.prod(shape, dtype=np.int64))
-            median[key] = flat[offset:offset + size].reshape(shape)
-            offset += size
-    for key in (k for k in keys if k not in set(alike)):
+        ends = np.cumsum([changes[0][k].size for k in alike])[:-1]
+        for key, part in zip(alike, np.split(flat, ends), strict=True):
+            median[key] = part.reshape(changes[0][key].shape)
+    for key in sorted(set(keys) - set(alike)):
         arrays = [change[key] for change in changes if key in change]
         if len({a.ndim for a in arrays}) != 1:
             continue
