@@ -25,6 +25,10 @@ still code run inside the server's process: these rules guard the messages, not 
   as Flower's grid does.
 - **A client that never answers cannot hang the run.** Each ClientApp call runs in a daemon worker
   thread (:meth:`InProcessGrid._call`); the server waits for it until the deadline and then goes on without it.
+  A worker whose call has returned runs the next call (:class:`Worker`): a fresh thread per call
+  made every call fault in its memory anew (glibc gives a new thread its own heap), about 50,000
+  page faults and 10 % more time for a MiniLM client's 8 training steps than the same loop on a
+  thread that ran it before (docs/results/overhead.md, run 12).
   A thread, not a process, because the ClientApp shares this process by design (its node
   ``Context`` and state, the loaded backbone, torch) and a process would have to pickle the app
   and send the node's state back. The honest limit on CPU: Python cannot kill a thread, so a call
@@ -47,6 +51,8 @@ still code run inside the server's process: these rules guard the messages, not 
 from __future__ import annotations
 
 import contextvars
+import functools
+import queue
 import threading
 import time
 import traceback
@@ -70,6 +76,22 @@ SERVER_NODE_ID = 0
 log = getLogger("flwr").log  # Flower's logger, by its name, as the strategies log a client's failure
 
 
+class Worker:
+    """A daemon thread that runs the calls handed to it (:meth:`run`) one after the other."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name=name).start()
+
+    def run(self, call: Any) -> None:
+        """Run ``call()`` in this worker's thread (not waiting for it)."""
+        self._calls.put(call)
+
+    def _loop(self) -> None:
+        while True:
+            self._calls.get()()
+
+
 class InProcessGrid(Grid):
     """A Grid whose nodes are ClientApp calls in this process."""
 
@@ -83,6 +105,9 @@ class InProcessGrid(Grid):
         }
         self._pending: dict[str, Message] = {}  # pushed, not yet delivered: message id -> the node's copy
         self._busy: dict[int, threading.Lock] = {}  # one ClientApp call per node at a time (made on first use)
+        self._idle: list[Worker] = []  # workers whose call has returned (a call that never returns keeps its own)
+        self._idle_lock = threading.Lock()
+        self._workers = 0  # workers started (names them)
         self._run = Run.create_empty(RUN_ID)
         TaskIdentity.run_id = RUN_ID
         TaskIdentity.node_id = SERVER_NODE_ID
@@ -138,9 +163,10 @@ class InProcessGrid(Grid):
         return replies
 
     def _call(self, message: Message, timeout: float | None) -> Message | None:
-        """Run the ClientApp on ``message`` (the node's copy) in a daemon worker thread and wait
-        for it at most ``timeout`` seconds (None: no limit); the reply as the ServerApp receives
-        it, or None for a reply that did not come in time or that Flower's link state refuses."""
+        """Run the ClientApp on ``message`` (the node's copy) in a daemon worker thread (an idle
+        :class:`Worker`, or a new one) and wait for it at most ``timeout`` seconds (None: no
+        limit); the reply as the ServerApp receives it, or None for a reply that did not come in
+        time or that Flower's link state refuses."""
         node = message.metadata.dst_node_id
         busy = self._busy.setdefault(node, threading.Lock())  # in the caller's thread: one lock per node
         started = time.monotonic()
@@ -159,11 +185,18 @@ class InProcessGrid(Grid):
                 log(WARNING, "in-process engine: node %d replied after %.1f s, past the %.1f s timeout: reply discarded",
                     node, finished - started, timeout)
             outcome.append((reply, finished))
+            with self._idle_lock:
+                self._idle.append(worker)  # free for the next call
+            done.set()
 
-        worker = threading.Thread(target=contextvars.copy_context().run, args=(call,), daemon=True,
-                                  name=f"ClientApp node {node}")
-        worker.start()
-        worker.join(timeout)
+        done = threading.Event()
+        with self._idle_lock:
+            if not self._idle:
+                self._workers += 1
+                self._idle.append(Worker(f"ClientApp worker {self._workers}"))
+            worker = self._idle.pop()
+        worker.run(functools.partial(contextvars.copy_context().run, call))
+        done.wait(timeout)
         if not outcome or (deadline is not None and outcome[0][1] > deadline):
             log(WARNING, "in-process engine: node %d did not reply within %s s (the round's timeout): no reply, "
                 "as Flower's grid leaves it out", node, timeout)

@@ -118,6 +118,32 @@ def test_a_late_reply_is_no_reply_and_a_silent_node_cannot_hang_the_server() -> 
         release.set()
 
 
+def test_calls_run_on_a_reused_worker_and_a_hung_call_keeps_its_own() -> None:
+    """One worker thread runs call after call (a fresh thread per call faulted its memory in
+    anew); a call that never returns keeps its worker, and the next call gets another."""
+    release = threading.Event()
+    threads: list[tuple[int, str]] = []
+
+    def client_app(msg: Message, context: Context) -> Message:
+        threads.append((context.node_id, threading.current_thread().name))
+        if msg.content["config"]["lr"] == "hang":
+            release.wait()
+        return answer(msg)
+
+    grid, messages = two_nodes(client_app)
+    try:
+        for _ in range(3):
+            assert len(list(grid.send_and_receive(messages, timeout=TIMEOUT))) == 2
+        assert threads[0][1] != threading.current_thread().name
+        assert {name for _, name in threads} == {threads[0][1]}  # six calls, one worker
+        hung = grid.create_message(RecordDict({"config": ConfigRecord({"lr": "hang"})}), "train", NODE + 1, "1")
+        assert list(grid.send_and_receive([hung], timeout=TIMEOUT)) == []
+        assert len(list(grid.send_and_receive(messages[:1], timeout=TIMEOUT))) == 1
+        assert threads[-2][1] == threads[0][1] and threads[-1][1] not in (threads[0][1], "")  # a new worker
+    finally:
+        release.set()
+
+
 def forged_source(msg: Message) -> Message:
     """Node 1001's reply to its own message, claiming to come from node 1000."""
     reply = answer(msg)
