@@ -25,10 +25,11 @@ still code run inside the server's process: these rules guard the messages, not 
   as Flower's grid does.
 - **A client that never answers cannot hang the run.** Each ClientApp call runs in a daemon worker
   thread (:meth:`InProcessGrid._call`); the server waits for it until the deadline and then goes on without it.
-  A worker whose call has returned runs the next call (:class:`Worker`): a fresh thread per call
-  made every call fault in its memory anew (glibc gives a new thread its own heap), about 50,000
-  page faults and 10 % more time for a MiniLM client's 8 training steps than the same loop on a
-  thread that ran it before (docs/results/overhead.md, run 12).
+  A worker whose call has returned runs the next call (:class:`Worker`): with a fresh thread per
+  call, every call faulted its memory in anew (glibc gives a new thread its own heap): about
+  50,000 page faults for a MiniLM client's 8 training steps against 5,000 to 10,000 on a thread
+  that ran calls before, and 2 to 11 % more time than the same steps on the main thread in
+  interleaved runs (docs/results/overhead.md, runs 12 and 13).
   A thread, not a process, because the ClientApp shares this process by design (its node
   ``Context`` and state, the loaded backbone, torch) and a process would have to pickle the app
   and send the node's state back. The honest limit on CPU: Python cannot kill a thread, so a call
