@@ -26,6 +26,7 @@ Flower's pace.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -59,9 +60,8 @@ def send_and_receive(grid: Any, messages: list[Any], timeout: float | None) -> l
     (``InMemoryGrid``) the same loop (push, then pull the replies until every message has one or
     the deadline passes), checking as soon as a reply is stored instead of every
     ``pull_interval`` (0.1 s)."""
-    from flwr.superlink.grid import InMemoryGrid
-
-    if not isinstance(grid, InMemoryGrid):
+    module = sys.modules.get("flwr.superlink.grid.inmemory_grid")  # not imported: the grid cannot be one
+    if module is None or not isinstance(grid, module.InMemoryGrid):  # (importing it costs ~1 s: SQLAlchemy)
         return list(grid.send_and_receive(messages=messages, timeout=timeout))
     with telling(grid.state, "store_message_res") as replied:
         pending = set(grid.push_messages(messages))

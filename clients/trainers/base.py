@@ -112,13 +112,11 @@ class LocalTrainer:
         MODELS.give_back(model)
 
     def prepare(self, download: Payload) -> PeftModel:
-        """Local state overlaid with the download."""
+        """Local state overlaid with the download (one load: a key in both takes the download's value)."""
         model = self.build()
-        local = self.local_state()
-        if local:
-            load_payload(model, local)
-        if download:
-            load_payload(model, download)
+        payload = {**self.local_state(), **download}
+        if payload:
+            load_payload(model, payload)
         return model
 
     # ------------------------------------------------------------------ training
