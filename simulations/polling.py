@@ -60,8 +60,11 @@ def send_and_receive(grid: Any, messages: list[Any], timeout: float | None) -> l
     (``InMemoryGrid``) the same loop (push, then pull the replies until every message has one or
     the deadline passes), checking as soon as a reply is stored instead of every
     ``pull_interval`` (0.1 s)."""
-    module = sys.modules.get("flwr.superlink.grid.inmemory_grid")  # not imported: the grid cannot be one
-    if module is None or not isinstance(grid, module.InMemoryGrid):  # (importing it costs ~1 s: SQLAlchemy)
+    if "flwr.superlink.grid" not in sys.modules:  # not imported (by the engine): the grid cannot be one, and
+        return list(grid.send_and_receive(messages=messages, timeout=timeout))  # importing it costs ~1 s (SQLAlchemy)
+    from flwr.superlink.grid import InMemoryGrid
+
+    if not isinstance(grid, InMemoryGrid):
         return list(grid.send_and_receive(messages=messages, timeout=timeout))
     with telling(grid.state, "store_message_res") as replied:
         pending = set(grid.push_messages(messages))
