@@ -333,6 +333,26 @@ def tune_scenario(scenario: Scenario, config: str, seed: int, out: Path, workers
         run_jobs(base, pending, out, engine="inprocess", workers=workers, on_done=on_done)
 
 
+def tuning_in(scenario: Scenario, config: str, seed: int, records: Path) -> dict[str, TunePlan]:
+    """The complete tuning stage of ``scenario`` kept in ``records`` (a records or output folder of
+    the scenario run at its own config, without ``--set``), read as :func:`tune_scenario` would have
+    left it; runs nothing. Raises ConfigError in one line when a tuned job has not chosen there."""
+    base = resolve_base(config, [])
+    runs = load_runs(records, seeds=[seed]) if records.is_dir() else {}
+    silent = logging.Filter("nothing")  # a read: no "running it again" for runs of another config there
+    logger.addFilter(silent)
+    try:
+        plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seed, base, records, runs))
+                 for label, spec in scenario.jobs.items() if spec.tuned_as is None}
+    finally:
+        logger.removeFilter(silent)
+    pending = sum(len(p.pending) for p in plans.values())
+    if pending or any(p.chosen is None for p in plans.values()):
+        raise ConfigError(f"--tuning-from {records}: the tuning stage of {scenario.config} on seed {seed} is not "
+                          f"complete there ({pending} configuration(s) still to run); run the scenario there first")
+    return plans
+
+
 def choices(scenario: Scenario, plans: dict[str, TunePlan]) -> dict[str, Point]:
     """Every job's configuration: its own tuning's choice, or (``tuned_as``) the choice of the
     label it reuses, without the keys it fixes itself."""
@@ -391,6 +411,13 @@ def _config(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return {k: v for k, v in with_record_defaults(config).items() if k != "output"}
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` as a page or record shows it: relative to the repository when inside it (a record
+    names no machine's folders)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
 
 
 def keep_record(records: Path, out: Path, run_dir: Path) -> None:
@@ -457,11 +484,15 @@ def tree_agreement_rows(out: Path) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- the scenario
 def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, overrides: list[str],
-                 other_seeds: int | None = None, records: Path | None = None) -> dict:
+                 other_seeds: int | None = None, records: Path | None = None,
+                 tuning_from: Path | None = None) -> dict:
     """Run (or finish) one scenario and write its tables; returns the fidelity facts (``seeds`` /
     ``other_seeds`` None: the scenario's). With ``records``, the complete runs kept there are
     restored into ``out`` first (they are skipped) and every run is kept there as soon as it
-    finishes (:func:`keep_record`)."""
+    finishes (:func:`keep_record`). With ``tuning_from``, every job runs at the configuration the
+    complete tuning stage kept there chose (:func:`tuning_in`) and there is no tuning stage: the
+    final runs, the first seed's included, are this command's own (a check of one precision or
+    device against another at the same configurations)."""
     scenario = scenarios()[name]
     seeds = list(scenario.seeds.core) if seeds is None else seeds
     other_seeds = scenario.seeds.other if other_seeds is None else other_seeds
@@ -473,7 +504,10 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
                     records, kept)
         on_done = lambda job, run_dir: keep_record(records, out, run_dir)
     started = time.perf_counter()
-    plans = tune_scenario(scenario, config, seeds[0], out, workers, overrides, on_done)
+    if tuning_from is None:
+        plans, tuning_dir = tune_scenario(scenario, config, seeds[0], out, workers, overrides, on_done), out
+    else:
+        plans, tuning_dir = tuning_in(scenario, config, seeds[0], tuning_from), tuning_from
     tuned = time.perf_counter()
     chosen = choices(scenario, plans)
     jobs = final_jobs(scenario, seeds, chosen, other_seeds)
@@ -495,7 +529,8 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
     facts = regime(table, scenario)
     facts |= {
         "scenario": name, "seeds": seeds, "other_seeds": seeds[:other_seeds], "workers": workers,
-        "tuning": {label: tuning_facts(plans[label], out, label, seeds[0]) if label in plans
+        "tuning_from": None if tuning_from is None else _shown_path(tuning_from),
+        "tuning": {label: tuning_facts(plans[label], tuning_dir, label, seeds[0]) if label in plans
                    else {"chosen": ",".join(chosen[label]), "reuses": scenario.jobs[label].tuned_as}
                    for label in scenario.jobs},
         "stage_seconds": {"tuning": tuned - started, "final": finished - tuned},
@@ -588,6 +623,8 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     seeds_text = ",".join(str(s) for s in facts["seeds"])
     command = f"python benchmarks/fidelity.py --scenario {name} --seeds {seeds_text} --workers {facts['workers']}"
     command += "".join(f" --set {o}" for o in overrides)
+    if facts.get("tuning_from"):
+        command += f" --tuning-from {facts['tuning_from']}"
     selection = "validation loss per response token; score = minus the loss" if scenario.causal else "validation accuracy"
     verdict = "counts" if facts["counts"] else (f"does NOT count (gap above {scenario.regime.max_gap_points:g} "
                                                 "points: too short to compare)")
@@ -605,6 +642,9 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
         (f"Primary comparison (declared before the runs): {method} − {lead} on {METRIC_NAMES[scenario.metric]}: "
          f"{scenario.primary_why}."), "",
         f"## Tuning (first seed, chosen on {selection})", "",
+        *([(f"Not run by this command: every job runs at the configuration the complete tuning stage in "
+            f"`{facts['tuning_from']}` chose (its runs, scores and minutes below), the first seed included."), ""]
+          if facts.get("tuning_from") else []),
         (f"Budget: {scenario.budget.size} configurations per job; learning rates "
          f"{', '.join(f'{lr:g}' for lr in scenario.budget.lr_grid)} (a job with a knob of k values: the first "
          f"{scenario.budget.size} - (k - 1) of them, then the knob's other values at the chosen rate); a choice at "
@@ -642,8 +682,9 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     per_seed = ", ".join(f"seed {s}: {m:.0f}" for s, m in sorted(t["minutes_per_seed"].items()))
     tuning_runs = sum(info.get("configurations", 0) for info in facts["tuning"].values())
     tuning_minutes = sum(info.get("worker_minutes", 0.0) for info in facts["tuning"].values())
+    first = "" if facts.get("tuning_from") else "; the first seed's runs are tuning runs"
     lines += ["", (f"Times, from the runs' own wall times: minutes per seed with {facts['workers']} worker(s) "
-                   f"({per_seed}; the first seed's runs are tuning runs); the tuning stage, {tuning_runs} runs on the "
+                   f"({per_seed}{first}); the tuning stage, {tuning_runs} runs on the "
                    f"first seed, {tuning_minutes:.0f} worker-minutes ({tuning_minutes / facts['workers']:.0f} minutes "
                    f"with {facts['workers']} workers). This command's own stages: tuning "
                    f"{facts['stage_seconds']['tuning'] / 60:.0f} minutes, final runs "
@@ -671,36 +712,44 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
 
 # --------------------------------------------------------------------------- progress
 def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[str],
-             other_seeds: int | None = None) -> dict[str, int]:
+             other_seeds: int | None = None, tuning_from: Path | None = None) -> dict[str, int]:
     """How far scenario ``name`` is in ``records``: tuning runs done and still pending (as far as
     the plan is known: a widening adds runs only once the grid's runs are in), and the final runs
     (every job at its choice on every seed, the first seed's tuning runs not counted twice) done
-    and planned (``seeds`` / ``other_seeds`` None: the scenario's). Reads the records only; runs
-    nothing."""
+    and planned (``seeds`` / ``other_seeds`` None: the scenario's; ``tuning_from``: the choices of
+    the tuning kept there, :func:`tuning_in`, and every seed's runs are final runs). Reads the
+    records only; runs nothing."""
     scenario = scenarios()[name]
     seeds = list(scenario.seeds.core) if seeds is None else seeds
-    base = resolve_base(str(ROOT / scenario.config), overrides)
-    runs = load_runs(records, seeds=[seeds[0]]) if records.is_dir() else {}
-    plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seeds[0], base, records, runs))
-             for label, spec in scenario.jobs.items() if spec.tuned_as is None}
-    pending = sum(len(p.pending) for p in plans.values())
+    config = str(ROOT / scenario.config)
+    base = resolve_base(config, overrides)
+    if tuning_from is not None:
+        plans = tuning_in(scenario, config, seeds[0], tuning_from)
+        tuning_done = pending = 0
+    else:
+        runs = load_runs(records, seeds=[seeds[0]]) if records.is_dir() else {}
+        plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seeds[0], base, records, runs))
+                 for label, spec in scenario.jobs.items() if spec.tuned_as is None}
+        pending = sum(len(p.pending) for p in plans.values())
+        tuning_done = sum(len(p.points) for p in plans.values()) - pending
     tuned = all(p.chosen is not None for p in plans.values())
     chosen = choices(scenario, plans) if tuned else {label: () for label in scenario.jobs}
     final = [job for job in final_jobs(scenario, seeds, chosen, other_seeds)
-             if not (job.seed == seeds[0] and scenario.jobs[job.name.split("[")[0]].tuned_as is None)]
+             if tuning_from is not None
+             or not (job.seed == seeds[0] and scenario.jobs[job.name.split("[")[0]].tuned_as is None)]
     done = sum(1 for job in final if tuned and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records))))
-    return {"tuning_done": sum(len(p.points) for p in plans.values()) - pending, "tuning_pending": pending,
+    return {"tuning_done": tuning_done, "tuning_pending": pending,
             "tuning_complete": int(tuned), "final_done": done, "final_planned": len(final)}
 
 
 def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides: list[str],
-                   other_seeds: int | None = None) -> str:
+                   other_seeds: int | None = None, tuning_from: Path | None = None) -> str:
     """The protocol's progress, one row per scenario (``records``: scenario -> its records folder),
     as a Markdown table (the page copies it)."""
     lines = ["| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned |",
              "|---|---|---|---|"]
     for name, folder in records.items():
-        p = progress(name, seeds, folder, overrides, other_seeds)
+        p = progress(name, seeds, folder, overrides, other_seeds, tuning_from)
         pending = f"{p['tuning_pending']}" + ("" if p["tuning_complete"] else " (more if a grid widens)")
         lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']} |")
     return "\n".join(lines)
@@ -759,6 +808,11 @@ def main(argv: list[str] | None = None) -> int:
                         "and restored from before running (default docs/results/records/<scenario>, with --gpu "
                         "<scenario>-gpu): the protocol continues from the committed records")
     parser.add_argument("--no-records", action="store_true", help="keep no records (runs stay under --out only)")
+    parser.add_argument("--tuning-from", default=None, metavar="DIR",
+                        help="run every job at the configuration the complete tuning stage kept in DIR chose (a "
+                        "records folder of the scenario run without --set) and tune nothing, the first seed's runs "
+                        "included: one precision or device checked against another at the same configurations, "
+                        "e.g. --set train.precision=bf16 --tuning-from docs/results/records/fedtreelora")
     parser.add_argument("--status", action="store_true",
                         help="print how far each scenario's protocol is in the records (runs done / known to be "
                         "planned) and exit; runs nothing")
@@ -794,9 +848,18 @@ def main(argv: list[str] | None = None) -> int:
             print("fidelity: error: --gpu needs a CUDA device and torch sees none; run without --gpu (CPU-sized) "
                   "or on a GPU machine", file=sys.stderr)
             return 2
+    tuning_from = None if args.tuning_from is None else Path(args.tuning_from)
+    if tuning_from is not None and (len(names) > 1 or not tuning_from.is_dir()):
+        print(f"fidelity: error: --tuning-from needs one --scenario and an existing folder, got {args.tuning_from!r}",
+              file=sys.stderr)
+        return 2
     if args.status:
         folders = {name: records_dir(args.records, name, len(names) > 1, list(args.set)) for name in names}
-        print(progress_table(folders, seeds, list(args.set), args.other_seeds))
+        try:
+            print(progress_table(folders, seeds, list(args.set), args.other_seeds, tuning_from))
+        except ConfigError as error:
+            print(f"fidelity: error: {error}", file=sys.stderr)
+            return 2
         return 0
     for name in names:
         folder = f"{name}-gpu" if args.gpu else name
@@ -808,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         records = None if args.no_records else records_dir(args.records, folder, len(names) > 1, list(args.set))
         try:
             own_seeds = list(known[name].seeds.core) if seeds is None else seeds
-            facts = run_scenario(name, own_seeds, out, workers, overrides, args.other_seeds, records)
+            facts = run_scenario(name, own_seeds, out, workers, overrides, args.other_seeds, records, tuning_from)
         except ConfigError as error:
             print(f"fidelity: error: {error}", file=sys.stderr)
             return 2

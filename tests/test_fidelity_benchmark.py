@@ -386,6 +386,39 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     assert row_after == f"| fedpissa | {4 * tuned} | 0 | {final} / {final} |"
 
 
+def test_a_precision_check_runs_every_seed_at_the_choices_of_another_folder_s_tuning(
+    fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: the fp32 protocol complete in its records
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    seeds = ["--scenario", "fedpissa", "--seeds", "0,1,2"]
+    assert fidelity.main([*seeds, "--records", str(fp32), "--out", str(tmp_path / "out32")]) == 0
+    fake_training.clear()
+    check = [*seeds, "--set", "train.precision=bf16", "--tuning-from", str(fp32), "--records", str(bf16)]
+    # Execute: the same scenario in bf16 at fp32's choices; its status before and after
+    assert fidelity.main([*check, "--status"]) == 0
+    before = capsys.readouterr().out
+    assert fidelity.main([*check, "--out", str(tmp_path / "out16")]) == 0
+    capsys.readouterr()
+    assert fidelity.main([*check, "--status"]) == 0
+    after = capsys.readouterr().out
+    # Assert: no tuning ran; every job ran at fp32's choice on every one of its seeds, in bf16
+    scenario = fidelity.scenarios()["fedpissa"]
+    chosen = fidelity.choices(scenario, fidelity.tuning_in(scenario, str(fidelity.ROOT / scenario.config), 0, fp32))
+    planned = fidelity.final_jobs(scenario, [0, 1, 2], chosen)
+    assert sorted((j.name, j.seed) for j in fake_training) == sorted((j.name, j.seed) for j in planned)
+    assert chosen["fedpissa"] == ("train.lr=0.003", "strategy.correction=literal")
+    kept = list(bf16.glob("*/seed*/results.json"))
+    assert len(kept) == len(planned)
+    assert {json.loads(k.read_text())["config"]["train"]["precision"] for k in kept} == {"bf16"}
+    assert "| fedpissa | 0 | 0 | 0 / " in before and f"| fedpissa | 0 | 0 | {len(planned)} / {len(planned)} |" in after
+    page = (tmp_path / "out16" / "fidelity.md").read_text()
+    assert f"--tuning-from {fp32}" in page and "Not run by this command" in page
+    # and a folder without that complete tuning is one line, exit 2
+    assert fidelity.main([*check[:-2], "--tuning-from", str(tmp_path), "--status"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_a_record_of_another_config_is_never_overwritten(tmp_path: Path) -> None:
     # Prepare: an fp32 record, and a finished bf16 run of the same job and seed
     from fedlora.config import load_config
