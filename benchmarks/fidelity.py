@@ -538,10 +538,78 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
         "primary": {"label": scenario.primary[0], "baseline": scenario.primary[1], "metric": scenario.metric},
         "device": device_name(resolve_base(config, overrides).train.device),
         "tree_agreement": tree_agreement_rows(out) if scenario.method == "fedtreelora" else [],
+        "against": None if tuning_from is None else against(tuning_from, folders, scenario, table, paired, seeds,
+                                                            other_seeds),
     }
     (out / "fidelity.json").write_text(json.dumps(facts, indent=2))
     (out / "fidelity.md").write_text(report(name, scenario, table, paired, facts, overrides))
     return facts
+
+
+def against(reference: Path, folders: dict[str, str], scenario: Scenario, table, paired: PairedTable,
+            seeds: list[int], other_seeds: int) -> dict[str, Any]:
+    """This command's runs against the same jobs at the same configurations in ``reference`` (the
+    ``--tuning-from`` folder, e.g. fp32 against this bf16): each comparison's paired difference on
+    the scenario's metric here and there (on the same seeds, and on every seed kept there), whether
+    this mean lies inside that interval and the conclusions agree (both intervals exclude 0 on the
+    same side, or both include it); and each job's mean run-to-run difference on the same seeds."""
+    theirs = summarize(reference, labels=list(folders), rename=folders, seeds=seeds, write=False)
+    everything = summarize(reference, labels=list(folders), rename=folders, write=False)
+    wanted = comparisons(scenario, seeds, other_seeds)
+    kwargs = {"primary": scenario.primary, "primary_metric": scenario.metric, "metrics": (scenario.metric,)}
+    ran = {(r["strategy"], int(r["seed"])) for r in everything.runs}
+    both = [Pair(p.label, p.baseline, tuple(sorted(s for (label, s) in ran if label == p.label
+                                                    and (p.baseline, s) in ran))) for p in wanted]
+    same, every = paired_comparisons(theirs.runs, wanted, **kwargs), paired_comparisons(everything.runs, both, **kwargs)
+
+    def side(row: dict[str, Any]) -> str:
+        return "inside" if row["ci_low"] <= 0 <= row["ci_high"] else ("above" if row["ci_low"] > 0 else "below")
+
+    rows = []
+    for pair in wanted:
+        try:
+            mine, there, all_there = (t.row(pair.label, scenario.metric, pair.baseline) for t in (paired, same, every))
+        except KeyError:
+            continue
+        rows.append({"label": pair.label, "baseline": pair.baseline, "n": int(mine["n"]),
+                     "this": [mine["mean_difference"], mine["ci_low"], mine["ci_high"]],
+                     "there": [there["mean_difference"], there["ci_low"], there["ci_high"]],
+                     "there_all": [all_there["mean_difference"], all_there["ci_low"], all_there["ci_high"],
+                                   int(all_there["n"])],
+                     "within": bool(all_there["ci_low"] <= mine["mean_difference"] <= all_there["ci_high"]),
+                     "agree": side(mine) == side(there)})
+    key = scenario.metric
+    by_run = {(r["strategy"], int(r["seed"])): r[key] for r in theirs.runs}
+    jobs = []
+    for label in folders.values():
+        differences = [r[key] - by_run[(label, int(r["seed"]))] for r in table.runs
+                       if r["strategy"] == label and (label, int(r["seed"])) in by_run]
+        if differences:
+            jobs.append({"job": label, "n": len(differences), "mean": sum(differences) / len(differences),
+                         "max_abs": max(abs(d) for d in differences)})
+    return {"reference": _shown_path(reference), "metric": key, "comparisons": rows, "jobs": jobs}
+
+
+def against_markdown(facts: dict[str, Any]) -> list[str]:
+    """The page's section of :func:`against`, in points."""
+    def ci(values: list[float]) -> str:
+        return f"{100 * values[0]:+.2f} [{100 * values[1]:+.2f}, {100 * values[2]:+.2f}]"
+
+    lines = [f"## Against `{facts['reference']}` (same jobs, configurations and seeds)", "",
+             (f"Paired differences on `{facts['metric']}` in points, mean [95 % bootstrap interval]: this command's "
+              "runs, the reference's runs on the same seeds, and the reference's on every seed it kept. "
+              "Inside: this mean lies inside the reference's interval on every seed. Same conclusion: both "
+              "intervals on the same seeds exclude 0 on the same side, or both include it."), "",
+             "| comparison | seeds | this | reference, same seeds | reference, every seed (n) | inside | same conclusion |",
+             "|---|---|---|---|---|---|---|"]
+    for row in facts["comparisons"]:
+        lines.append(f"| {row['label']} − {row['baseline']} | {row['n']} | {ci(row['this'])} | {ci(row['there'])} | "
+                     f"{ci(row['there_all'][:3])} ({row['there_all'][3]}) | {'yes' if row['within'] else 'no'} | "
+                     f"{'yes' if row['agree'] else 'no'} |")
+    lines += ["", "Each job, run against run on the same seed (this − reference, points):", "",
+              "| job | seeds | mean | largest absolute |", "|---|---|---|---|"]
+    lines += [f"| {j['job']} | {j['n']} | {100 * j['mean']:+.2f} | {100 * j['max_abs']:.2f} |" for j in facts["jobs"]]
+    return [*lines, ""]
 
 
 def add_final_metrics(table, runs: dict[str, list[dict]], keys: tuple[str, ...]) -> None:
@@ -690,7 +758,10 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
                    f"{facts['stage_seconds']['tuning'] / 60:.0f} minutes, final runs "
                    f"{facts['stage_seconds']['final'] / 60:.0f} (complete runs are skipped, so a resumed command "
                    f"counts only what it ran)."), ""]
-    lines += [paired.to_markdown(heading="##"), "## Mechanisms", "",
+    lines += [paired.to_markdown(heading="##")]
+    if facts.get("against"):
+        lines += against_markdown(facts["against"])
+    lines += ["## Mechanisms", "",
               "Each numeric entry of the rounds' `extra`, by round (mean ± std over seeds):", "",
               "![mechanisms](mechanisms.png)", ""]
     if table.extra_keys:

@@ -387,13 +387,21 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
 
 
 def test_a_precision_check_runs_every_seed_at_the_choices_of_another_folder_s_tuning(
-    fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Prepare: the fp32 protocol complete in its records
+    # Prepare: the fp32 protocol complete in its records; in bf16, FedPISSA's runs lose 2 points
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     seeds = ["--scenario", "fedpissa", "--seeds", "0,1,2"]
     assert fidelity.main([*seeds, "--records", str(fp32), "--out", str(tmp_path / "out32")]) == 0
     fake_training.clear()
+
+    def in_bf16(config, label, lr, seed, fp32_results=fake_results):
+        results = fp32_results(config, label, lr, seed)
+        if label == "fedpissa" and config.train.precision == "bf16":
+            results["final"]["personalized_accuracy"] -= 0.02
+        return results
+
+    monkeypatch.setattr(sys.modules[__name__], "fake_results", in_bf16)
     check = [*seeds, "--set", "train.precision=bf16", "--tuning-from", str(fp32), "--records", str(bf16)]
     # Execute: the same scenario in bf16 at fp32's choices; its status before and after
     assert fidelity.main([*check, "--status"]) == 0
@@ -414,6 +422,15 @@ def test_a_precision_check_runs_every_seed_at_the_choices_of_another_folder_s_tu
     assert "| fedpissa | 0 | 0 | 0 / " in before and f"| fedpissa | 0 | 0 | {len(planned)} / {len(planned)} |" in after
     page = (tmp_path / "out16" / "fidelity.md").read_text()
     assert f"--tuning-from {fp32}" in page and "Not run by this command" in page
+    # the section against fp32: the primary's +2 points vanish in bf16, so neither inside nor the same
+    # conclusion; over FedIT +3 become +1: not inside, yet the same conclusion (above 0 both);
+    # run against run, FedPISSA -2.00, FeddPA 0
+    section = page.split("## Against")[1].split("## Mechanisms")[0]
+    assert "| fedpissa − feddpa | 3 | +0.00 [+0.00, +0.00] | +2.00 [+2.00, +2.00] | +2.00 [+2.00, +2.00] (3) | no | no |" \
+        in section
+    assert "| fedpissa | 3 | -2.00 | 2.00 |" in section and "| feddpa | 3 | +0.00 | 0.00 |" in section
+    assert "| fedpissa − fedit | 3 | +1.00 [+1.00, +1.00] | +3.00 [+3.00, +3.00] | +3.00 [+3.00, +3.00] (3) | no | yes |" \
+        in section
     # and a folder without that complete tuning is one line, exit 2
     assert fidelity.main([*check[:-2], "--tuning-from", str(tmp_path), "--status"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
