@@ -459,14 +459,29 @@ def test_a_record_of_another_config_is_never_overwritten(tmp_path: Path) -> None
 
 
 def committed_records() -> list[tuple[str, str, Path]]:
-    """(scenario, job folder, seed folder) of every committed record of a scenario's own folder."""
+    """(scenario, job folder, seed folder) of every committed record: a scenario's own folder and
+    its folders of overrides (``<scenario>+<overrides>``, :func:`fidelity.records_dir`)."""
     root = fidelity.ROOT / fidelity.RECORDS
-    return [(name, seed.parent.name, seed) for name in fidelity.scenarios() if (root / name).is_dir()
-            for seed in sorted((root / name).glob("*/seed*")) if (seed / "results.json").is_file()]
+    folders = [(name, folder) for name in fidelity.scenarios() for folder in sorted(root.glob(f"{name}*"))
+               if folder.is_dir() and folder.name.partition("+")[0] == name]
+    return [(name, seed.parent.name, seed) for name, folder in folders
+            for seed in sorted(folder.glob("*/seed*")) if (seed / "results.json").is_file()]
+
+
+def folder_overrides(seed_dir: Path) -> list[str]:
+    """The ``--set`` overrides a records folder ``<scenario>+<overrides>`` was named after."""
+    tag = seed_dir.parent.parent.name.partition("+")[2]
+    return re.split(r"_(?=[a-z]+\.[a-z_]+=)", tag) if tag else []
+
+
+def test_folder_overrides_read_back_what_records_dir_wrote() -> None:
+    overrides = ["train.precision=bf16", "train.device=cuda", "strategy.robust_loss=all"]
+    folder = fidelity.records_dir(None, "feddr_lora", False, overrides)
+    assert sorted(folder_overrides(folder / "job" / "seed0")) == sorted(overrides)
 
 
 @pytest.mark.parametrize(("name", "folder", "seed_dir"), committed_records(),
-                         ids=[f"{n}/{f}/{s.name}" for n, f, s in committed_records()])
+                         ids=[f"{s.parent.parent.name}/{f}/{s.name}" for n, f, s in committed_records()])
 def test_every_committed_record_is_still_a_complete_run_of_its_job(name: str, folder: str, seed_dir: Path) -> None:
     # Prepare: the job the record's folder names, built as the command builds it today
     scenario = fidelity.scenarios()[name]
@@ -474,7 +489,7 @@ def test_every_committed_record_is_still_a_complete_run_of_its_job(name: str, fo
     point = tuple(o for o in rest.removesuffix("]").split(",") if o)
     spec = scenario.jobs[label]
     job = Job(spec.strategy, int(seed_dir.name.removeprefix("seed")), spec.overrides + point, folder, fresh_partition=True)
-    config = job_config(resolve_base(str(fidelity.ROOT / scenario.config)), job, seed_dir)
+    config = job_config(resolve_base(str(fidelity.ROOT / scenario.config), folder_overrides(seed_dir)), job, seed_dir)
     # Assert: an option added since (RECORD_DEFAULTS) must not silently turn a record into a rerun
     from fedlora.app.jobs import is_complete
 
