@@ -827,13 +827,19 @@ def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides:
 
 
 # --------------------------------------------------------------------------- command line
+def tagged(folder: str, overrides: list[str] | None = None) -> str:
+    """``folder``, or with ``--set`` overrides ``<folder>+<overrides>`` (sorted, each made safe for
+    a path): runs of another device or precision never share a path with the scenario's own."""
+    tag = "_".join(re.sub(r"[^A-Za-z0-9._=-]", "-", override) for override in sorted(overrides or ()))
+    return f"{folder}+{tag}" if tag else folder
+
+
 def records_dir(records: str | None, folder: str, several: bool, overrides: list[str] | None = None) -> Path:
     """``--records`` for one scenario's ``folder``: a subfolder of it when several scenarios run.
-    By default ``docs/results/records/<folder>``, and with ``--set`` overrides a folder of their
-    own (``<folder>+<overrides>``): runs of another device or precision never share a record's path."""
+    By default ``docs/results/records/<folder>``, with ``--set`` overrides a folder of their own
+    (:func:`tagged`)."""
     if records is None:
-        tag = "_".join(re.sub(r"[^A-Za-z0-9._=-]", "-", override) for override in sorted(overrides or ()))
-        return ROOT / RECORDS / (f"{folder}+{tag}" if tag else folder)
+        return ROOT / RECORDS / tagged(folder, overrides)
     return Path(records) / folder if several else Path(records)
 
 
@@ -871,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None, help="runs at a time (processes; they share a GPU); "
                         "default 2, with --gpu the scenario's number of jobs (all runs of a seed at once)")
     parser.add_argument("--out", default=None, help="output folder (default runs/fidelity/<scenario>, with --gpu "
-                        "runs/fidelity/<scenario>-gpu)")
+                        "runs/fidelity/<scenario>-gpu; with --set, +<overrides> added, as the records' folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override for every run, e.g. train.device=cuda")
     parser.add_argument("--records", default=None, metavar="DIR",
@@ -934,7 +940,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name in names:
         folder = f"{name}-gpu" if args.gpu else name
-        out = Path(args.out) / folder if args.out and len(names) > 1 else Path(args.out or ROOT / "runs/fidelity" / folder)
+        own = tagged(folder, list(args.set))  # runs of other overrides never land in the scenario's own folder
+        out = Path(args.out) / own if args.out and len(names) > 1 else Path(args.out or ROOT / "runs/fidelity" / own)
         overrides, workers = list(args.set), args.workers or 2
         if args.gpu:
             overrides = [*known[name].gpu, "train.device=cuda", *args.set]  # the user's --set wins

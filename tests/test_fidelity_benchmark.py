@@ -519,6 +519,9 @@ def test_overrides_keep_their_records_apart() -> None:
     assert fidelity.records_dir(None, "fedpissa", False, ["train.precision=bf16", "train.device=cuda"]) == (
         fidelity.ROOT / "docs/results/records/fedpissa+train.device=cuda_train.precision=bf16")
     assert fidelity.records_dir(None, "x", False, ["model.path='/m'"]).name == "x+model.path=--m-"
+    # the default output folder is named the same way (tagged), so a bf16 run never meets an fp32 run's folder
+    assert fidelity.tagged("fedpissa") == "fedpissa"
+    assert fidelity.tagged("fedpissa", ["train.precision=bf16"]) == "fedpissa+train.precision=bf16"
 
 
 def test_the_page_reads_the_trees_agreement_with_the_task_groups_from_the_recorded_clusters(tmp_path: Path) -> None:
