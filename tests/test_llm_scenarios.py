@@ -127,11 +127,12 @@ def test_gpu_is_the_full_version_in_one_command(monkeypatch: pytest.MonkeyPatch,
     # Execute
     assert fidelity.main(["--scenario", "fedhera_llm", "--gpu", "--set", "train.rounds=60"]) == 0
     # Assert: seeds 0..4, every job of a seed at once, the full-size overrides then CUDA then the user's
-    name, seeds, out, workers, overrides, _, records = calls[0]
+    name, seeds, out, workers, overrides, _, records, tuning_from = calls[0]
     assert name == "fedhera_llm" and seeds == [0, 1, 2, 3, 4] and workers == len(scenario.jobs) == 7
     assert overrides == [*scenario.gpu, "train.device=cuda", "train.rounds=60"] and "data.num_clients=100" in overrides
-    assert out == tmp_path / "runs/fidelity/fedhera_llm-gpu"  # apart from the CPU-sized runs
+    assert out == tmp_path / "runs/fidelity/fedhera_llm-gpu+train.rounds=60"  # apart from the CPU-sized runs
     assert records == tmp_path / "docs/results/records/fedhera_llm-gpu+train.rounds=60"  # and so are its records
+    assert tuning_from is None  # the GPU version tunes on its own
     # the final runs go seed by seed, so the 7 workers run one seed's jobs together
     chosen = {label: ("train.lr=0.002",) for label in scenario.jobs}
     order = [job.seed for job in fidelity.final_jobs(scenario, seeds, chosen)]
