@@ -323,9 +323,7 @@ def tune_scenario(scenario: Scenario, config: str, seed: int, out: Path, workers
     has chosen (``on_done``: called with each run as it finishes)."""
     base = resolve_base(config, overrides)
     while True:
-        runs = load_runs(out, seeds=[seed])
-        plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seed, base, out, runs))
-                 for label, spec in scenario.jobs.items() if spec.tuned_as is None}
+        plans = plans_in(scenario, base, seed, out)
         pending = [tuning_job(scenario, label, point, seed) for label, p in plans.items() for point in p.pending]
         if not pending:
             return plans
@@ -333,17 +331,23 @@ def tune_scenario(scenario: Scenario, config: str, seed: int, out: Path, workers
         run_jobs(base, pending, out, engine="inprocess", workers=workers, on_done=on_done)
 
 
+def plans_in(scenario: Scenario, base: Any, seed: int, folder: Path) -> dict[str, TunePlan]:
+    """Every tuned job's plan (``tuned_as`` None) as the complete runs in ``folder`` on ``seed``
+    leave it (runs of another config than ``base``'s count as not run)."""
+    runs = load_runs(folder, seeds=[seed]) if folder.is_dir() else {}
+    return {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seed, base, folder, runs))
+            for label, spec in scenario.jobs.items() if spec.tuned_as is None}
+
+
 def tuning_in(scenario: Scenario, config: str, seed: int, records: Path) -> dict[str, TunePlan]:
     """The complete tuning stage of ``scenario`` kept in ``records`` (a records or output folder of
     the scenario run at its own config, without ``--set``), read as :func:`tune_scenario` would have
     left it; runs nothing. Raises ConfigError in one line when a tuned job has not chosen there."""
     base = resolve_base(config, [])
-    runs = load_runs(records, seeds=[seed]) if records.is_dir() else {}
     silent = logging.Filter("nothing")  # a read: no "running it again" for runs of another config there
     logger.addFilter(silent)
     try:
-        plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seed, base, records, runs))
-                 for label, spec in scenario.jobs.items() if spec.tuned_as is None}
+        plans = plans_in(scenario, base, seed, records)
     finally:
         logger.removeFilter(silent)
     pending = sum(len(p.pending) for p in plans.values())
@@ -553,14 +557,14 @@ def against(reference: Path, folders: dict[str, str], scenario: Scenario, table,
     the scenario's metric here and there (on the same seeds, and on every seed kept there), whether
     this mean lies inside that interval and the conclusions agree (both intervals exclude 0 on the
     same side, or both include it); and each job's mean run-to-run difference on the same seeds."""
-    theirs = summarize(reference, labels=list(folders), rename=folders, seeds=seeds, write=False)
-    everything = summarize(reference, labels=list(folders), rename=folders, write=False)
+    everything = summarize(reference, labels=list(folders), rename=folders, write=False).runs
+    theirs = [r for r in everything if int(r["seed"]) in seeds]
     wanted = comparisons(scenario, seeds, other_seeds)
     kwargs = {"primary": scenario.primary, "primary_metric": scenario.metric, "metrics": (scenario.metric,)}
-    ran = {(r["strategy"], int(r["seed"])) for r in everything.runs}
+    ran = {(r["strategy"], int(r["seed"])) for r in everything}
     both = [Pair(p.label, p.baseline, tuple(sorted(s for (label, s) in ran if label == p.label
                                                     and (p.baseline, s) in ran))) for p in wanted]
-    same, every = paired_comparisons(theirs.runs, wanted, **kwargs), paired_comparisons(everything.runs, both, **kwargs)
+    same, every = paired_comparisons(theirs, wanted, **kwargs), paired_comparisons(everything, both, **kwargs)
 
     def side(row: dict[str, Any]) -> str:
         return "inside" if row["ci_low"] <= 0 <= row["ci_high"] else ("above" if row["ci_low"] > 0 else "below")
@@ -579,7 +583,7 @@ def against(reference: Path, folders: dict[str, str], scenario: Scenario, table,
                      "within": bool(all_there["ci_low"] <= mine["mean_difference"] <= all_there["ci_high"]),
                      "agree": side(mine) == side(there)})
     key = scenario.metric
-    by_run = {(r["strategy"], int(r["seed"])): r[key] for r in theirs.runs}
+    by_run = {(r["strategy"], int(r["seed"])): r[key] for r in theirs}
     jobs = []
     for label in folders.values():
         differences = [r[key] - by_run[(label, int(r["seed"]))] for r in table.runs
@@ -798,9 +802,7 @@ def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[
         plans = tuning_in(scenario, config, seeds[0], tuning_from)
         tuning_done = pending = 0
     else:
-        runs = load_runs(records, seeds=[seeds[0]]) if records.is_dir() else {}
-        plans = {label: plan(scenario.budget, spec.knob, _scorer(scenario, label, seeds[0], base, records, runs))
-                 for label, spec in scenario.jobs.items() if spec.tuned_as is None}
+        plans = plans_in(scenario, base, seeds[0], records)
         pending = sum(len(p.pending) for p in plans.values())
         tuning_done = sum(len(p.points) for p in plans.values()) - pending
     tuned = all(p.chosen is not None for p in plans.values())
