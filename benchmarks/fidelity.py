@@ -643,27 +643,32 @@ def device_name(device: str) -> str:
 
 def tuning_facts(p: TunePlan, out: Path, label: str, seed: int) -> dict:
     """The configurations one job tried, their validation scores, the choice and the widening."""
-    scores, minutes = {}, 0.0
+    scores, minutes, cpu = {}, 0.0, []
     for point in p.points:
         runs = load_runs(out, [point_label(label, point)], [seed]).get(point_label(label, point))
         scores[",".join(point)] = validation_score(runs[0]) if runs else math.nan
         minutes += float(runs[0].get("wall_seconds") or 0.0) / 60 if runs else 0.0
+        if runs and runs[0].get("cpu_seconds") is not None:
+            cpu.append(float(runs[0]["cpu_seconds"]) / 60)
     return {"chosen": ",".join(p.chosen or ()), "configurations": len(p.points),
             "budget": len(p.budget_points), "widened": p.widened, "at_edge": p.at_edge, "validation_scores": scores,
-            "worker_minutes": minutes}
+            "worker_minutes": minutes, "cpu_minutes": sum(cpu), "cpu_runs": len(cpu)}
 
 
 def times(table, workers: int) -> dict:
     """Minutes per run (mean wall time per job) and per seed (the seed's runs, summed and divided
-    among the workers), from the runs' own wall times."""
+    among the workers), from the runs' own wall times; and the CPU minutes of the runs that recorded
+    them (``cpu_seconds``: the run's cost whatever else the machine ran; older records lack it)."""
     per_seed: dict[int, float] = {}
     for run in table.runs:
         if math.isfinite(run["wall_seconds"]):
             per_seed[int(run["seed"])] = per_seed.get(int(run["seed"]), 0.0) + run["wall_seconds"] / 60
+    cpu = [run["cpu_seconds"] / 60 for run in table.runs if math.isfinite(run.get("cpu_seconds", math.nan))]
     return {
         "minutes_per_run": {row["strategy"]: row["wall_seconds_mean"] / 60 for row in table.rows},
         "worker_minutes_per_seed": per_seed,
         "minutes_per_seed": {seed: minutes / workers for seed, minutes in per_seed.items()},
+        "cpu_minutes": sum(cpu), "cpu_runs": len(cpu), "runs": len(table.runs),
     }
 
 
@@ -688,6 +693,11 @@ def _cell(row: dict, key: str, digits: int = 3) -> str:
     if not math.isfinite(mean):
         return "-"
     return f"{mean:.{digits}f} ± {std:.{digits}f}" if row["seeds"] > 1 else f"{mean:.{digits}f}"
+
+
+def _minutes(seconds: float | None) -> str:
+    """Seconds as minutes with one decimal, '-' where not recorded."""
+    return f"{seconds / 60:.1f}" if seconds is not None and math.isfinite(seconds) else "-"
 
 
 def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dict, overrides: list[str]) -> str:
@@ -736,14 +746,16 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
                      f"{scores} |")
     columns = (CAUSAL_COLUMNS if scenario.causal else CLASSIFIER_COLUMNS)
     lines += ["", "## Results (final round, mean ± std over seeds)", "",
-              f"| job | role | seeds | {' | '.join(header for _, header in columns)} | MB total | min / run |",
-              "|---|---|---|" + "---|" * (len(columns) + 2)]
+              (f"| job | role | seeds | {' | '.join(header for _, header in columns)} | MB total | min / run | "
+               "CPU min / run |"),
+              "|---|---|---|" + "---|" * (len(columns) + 3)]
     for row in table.rows:
         spec = scenario.jobs[row["strategy"]]
         note = f" ({spec.note})" if spec.note else ""
         cells = " | ".join(_cell(row, key) for key, _ in columns)
         lines.append(f"| {row['strategy']}{note} | {spec.role} | {row['seeds']} | {cells} | "
-                     f"{row['bytes_total_mean'] / 1e6:.1f} | {row['wall_seconds_mean'] / 60:.1f} |")
+                     f"{row['bytes_total_mean'] / 1e6:.1f} | {row['wall_seconds_mean'] / 60:.1f} | "
+                     f"{_minutes(row.get('cpu_seconds_mean'))} |")
     if scenario.causal:
         lines += ["", ("Received: each sampled client's model as received, before it trains, on its local test "
                        "split, teacher-forced (next-token accuracy and loss per response token, token-weighted; the "
@@ -762,6 +774,12 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
                    f"{facts['stage_seconds']['tuning'] / 60:.0f} minutes, final runs "
                    f"{facts['stage_seconds']['final'] / 60:.0f} (complete runs are skipped, so a resumed command "
                    f"counts only what it ran)."), ""]
+    tuning_cpu_runs = sum(info.get("cpu_runs", 0) for info in facts["tuning"].values())
+    if t.get("cpu_runs") or tuning_cpu_runs:
+        tuning_cpu = sum(info.get("cpu_minutes", 0.0) for info in facts["tuning"].values())
+        lines[-1:] = [(f"CPU time, the cost whatever else the machine ran (recorded by {t['cpu_runs']} of the "
+                       f"{t['runs']} final runs and {tuning_cpu_runs} of the {tuning_runs} tuning runs; older records "
+                       f"lack it): final runs {t['cpu_minutes']:.0f} CPU-minutes, tuning runs {tuning_cpu:.0f}."), ""]
     lines += [paired.to_markdown(heading="##")]
     if facts.get("against"):
         lines += against_markdown(facts["against"])

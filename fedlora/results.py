@@ -2,7 +2,9 @@
 
 ``rounds`` holds one object per round with at least ``round``, ``global_accuracy``,
 ``personalized_accuracy``, ``train_loss``, ``bytes_up``, ``bytes_down``, ``clients``,
-``failures`` and ``seconds``; ``final`` repeats the last evaluated round plus ``bytes_total``.
+``failures``, ``seconds`` and ``cpu_seconds``; ``final`` repeats the last evaluated round plus
+``bytes_total``. ``wall_seconds`` / ``cpu_seconds`` at the top level cover the whole run, a resumed
+run's earlier rounds included.
 Accuracy is a fraction in [0, 1]; bytes are the exact sizes of the arrays that crossed the wire.
 
 A causal-LM run (``model.kind = 'causal_lm'``) has no accuracy (those fields stay null); it
@@ -78,6 +80,10 @@ class RoundRecord:
     # aggregated (faults.anomaly_action = 'log') or also counted in rejected ('reject')
     anomalies: list[str] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the round (train + evaluation)
+    # CPU time the server's process spent in the round, every thread: in the in-process engine that
+    # includes each client's training and evaluation (what a run costs, however loaded the machine);
+    # under Ray or in deployment the clients run elsewhere, so it is the server's share only
+    cpu_seconds: float = 0.0
     client_train_seconds: float = 0.0  # summed local training time of the clients
     train_examples: int = 0  # examples processed by local training (with repetition)
     aggregation_seconds: float = 0.0  # server-side aggregation time
@@ -123,10 +129,20 @@ class ResultsWriter:
         # train.precision as resolved on the server's machine (in simulation, every client's): "fp32" / "bf16"
         self.precision = ""
         self.started = time.time()
+        self.cpu_started = time.process_time()
+        # a resumed run: the wall and CPU seconds of the rounds restored from its checkpoint
+        self.earlier_seconds = 0.0
+        self.earlier_cpu_seconds = 0.0
 
     @property
     def path(self) -> Path:
         return self.out_dir / "results.json"
+
+    def restore(self, rounds: list[RoundRecord]) -> None:
+        """Continue a checkpointed run: its completed rounds, whose times count towards the run's."""
+        self.rounds = list(rounds)
+        self.earlier_seconds = sum(r.seconds for r in self.rounds)
+        self.earlier_cpu_seconds = sum(r.cpu_seconds for r in self.rounds)
 
     def add(self, record: RoundRecord) -> None:
         self.rounds.append(record)
@@ -173,7 +189,10 @@ class ResultsWriter:
             **({"precision": self.precision} if self.precision else {}),
             "rounds": [asdict(r) for r in self.rounds],
             "final": self.final(),
-            "wall_seconds": time.time() - self.started,
+            # the whole run: this process's time plus, for a resumed run, its restored rounds' (the
+            # setup before round 1 of an interrupted attempt is not counted)
+            "wall_seconds": time.time() - self.started + self.earlier_seconds,
+            "cpu_seconds": time.process_time() - self.cpu_started + self.earlier_cpu_seconds,
         }
         if self.privacy is not None:
             data["privacy"] = self.privacy

@@ -183,6 +183,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self.ledger = PrivacyLedger()
         self.records: dict[int, RoundRecord] = {}
         self.started: dict[int, float] = {}
+        self.cpu_started: dict[int, float] = {}
         self.rng = np.random.default_rng(experiment.train.seed)  # the client sampler
         self.failed_rounds = 0  # consecutive rounds with too few valid updates
         self.common_rank = 0  # > 0: a same-rank method runs every client at this rank
@@ -560,12 +561,14 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if server_round not in self.records:
             self.records[server_round] = RoundRecord(round=server_round)
             self.started[server_round] = time.perf_counter()
+            self.cpu_started[server_round] = time.process_time()
         return self.records[server_round]
 
     def finish_round(self, server_round: int) -> RoundRecord:
-        """The round's record, with its wall time; called by the ServerApp after evaluation."""
+        """The round's record, with its wall and CPU time; called by the ServerApp after evaluation."""
         record = self.record(server_round)
         record.seconds = time.perf_counter() - self.started[server_round]
+        record.cpu_seconds = time.process_time() - self.cpu_started[server_round]
         return record
 
     def privacy_report(self) -> dict[str, Any] | None:

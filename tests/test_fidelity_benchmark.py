@@ -275,7 +275,8 @@ def test_the_chosen_configuration_is_reused_for_every_seed_and_its_tuning_run_is
 # --------------------------------------------------------------------------- the whole scenario, runs faked
 def fake_results(config, label: str, lr: float, seed: int) -> dict:
     """A complete results.json of ``config``: validation peaks at lr 3e-3 (the method's knob adds
-    0.01 at its second value), test scores from the label and seed, a mechanism key for the method."""
+    0.01 at its second value), test scores from the label and seed, a mechanism key for the method;
+    CPU time (5 minutes) from seed 1 on, as if the first seed's records predated its measurement."""
     rounds = config.train.rounds
     validation = 0.8 - abs(math.log(lr / 3e-3)) / 10 + (0.01 if "literal" in json.dumps(config.strategy.options()) else 0)
     personal = 0.80 + 0.01 * seed + {"fedpissa": 0.03, "feddpa": 0.01}.get(label, 0.0)
@@ -284,7 +285,8 @@ def fake_results(config, label: str, lr: float, seed: int) -> dict:
                for r in range(1, rounds + 1)]
     final = {"personalized_accuracy": personal, "personalized_accuracy_worst": personal - 0.1,
              "global_accuracy": 0.85 if label != "centralized" else 0.86, "received_accuracy": personal - 0.01}
-    return {"config": config.model_dump(mode="json"), "rounds": records, "final": final, "wall_seconds": 600.0}
+    cpu = {"cpu_seconds": 300.0} if seed >= 1 else {}
+    return {"config": config.model_dump(mode="json"), "rounds": records, "final": final, "wall_seconds": 600.0, **cpu}
 
 
 @pytest.fixture
@@ -340,6 +342,15 @@ def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_tim
     assert "| fedpissa_lam0 (lambda = 0: B averaged, A local, no correction) | ablation | 5 |" in page
     assert "**fedpissa − feddpa** (primary)" in page and "p (Holm)" in page
     assert "worst client" in page and "MB total" in page and "min / run" in page and "minutes per seed" in page
+    # CPU minutes: the mean over the runs that recorded them (seeds 1-4), and how many did
+    method_row = next(line for line in page.splitlines() if line.startswith("| fedpissa ("))
+    assert method_row.endswith("| 10.0 | 5.0 |")
+    cpu_line = re.search(r"recorded by (\d+) of the (\d+) final runs and 0 of the (\d+) tuning runs; older records "
+                         r"lack it\): final runs (\d+) CPU-minutes, tuning runs 0\.", page)
+    assert cpu_line is not None
+    recorded, runs = int(cpu_line[1]), int(cpu_line[2])
+    assert 0 < recorded < runs  # the first seed's runs did not record it
+    assert int(cpu_line[4]) == 5 * recorded
     assert "![mechanisms](mechanisms.png)" in page and (tmp_path / "mechanisms.png").stat().st_size > 0
     assert "relative_correction" in page and (tmp_path / "paired.csv").is_file()
     assert facts["primary"] == {"label": "fedpissa", "baseline": "feddpa", "metric": "personalized_accuracy"}

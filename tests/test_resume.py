@@ -24,7 +24,7 @@ from fedlora.checkpoint import (
     save_server,
 )
 from fedlora.config import ConfigError, load_config
-from fedlora.results import RoundRecord
+from fedlora.results import ResultsWriter, RoundRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
@@ -69,6 +69,21 @@ def _assert_wire_close(actual: dict, expected: dict) -> None:
         for key in _WIRE:
             assert abs(int(a.get(key) or 0) - int(e.get(key) or 0)) <= _BYTES_PER_MESSAGE * 2 * replies, (
                 f"round {e['round']} {key}: {a.get(key)} vs {e.get(key)}")
+
+
+def test_a_resumed_run_counts_the_time_of_its_restored_rounds(tmp_path):
+    # Prepare: a writer continuing a run whose two checkpointed rounds took 100 s (60 s of CPU)
+    writer = ResultsWriter(load_config(SMOKE), tmp_path)
+    writer.restore([RoundRecord(round=1, seconds=40.0, cpu_seconds=25.0),
+                    RoundRecord(round=2, seconds=60.0, cpu_seconds=35.0)])
+
+    # Execute
+    results = writer.to_dict()
+
+    # Assert: the run's wall and CPU times start from the restored rounds', not from zero
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
+    assert 100.0 <= results["wall_seconds"] < 110.0
+    assert 60.0 <= results["cpu_seconds"] < 70.0
 
 
 def test_client_state_restores_newest_round_not_after_resume_round(tmp_path):
@@ -163,6 +178,10 @@ def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy, 
     assert [r["round"] for r in res_results["rounds"]] == list(range(1, ROUNDS + 1))
     assert_close(_rounds(res_results), _rounds(ref_results), "rounds")
     _assert_wire_close(res_results, ref_results)
+    # the resumed run's times cover its restored rounds too; every round measured its CPU time
+    assert all(r["cpu_seconds"] > 0 for r in res_results["rounds"])
+    assert res_results["wall_seconds"] >= sum(r["seconds"] for r in res_results["rounds"])
+    assert res_results["cpu_seconds"] >= sum(r["cpu_seconds"] for r in res_results["rounds"])
     ref_adapters, res_adapters = _adapters(reference), _adapters(resumed)
     assert ref_adapters and ref_adapters.keys() == res_adapters.keys()
     for name, tensors in ref_adapters.items():

@@ -119,7 +119,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         if strategy.paths.checkpoint_dir:  # states the interrupted round wrote belong to no completed round
             checkpoint.drop_client_states_after(strategy.paths.checkpoint_dir, saved["round"])
         first += 1
-        writer.rounds = list(saved["rounds"])
+        writer.restore(saved["rounds"])
         writer.privacy = saved.get("privacy")
         say(f"resuming {out_dir} after round {saved['round']} of {config.train.rounds}")
 
@@ -145,9 +145,10 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     causal = config.model.kind == "causal_lm"
     if causal and first == 1:  # the zero-shot reference: the initial adapter (B = 0) is the base model
         zero_shot = RoundRecord(round=0)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         evaluator.evaluate_into(evaluator.initial_adapter(config.model.lora_rank), zero_shot, out_dir)
         zero_shot.seconds = time.perf_counter() - started
+        zero_shot.cpu_seconds = time.process_time() - cpu_started
         writer.add(zero_shot)
         tracker.round(zero_shot)
         say(progress_line(zero_shot, config.train.rounds, causal))

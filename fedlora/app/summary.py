@@ -61,6 +61,9 @@ COLUMNS: tuple[Column, ...] = (
            "(CPU or GPU wall time of the clients' training loops)", digits=2),
     Column("aggregation_seconds", "server agg s", "server aggregation seconds summed over rounds", digits=3),
     Column("wall_seconds", "wall s", "wall time of the whole run (engine start excluded)", digits=1),
+    Column("cpu_seconds", "CPU s", "CPU time of the server's process over the whole run, every thread (with the "
+           "in-process engine the clients' training and evaluation too: the run's cost however loaded the machine "
+           "was; absent from records written before it was measured)", digits=1),
 )
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 # The terminal's table (ComparisonTable.to_text): these columns, in this order of priority, as many
@@ -90,6 +93,7 @@ def run_row(results: dict[str, Any]) -> dict[str, float]:
     row["client_train_seconds"] = sum(number(r.get("client_train_seconds")) for r in rounds) if rounds else math.nan
     row["aggregation_seconds"] = sum(number(r.get("aggregation_seconds")) for r in rounds) if rounds else math.nan
     row["wall_seconds"] = number(results.get("wall_seconds"))
+    row["cpu_seconds"] = number(results.get("cpu_seconds"))
     row.update(final_extra(rounds))
     return row
 
