@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import datasets
@@ -250,7 +251,10 @@ def _load_partitions(partitioner: Partitioner, labels: np.ndarray, cfg: DataConf
     )
     partitioner.dataset = index.with_format("arrow")
     try:
-        return [np.asarray(partitioner.load_partition(i)["row"]) for i in range(partitioner.num_partitions)]
+        with warnings.catch_warnings():  # a Dirichlet draw short of min_partition_size is redrawn, as
+            # it should be; flwr-datasets warns at each redraw (a failure still raises, below)
+            warnings.filterwarnings("ignore", message="The specified min_partition_size", category=UserWarning)
+            return [np.asarray(partitioner.load_partition(i)["row"]) for i in range(partitioner.num_partitions)]
     except (ValueError, IndexError) as error:
         message = " ".join(str(error).split())
         raise DataError(f"{where} with data.partition='{cfg.partition}': {message}") from None
