@@ -72,8 +72,12 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
         abstract's 'dynamically constructing'). Choose on validation.
     tree_distance : {'raw', 'update'}, default 'raw'
         [RECON] What the distances D compare: 'raw' = the uploaded B factors (the summary); 'update' =
-        each client's change of B in that round, its upload minus the B it downloaded (at the warm-up's
-        end: minus the shared initial B), so a shared starting point cancels. Choose on validation.
+        each client's change of B in that round, its upload minus the B it downloaded, so starting points
+        that differ between clients cancel. A start every client shares cancels in B_i - B_j anyway: with
+        the tree built once after the warm-up (rebuild_every = 0, every client sent the same average, one
+        rank) both give the same tree, exactly (tests/test_fedtreelora.py; the fedtreelora_conflict
+        tuning's raw and update runs at lr 6e-3 are identical); they differ only in a rebuilt tree, whose
+        clients started from their clusters' experts. Ties in the tuning go to 'raw'.
     lam0 : float in (0, 1), default 0.5
         [RECON] Initial mixing weight lam = sigmoid(theta_l) of the cluster expert in every block (theta_l
         starts at logit(lam0)); the papers do not give it.

@@ -549,6 +549,28 @@ def test_round_extra_records_the_agreement_with_planted_groups() -> None:
     assert "tree_ari" not in plain.round_extra(1)
 
 
+def test_update_distances_equal_raw_ones_when_every_client_downloaded_the_same_B() -> None:
+    # Prepare: grouped uploads; a shared download S (the warm-up's average, before the tree is built)
+    # and per-group downloads (what clients start from once clusters have their own experts)
+    from fedlora.methods.fedtreelora import layer_distances, update_of
+
+    Bs, layers = grouped_Bs(6, shallow=1, deep=2, groups=2)
+    rng = np.random.default_rng(3)
+    shared = {m: rng.normal(size=(8, 2)) for m in Bs[0]}
+    per_group = [{m: rng.normal(size=(8, 2)) for m in Bs[0]} for _ in range(2)]
+    # Execute
+    raw = layer_distances(Bs, layers)
+    same_start = layer_distances([{m: update_of(B[m], shared[m]) for m in B} for B in Bs], layers)
+    own_start = layer_distances([{m: update_of(B[m], per_group[k % 2][m]) for m in B} for k, B in enumerate(Bs)],
+                                layers)
+    # Assert: a start every client shares cancels in every difference B_i - B_j, so 'update' and
+    # 'raw' build the same tree when it is built once after the warm-up (docs/algorithms.md); they
+    # differ only when clients started from different B (a tree rebuilt after clusters formed)
+    for layer in layers:
+        np.testing.assert_allclose(same_start[layer], raw[layer], rtol=1e-12, atol=1e-12)
+    assert not np.allclose(own_start[1], raw[1])
+
+
 def test_update_of_subtracts_the_downloaded_B_fitted_to_the_uploads_rank() -> None:
     from fedlora.methods.fedtreelora import update_of
 
