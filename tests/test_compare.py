@@ -573,3 +573,37 @@ def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     figures = [o for o in outputs if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})]
     assert len(figures) == 8
     assert not any("Image(" in cell.source for cell in notebook.cells)
+
+
+def test_parallel_workers_end_with_the_command_that_started_them(tmp_path: Path) -> None:
+    # Prepare: a command whose one worker is busy with a long job (a file marks that it started)
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    started = tmp_path / "started"
+    script = ("import pathlib, time\n"
+              "from fedlora.app.jobs import worker_pool\n"
+              "pool = worker_pool(1)\n"
+              f"pool.submit(pathlib.Path({str(started)!r}).touch)\n"
+              "pool.submit(time.sleep, 300)\n"
+              "time.sleep(300)\n")
+    command = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline and command.poll() is None:
+        time.sleep(0.1)
+    assert started.exists(), "the worker never ran its first job"
+    workers = [p for p in psutil.Process(command.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(workers) == 1
+
+    # Execute: the command is killed (as `kill -9`, or a session that ends, would)
+    os.kill(command.pid, signal.SIGKILL)
+    command.wait()
+
+    # Assert: its worker does not run on with the queued job: it is gone within seconds
+    _, alive = psutil.wait_procs(workers, timeout=15)
+    for process in alive:
+        process.kill()
+    assert not alive, "a worker outlived the command that started it"

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,8 @@ from fedlora.app.runs import SEED_DIR_PREFIX
 from fedlora.schema import with_record_defaults
 
 if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
+
     from fedlora.app.folders import Claim
     from fedlora.config import ExperimentConfig
 
@@ -227,31 +231,61 @@ def resumable(run_dir: Path, config: ExperimentConfig) -> bool:
     return False
 
 
+PARENT_POLL_SECONDS = 1.0  # how often a worker checks that the process that started it is alive
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """A pool of ``workers`` fresh processes (spawned: no inherited torch or Ray state) that end
+    with the process that made it, however it ends. Without this, a command stopped by a signal
+    (``kill``, a closed session) leaves its workers running: they take the jobs already queued to
+    them, one after another, into the run folders a restarted command then works in at the same
+    time, and nothing keeps what they finish. A worker whose parent is gone exits within
+    :data:`PARENT_POLL_SECONDS`; its run resumes from its last checkpoint next time."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_exit_with_parent, initargs=(os.getpid(),))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In a worker: a daemon thread that ends the process once ``parent`` is no longer its parent."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fedlora-exit-with-parent", daemon=True).start()
+
+
 def _run_parallel(todo: list[tuple[int, Job, Path, ExperimentConfig, bool]], total: int, workers: int,
                   on_done: Callable[[Job, Path], None] | None = None) -> None:
-    """``todo`` on a pool of ``workers`` fresh processes (spawned: no inherited torch or Ray state)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    """``todo`` on a :func:`worker_pool` of ``workers`` processes."""
+    from concurrent.futures import as_completed
 
     from fedlora.app.runner import RunError
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with worker_pool(workers) as pool:
         futures = {}
         for index, job, run_dir, cfg, resume in todo:
             logger.info("compare: [%d/%d] %s seed %d -> %s (worker%s)", index, total, job.name, job.seed, run_dir,
                         ", resumed" if resume else "")
             futures[pool.submit(_worker_run, cfg.to_json(), str(run_dir), resume)] = (job, run_dir)
         failed = []
-        for future in as_completed(futures):
-            job, run_dir = futures[future]
-            error = future.exception()
-            if error is not None:
-                failed.append(f"{job.name} seed {job.seed}: {error}")
-                logger.warning("compare: %s seed %d failed: %s", job.name, job.seed, error)
-            else:
-                logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, future.result())
-                if on_done is not None:
-                    on_done(job, run_dir)
+        try:
+            for future in as_completed(futures):
+                job, run_dir = futures[future]
+                error = future.exception()
+                if error is not None:
+                    failed.append(f"{job.name} seed {job.seed}: {error}")
+                    logger.warning("compare: %s seed %d failed: %s", job.name, job.seed, error)
+                else:
+                    logger.info("compare: %s seed %d done in %.1fs", job.name, job.seed, future.result())
+                    if on_done is not None:
+                        on_done(job, run_dir)
+        except BaseException:  # interrupted (Ctrl-C) or on_done failed: start no queued job
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     if failed:
         raise RunError(f"{len(failed)} run(s) failed: {'; '.join(failed)}")
 
