@@ -142,10 +142,11 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # Attributes an older fedlora checkpointed for the method and this one no longer keeps (what a
     # download's context now carries): a resume drops them (fedlora.checkpoint.check_strategy_state).
     RETIRED_STATE: ClassVar[frozenset[str]] = frozenset()
-    # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed.
+    # Attributes rebuilt on every run (from the config, the models and the query), never checkpointed;
+    # ``cpu_started`` holds this process's CPU clock at each round's start, which means nothing in another.
     NOT_STATE: ClassVar[frozenset[str]] = frozenset({
         "experiment", "options", "initial_adapter", "module_shapes", "roster", "paths", "_experiment_json",
-        "_sent", "_initial_norm", "min_evaluate_nodes", "min_available_nodes", "secure_round",
+        "_sent", "_initial_norm", "min_evaluate_nodes", "min_available_nodes", "secure_round", "cpu_started",
     })
 
     def __init__(
