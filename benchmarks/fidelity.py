@@ -663,7 +663,7 @@ def times(table, workers: int) -> dict:
     for run in table.runs:
         if math.isfinite(run["wall_seconds"]):
             per_seed[int(run["seed"])] = per_seed.get(int(run["seed"]), 0.0) + run["wall_seconds"] / 60
-    cpu = [run["cpu_seconds"] / 60 for run in table.runs if math.isfinite(run.get("cpu_seconds", math.nan))]
+    cpu = [run["cpu_seconds"] / 60 for run in table.runs if math.isfinite(run["cpu_seconds"])]
     return {
         "minutes_per_run": {row["strategy"]: row["wall_seconds_mean"] / 60 for row in table.rows},
         "worker_minutes_per_seed": per_seed,
@@ -773,14 +773,14 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
                    f"with {facts['workers']} workers). This command's own stages: tuning "
                    f"{facts['stage_seconds']['tuning'] / 60:.0f} minutes, final runs "
                    f"{facts['stage_seconds']['final'] / 60:.0f} (complete runs are skipped, so a resumed command "
-                   f"counts only what it ran)."), ""]
+                   f"counts only what it ran).")]
     tuning_cpu_runs = sum(info.get("cpu_runs", 0) for info in facts["tuning"].values())
-    if t.get("cpu_runs") or tuning_cpu_runs:
+    if t["cpu_runs"] or tuning_cpu_runs:
         tuning_cpu = sum(info.get("cpu_minutes", 0.0) for info in facts["tuning"].values())
-        lines[-1:] = [(f"CPU time, the cost whatever else the machine ran (recorded by {t['cpu_runs']} of the "
-                       f"{t['runs']} final runs and {tuning_cpu_runs} of the {tuning_runs} tuning runs; older records "
-                       f"lack it): final runs {t['cpu_minutes']:.0f} CPU-minutes, tuning runs {tuning_cpu:.0f}."), ""]
-    lines += [paired.to_markdown(heading="##")]
+        lines.append(f"CPU time, the cost whatever else the machine ran (recorded by {t['cpu_runs']} of the "
+                     f"{t['runs']} final runs and {tuning_cpu_runs} of the {tuning_runs} tuning runs; older records "
+                     f"lack it): final runs {t['cpu_minutes']:.0f} CPU-minutes, tuning runs {tuning_cpu:.0f}.")
+    lines += ["", paired.to_markdown(heading="##")]
     if facts.get("against"):
         lines += against_markdown(facts["against"])
     lines += ["## Mechanisms", "",
