@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,25 @@ def test_a_path_that_cannot_be_a_folder_is_refused_and_nothing_is_created(tmp_pa
     with pytest.raises(ConfigError, match="is a file|which is a file"):
         check_writable(path, "--out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_the_probe_leaves_alone_what_a_parallel_run_writes_beside_it(tmp_path: Path, monkeypatch) -> None:
+    """Two seeds of a comparison probe tensorboard/<method>/seed0 and .../seed1 at once: the one
+    that created tensorboard/<method> must not fail when removing it finds the other's folder."""
+    # Prepare
+    from fedlora.app import folders
+
+    real = tempfile.TemporaryFile
+
+    def probe_while_a_neighbour_writes(*args, **kwargs):
+        (tmp_path / "tensorboard" / "flexlora" / "seed0").mkdir()  # the parallel run's folder
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(folders.tempfile, "TemporaryFile", probe_while_a_neighbour_writes)
+    # Execute
+    check_writable(tmp_path / "tensorboard" / "flexlora" / "seed1", "output.tensorboard_dir")
+    # Assert: the probe removed its own folder and kept the neighbour's
+    assert sorted(p.name for p in (tmp_path / "tensorboard" / "flexlora").iterdir()) == ["seed0"]
 
 
 def test_move_aside_of_a_missing_folder_is_one_line(tmp_path: Path) -> None:

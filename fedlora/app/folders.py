@@ -20,6 +20,7 @@ The rename itself happens in :meth:`Claim.take`, which a command calls after eve
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
@@ -70,29 +71,58 @@ def check_writable(path: str | Path, flag: str) -> None:
     try:
         if target.exists() and not target.is_dir():
             raise ConfigError(f"{flag} {path} is a file; give a folder (new or empty) for the output")
-        existing = target
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir():
-            raise ConfigError(f"{flag} {path} is under {existing}, which is a file; give a folder path")
-        missing = []
-        folder = target
-        while folder != existing:
-            missing.append(folder)
-            folder = folder.parent
-        created: list[Path] = []
-        try:
-            for folder in reversed(missing):
-                folder.mkdir()
-                created.append(folder)
-            with tempfile.TemporaryFile(dir=target):
-                pass
-        finally:
-            for folder in reversed(created):
-                folder.rmdir()
+        for attempt in range(5):
+            try:
+                _probe(target, path, flag)
+                return
+            except FileNotFoundError:  # a parallel run's probe removed a parent meanwhile: again
+                if attempt == 4:
+                    raise
     except OSError as error:
         where = f" ({error.filename})" if error.filename and str(error.filename) != str(target) else ""
         raise ConfigError(f"{flag} {path} cannot be written: {error.strerror or error}{where}") from None
+
+
+def _probe(target: Path, path: str | Path, flag: str) -> None:
+    """Create the missing folders down to ``target``, write a temporary file in it, and remove
+    what was created. Parallel runs (the seeds of a comparison) probe beside each other under the
+    same parents, so a folder made meanwhile by another is used and never removed."""
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path} is under {existing}, which is a file; give a folder path")
+    missing = []
+    folder = target
+    while folder != existing:
+        missing.append(folder)
+        folder = folder.parent
+    created: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+                created.append(folder)
+            except FileExistsError:
+                if not folder.is_dir():
+                    raise
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    finally:
+        for folder in reversed(created):
+            _remove_if_empty(folder)
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove a folder the probe created, unless a parallel run (say, another seed writing beside
+    it under the same parent) has put something in it or removed it meanwhile."""
+    try:
+        folder.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
 
 
 @dataclass
