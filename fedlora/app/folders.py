@@ -30,6 +30,8 @@ from pathlib import Path
 
 from fedlora.errors import ConfigError
 
+PROBE_ATTEMPTS = 5  # writability probes of one folder when parallel runs' probes remove its parents meanwhile
+
 logger = logging.getLogger("fedlora")
 
 # Entries that only fedlora writes into an output folder (one of them marks a folder as its output).
@@ -71,12 +73,12 @@ def check_writable(path: str | Path, flag: str) -> None:
     try:
         if target.exists() and not target.is_dir():
             raise ConfigError(f"{flag} {path} is a file; give a folder (new or empty) for the output")
-        for attempt in range(5):
+        for attempt in range(1, PROBE_ATTEMPTS + 1):
             try:
                 _probe(target, path, flag)
                 return
             except FileNotFoundError:  # a parallel run's probe removed a parent meanwhile: again
-                if attempt == 4:
+                if attempt == PROBE_ATTEMPTS:
                     raise
     except OSError as error:
         where = f" ({error.filename})" if error.filename and str(error.filename) != str(target) else ""

@@ -75,8 +75,8 @@ class FedTreeLoRAOptions(MethodOptions):
         "rebuilt tree, whose clients started from their clusters' experts. 'raw' was chosen on validation: "
         "a tie in the fedtreelora_conflict tuning (built once), and in the same scenario's rebuilt tree "
         "(rebuild_every = 4, seeds 0-2) 'update' merged the groups back into one cluster at the first "
-        "rebuild (on seed 2 they split again for one rebuild) and lost 1.2 to 4.3 points of validation accuracy (0.8282, 0.8373, 0.8061 against raw's "
-        "0.8402, 0.8493, 0.8489).",
+        "rebuild (on seed 2 they split again for one rebuild) and lost 1.2 to 4.3 points of validation "
+        "accuracy (0.8282, 0.8373, 0.8061 against raw's 0.8402, 0.8493, 0.8489).",
     )
     lam0: float = Field(
         0.5, gt=0.0, lt=1.0,
