@@ -20,7 +20,9 @@ and the regime rule. The rules (docs/results/fidelity.md explains them):
   of configurations (``budget``, :class:`fedlora.app.tune.Budget`) on the first seed, chosen on the
   clients' validation splits (never a test split): learning rates, a method's own knob counted
   inside the budget, and a grid widened where the choice sits at its edge. The chosen
-  configuration is reused for every seed (its first-seed run is the tuning run itself). An
+  configuration is reused for every seed (its first-seed run is the tuning run itself); a job's
+  final runs start as soon as it has chosen, behind the tuning runs still to run, so that no worker
+  waits on another job's last tuning run. An
   ablation runs at its method's choice and a bytes-matched row at its base strategy's
   (``JobSpec.tuned_as``): the ablation then differs from the method in its mechanism only.
 - **Judged paired.** One declared primary comparison per scenario (the method against the baseline
@@ -291,12 +293,14 @@ def tuning_job(scenario: Scenario, label: str, point: Point, seed: int) -> Job:
 
 
 def final_jobs(scenario: Scenario, seeds: list[int], chosen: dict[str, Point],
-               other_seeds: int | None = None) -> list[Job]:
-    """Every job at its chosen configuration for its seeds, seed by seed (with as many workers as
-    jobs, all runs of a seed run at once); the first seed's run is the tuning run (same folder,
-    same config), so it is not run twice."""
+               other_seeds: int | None = None, labels: set[str] | None = None) -> list[Job]:
+    """Every job (``labels``: only those) at its chosen configuration for its seeds, seed by seed
+    (with as many workers as jobs, all runs of a seed run at once); the first seed's run is the
+    tuning run (same folder, same config), so it is not run twice."""
     jobs = []
     for label, spec in scenario.jobs.items():
+        if labels is not None and label not in labels:
+            continue
         point = chosen[label]
         jobs += [Job(spec.strategy, seed, spec.overrides + point, point_label(label, point), fresh_partition=True)
                  for seed in job_seeds(scenario, label, seeds, other_seeds)]
@@ -318,17 +322,46 @@ def comparisons(scenario: Scenario, seeds: list[int], other_seeds: int | None = 
 
 # --------------------------------------------------------------------------- tuning stage
 def tune_scenario(scenario: Scenario, config: str, seed: int, out: Path, workers: int,
-                  overrides: list[str], on_done: Callable[[Job, Path], None] | None = None) -> dict[str, TunePlan]:
+                  overrides: list[str], on_done: Callable[[Job, Path], None] | None = None,
+                  finals: Callable[[dict[str, TunePlan]], list[Job]] | None = None) -> dict[str, TunePlan]:
     """Run the equal-budget protocol of every tuned job (``tuned_as`` None) on ``seed`` until each
-    has chosen (``on_done``: called with each run as it finishes)."""
+    has chosen (``on_done``: called with each run as it finishes). ``finals(plans)``: the final runs
+    whose configuration is already known (:func:`early_finals`); they are queued behind each round
+    of tuning runs, so that a worker is not left idle while the last tuning runs of a round (a
+    knob's second value, a widened grid: often a single long run) go on."""
     base = resolve_base(config, overrides)
     while True:
         plans = plans_in(scenario, base, seed, out)
         pending = [tuning_job(scenario, label, point, seed) for label, p in plans.items() for point in p.pending]
         if not pending:
             return plans
-        logger.info("fidelity: tuning, %d configuration(s) to run on seed %d", len(pending), seed)
-        run_jobs(base, pending, out, engine="inprocess", workers=workers, on_done=on_done)
+        fill = [] if finals is None else finals(plans)
+        logger.info("fidelity: tuning, %d configuration(s) to run on seed %d%s", len(pending), seed,
+                    f", then up to {len(fill)} final run(s) of the jobs that have chosen" if fill else "")
+        run_jobs(base, pending + fill, out, engine="inprocess", workers=workers, on_done=on_done)
+
+
+def known(scenario: Scenario, plans: dict[str, TunePlan]) -> set[str]:
+    """The jobs whose final configuration is known: tuned jobs that have chosen, and the jobs that
+    reuse (``tuned_as``) such a choice."""
+    chosen = {label for label, p in plans.items() if p.chosen is not None}
+    return chosen | {label for label, spec in scenario.jobs.items() if spec.tuned_as in chosen}
+
+
+def early_finals(scenario: Scenario, plans: dict[str, TunePlan], seeds: list[int],
+                 other_seeds: int | None = None) -> list[Job]:
+    """The final runs of the jobs whose configuration is :func:`known` while others still tune, the
+    first seed's tuning runs left out (they are those jobs' first final runs). They are the runs the
+    final stage would start anyway, in the same folders with the same configs: the final stage skips
+    them once complete."""
+    ready = known(scenario, plans)
+    return [job for job in final_jobs(scenario, seeds, choices(scenario, plans), other_seeds, labels=ready)
+            if not (job.seed == seeds[0] and scenario.jobs[label_of(job)].tuned_as is None)]
+
+
+def label_of(job: Job) -> str:
+    """The scenario job a run belongs to (its folder name without the configuration)."""
+    return job.name.split("[")[0]
 
 
 def plans_in(scenario: Scenario, base: Any, seed: int, folder: Path) -> dict[str, TunePlan]:
@@ -509,7 +542,9 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
         on_done = lambda job, run_dir: keep_record(records, out, run_dir)
     started = time.perf_counter()
     if tuning_from is None:
-        plans, tuning_dir = tune_scenario(scenario, config, seeds[0], out, workers, overrides, on_done), out
+        plans = tune_scenario(scenario, config, seeds[0], out, workers, overrides, on_done,
+                              finals=lambda plans: early_finals(scenario, plans, seeds, other_seeds))
+        tuning_dir = out
     else:
         plans, tuning_dir = tuning_in(scenario, config, seeds[0], tuning_from), tuning_from
     tuned = time.perf_counter()
@@ -771,7 +806,8 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
                    f"({per_seed}{first}); the tuning stage, {tuning_runs} runs on the "
                    f"first seed, {tuning_minutes:.0f} worker-minutes ({tuning_minutes / facts['workers']:.0f} minutes "
                    f"with {facts['workers']} workers). This command's own stages: tuning "
-                   f"{facts['stage_seconds']['tuning'] / 60:.0f} minutes, final runs "
+                   f"{facts['stage_seconds']['tuning'] / 60:.0f} minutes (with the final runs of the jobs that had "
+                   f"chosen), final runs "
                    f"{facts['stage_seconds']['final'] / 60:.0f} (complete runs are skipped, so a resumed command "
                    f"counts only what it ran).")]
     tuning_cpu_runs = sum(info.get("cpu_runs", 0) for info in facts["tuning"].values())
@@ -824,11 +860,12 @@ def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[
         pending = sum(len(p.pending) for p in plans.values())
         tuning_done = sum(len(p.points) for p in plans.values()) - pending
     tuned = all(p.chosen is not None for p in plans.values())
-    chosen = choices(scenario, plans) if tuned else {label: () for label in scenario.jobs}
-    final = [job for job in final_jobs(scenario, seeds, chosen, other_seeds)
+    ready = known(scenario, plans)  # the final runs of a job that has chosen may run before the others choose
+    final = [job for job in final_jobs(scenario, seeds, choices(scenario, plans), other_seeds)
              if tuning_from is not None
-             or not (job.seed == seeds[0] and scenario.jobs[job.name.split("[")[0]].tuned_as is None)]
-    done = sum(1 for job in final if tuned and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records))))
+             or not (job.seed == seeds[0] and scenario.jobs[label_of(job)].tuned_as is None)]
+    done = sum(1 for job in final if label_of(job) in ready
+               and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records))))
     return {"tuning_done": tuning_done, "tuning_pending": pending,
             "tuning_complete": int(tuned), "final_done": done, "final_planned": len(final)}
 

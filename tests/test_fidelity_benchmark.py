@@ -331,6 +331,36 @@ def test_tuning_stage_runs_the_budget_then_resumes_without_rerunning(fake_traini
     assert {job.seed for job in fake_training} == {0} and all(job.fresh_partition for job in fake_training)
 
 
+def test_the_final_runs_of_jobs_that_have_chosen_fill_the_last_tuning_round_and_do_not_run_twice(
+    fake_training: list[Job], tmp_path: Path
+) -> None:
+    scenario = fidelity.scenarios()["fedpissa"]
+    config = str(fidelity.ROOT / scenario.config)
+    seeds = [0, 1, 2, 3, 4]
+    # Execute: the tuning stage with its early finals, how far --status says it is, then the final stage
+    plans = fidelity.tune_scenario(scenario, config, 0, tmp_path, 2, [],
+                                   finals=lambda p: fidelity.early_finals(scenario, p, seeds))
+    tuning_stage = list(fake_training)
+    status = fidelity.progress("fedpissa", seeds, tmp_path, [])
+    finals = fidelity.final_jobs(scenario, seeds, fidelity.choices(scenario, plans))
+    fidelity.run_jobs(config, finals, tmp_path)
+    final_stage = fake_training[len(tuning_stage):]
+    # Assert: the first round is every tuned job's grid (the method's 3 rates at its knob's first value);
+    # the second is the method's knob run, then the other tuned jobs' final runs (not their first-seed
+    # tuning runs, not the method's or its ablation's, whose choice was not known yet)
+    others = [label for label, spec in scenario.jobs.items() if spec.tuned_as is None and label != "fedpissa"]
+    first_round = 3 + 4 * len(others)
+    assert all(job.seed == 0 for job in tuning_stage[: first_round + 1])
+    assert tuning_stage[first_round].overrides == ("train.lr=0.003", "strategy.correction=literal")
+    filled = tuning_stage[first_round + 1:]
+    expected = [job for job in finals if fidelity.label_of(job) in others and job.seed != 0]
+    assert filled == expected and len(filled) == sum(len(fidelity.job_seeds(scenario, label, seeds)) - 1
+                                                      for label in others)
+    assert status["final_done"] == len(filled) and status["tuning_complete"] == 1
+    assert {fidelity.label_of(job) for job in final_stage} == {"fedpissa", "fedpissa_lam0"}
+    assert len(final_stage) == len(seeds) - 1 + len(seeds)  # the method's seeds 1-4, the ablation's 0-4
+
+
 def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_times_and_mechanisms(
     fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -58,7 +58,7 @@ def test_every_job_of_an_llm_scenario_runs_one_round_on_the_tiny_llama_and_write
 ) -> None:
     scenario = fidelity.scenarios()[name]
 
-    def first_points(scenario, config, seed, out, workers, overrides, on_done=None) -> dict[str, TunePlan]:
+    def first_points(scenario, config, seed, out, workers, overrides, on_done=None, finals=None) -> dict[str, TunePlan]:
         plans = {}
         for label, spec in scenario.jobs.items():
             if spec.tuned_as is None:
