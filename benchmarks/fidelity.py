@@ -356,12 +356,17 @@ def early_finals(scenario: Scenario, plans: dict[str, TunePlan], seeds: list[int
     them once complete."""
     ready = known(scenario, plans)
     return [job for job in final_jobs(scenario, seeds, choices(scenario, plans), other_seeds, labels=ready)
-            if not (job.seed == seeds[0] and scenario.jobs[label_of(job)].tuned_as is None)]
+            if not is_tuning_run(scenario, job, seeds)]
 
 
 def label_of(job: Job) -> str:
     """The scenario job a run belongs to (its folder name without the configuration)."""
     return job.name.split("[")[0]
+
+
+def is_tuning_run(scenario: Scenario, job: Job, seeds: list[int]) -> bool:
+    """Whether a final run is a tuned job's first-seed run: its tuning run, counted once."""
+    return job.seed == seeds[0] and scenario.jobs[label_of(job)].tuned_as is None
 
 
 def plans_in(scenario: Scenario, base: Any, seed: int, folder: Path) -> dict[str, TunePlan]:
@@ -863,7 +868,7 @@ def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[
     ready = known(scenario, plans)  # the final runs of a job that has chosen may run before the others choose
     final = [job for job in final_jobs(scenario, seeds, choices(scenario, plans), other_seeds)
              if tuning_from is not None
-             or not (job.seed == seeds[0] and scenario.jobs[label_of(job)].tuned_as is None)]
+             or not is_tuning_run(scenario, job, seeds)]
     done = sum(1 for job in final if label_of(job) in ready
                and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records))))
     return {"tuning_done": tuning_done, "tuning_pending": pending,
