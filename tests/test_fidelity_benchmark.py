@@ -305,7 +305,7 @@ def fake_training(monkeypatch: pytest.MonkeyPatch) -> list[Job]:
                 continue
             ran.append(job)
             run_dir.mkdir(parents=True, exist_ok=True)
-            label = job.name.split("[")[0]
+            label = fidelity.label_of(job)
             (run_dir / "results.json").write_text(json.dumps(fake_results(cfg, label, cfg.train.lr, job.seed)))
             if on_done is not None:
                 on_done(job, run_dir)
