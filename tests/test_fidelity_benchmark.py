@@ -357,8 +357,9 @@ def test_the_final_runs_of_jobs_that_have_chosen_fill_the_last_tuning_round_and_
     assert filled == expected and len(filled) == sum(len(fidelity.job_seeds(scenario, label, seeds)) - 1
                                                       for label in others)
     assert status["final_done"] == len(filled) and status["tuning_complete"] == 1
-    assert {fidelity.label_of(job) for job in final_stage} == {"fedpissa", "fedpissa_lam0"}
-    assert len(final_stage) == len(seeds) - 1 + len(seeds)  # the method's seeds 1-4, the ablation's 0-4
+    assert {fidelity.label_of(job) for job in final_stage} == {"fedpissa", "fedpissa_lam0", "fedpissa_lam2"}
+    # the method's seeds 1-4, the ablation's 0-4, the strength variant's 0-2 (not a core row)
+    assert len(final_stage) == len(seeds) - 1 + len(seeds) + 3
 
 
 def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_times_and_mechanisms(
