@@ -869,23 +869,52 @@ def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[
     final = [job for job in final_jobs(scenario, seeds, choices(scenario, plans), other_seeds)
              if tuning_from is not None
              or not is_tuning_run(scenario, job, seeds)]
-    done = sum(1 for job in final if label_of(job) in ready
-               and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records))))
+    finished = [job.run_dir(records) for job in final if label_of(job) in ready
+                and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records)))]
+    if tuning_from is None:
+        finished += [tuning_job(scenario, label, point, seeds[0]).run_dir(records)
+                     for label, p in plans.items() for point in p.points if point not in p.pending]
+    cpu = [seconds for folder in finished if (seconds := _cpu_seconds(folder)) is not None]
     return {"tuning_done": tuning_done, "tuning_pending": pending,
-            "tuning_complete": int(tuned), "final_done": done, "final_planned": len(final)}
+            "tuning_complete": int(tuned), "final_done": len(finished) - tuning_done, "final_planned": len(final),
+            "cpu_seconds": sum(cpu), "cpu_runs": len(cpu), "runs": len(finished)}
+
+
+def _cpu_seconds(run_dir: Path) -> float | None:
+    """A complete run's own CPU time (``cpu_seconds`` of its results.json; None: an older record)."""
+    try:
+        value = json.loads((run_dir / "results.json").read_text()).get("cpu_seconds")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides: list[str],
                    other_seeds: int | None = None, tuning_from: Path | None = None) -> str:
     """The protocol's progress, one row per scenario (``records``: scenario -> its records folder),
     as a Markdown table (the page copies it)."""
-    lines = ["| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned |",
-             "|---|---|---|---|"]
+    lines = ["| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned "
+             "| CPU hours of the runs done |",
+             "|---|---|---|---|---|"]
+    total = [0.0, 0, 0]
     for name, folder in records.items():
         p = progress(name, seeds, folder, overrides, other_seeds, tuning_from)
         pending = f"{p['tuning_pending']}" + ("" if p["tuning_complete"] else " (more if a grid widens)")
-        lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']} |")
+        total = [total[0] + p["cpu_seconds"], total[1] + p["cpu_runs"], total[2] + p["runs"]]
+        lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']} "
+                     f"| {_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} |")
+    if len(records) > 1:
+        lines.append(f"| all | | | | {_cpu_hours(*total)} |")
     return "\n".join(lines)
+
+
+def _cpu_hours(seconds: float, recorded: int, runs: int) -> str:
+    """CPU hours of ``runs`` runs, of which ``recorded`` kept their CPU time (older records lack it)."""
+    if runs == 0:
+        return "-"
+    if recorded == 0:
+        return f"not recorded ({runs} older runs)"
+    return f"{seconds / 3600:.1f}" + ("" if recorded == runs else f" ({recorded} of {runs} runs recorded it)")
 
 
 # --------------------------------------------------------------------------- command line

@@ -425,7 +425,11 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     row_after = next(line for line in after.splitlines() if line.startswith("| fedpissa |"))
     assert row_before.startswith("| fedpissa | 0 | ") and "| 0 / " in row_before
     final = ran - 4 * tuned
-    assert row_after == f"| fedpissa | {4 * tuned} | 0 | {final} / {final} |"
+    # and their CPU time: the fake runs of seeds 1 and 2 recorded 300 s each, those of seed 0 nothing
+    timed = sum(1 for k in kept if k.parent.name != "seed0")
+    assert 0 < timed < ran
+    assert row_after == (f"| fedpissa | {4 * tuned} | 0 | {final} / {final} "
+                         f"| {timed * 300 / 3600:.1f} ({timed} of {ran} runs recorded it) |")
 
 
 def test_a_precision_check_runs_every_seed_at_the_choices_of_another_folder_s_tuning(
