@@ -893,9 +893,9 @@ def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides:
                    other_seeds: int | None = None, tuning_from: Path | None = None) -> str:
     """The protocol's progress, one row per scenario (``records``: scenario -> its records folder),
     as a Markdown table (the page copies it)."""
-    lines = ["| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned "
-             "| CPU hours of the runs done |",
-             "|---|---|---|---|---|"]
+    header = ("| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned "
+              "| CPU hours of the runs done |")
+    lines = [header, "|---|---|---|---|---|"]
     total = [0.0, 0, 0]
     for name, folder in records.items():
         p = progress(name, seeds, folder, overrides, other_seeds, tuning_from)
