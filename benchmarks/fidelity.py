@@ -83,10 +83,11 @@ from fedlora.app.paired import (
     PairedTable,
     paired_comparisons,
 )
-from fedlora.app.runs import load_runs
+from fedlora.app.runs import load_runs, number
 from fedlora.app.summary import summarize
 from fedlora.app.tune import Budget, Knob, Point, TunePlan, plan, point_label, validation_score
 from fedlora.errors import ConfigError, shown
+from fedlora.results import load_results
 
 logger = logging.getLogger("fedlora")
 
@@ -869,24 +870,15 @@ def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[
     final = [job for job in final_jobs(scenario, seeds, choices(scenario, plans), other_seeds)
              if tuning_from is not None
              or not is_tuning_run(scenario, job, seeds)]
-    finished = [job.run_dir(records) for job in final if label_of(job) in ready
-                and is_complete(job.run_dir(records), job_config(base, job, job.run_dir(records)))]
+    finished = [run_dir for job in final if label_of(job) in ready
+                and is_complete(run_dir := job.run_dir(records), job_config(base, job, run_dir))]
     if tuning_from is None:
         finished += [tuning_job(scenario, label, point, seeds[0]).run_dir(records)
                      for label, p in plans.items() for point in p.points if point not in p.pending]
-    cpu = [seconds for folder in finished if (seconds := _cpu_seconds(folder)) is not None]
+    cpu = [seconds for folder in finished if math.isfinite(seconds := number(load_results(folder).get("cpu_seconds")))]
     return {"tuning_done": tuning_done, "tuning_pending": pending,
             "tuning_complete": int(tuned), "final_done": len(finished) - tuning_done, "final_planned": len(final),
             "cpu_seconds": sum(cpu), "cpu_runs": len(cpu), "runs": len(finished)}
-
-
-def _cpu_seconds(run_dir: Path) -> float | None:
-    """A complete run's own CPU time (``cpu_seconds`` of its results.json; None: an older record)."""
-    try:
-        value = json.loads((run_dir / "results.json").read_text()).get("cpu_seconds")
-    except (OSError, json.JSONDecodeError):
-        return None
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides: list[str],
@@ -896,14 +888,13 @@ def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides:
     header = ("| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned "
               "| CPU hours of the runs done |")
     lines = [header, "|---|---|---|---|---|"]
-    total = [0.0, 0, 0]
-    for name, folder in records.items():
-        p = progress(name, seeds, folder, overrides, other_seeds, tuning_from)
+    rows = {name: progress(name, seeds, folder, overrides, other_seeds, tuning_from) for name, folder in records.items()}
+    for name, p in rows.items():
         pending = f"{p['tuning_pending']}" + ("" if p["tuning_complete"] else " (more if a grid widens)")
-        total = [total[0] + p["cpu_seconds"], total[1] + p["cpu_runs"], total[2] + p["runs"]]
         lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']} "
                      f"| {_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} |")
-    if len(records) > 1:
+    if len(rows) > 1:
+        total = (sum(p[key] for p in rows.values()) for key in ("cpu_seconds", "cpu_runs", "runs"))
         lines.append(f"| all | | | | {_cpu_hours(*total)} |")
     return "\n".join(lines)
 
