@@ -287,7 +287,7 @@ def distinct_uploads() -> list[ClientUpload]:
 def test_recorded_correction_and_overlap_by_hand_with_distinct_projectors() -> None:
     # Prepare: the hand case above: P_k = e_k e_k^T, B_avg = [[4, 3, 4], [1, 2, 4]] and the bounded
     # B_agg = [[4, 4.25, 3], [0.5, 1.5, 6]], so B_agg - B_avg = [[0, 1.25, -1], [-0.5, -0.5, 2]]
-    strategy = small_strategy(["model.head=local"], rank=3, shapes={"m": (2, 3)})
+    strategy = small_strategy(["model.head=local", "strategy.correction=bounded"], rank=3, shapes={"m": (2, 3)})
     # Execute
     strategy.aggregate(1, distinct_uploads())
     extra = strategy.round_extra(1)
@@ -378,7 +378,8 @@ def test_dynamics_aggregates_the_factor_whose_updates_agree_and_keeps_the_other_
 
     # Prepare: modules m (clients agree on A) and n (clients agree on B), d_out 6 != d_in 5
     shapes = {"m": (6, 5), "n": (6, 5)}
-    strategy = small_strategy(["strategy.selection=dynamics", "strategy.lam=0.5"], shapes=shapes)
+    strategy = small_strategy(["strategy.selection=dynamics", "strategy.lam=0.5", "strategy.correction=bounded"],
+                              shapes=shapes)
     rng = np.random.default_rng(3)
     init = {k: {m: {"A": strategy.initial_A[m], "B": strategy.initial_B[m]} for m in shapes} for k in range(3)}
     first = strategy.download(0, 1, "train").payload

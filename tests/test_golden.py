@@ -61,7 +61,7 @@ METRICS = (
 )
 # One option of each 2026 method that is not its default (today): an entry of its own.
 VARIANTS: dict[str, tuple[str, list[str]]] = {
-    "fedpissa[correction=literal]": ("fedpissa", ["strategy.correction=literal"]),
+    "fedpissa[correction=bounded]": ("fedpissa", ["strategy.correction=bounded"]),
     "fedhera[aggregation=unbiased]": ("fedhera", ["strategy.aggregation=unbiased"]),
     "feddr_lora[topology=two_lora]": ("feddr_lora", ["strategy.topology=two_lora"]),
     "fedtreelora[fixed_c=2]": ("fedtreelora", ["strategy.fixed_c=2"]),
