@@ -891,8 +891,9 @@ def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides:
     rows = {name: progress(name, seeds, folder, overrides, other_seeds, tuning_from) for name, folder in records.items()}
     for name, p in rows.items():
         pending = f"{p['tuning_pending']}" + ("" if p["tuning_complete"] else " (more if a grid widens)")
-        lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']} "
-                     f"| {_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} |")
+        complete = p["tuning_complete"] and p["final_done"] == p["final_planned"]
+        lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']}"
+                     f"{' (complete)' if complete else ''} | {_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} |")
     if len(rows) > 1:
         total = (sum(p[key] for p in rows.values()) for key in ("cpu_seconds", "cpu_runs", "runs"))
         lines.append(f"| all | | | | {_cpu_hours(*total)} |")

@@ -423,12 +423,12 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     tuned = sum(1 for spec in fidelity.scenarios()["fedpissa"].jobs.values() if spec.tuned_as is None)
     row_before = next(line for line in before.splitlines() if line.startswith("| fedpissa |"))
     row_after = next(line for line in after.splitlines() if line.startswith("| fedpissa |"))
-    assert row_before.startswith("| fedpissa | 0 | ") and "| 0 / " in row_before
+    assert row_before.startswith("| fedpissa | 0 | ") and "| 0 / " in row_before and "(complete)" not in row_before
     final = ran - 4 * tuned
     # and their CPU time: the fake runs of seeds 1 and 2 recorded 300 s each, those of seed 0 nothing
     timed = sum(1 for k in kept if k.parent.name != "seed0")
     assert 0 < timed < ran
-    assert row_after == (f"| fedpissa | {4 * tuned} | 0 | {final} / {final} "
+    assert row_after == (f"| fedpissa | {4 * tuned} | 0 | {final} / {final} (complete) "
                          f"| {timed * 300 / 3600:.1f} ({timed} of {ran} runs recorded it) |")
 
 
@@ -465,7 +465,7 @@ def test_a_precision_check_runs_every_seed_at_the_choices_of_another_folder_s_tu
     kept = list(bf16.glob("*/seed*/results.json"))
     assert len(kept) == len(planned)
     assert {json.loads(k.read_text())["config"]["train"]["precision"] for k in kept} == {"bf16"}
-    assert "| fedpissa | 0 | 0 | 0 / " in before and f"| fedpissa | 0 | 0 | {len(planned)} / {len(planned)} |" in after
+    assert "| fedpissa | 0 | 0 | 0 / " in before and f"| fedpissa | 0 | 0 | {len(planned)} / {len(planned)} (complete) |" in after
     page = (tmp_path / "out16" / "fidelity.md").read_text()
     assert f"--tuning-from {fp32}" in page and "Not run by this command" in page
     # the section against fp32: the primary's +2 points vanish in bf16, so neither inside nor the same
