@@ -192,7 +192,7 @@ def test_lam_zero_is_plain_weighted_averaging_of_B(weights: list[float]) -> None
     B_by_client = {k: {"q": rng.standard_normal((10, 8)), "v": rng.standard_normal((6, 8))} for k in range(3)}
     p = dict(enumerate(weights))
     # Execute
-    B_agg = aggregate_B(B_by_client, decorrelation_projectors(A_by_client, 4), p, lam=0.0)
+    B_agg = aggregate_B(B_by_client, decorrelation_projectors(A_by_client, 4), p, lam=0.0, correction="literal")
     # Assert
     for module in ("q", "v"):
         assert np.allclose(B_agg[module], sum(p[k] * B_by_client[k][module] for k in range(3)), atol=1e-6)
@@ -248,7 +248,7 @@ def test_server_downloads_B_agg_and_head_only(options: list[str], p: list[float]
     assert set(download) == {"m::B", "head::classifier.weight"}
     A = {u.partition_id: {"m": u.payload["m::A"]} for u in uploads}
     B = {u.partition_id: {"m": u.payload["m::B"]} for u in uploads}
-    expected = aggregate_B(B, decorrelation_projectors(A, 2), dict(enumerate(p)), 0.7)
+    expected = aggregate_B(B, decorrelation_projectors(A, 2), dict(enumerate(p)), 0.7, strategy.options.correction)
     assert np.allclose(download["m::B"], expected["m"])
     assert np.allclose(download["head::classifier.weight"], sum(pk * k for k, pk in enumerate(p)))
     assert strategy.round_extra(1)["delta"] == 2

@@ -122,12 +122,13 @@ def aggregate_B(
     P_by_client: Mapping[ClientId, Mapping[str, np.ndarray]],
     weights: Mapping[ClientId, float],
     lam: float,
-    correction: Literal["bounded", "literal"] = "literal",
+    correction: Literal["bounded", "literal"],
 ) -> dict[str, np.ndarray]:
     """Eq. 4: B_agg = B_avg + lam * sum_k c_k (B_k - B_avg) P_k, with B_avg = sum_k p_k B_k.
 
     ``weights`` are the p_k (summing to one); c_k = 1 for ``correction = 'literal'`` (the
-    figure's unweighted sum, the default) and c_k = p_k for ``'bounded'``.
+    figure's unweighted sum) and c_k = p_k for ``'bounded'`` (the default is the option's,
+    :class:`FedPissaOptions`).
     Returns one B_agg (d_out, r) per module, float32 (the wire dtype).
     """
     clients = list(B_by_client)
