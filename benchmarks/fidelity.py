@@ -65,6 +65,7 @@ import re
 import sys
 import time
 import tomllib
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -580,6 +581,7 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
                    for label in scenario.jobs},
         "stage_seconds": {"tuning": tuned - started, "final": finished - tuned},
         "times": times(table, workers),
+        "machines": machines(out),
         "primary": {"label": scenario.primary[0], "baseline": scenario.primary[1], "metric": scenario.metric},
         "device": device_name(resolve_base(config, overrides).train.device),
         "tree_agreement": tree_agreement_rows(out) if scenario.method == "fedtreelora" else [],
@@ -713,6 +715,19 @@ def times(table, workers: int) -> dict:
     }
 
 
+def machines(out: Path) -> dict[str, int]:
+    """How many of the complete runs under ``out`` (tuning and final) each machine finished, by the
+    CPU their ``results.json`` names (``machine``, :func:`fedlora.results.machine`; with the GPU when
+    one trained); records written before 2026-12-07 do not say ("not recorded")."""
+    counts: Counter[str] = Counter()
+    for path in sorted(out.glob(f"*/seed*/{RESULTS}")):
+        if complete_by_itself(path):
+            machine = load_results(path).get("machine") or {}
+            name = machine.get("cpu") or "not recorded"
+            counts[f"{name} + {machine['gpu']}" if machine.get("gpu") else name] += 1
+    return dict(counts.most_common())
+
+
 def regime(table, scenario: Scenario) -> dict:
     """FedIT's accuracy next to the centralised reference, and whether the scenario counts."""
     key = scenario.regime_metric
@@ -822,6 +837,9 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
         lines.append(f"CPU time, the cost whatever else the machine ran (recorded by {t['cpu_runs']} of the "
                      f"{t['runs']} final runs and {tuning_cpu_runs} of the {tuning_runs} tuning runs; older records "
                      f"lack it): final runs {t['cpu_minutes']:.0f} CPU-minutes, tuning runs {tuning_cpu:.0f}.")
+    if facts.get("machines"):
+        lines.append("Machines (the CPU each record names, the last to work on the run; older records do not say): "
+                     + ", ".join(f"{name} {count}" for name, count in facts["machines"].items()) + " runs.")
     lines += ["", paired.to_markdown(heading="##")]
     if facts.get("against"):
         lines += against_markdown(facts["against"])

@@ -4,7 +4,8 @@
 ``personalized_accuracy``, ``train_loss``, ``bytes_up``, ``bytes_down``, ``clients``,
 ``failures``, ``seconds`` and ``cpu_seconds``; ``final`` repeats the last evaluated round plus
 ``bytes_total``. ``wall_seconds`` / ``cpu_seconds`` at the top level cover the whole run, a resumed
-run's earlier rounds included.
+run's earlier rounds included; ``machine`` (:func:`machine`) is the machine of the process that
+wrote the file last.
 Accuracy is a fraction in [0, 1]; bytes are the exact sizes of the arrays that crossed the wire.
 
 A causal-LM run (``model.kind = 'causal_lm'``) has no accuracy (those fields stay null); it
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -100,6 +102,27 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
+
+
+def machine() -> dict[str, Any]:
+    """The machine this process runs on: the CPU's model and vendor (``/proc/cpuinfo``, where there
+    is one), its logical cores, and the CUDA device when this process has initialised one. A record
+    then says where its times were measured (CPU seconds of one run on two machines are not the
+    same cost) and on which vendor's kernels its numbers were computed."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    try:  # the first processor's block
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        first = ""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+    if fields.get("model name"):
+        info["cpu"] = fields["model name"]
+    if fields.get("vendor_id"):
+        info["cpu_vendor"] = fields["vendor_id"]
+    torch = sys.modules.get("torch")  # never imported here: only a process that already uses it
+    if torch is not None and torch.cuda.is_initialized():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def _clean(value: Any) -> Any:
@@ -184,6 +207,7 @@ class ResultsWriter:
             "config": self.config.model_dump(mode="json"),
             "config_hash": self.config.hash(),
             "versions": package_versions(),
+            "machine": machine(),
             "strategy_info": self.strategy_info,
             **({"id2label": self.id2label} if self.id2label else {}),
             **({"precision": self.precision} if self.precision else {}),

@@ -276,7 +276,7 @@ def test_the_chosen_configuration_is_reused_for_every_seed_and_its_tuning_run_is
 def fake_results(config, label: str, lr: float, seed: int) -> dict:
     """A complete results.json of ``config``: validation peaks at lr 3e-3 (the method's knob adds
     0.01 at its second value), test scores from the label and seed, a mechanism key for the method;
-    CPU time (5 minutes) from seed 1 on, as if the first seed's records predated its measurement."""
+    CPU time (5 minutes) and the machine from seed 1 on, as if the first seed's records predated both."""
     rounds = config.train.rounds
     validation = 0.8 - abs(math.log(lr / 3e-3)) / 10 + (0.01 if "literal" in json.dumps(config.strategy.options()) else 0)
     personal = 0.80 + 0.01 * seed + {"fedpissa": 0.03, "feddpa": 0.01}.get(label, 0.0)
@@ -285,7 +285,7 @@ def fake_results(config, label: str, lr: float, seed: int) -> dict:
                for r in range(1, rounds + 1)]
     final = {"personalized_accuracy": personal, "personalized_accuracy_worst": personal - 0.1,
              "global_accuracy": 0.85 if label != "centralized" else 0.86, "received_accuracy": personal - 0.01}
-    cpu = {"cpu_seconds": 300.0} if seed >= 1 else {}
+    cpu = {"cpu_seconds": 300.0, "machine": {"cpu": "Test CPU", "cores": 2}} if seed >= 1 else {}
     return {"config": config.model_dump(mode="json"), "rounds": records, "final": final, "wall_seconds": 600.0, **cpu}
 
 
@@ -382,6 +382,10 @@ def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_tim
     recorded, runs = int(cpu_line[1]), int(cpu_line[2])
     assert 0 < recorded < runs  # the first seed's runs did not record it
     assert int(cpu_line[4]) == 5 * recorded
+    # the machines the records name: every run from seed 1 on, the first seed's not
+    seed0 = sum(1 for job in fake_training if job.seed == 0)  # its tuning runs and its finals of reused choices
+    assert facts["machines"] == {"Test CPU": recorded, "not recorded": seed0}
+    assert f"not recorded {seed0}, Test CPU {recorded} runs." in page
     assert "![mechanisms](mechanisms.png)" in page and (tmp_path / "mechanisms.png").stat().st_size > 0
     assert "relative_correction" in page and (tmp_path / "paired.csv").is_file()
     assert facts["primary"] == {"label": "fedpissa", "baseline": "feddpa", "metric": "personalized_accuracy"}

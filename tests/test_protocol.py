@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from fedlora.app.runner import run_inprocess
 from fedlora.app.tune import tune
 from fedlora.config import load_config
 from fedlora.data import build_federated_data
+from fedlora.results import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -28,6 +30,9 @@ def test_references_run_through_compare_with_both_averages(tmp_path: Path) -> No
         final = results["final"]
         assert {"personalized_accuracy", "personalized_accuracy_unweighted", "best_round"} <= set(final)
         assert len(results["config_hash"]) == 12 and results["versions"]["flwr"] == "1.39.0"
+        # ... and the machine that ran it (the CPU as /proc/cpuinfo names it, its cores; no GPU here)
+        assert results["machine"]["cpu"] == machine()["cpu"] != "" and results["machine"]["cores"] == os.cpu_count()
+        assert "gpu" not in results["machine"]
     assert (tmp_path / "summary.md").is_file()
 
 
