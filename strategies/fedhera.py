@@ -78,8 +78,8 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
         Ablation: r_tot = r_main (download only what is trained, no frozen tail).
     atw : bool, default False
         Adaptive tail warm-up: scale the frozen tail by lambda_k. Off by default as in the official code
-        (--use_atw is store_true) and as in the abstract, which names the allocation and prefix gating but
-        not ATW; the official README examples turn it on (the fidelity benchmark runs both).
+        (--use_atw is store_true); kept off on validation by the fedhera fidelity scenario's tuning
+        (0.9120 off, 0.9107 on; the runs: docs/algorithms.md).
     atw_horizon : float > 0, default 2.0
         T_atw of the lambda schedule (official --atw_temperature 2.0).
     atw_decay : float in (0, 1], default 0.9
