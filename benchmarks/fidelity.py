@@ -718,7 +718,7 @@ def times(table, workers: int) -> dict:
 def machines(out: Path) -> dict[str, int]:
     """How many of the complete runs under ``out`` (tuning and final) each machine finished, by the
     CPU their ``results.json`` names (``machine``, :func:`fedlora.results.machine`; with the GPU when
-    one trained); records written before 2026-12-07 do not say ("not recorded")."""
+    one trained); records written before the field (added 2026-12-06) do not say ("not recorded")."""
     counts: Counter[str] = Counter()
     for path in sorted(out.glob(f"*/seed*/{RESULTS}")):
         if complete_by_itself(path):
