@@ -427,13 +427,19 @@ RESULTS = "results.json"
 
 def complete_by_itself(path: Path) -> bool:
     """Whether the results.json at ``path`` holds every round its own config asked for."""
+    return _complete_results(path) is not None
+
+
+def _complete_results(path: Path) -> dict[str, Any] | None:
+    """The results.json at ``path``, parsed, when it holds every round its own config asked for;
+    None when it is unreadable or incomplete (one read serves both the check and the use)."""
     try:
         results = json.loads(path.read_text())
         wanted = int(results["config"]["train"]["rounds"])
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
     rounds = [r.get("round") for r in results.get("rounds") or [] if isinstance(r, dict) and r.get("round") != 0]
-    return rounds == list(range(1, wanted + 1))
+    return results if rounds == list(range(1, wanted + 1)) else None
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -721,8 +727,8 @@ def machines(out: Path) -> dict[str, int]:
     one trained); records written before the field (added 2026-12-06) do not say ("not recorded")."""
     counts: Counter[str] = Counter()
     for path in sorted(out.glob(f"*/seed*/{RESULTS}")):
-        if complete_by_itself(path):
-            machine = load_results(path).get("machine") or {}
+        if (results := _complete_results(path)) is not None:
+            machine = results.get("machine") or {}
             name = machine.get("cpu") or "not recorded"
             counts[f"{name} + {machine['gpu']}" if machine.get("gpu") else name] += 1
     return dict(counts.most_common())

@@ -21,6 +21,7 @@ round 0: the zero-shot model (the initial adapter, B = 0) on the global test set
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -104,11 +105,10 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def machine() -> dict[str, Any]:
-    """The machine this process runs on: the CPU's model and vendor (``/proc/cpuinfo``, where there
-    is one), its logical cores, and the CUDA device when this process has initialised one. A record
-    then says where its times were measured (CPU seconds of one run on two machines are not the
-    same cost) and on which vendor's kernels its numbers were computed."""
+@functools.lru_cache(maxsize=1)
+def _cpu() -> tuple[tuple[str, Any], ...]:
+    """The CPU part of :func:`machine`, read once per process (``/proc/cpuinfo`` does not change
+    while it runs, and a results file is rewritten every round)."""
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     try:  # the first processor's block
         first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
@@ -119,6 +119,15 @@ def machine() -> dict[str, Any]:
         info["cpu"] = fields["model name"]
     if fields.get("vendor_id"):
         info["cpu_vendor"] = fields["vendor_id"]
+    return tuple(info.items())
+
+
+def machine() -> dict[str, Any]:
+    """The machine this process runs on: the CPU's model and vendor (``/proc/cpuinfo``, where there
+    is one), its logical cores, and the CUDA device when this process has initialised one. A record
+    then says where its times were measured (CPU seconds of one run on two machines are not the
+    same cost) and on which vendor's kernels its numbers were computed."""
+    info = dict(_cpu())
     torch = sys.modules.get("torch")  # never imported here: only a process that already uses it
     if torch is not None and torch.cuda.is_initialized():
         info["gpu"] = torch.cuda.get_device_name()
