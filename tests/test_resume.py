@@ -191,6 +191,46 @@ def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy, 
 
 
 
+@pytest.mark.slow
+def test_a_finished_run_extended_by_resume_equals_the_longer_run(tmp_path):
+    """A complete run resumed with more ``train.rounds`` continues from its last checkpoint: the
+    same rounds, adapters and sampling as one run of the longer length, so a scenario that is
+    lengthened (the fidelity protocol's fedhera) extends its runs instead of running them again."""
+    # Prepare: FedHera (server state, lazy allocations) on half of the clients a round, evaluated
+    # every 2 rounds; one run of 4 rounds, and one of 2 rounds
+    env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    common = ["--set", "strategy.name=fedhera", "--set", "federation.fraction_train=0.5",
+              "--set", "federation.evaluate_every=2"]
+    longer, extended = tmp_path / "a" / "run", tmp_path / "b" / "run"  # paths of one length: they travel in messages
+
+    def cli(out: Path, rounds: int, *extra: str) -> None:
+        subprocess.run([sys.executable, "-m", "fedlora.app.cli", "run", str(SMOKE), "--engine", "inprocess",
+                        "--out", str(out), "--set", f"train.rounds={rounds}", *common, *extra],
+                       check=True, capture_output=True, cwd=ROOT, env=env)
+
+    import json
+
+    cli(longer, 4)
+    cli(extended, 2)
+    first_two = json.loads((extended / "results.json").read_text())["rounds"]
+
+    # Execute: the finished 2-round run, resumed to 4 rounds
+    cli(extended, 4, "--resume", str(extended))
+
+    # Assert: rounds 1-2 restored, not run again (their measured times are the 2-round run's),
+    # every round as in the 4-round run (the clients sampled included), and the same adapters
+    ref_results = json.loads((longer / "results.json").read_text())
+    res_results = json.loads((extended / "results.json").read_text())
+    assert [r["round"] for r in res_results["rounds"]] == [1, 2, 3, 4]
+    assert [r["seconds"] for r in res_results["rounds"][:2]] == [r["seconds"] for r in first_two]
+    assert_close(_rounds(res_results), _rounds(ref_results), "rounds")
+    ref_adapters, res_adapters = _adapters(longer), _adapters(extended)
+    assert ref_adapters and ref_adapters.keys() == res_adapters.keys()
+    for name, tensors in ref_adapters.items():
+        for key, value in tensors.items():
+            np.testing.assert_allclose(res_adapters[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
+
+
 class _Interrupted(Exception):
     """Stands in for a crash of the server process."""
 
