@@ -103,6 +103,19 @@ def _comparable(config: ExperimentConfig) -> dict[str, Any]:
     return data
 
 
+def _as_run_until(config: dict[str, Any], round_done: int) -> dict[str, Any]:
+    """A comparable config as the rounds 1..``round_done`` ran it: a learning-rate decay from a
+    later round (``train.lr_decay_rounds``) had not acted yet, so a resume may add or move one
+    there (a finished run lengthened with a decay after its last round continues exactly); the
+    decay factor counts only when a listed round was reached."""
+    train = dict(config.get("train") or {})
+    reached = [r for r in train.get("lr_decay_rounds") or [] if isinstance(r, int) and r <= round_done]
+    train["lr_decay_rounds"] = reached
+    if not reached:
+        train.pop("lr_decay_factor", None)
+    return {**config, "train": train}
+
+
 def client_manifest(folder: Path, upto_round: int) -> dict[str, str]:
     """``clients/<partition>/round_<r>.bin`` -> sha256 of the state file each client would restore
     on a resume after ``upto_round`` (its newest of a round <= ``upto_round``)."""
@@ -168,13 +181,15 @@ def load_server(out_dir: str | Path, config: ExperimentConfig | None = None) -> 
                               f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
     round_done, partitions = blob["round"], list(blob["partitions"])
     if config is not None:
-        stored, now = with_record_defaults(blob["config"]), _comparable(config)
+        stored = _as_run_until(with_record_defaults(blob["config"]), round_done)
+        now = _as_run_until(_comparable(config), round_done)
         if stored != now:
             keys = sorted(f"{s}.{k}" for s in now for k in (now[s] if isinstance(now[s], dict) else {})
                           if not isinstance(stored.get(s), dict) or stored[s].get(k) != now[s].get(k))
             raise CheckpointError(f"{where}: the config differs from the checkpointed run in "
                                   f"{', '.join(keys[:8]) or 'its sections'}; resume with the same config (train.rounds "
-                                  f"may grow, except under a DP target_epsilon planned for it)")
+                                  f"may grow, except under a DP target_epsilon planned for it, and "
+                                  f"train.lr_decay_rounds may add rounds after {round_done})")
         if round_done > config.train.rounds:
             raise CheckpointError(f"{where}: the checkpoint completed round {round_done} but train.rounds is "
                                   f"{config.train.rounds}; resume with train.rounds >= {round_done}")

@@ -197,6 +197,16 @@ class TrainConfig(_Section):
         "DP-SGD's Poisson sampling ignores it."
     )
     lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate (LoRA and head).")
+    lr_decay_rounds: list[int] = Field(
+        default_factory=list, max_length=64, description="Rounds (1-based) from which the learning rate is "
+        "multiplied by lr_decay_factor, once per listed round reached (train.lr x factor^k in a round at or after "
+        "k of them); empty = a constant rate. Applies to every strategy alike, the pooled reference included. The "
+        "official FedHera code halves its rate once, at its round 15 counted from 0 (= [16] here). A listed round "
+        "after the last one run changes nothing, so a finished run resumed with more train.rounds and a decay "
+        "after its last round continues exactly (fedlora.checkpoint)."
+    )
+    lr_decay_factor: float = Field(0.5, gt=0.0, le=1.0, description="What each round of lr_decay_rounds "
+                                   "multiplies the learning rate by (0.5: halve it, as FedHera's code does).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_length: int = Field(64, ge=4, le=MAX_TOKENS, description="Max tokens per example (dynamic padding), at "
                             "most 2**20.")
@@ -223,6 +233,18 @@ class TrainConfig(_Section):
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of LoRA init, batch order and client sampling, in "
                       "[0, 2**31 - 1].")
+
+    @field_validator("lr_decay_rounds")
+    @classmethod
+    def _increasing_rounds(cls, rounds: list[int]) -> list[int]:
+        if any(r < 1 or r > MAX_ROUNDS for r in rounds) or rounds != sorted(set(rounds)):
+            raise ValueError(f"lr_decay_rounds must be increasing rounds in 1..{MAX_ROUNDS}, got {rounds}")
+        return rounds
+
+    def lr_at(self, server_round: int) -> float:
+        """The learning rate of round ``server_round``: ``lr`` times ``lr_decay_factor`` once for
+        every round of ``lr_decay_rounds`` at or before it."""
+        return self.lr * self.lr_decay_factor ** sum(r <= server_round for r in self.lr_decay_rounds)
 
 
 class StrategyConfig(_Section):
@@ -602,6 +624,8 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("train", None, "precision"): "fp32",
     ("data", None, "class_blocks"): [],
     ("train", None, "group_by_length"): False,
+    ("train", None, "lr_decay_rounds"): [],
+    ("train", None, "lr_decay_factor"): 0.5,
     ("strategy", "fedtreelora", "rebuild_every"): 0,
     ("strategy", "fedtreelora", "tree_distance"): "raw",
     ("faults", None, "anomaly_norm_factor"): 3.0,

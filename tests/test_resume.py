@@ -192,44 +192,68 @@ def test_kill_9_mid_round_then_resume_matches_uninterrupted(tmp_path, strategy, 
 
 
 @pytest.mark.slow
-def test_a_finished_run_extended_by_resume_equals_the_longer_run(tmp_path):
-    """A complete run resumed with more ``train.rounds`` continues from its last checkpoint: the
-    same rounds, adapters and sampling as one run of the longer length, so a scenario that is
-    lengthened (the fidelity protocol's fedhera) extends its runs instead of running them again."""
+def test_a_finished_run_extended_by_resume_with_a_later_decay_equals_the_longer_run(tmp_path):
+    """A complete run resumed with more ``train.rounds`` and a learning-rate decay after its last
+    round continues from its last checkpoint: the same rounds, sampled clients and adapters as one
+    run of the longer length with that decay, so a scenario that is lengthened (the fidelity
+    protocol's fedhera) extends its runs instead of running them again."""
     # Prepare: FedHera (server state, lazy allocations) on half of the clients a round, evaluated
-    # every 2 rounds; one run of 4 rounds, and one of 2 rounds
+    # every 2 rounds; 4 rounds at a constant rate, 4 rounds with the rate halved from round 3, and
+    # 2 rounds at the constant rate
+    import json
+
     env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     common = ["--set", "strategy.name=fedhera", "--set", "federation.fraction_train=0.5",
-              "--set", "federation.evaluate_every=2"]
-    longer, extended = tmp_path / "a" / "run", tmp_path / "b" / "run"  # paths of one length: they travel in messages
+              "--set", "federation.evaluate_every=2", "--set", "train.lr=0.01"]
+    decay = ["--set", "train.lr_decay_rounds=[3]"]
+    constant, decayed, extended = (tmp_path / name / "run" for name in "abc")  # paths of one length
 
-    def cli(out: Path, rounds: int, *extra: str) -> None:
+    def cli(out: Path, rounds: int, *extra: str) -> dict:
         subprocess.run([sys.executable, "-m", "fedlora.app.cli", "run", str(SMOKE), "--engine", "inprocess",
                         "--out", str(out), "--set", f"train.rounds={rounds}", *common, *extra],
                        check=True, capture_output=True, cwd=ROOT, env=env)
+        return json.loads((out / "results.json").read_text())
 
-    import json
+    at_constant_rate = cli(constant, 4)
+    reference = cli(decayed, 4, *decay)
+    first_two = cli(extended, 2)["rounds"]
 
-    cli(longer, 4)
-    cli(extended, 2)
-    first_two = json.loads((extended / "results.json").read_text())["rounds"]
+    # Execute: the finished 2-round run, resumed to 4 rounds with the decay from round 3
+    results = cli(extended, 4, "--resume", str(extended), *decay)
 
-    # Execute: the finished 2-round run, resumed to 4 rounds
-    cli(extended, 4, "--resume", str(extended))
-
-    # Assert: rounds 1-2 restored, not run again (their measured times are the 2-round run's),
-    # every round as in the 4-round run (the clients sampled included), and the same adapters
-    ref_results = json.loads((longer / "results.json").read_text())
-    res_results = json.loads((extended / "results.json").read_text())
-    assert [r["round"] for r in res_results["rounds"]] == [1, 2, 3, 4]
-    assert [r["seconds"] for r in res_results["rounds"][:2]] == [r["seconds"] for r in first_two]
-    assert_close(_rounds(res_results), _rounds(ref_results), "rounds")
-    ref_adapters, res_adapters = _adapters(longer), _adapters(extended)
-    assert ref_adapters and ref_adapters.keys() == res_adapters.keys()
-    for name, tensors in ref_adapters.items():
+    # Assert: rounds 1-2 restored, not run again (their measured times are the 2-round run's);
+    # every round as in the 4-round run with the decay (the clients sampled included), the same
+    # adapters; and the decay acted (rounds 3-4 differ from the constant rate's, rounds 1-2 not)
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3, 4]
+    assert [r["seconds"] for r in results["rounds"][:2]] == [r["seconds"] for r in first_two]
+    assert_close(_rounds(results), _rounds(reference), "rounds")
+    expected, actual = _adapters(decayed), _adapters(extended)
+    assert expected and expected.keys() == actual.keys()
+    for name, tensors in expected.items():
         for key, value in tensors.items():
-            np.testing.assert_allclose(res_adapters[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(actual[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
+    losses = [[r["train_loss"] for r in run["rounds"]] for run in (results, at_constant_rate)]
+    assert losses[0][:2] == pytest.approx(losses[1][:2], abs=1e-9)
+    assert all(abs(a - b) > 1e-6 for a, b in zip(losses[0][2:], losses[1][2:], strict=True)), losses
 
+
+def test_the_learning_rate_decays_from_each_listed_round_and_bad_schedules_are_one_line():
+    train = load_config(SMOKE, ["train.lr=0.001", "train.lr_decay_rounds=[3, 5]"]).train
+    assert [train.lr_at(r) for r in range(1, 7)] == pytest.approx([1e-3, 1e-3, 5e-4, 5e-4, 2.5e-4, 2.5e-4])
+    assert load_config(SMOKE, ["train.lr_decay_factor=0.1", "train.lr_decay_rounds=[2]"]).train.lr_at(2) == \
+        pytest.approx(1e-4)  # smoke's lr 1e-3 x 0.1
+    for bad in ("[5, 3]", "[0]", "[2, 2]"):
+        with pytest.raises(ConfigError, match="lr_decay_rounds"):
+            load_config(SMOKE, [f"train.lr_decay_rounds={bad}"])
+
+
+def test_a_resume_may_add_a_decay_only_after_the_checkpointed_round(tmp_path):
+    # Prepare: a checkpoint after round 2 of a run at a constant rate
+    save_server(tmp_path, 2, load_config(SMOKE), {}, [RoundRecord(round=1), RoundRecord(round=2)])
+    # Execute / Assert: a decay from round 3 on leaves rounds 1-2 as they ran; one from round 2 does not
+    assert load_server(tmp_path, load_config(SMOKE, ["train.rounds=4", "train.lr_decay_rounds=[3]"]))["round"] == 2
+    with pytest.raises(ConfigError, match="lr_decay_rounds"):
+        load_server(tmp_path, load_config(SMOKE, ["train.rounds=4", "train.lr_decay_rounds=[2]"]))
 
 class _Interrupted(Exception):
     """Stands in for a crash of the server process."""

@@ -127,6 +127,11 @@ class LocalTrainer:
     def after_backward(self, model: PeftModel) -> None:
         """Hook between backward and the optimiser step (e.g. gradient gating)."""
 
+    @property
+    def lr(self) -> float:
+        """This round's learning rate (``train.lr`` after ``train.lr_decay_rounds``)."""
+        return self.config.train.lr_at(self.job.server_round)
+
     def fit(self, model: PeftModel) -> TrainStats:
         if self.config.privacy.dp:
             return self.fit_private(model)
@@ -136,7 +141,7 @@ class LocalTrainer:
             model,
             loader,
             epochs=cfg.local_epochs,
-            lr=cfg.lr,
+            lr=self.lr,
             device=self.device,
             max_steps=cfg.max_steps,
             weight_decay=cfg.weight_decay,
@@ -174,7 +179,7 @@ class LocalTrainer:
         seed = cfg.seed + 1000 * self.job.server_round + self.job.profile.partition_id if privacy.reproducible_noise else None
         result = private_train(
             model, self.loader(self.job.data.train, "train", shuffle=True), privacy=privacy,
-            epochs=cfg.local_epochs, lr=cfg.lr, device=self.device, rounds=cfg.rounds, history=history,
+            epochs=cfg.local_epochs, lr=self.lr, device=self.device, rounds=cfg.rounds, history=history,
             seed=seed, max_steps=cfg.max_steps, weight_decay=cfg.weight_decay, loss_fn=self.loss,
         )
         self.job.state[PRIVACY_STATE_KEY] = ConfigRecord({

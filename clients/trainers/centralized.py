@@ -29,6 +29,6 @@ class CentralizedTrainer(LocalTrainer):
             fraction = clients / len(self.job.federated.clients)
             steps, epochs = math.ceil(cfg.local_epochs * fraction * len(pooled) / cfg.batch_size), cfg.local_epochs
         loader = self.loader(pooled, "pooled-train", shuffle=True)
-        return train(model, loader, epochs=max(epochs, 1), lr=cfg.lr, device=self.device, max_steps=steps,
+        return train(model, loader, epochs=max(epochs, 1), lr=self.lr, device=self.device, max_steps=steps,
                      weight_decay=cfg.weight_decay, loss_fn=self.loss, after_backward=self.after_backward,
                      precision=self.precision)

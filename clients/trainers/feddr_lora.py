@@ -226,7 +226,7 @@ class FedDRLoRATrainer(LocalTrainer):
         split_epochs = EpochSplitBatches(loader, cfg.max_steps, lambda batches: self._epoch_split(model, batches))
         return train(
             model, split_epochs,  # type: ignore[arg-type]  # iterated like the DataLoader it wraps
-            epochs=cfg.local_epochs, lr=cfg.lr, device=self.device, max_steps=cfg.max_steps,
+            epochs=cfg.local_epochs, lr=self.lr, device=self.device, max_steps=cfg.max_steps,
             weight_decay=cfg.weight_decay, loss_fn=self.loss, after_backward=self.after_backward,
             parameters=self.trainable_parameters(model, loader), precision=self.precision,
         )

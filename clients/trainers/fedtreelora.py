@@ -110,7 +110,7 @@ class FedTreeLoRATrainer(LocalTrainer):
         return model
 
     def parameter_groups(self, model: PeftModel, loader: Any) -> list[dict[str, Any]]:
-        """The LoRA factors and the head at ``train.lr``; theta (when this round mixes a block) in
+        """The LoRA factors and the head at this round's ``train.lr`` (:attr:`lr`); theta (when this round mixes a block) in
         its own group at ``strategy.mixing_lr`` without weight decay; ``mixing_lr = 0``: frozen."""
         lora = [p for p in self.trainable_parameters(model, loader) if p is not self.theta]
         groups: list[dict[str, Any]] = [{"params": lora}]
