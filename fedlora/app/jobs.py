@@ -115,7 +115,8 @@ def is_complete(run_dir: Path, config: ExperimentConfig) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     if _comparable(with_record_defaults(results.get("config") or {})) != _comparable(config.model_dump(mode="json")):
-        logger.warning("compare: %s was produced by a different config; running it again", run_dir)
+        logger.warning("compare: %s was produced by a different config: continued from its checkpoint where "
+                       "the config allows it (more train.rounds, a later lr decay), else run again", run_dir)
         return False
     rounds = [r.get("round") for r in results.get("rounds") or [] if r.get("round") != 0]  # 0: causal LM zero-shot
     return rounds == list(range(1, config.train.rounds + 1))
