@@ -97,7 +97,8 @@ def test_record_defaults_fill_only_what_is_missing() -> None:
     # Assert: a section added since (ADDED_SECTIONS) is filled in whole: every earlier run aggregated in the clear
     secure = {"enabled": False, "num_shares": 1.0, "reconstruction_threshold": 0.5, "clip_norm": 0.0,
               "clipping_range": 0.0, "quantization_range": 0, "modulus_range": 2**32, "max_error": 0.0}
-    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False}, "model": {"path": "x"},
+    decay = {"lr_decay_rounds": [], "lr_decay_factor": 0.5}  # every earlier run: a constant rate
+    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False, **decay}, "model": {"path": "x"},
                       "secure_aggregation": secure}
-    assert kept == {"train": {"precision": "bf16", "group_by_length": False},
+    assert kept == {"train": {"precision": "bf16", "group_by_length": False, **decay},
                     "secure_aggregation": {**secure, "enabled": True}}
