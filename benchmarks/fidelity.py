@@ -936,8 +936,9 @@ def _cpu_hours(seconds: float, recorded: int, runs: int) -> str:
 # --------------------------------------------------------------------------- command line
 def tagged(folder: str, overrides: list[str] | None = None) -> str:
     """``folder``, or with ``--set`` overrides ``<folder>+<overrides>`` (sorted, each made safe for
-    a path): runs of another device or precision never share a path with the scenario's own."""
-    tag = "_".join(re.sub(r"[^A-Za-z0-9._=-]", "-", override) for override in sorted(overrides or ()))
+    a path; a list's brackets and commas are kept, as in a job's ``<label>[<configuration>]``):
+    runs of another device, precision or length never share a path with the scenario's own."""
+    tag = "_".join(re.sub(r"[^A-Za-z0-9._=,\[\]-]", "-", override) for override in sorted(overrides or ()))
     return f"{folder}+{tag}" if tag else folder
 
 

@@ -528,6 +528,11 @@ def test_folder_overrides_read_back_what_records_dir_wrote() -> None:
     overrides = ["train.precision=bf16", "train.device=cuda", "strategy.robust_loss=all"]
     folder = fidelity.records_dir(None, "feddr_lora", False, overrides)
     assert sorted(folder_overrides(folder / "job" / "seed0")) == sorted(overrides)
+    # a list keeps its brackets and commas (a record of another learning-rate schedule)
+    overrides = ["train.rounds=60", "train.lr_decay_rounds=[]", "train.lr_decay_rounds=[20,40]"]
+    folder = fidelity.records_dir(None, "fedhera", False, overrides)
+    assert folder.name == "fedhera+train.lr_decay_rounds=[20,40]_train.lr_decay_rounds=[]_train.rounds=60"
+    assert sorted(folder_overrides(folder / "job" / "seed0")) == sorted(overrides)
 
 
 @pytest.mark.parametrize(("name", "folder", "seed_dir"), committed_records(),
