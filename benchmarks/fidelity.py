@@ -485,21 +485,43 @@ def keep_record(records: Path, out: Path, run_dir: Path) -> None:
     logger.info("fidelity: kept %s", target.parent)
 
 
-def sync_records(records: Path, out: Path) -> tuple[int, int]:
+def config_now(scenario: Scenario, base: Any, run: Path) -> dict[str, Any] | None:
+    """The config, as records compare it (:func:`_config`), that the job and seed a run folder
+    ``<label>[<configuration>]/seed<k>`` names run as the scenario declares them now (``base``: its
+    config with the command's ``--set`` overrides); None when the folder names no job of it."""
+    label, _, rest = run.parent.name.partition("[")
+    spec, seed = scenario.jobs.get(label), run.name.removeprefix("seed")
+    if spec is None or not run.name.startswith("seed") or not seed.isdigit():
+        return None
+    point = tuple(o for o in rest.removesuffix("]").split(",") if o)
+    job = Job(spec.strategy, int(seed), spec.overrides + point, run.parent.name, fresh_partition=True)
+    config = job_config(base, job, run).model_dump(mode="json")
+    return {k: v for k, v in config.items() if k != "output"}
+
+
+def sync_records(records: Path, out: Path, current: Callable[[Path], dict[str, Any] | None] | None = None,
+                 ) -> tuple[int, int]:
     """Restore every record into ``out`` where ``out`` holds no complete run of it (so the run is
     skipped: ``is_complete`` still compares its whole config), and keep every complete run of
-    ``out`` that ``records`` lacks. Returns (restored, kept)."""
+    ``out`` that ``records`` lacks. With ``current`` (a run folder relative to ``out``: the config
+    its job runs now, :func:`config_now`), only records and runs of that config move: after the
+    scenario's setting changed, the earlier setting's runs left in ``out`` (their checkpoints
+    continue them) are not kept as records of the new one, where they would block the new runs'
+    records (:func:`keep_record` never overwrites another config's). Returns (restored, kept)."""
+    def now(path: Path, root: Path) -> bool:
+        return current is None or _config(path) == current(path.parent.relative_to(root))
+
     restored = kept = 0
     for record in sorted(records.glob(f"*/*/{RESULTS}")) if records.is_dir() else []:
         target = out / record.relative_to(records)
-        if complete_by_itself(record) and not complete_by_itself(target):
+        if complete_by_itself(record) and not complete_by_itself(target) and now(record, records):
             _copy(record, target)
             restored += 1
     for run in sorted(out.glob(f"*/*/{RESULTS}")) if out.is_dir() else []:
         if run.parent.parent.name == "tensorboard":
             continue
         target = records / run.relative_to(out)
-        if complete_by_itself(run) and not target.is_file():
+        if complete_by_itself(run) and not target.is_file() and now(run, out):
             _copy(run, target)
             kept += 1
     return restored, kept
@@ -549,7 +571,8 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
     config = str(ROOT / scenario.config)
     on_done = None
     if records is not None:
-        restored, kept = sync_records(records, out)
+        base = resolve_base(config, overrides)
+        restored, kept = sync_records(records, out, lambda run: config_now(scenario, base, run))
         logger.info("fidelity: %s: %d record(s) restored from %s, %d finished run(s) kept there", name, restored,
                     records, kept)
         on_done = lambda job, run_dir: keep_record(records, out, run_dir)

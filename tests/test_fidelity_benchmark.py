@@ -10,6 +10,7 @@ scores instead of training) drives the tuning stage and the whole scenario to it
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -506,6 +507,43 @@ def test_a_record_of_another_config_is_never_overwritten(tmp_path: Path) -> None
     (run / "results.json").write_text(json.dumps({"config": config, "rounds": [{"round": 1}], "wall_seconds": 5}))
     fidelity.keep_record(tmp_path / "records", tmp_path / "out", run)
     assert (record / "results.json").read_bytes() == (run / "results.json").read_bytes() != before
+
+
+def test_after_a_setting_changes_only_runs_of_the_new_one_are_kept_or_restored(tmp_path: Path) -> None:
+    # Prepare: fedhera's jobs as declared now (100 rounds, the rate halved from round 61), and an
+    # output folder that also holds complete runs of its earlier setting (60 rounds, constant rate),
+    # whose checkpoints are what lets the runs continue to 100 rounds
+    scenario = fidelity.scenarios()["fedhera"]
+    base = resolve_base(str(fidelity.ROOT / scenario.config))
+    current = functools.partial(fidelity.config_now, scenario, base)
+    records, out = tmp_path / "records", tmp_path / "out"
+
+    def write(root: Path, run: str, **train: object) -> None:
+        config = {**current(Path(run)), "output": {"dir": str(root / run)}}
+        config["train"] = {**config["train"], **train}
+        (root / run).mkdir(parents=True)
+        rounds = [{"round": r} for r in range(1, config["train"]["rounds"] + 1)]
+        (root / run / "results.json").write_text(json.dumps({"config": config, "rounds": rounds}))
+
+    write(out, "fedit[train.lr=0.006]/seed1")                                       # the new setting
+    write(out, "fedit[train.lr=0.003]/seed0", rounds=60, lr_decay_rounds=[])       # the earlier one
+    write(records, "flexlora[train.lr=0.003]/seed0")                                # the new setting
+    write(records, "flexlora[train.lr=0.006]/seed0", rounds=60, lr_decay_rounds=[])  # the earlier one
+    # Execute
+    restored, kept = fidelity.sync_records(records, out, current)
+    # Assert: the earlier setting's run stays out of the records (a record there would block its
+    # 100-round run's: keep_record never overwrites another config's), and its record stays out of
+    # the output folder; the new setting's move both ways
+    assert (restored, kept) == (1, 1)
+    assert (records / "fedit[train.lr=0.006]/seed1/results.json").is_file()
+    assert not (records / "fedit[train.lr=0.003]").exists()
+    assert (out / "flexlora[train.lr=0.003]/seed0/results.json").is_file()
+    assert not (out / "flexlora[train.lr=0.006]").exists()
+    # ... and without the check (as before 2026-12-07) the earlier setting's run was kept
+    assert fidelity.sync_records(records, out) == (1, 1)
+    assert (records / "fedit[train.lr=0.003]/seed0/results.json").is_file()
+    # a folder that names no job of the scenario is no run of it
+    assert current(Path("nojob[train.lr=0.1]/seed0")) is None and current(Path("fedit[train.lr=0.1]/x")) is None
 
 
 def committed_records() -> list[tuple[str, str, Path]]:
