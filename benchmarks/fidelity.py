@@ -923,9 +923,32 @@ def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[
         finished += [tuning_job(scenario, label, point, seeds[0]).run_dir(records)
                      for label, p in plans.items() for point in p.points if point not in p.pending]
     cpu = [seconds for folder in finished if math.isfinite(seconds := number(load_results(folder).get("cpu_seconds")))]
+    waiting = [] if tuning_from is not None else waiting_runs(scenario, base, records, set(finished), ready, seeds,
+                                                              other_seeds)
     return {"tuning_done": tuning_done, "tuning_pending": pending,
             "tuning_complete": int(tuned), "final_done": len(finished) - tuning_done, "final_planned": len(final),
-            "cpu_seconds": sum(cpu), "cpu_runs": len(cpu), "runs": len(finished)}
+            "waiting": len(waiting), "cpu_seconds": sum(cpu), "cpu_runs": len(cpu), "runs": len(finished)}
+
+
+def waiting_runs(scenario: Scenario, base: Any, records: Path, counted: set[Path], ready: set[str],
+                 seeds: list[int], other_seeds: int | None = None) -> list[Path]:
+    """Complete runs in ``records`` of jobs whose tuning has not chosen yet (not in ``ready``), on
+    their planned seeds and at the config their folder names today (:func:`config_now`), that the
+    plan does not count yet (``counted``): a widened grid's point before the grid is in, or a final
+    run at a configuration run ahead of the choice (a regime probe continued into the scenario's
+    folder). They count once the tuning chooses their configuration; at another choice they count
+    nowhere."""
+    waiting = []
+    for path in sorted(records.glob(f"*/seed*/{RESULTS}")) if records.is_dir() else []:
+        run, label = path.parent, path.parent.parent.name.partition("[")[0]
+        if run in counted or label not in scenario.jobs or label in ready:
+            continue
+        seed = run.name.removeprefix("seed")
+        if not seed.isdigit() or int(seed) not in job_seeds(scenario, label, seeds, other_seeds):
+            continue
+        if complete_by_itself(path) and _config(path) == config_now(scenario, base, run.relative_to(records)):
+            waiting.append(run)
+    return waiting
 
 
 def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides: list[str],
@@ -939,8 +962,10 @@ def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides:
     for name, p in rows.items():
         pending = f"{p['tuning_pending']}" + ("" if p["tuning_complete"] else " (more if a grid widens)")
         complete = p["tuning_complete"] and p["final_done"] == p["final_planned"]
+        waiting = f" (+{p['waiting']} waiting for their job's tuning)" if p["waiting"] else ""
         lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']}"
-                     f"{' (complete)' if complete else ''} | {_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} |")
+                     f"{' (complete)' if complete else ''}{waiting} | "
+                     f"{_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} |")
     if len(rows) > 1:
         total = (sum(p[key] for p in rows.values()) for key in ("cpu_seconds", "cpu_runs", "runs"))
         lines.append(f"| all | | | | {_cpu_hours(*total)} |")

@@ -509,22 +509,29 @@ def test_a_record_of_another_config_is_never_overwritten(tmp_path: Path) -> None
     assert (record / "results.json").read_bytes() == (run / "results.json").read_bytes() != before
 
 
+def fedhera_now():
+    """The config each fedhera run folder's job runs today (:func:`fidelity.config_now`)."""
+    scenario = fidelity.scenarios()["fedhera"]
+    return functools.partial(fidelity.config_now, scenario, resolve_base(str(fidelity.ROOT / scenario.config)))
+
+
+def write_complete_run(current, root: Path, run: str, **train: object) -> None:
+    """A results.json with every round, of the config ``current`` gives the folder ``run``
+    (``train``: keys of an earlier setting)."""
+    config = {**current(Path(run)), "output": {"dir": str(root / run)}}
+    config["train"] = {**config["train"], **train}
+    (root / run).mkdir(parents=True)
+    rounds = [{"round": r} for r in range(1, config["train"]["rounds"] + 1)]
+    (root / run / "results.json").write_text(json.dumps({"config": config, "rounds": rounds}))
+
+
 def test_after_a_setting_changes_only_runs_of_the_new_one_are_kept_or_restored(tmp_path: Path) -> None:
     # Prepare: fedhera's jobs as declared now (100 rounds, the rate halved from round 61), and an
     # output folder that also holds complete runs of its earlier setting (60 rounds, constant rate),
     # whose checkpoints are what lets the runs continue to 100 rounds
-    scenario = fidelity.scenarios()["fedhera"]
-    base = resolve_base(str(fidelity.ROOT / scenario.config))
-    current = functools.partial(fidelity.config_now, scenario, base)
+    current = fedhera_now()
     records, out = tmp_path / "records", tmp_path / "out"
-
-    def write(root: Path, run: str, **train: object) -> None:
-        config = {**current(Path(run)), "output": {"dir": str(root / run)}}
-        config["train"] = {**config["train"], **train}
-        (root / run).mkdir(parents=True)
-        rounds = [{"round": r} for r in range(1, config["train"]["rounds"] + 1)]
-        (root / run / "results.json").write_text(json.dumps({"config": config, "rounds": rounds}))
-
+    write = functools.partial(write_complete_run, current)
     write(out, "fedit[train.lr=0.006]/seed1")                                       # the new setting
     write(out, "fedit[train.lr=0.003]/seed0", rounds=60, lr_decay_rounds=[])       # the earlier one
     write(records, "flexlora[train.lr=0.003]/seed0")                                # the new setting
@@ -544,6 +551,25 @@ def test_after_a_setting_changes_only_runs_of_the_new_one_are_kept_or_restored(t
     assert (records / "fedit[train.lr=0.003]/seed0/results.json").is_file()
     # a folder that names no job of the scenario is no run of it
     assert current(Path("nojob[train.lr=0.1]/seed0")) is None and current(Path("fedit[train.lr=0.1]/x")) is None
+
+
+def test_the_status_counts_runs_ahead_of_their_jobs_tuning_as_waiting_not_as_done(tmp_path: Path) -> None:
+    # Prepare: fedhera records with FedIT's and the reference's tuning not complete: a tuning run of
+    # the grid, final runs at a rate not chosen yet, a widened grid's point, and runs that are no
+    # run of the plan (an earlier setting, a seed it does not have)
+    write = functools.partial(write_complete_run, fedhera_now(), tmp_path)
+    write("fedit[train.lr=0.006]/seed0")                     # a tuning run (the grid's 6e-3)
+    write("fedit[train.lr=0.006]/seed1")                     # waiting: a final run before the choice
+    write("fedit[train.lr=0.006]/seed2")                     # waiting
+    write("centralized[train.lr=0.00075]/seed0")             # waiting: a widening point
+    write("fedit[train.lr=0.003]/seed1", rounds=60, lr_decay_rounds=[])  # an earlier setting
+    write("fedit[train.lr=0.006]/seed7")                     # fedit runs seeds 0-2
+    # Execute
+    status = fidelity.progress("fedhera", None, tmp_path, [])
+    table = fidelity.progress_table({"fedhera": tmp_path}, None, [])
+    # Assert
+    assert (status["tuning_done"], status["final_done"], status["waiting"]) == (1, 0, 3)
+    assert "| fedhera | 1 |" in table and "0 / 29 (+3 waiting for their job's tuning)" in table
 
 
 def committed_records() -> list[tuple[str, str, Path]]:
@@ -604,7 +630,8 @@ def test_the_status_counts_every_committed_record_as_a_complete_planned_run(caps
     # runs (a record of a job, configuration, seed or config the plan no longer has counts nowhere)
     for name, count in recorded.items():
         tuning_done, final_done = int(rows[name][1]), int(rows[name][3].split("/")[0])
-        assert tuning_done + final_done == count, (name, rows[name], count)
+        waiting = re.search(r"\+(\d+) waiting", rows[name][3])
+        assert tuning_done + final_done + (int(waiting[1]) if waiting else 0) == count, (name, rows[name], count)
 
 
 def test_overrides_keep_their_records_apart() -> None:
