@@ -572,6 +572,28 @@ def test_the_status_counts_runs_ahead_of_their_jobs_tuning_as_waiting_not_as_don
     assert "| fedhera | 1 |" in table and "0 / 29 (+3 waiting for their job's tuning)" in table
 
 
+def test_a_run_of_an_earlier_setting_is_reported_once_by_the_stage_that_continues_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare: a fedhera tuning run of the 60-round setting in the output folder
+    from fedlora.app.jobs import is_complete
+
+    scenario = fidelity.scenarios()["fedhera"]
+    base = resolve_base(str(fidelity.ROOT / scenario.config))
+    write_complete_run(fedhera_now(), tmp_path, "fedit[train.lr=0.006]/seed0", rounds=60, lr_decay_rounds=[])
+    job = fidelity.tuning_job(scenario, "fedit", ("train.lr=0.006",), 0)
+    # Execute: what reads the folder to plan or count (the tuning plan, --status), then the check
+    # the job runner makes before it continues the run
+    with caplog.at_level("WARNING"):
+        plans = fidelity.plans_in(scenario, base, 0, tmp_path)
+        fidelity.progress("fedhera", None, tmp_path, [])
+        quiet = [r.getMessage() for r in caplog.records]
+        complete = is_complete(job.run_dir(tmp_path), job_config(base, job, job.run_dir(tmp_path)), report=True)
+    # Assert: not a run of the plan, said once, by the runner's check only
+    assert ("train.lr=0.006",) in plans["fedit"].pending and not complete
+    assert quiet == [] and ["different config" in r.getMessage() for r in caplog.records] == [True]
+
+
 def committed_records() -> list[tuple[str, str, Path]]:
     """(scenario, job folder, seed folder) of every committed record: a scenario's own folder and
     its folders of overrides (``<scenario>+<overrides>``, :func:`fidelity.records_dir`)."""

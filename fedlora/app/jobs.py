@@ -105,8 +105,9 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "output"}
 
 
-def is_complete(run_dir: Path, config: ExperimentConfig) -> bool:
-    """True when ``run_dir/results.json`` holds every round of this exact config."""
+def is_complete(run_dir: Path, config: ExperimentConfig, report: bool = False) -> bool:
+    """True when ``run_dir/results.json`` holds every round of this exact config (``report``: say
+    so when the folder holds a run of another config; the caller that acts on it reports, once)."""
     path = run_dir / "results.json"
     if not path.is_file():
         return False
@@ -115,8 +116,9 @@ def is_complete(run_dir: Path, config: ExperimentConfig) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     if _comparable(with_record_defaults(results.get("config") or {})) != _comparable(config.model_dump(mode="json")):
-        logger.warning("compare: %s was produced by a different config: continued from its checkpoint where "
-                       "the config allows it (more train.rounds, a later lr decay), else run again", run_dir)
+        if report:
+            logger.warning("compare: %s was produced by a different config: continued from its checkpoint where "
+                           "the config allows it (more train.rounds, a later lr decay), else run again", run_dir)
         return False
     rounds = [r.get("round") for r in results.get("rounds") or [] if r.get("round") != 0]  # 0: causal LM zero-shot
     return rounds == list(range(1, config.train.rounds + 1))
@@ -191,7 +193,7 @@ def run_jobs(
             folder.take()
         todo = []
         for index, ((job, run_dir), cfg) in enumerate(zip(planned, configs, strict=True), start=1):
-            if is_complete(run_dir, cfg):
+            if is_complete(run_dir, cfg, report=True):
                 logger.info("compare: [%d/%d] %s seed %d: complete, skipped", index, len(planned), job.name, job.seed)
             else:
                 todo.append((index, job, run_dir, cfg, resumable(run_dir, cfg)))
