@@ -600,7 +600,9 @@ def test_bad_fedhera_config_is_a_one_line_error(override: str, message: str) -> 
 # size keys configs/fedhera.toml may cut; every other key must be the scenario's
 SIZE_KEYS = {
     "data": {"max_examples", "num_clients", "global_test_size"},
-    "train": {"rounds", "precision"},  # precision: the scenario pins fp32 for its records; the config runs the machine's best
+    # precision: the scenario pins fp32 for its records, the config runs the machine's best;
+    # lr_decay_rounds: the same share of the rounds (checked below)
+    "train": {"rounds", "precision", "lr_decay_rounds"},
     "federation": {"evaluate_every"},
 }
 
@@ -621,6 +623,9 @@ def test_the_fedhera_config_is_the_fidelity_scenario_at_a_smaller_size() -> None
     assert differences == {}
     assert small["data"]["num_clients"] < scenario["data"]["num_clients"]
     assert small["train"]["rounds"] < scenario["train"]["rounds"]
+    # the rate is halved once, after the same share of the rounds (60 %: round 61 of 100, 10 of 15)
+    (decay,), (small_decay,) = scenario["train"]["lr_decay_rounds"], small["train"]["lr_decay_rounds"]
+    assert (decay - 1) / scenario["train"]["rounds"] == (small_decay - 1) / small["train"]["rounds"] == 0.6
     config = load_config(ROOT / "configs/fedhera.toml")
     budgets = {resolve_profile(config, {"partition-id": i}).budgets["download"] for i in range(config.data.num_clients)}
     assert len(budgets) == 3
