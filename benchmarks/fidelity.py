@@ -454,13 +454,26 @@ def _copy(source: Path, target: Path) -> None:
 def _config(path: Path) -> dict[str, Any] | None:
     """The config a results.json ran, as records compare it (no output folder; options added
     later read at the value the record ran with)."""
-    from fedlora.schema import with_record_defaults
-
     try:
         config = json.loads(path.read_text())["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return _comparable(config)
+
+
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's config as records compare it: no output folder, options added later at the value the
+    record ran with."""
+    from fedlora.schema import with_record_defaults
+
     return {k: v for k, v in with_record_defaults(config).items() if k != "output"}
+
+
+def _complete_config(path: Path) -> dict[str, Any] | None:
+    """The config (as :func:`_config`) of the complete run whose results.json is at ``path``, from
+    one read; None when it is unreadable or incomplete."""
+    results = _complete_results(path)
+    return None if results is None else _comparable(results["config"])
 
 
 def _shown_path(path: Path) -> str:
@@ -485,18 +498,34 @@ def keep_record(records: Path, out: Path, run_dir: Path) -> None:
     logger.info("fidelity: kept %s", target.parent)
 
 
-def config_now(scenario: Scenario, base: Any, run: Path) -> dict[str, Any] | None:
-    """The config, as records compare it (:func:`_config`), that the job and seed a run folder
-    ``<label>[<configuration>]/seed<k>`` names run as the scenario declares them now (``base``: its
-    config with the command's ``--set`` overrides); None when the folder names no job of it."""
+def folder_job(scenario: Scenario, run: Path) -> Job | None:
+    """The job and seed a run folder ``<label>[<configuration>]/seed<k>`` names, as the scenario
+    declares them now; None when the folder names no job of it."""
     label, _, rest = run.parent.name.partition("[")
     spec, seed = scenario.jobs.get(label), run.name.removeprefix("seed")
     if spec is None or not run.name.startswith("seed") or not seed.isdigit():
         return None
     point = tuple(o for o in rest.removesuffix("]").split(",") if o)
-    job = Job(spec.strategy, int(seed), spec.overrides + point, run.parent.name, fresh_partition=True)
+    return Job(spec.strategy, int(seed), spec.overrides + point, run.parent.name, fresh_partition=True)
+
+
+def config_now(scenario: Scenario, base: Any, run: Path) -> dict[str, Any] | None:
+    """The config, as records compare it (:func:`_config`), that the job and seed a run folder
+    names (:func:`folder_job`) run now (``base``: the scenario's config with the command's ``--set``
+    overrides); None when the folder names no job of it."""
+    job = folder_job(scenario, run)
+    if job is None:
+        return None
     config = job_config(base, job, run).model_dump(mode="json")
     return {k: v for k, v in config.items() if k != "output"}
+
+
+def of_config_now(path: Path, run: Path, now: Callable[[Path], dict[str, Any] | None] | None) -> bool:
+    """Whether the results.json at ``path`` is a complete run of the config its folder ``run``
+    (relative to its root) names now (``now``: :func:`config_now` bound to a scenario; None: any
+    complete run). One read of the file serves both checks."""
+    config = _complete_config(path)
+    return config is not None and (now is None or config == now(run))
 
 
 def sync_records(records: Path, out: Path, current: Callable[[Path], dict[str, Any] | None] | None = None,
@@ -508,20 +537,17 @@ def sync_records(records: Path, out: Path, current: Callable[[Path], dict[str, A
     scenario's setting changed, the earlier setting's runs left in ``out`` (their checkpoints
     continue them) are not kept as records of the new one, where they would block the new runs'
     records (:func:`keep_record` never overwrites another config's). Returns (restored, kept)."""
-    def now(path: Path, root: Path) -> bool:
-        return current is None or _config(path) == current(path.parent.relative_to(root))
-
     restored = kept = 0
     for record in sorted(records.glob(f"*/*/{RESULTS}")) if records.is_dir() else []:
         target = out / record.relative_to(records)
-        if complete_by_itself(record) and not complete_by_itself(target) and now(record, records):
+        if not complete_by_itself(target) and of_config_now(record, record.parent.relative_to(records), current):
             _copy(record, target)
             restored += 1
     for run in sorted(out.glob(f"*/*/{RESULTS}")) if out.is_dir() else []:
         if run.parent.parent.name == "tensorboard":
             continue
         target = records / run.relative_to(out)
-        if complete_by_itself(run) and not target.is_file() and now(run, out):
+        if not target.is_file() and of_config_now(run, run.parent.relative_to(out), current):
             _copy(run, target)
             kept += 1
     return restored, kept
@@ -946,7 +972,7 @@ def waiting_runs(scenario: Scenario, base: Any, records: Path, counted: set[Path
         seed = run.name.removeprefix("seed")
         if not seed.isdigit() or int(seed) not in job_seeds(scenario, label, seeds, other_seeds):
             continue
-        if complete_by_itself(path) and _config(path) == config_now(scenario, base, run.relative_to(records)):
+        if of_config_now(path, run.relative_to(records), lambda folder: config_now(scenario, base, folder)):
             waiting.append(run)
     return waiting
 

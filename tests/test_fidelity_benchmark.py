@@ -626,10 +626,8 @@ def test_folder_overrides_read_back_what_records_dir_wrote() -> None:
 def test_every_committed_record_is_still_a_complete_run_of_its_job(name: str, folder: str, seed_dir: Path) -> None:
     # Prepare: the job the record's folder names, built as the command builds it today
     scenario = fidelity.scenarios()[name]
-    label, _, rest = folder.partition("[")
-    point = tuple(o for o in rest.removesuffix("]").split(",") if o)
-    spec = scenario.jobs[label]
-    job = Job(spec.strategy, int(seed_dir.name.removeprefix("seed")), spec.overrides + point, folder, fresh_partition=True)
+    job = fidelity.folder_job(scenario, Path(folder) / seed_dir.name)
+    assert job is not None, f"{seed_dir} names no job of the scenario"
     config = job_config(resolve_base(str(fidelity.ROOT / scenario.config), folder_overrides(seed_dir)), job, seed_dir)
     # Assert: an option added since (RECORD_DEFAULTS) must not silently turn a record into a rerun
     from fedlora.app.jobs import is_complete
