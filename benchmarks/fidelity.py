@@ -488,9 +488,10 @@ def keep_record(records: Path, out: Path, run_dir: Path) -> None:
     same relative path under ``records``. A record of another config at that path is never
     overwritten (it is someone's CPU-hours): the run is left out, with a warning."""
     source, target = run_dir / RESULTS, records / run_dir.relative_to(out) / RESULTS
-    if not complete_by_itself(source):
+    config = _complete_config(source)
+    if config is None:
         return
-    if target.is_file() and _config(target) != _config(source):
+    if target.is_file() and _config(target) != config:
         logger.warning("fidelity: %s holds a record of another config; not overwritten (give --records a folder "
                        "of its own for these runs)", target.parent)
         return
@@ -516,8 +517,7 @@ def config_now(scenario: Scenario, base: Any, run: Path) -> dict[str, Any] | Non
     job = folder_job(scenario, run)
     if job is None:
         return None
-    config = job_config(base, job, run).model_dump(mode="json")
-    return {k: v for k, v in config.items() if k != "output"}
+    return _comparable(job_config(base, job, run).model_dump(mode="json"))
 
 
 def of_config_now(path: Path, run: Path, now: Callable[[Path], dict[str, Any] | None] | None) -> bool:
@@ -972,7 +972,7 @@ def waiting_runs(scenario: Scenario, base: Any, records: Path, counted: set[Path
         seed = run.name.removeprefix("seed")
         if not seed.isdigit() or int(seed) not in job_seeds(scenario, label, seeds, other_seeds):
             continue
-        if of_config_now(path, run.relative_to(records), lambda folder: config_now(scenario, base, folder)):
+        if of_config_now(path, run.relative_to(records), functools.partial(config_now, scenario, base)):
             waiting.append(run)
     return waiting
 
