@@ -435,9 +435,9 @@ class FaultsConfig(_Section):
         0.6, gt=0.0, le=1.0, allow_inf_nan=False, description="Largest share of a round's aggregation "
         "weight one client can get: example counts above the share are cut down (water-filling) so "
         "that no upload weighs more than this; with fewer than 1 / share uploads they weigh the same. "
-        "Also bounds the example weights of the personalised evaluation. 0.6 leaves every shipped "
-        "config unchanged (their largest honest share is 0.54) and bounds a client that declared a "
-        "huge partition when it joined; 1 = off."
+        "Also bounds the example weights of the personalised evaluation. 0.6 bounds a client that "
+        "declared a huge partition when it joined; honest runs reach it only with few clients a round "
+        "from uneven partitions (where: docs/robustness.md), each time with a warning line; 1 = off."
     )
     max_examples: int = Field(
         0, ge=0, le=MAX_EXAMPLES, description="Reject a training reply whose example count exceeds this cap (0 = no "
