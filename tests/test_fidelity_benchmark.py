@@ -69,6 +69,27 @@ def test_every_job_of_every_scenario_is_a_valid_config_at_the_comparison_regime(
     assert len({(c.train.rounds, c.train.max_steps, c.train.batch_size) for c in configs}) == 1
 
 
+@pytest.mark.parametrize("name", [name for name in SCENARIOS if not fidelity.scenarios()[name].causal])
+def test_the_weight_share_bound_never_acts_in_a_classifier_scenario(name: str, tmp_path: Path) -> None:
+    """faults.max_client_share (a robustness bound, 0.6) must leave every classifier scenario's
+    aggregation at the plain example weights: on every seed's partition, no round's sample can give
+    one client that share (its partition against the smallest others a round can hold)."""
+    from fedlora.data.federated import build_federated_data
+    from fedlora.schema import sample_size
+
+    scenario = fidelity.scenarios()[name]
+    base = resolve_base(str(fidelity.ROOT / scenario.config))
+    jobs = fidelity.final_jobs(scenario, default_seeds(scenario), interior_chosen(scenario))
+    configs = [job_config(base, job, job.run_dir(tmp_path)) for job in jobs if job.strategy != "centralized"]
+    shares = []
+    for config in {c.data.model_dump_json(): c for c in configs}.values():
+        sizes = sorted(len(client.train) for client in build_federated_data(config.data).clients)
+        k = sample_size(len(sizes), config.federation.fraction_train, config.federation.min_clients)
+        shares.append(sizes[-1] / (sizes[-1] + sum(sizes[: k - 1])))
+    assert len(shares) >= len(default_seeds(scenario))  # a fresh partition per seed, each checked
+    assert max(shares) < base.faults.max_client_share
+
+
 def test_every_override_and_knob_is_an_option_of_its_method() -> None:
     for scenario in fidelity.scenarios().values():
         for spec in scenario.jobs.values():
