@@ -76,18 +76,20 @@ def test_the_weight_share_bound_never_acts_in_a_classifier_scenario(name: str, t
     one client that share (its partition against the smallest others a round can hold)."""
     from fedlora.data.federated import build_federated_data
     from fedlora.schema import sample_size
+    from strategies.replies import capped_weights
 
     scenario = fidelity.scenarios()[name]
     base = resolve_base(str(fidelity.ROOT / scenario.config))
     jobs = fidelity.final_jobs(scenario, default_seeds(scenario), interior_chosen(scenario))
     configs = [job_config(base, job, job.run_dir(tmp_path)) for job in jobs if job.strategy != "centralized"]
-    shares = []
-    for config in {c.data.model_dump_json(): c for c in configs}.values():
+    partitions = {c.data.model_dump_json(): c for c in configs}.values()
+    assert len(partitions) >= len(default_seeds(scenario))  # a fresh partition per seed, each checked
+    for config in partitions:
         sizes = sorted(len(client.train) for client in build_federated_data(config.data).clients)
         k = sample_size(len(sizes), config.federation.fraction_train, config.federation.min_clients)
-        shares.append(sizes[-1] / (sizes[-1] + sum(sizes[: k - 1])))
-    assert len(shares) >= len(default_seeds(scenario))  # a fresh partition per seed, each checked
-    assert max(shares) < base.faults.max_client_share
+        worst_round = [*sizes[: k - 1], sizes[-1]]  # the largest client beside the smallest others
+        weights = capped_weights(worst_round, config.faults.max_client_share)
+        assert weights.tolist() == worst_round  # the server's own rule leaves the example weights as they are
 
 
 def test_every_override_and_knob_is_an_option_of_its_method() -> None:
