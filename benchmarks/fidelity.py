@@ -49,7 +49,8 @@ GPU at once) and its own folder (``runs/fidelity/<scenario>-gpu``). The page nam
 Output (``OUT`` = ``--out``, default ``runs/fidelity/<scenario>``): ``fidelity.md`` (the page the
 docs cite: regime line, tuning, results with ablation rows, worst client, bytes and times, the
 paired comparisons, the mechanisms), ``summary.md`` / ``summary.csv``, ``paired.csv``,
-``fidelity.json``, the comparison plots and ``mechanisms.png``. The last line printed is
+``fidelity.json``, the comparison plots and ``mechanism.png`` (the method's mechanism at work,
+:mod:`fedlora.app.mechanisms`). The last line printed is
 ``scenario=... counts=... fedit=... centralized=... gap_points=... untrained=... learned_points=...``.
 """
 
@@ -76,6 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedlora.app.jobs import Job, is_complete, job_config, resolve_base, run_jobs
+from fedlora.app.mechanisms import MECHANISM_PLOT, plot_method_mechanism
 from fedlora.app.paired import (
     CAUSAL_PAIRED_METRICS,
     METRIC_NAMES,
@@ -638,11 +640,12 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
     paired = paired_comparisons(table.runs, comparisons(scenario, seeds, other_seeds), primary=scenario.primary,
                                 primary_metric=scenario.metric, metrics=scenario.paired_metrics)
     paired.write(out)
-    from fedlora.app.plotting import plot_comparison, plot_mechanisms
+    from fedlora.app.plotting import plot_comparison
 
     data = resolve_base(config, overrides).data
     plot_comparison(out, runs, data.model_copy(update={"seed": data.seed + seeds[0]}))  # the first seed's partition
-    plot_mechanisms(out, runs)
+    own = {label: results for label, results in runs.items() if scenario.jobs[label].strategy == scenario.method}
+    plot_method_mechanism(scenario.method, own, out / MECHANISM_PLOT)  # the method and its ablations
     reference_seeds = sorted(per_seed(table, "centralized", scenario.regime_metric))
     untrained = measure_untrained(scenario, resolve_base(config, overrides),
                                   [folder for folder in (records, out) if folder is not None], reference_seeds)
@@ -818,7 +821,7 @@ def regime_facts(scenario: Scenario, fedit: dict[int, float], reference: dict[in
     rule = scenario.regime
     shared = sorted(set(fedit) & set(reference))
     floor_seeds = sorted(set(reference) & set(untrained))
-    mean = lambda values: statistics.fmean(values) if values else math.nan  # noqa: E731
+    mean = lambda values: statistics.fmean(values) if values else math.nan
     fedit_mean, reference_mean = mean([fedit[s] for s in shared]), mean([reference[s] for s in shared])
     gap = reference_mean - fedit_mean
     learned = mean([reference[s] - untrained[s] for s in floor_seeds])
@@ -1064,8 +1067,10 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     if facts.get("against"):
         lines += against_markdown(facts["against"])
     lines += ["## Mechanisms", "",
-              "Each numeric entry of the rounds' `extra`, by round (mean ± std over seeds):", "",
-              "![mechanisms](mechanisms.png)", ""]
+              (f"Whether {scenario.method}'s mechanism acted, for the method and its ablations "
+               "(fedlora.app.mechanisms; mean over seeds):"), "",
+              f"![mechanism]({MECHANISM_PLOT})", "",
+              "Each numeric entry of the rounds' `extra` (final round, mean ± std over seeds):", ""]
     if table.extra_keys:
         lines += [table.mechanisms().to_markdown(index=False, tablefmt="pipe", disable_numparse=True), ""]
     if facts.get("tree_agreement"):
@@ -1349,7 +1354,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fidelity: error: {error}", file=sys.stderr)
             return 2
         print((out / "fidelity.md").read_text())
-        print(f"results: {out}/fidelity.md (tables), {out}/summary.csv, {out}/paired.csv, {out}/mechanisms.png, "
+        print(f"results: {out}/fidelity.md (tables), {out}/summary.csv, {out}/paired.csv, {out}/{MECHANISM_PLOT}, "
               f"{out}/fidelity.json")
         print(f"scenario={name} counts={facts['counts']} fedit={facts['fedit']:.4f} "
               f"centralized={facts['centralized']:.4f} gap_points={facts['gap_points']:.1f} "

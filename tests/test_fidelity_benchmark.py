@@ -450,7 +450,7 @@ def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_tim
     seed0 = sum(1 for job in fake_training if job.seed == 0)  # its tuning runs and its finals of reused choices
     assert facts["machines"] == {"Test CPU": recorded, "not recorded": seed0}
     assert f"not recorded {seed0}, Test CPU {recorded} runs." in page
-    assert "![mechanisms](mechanisms.png)" in page and (tmp_path / "mechanisms.png").stat().st_size > 0
+    assert "![mechanism](mechanism.png)" in page and (tmp_path / "mechanism.png").stat().st_size > 0
     assert "relative_correction" in page and (tmp_path / "paired.csv").is_file()
     assert facts["primary"] == {"label": "fedpissa", "baseline": "feddpa", "metric": "personalized_accuracy"}
     assert facts["tuning"]["fedit"]["budget"] == 4 and facts["tuning"]["fedit"]["widened"] == 0
