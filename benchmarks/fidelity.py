@@ -76,6 +76,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fedlora.app import quiet
 from fedlora.app.jobs import Job, is_complete, job_config, resolve_base, run_jobs
 from fedlora.app.mechanisms import MECHANISM_PLOT, plot_method_mechanism
 from fedlora.app.paired import (
@@ -938,7 +939,8 @@ def measure_untrained(scenario: Scenario, base: Any, folders: list[Path], seeds:
     for seed in [s for s in seeds if s not in found]:
         config = untrained_config(scenario, base, seed)
         started = time.perf_counter()
-        found[seed] = untrained_score(config, scenario.regime_metric)
+        with quiet.output():  # fedlora's lines only, as in a run (no library load reports)
+            found[seed] = untrained_score(config, scenario.regime_metric)
         kept = {"metric": scenario.regime_metric, "value": found[seed], "seed": seed,
                 "seconds": time.perf_counter() - started,
                 "config": _comparable(config.model_dump(mode="json"))}
