@@ -595,18 +595,51 @@ class OutputConfig(_Section):
         "run at <out>/tensorboard/<label>/seed<k> so that `tensorboard --logdir <out>/tensorboard` "
         "overlays the strategies (and their mean over seeds) in each chart.",
     )
+    mlflow: bool = Field(
+        False,
+        description="Log to MLflow (needs the `tracking` extra): the resolved config and its hash as params, "
+        "every round's metrics, results.json, the plots and the adapters as artifacts; where: mlflow_uri. "
+        "A config that sets mlflow_uri and not this switch has it on (configs written before the switch).",
+    )
     mlflow_uri: str = Field(
         "",
-        description="MLflow tracking URI ('' = off), e.g. 'sqlite:///mlflow.db' or a tracking server's "
-        "http(s) address. Logs the resolved config and its hash as params, every round's metrics, "
-        "results.json, the plots and the adapters as artifacts. Needs the `tracking` extra.",
+        description="MLflow tracking URI, e.g. 'sqlite:///mlflow.db' or a tracking server's http(s) address "
+        "('' = MLflow's own: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder).",
     )
     mlflow_experiment: str = Field("fedlora", description="MLflow experiment name (created if missing).")
     mlflow_run_name: str = Field("", description="MLflow run name ('' = '<strategy> seed<seed>').")
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases (needs the `wandb` extra): the resolved config and its hash as "
+        "the run's config, every round's metrics under the TensorBoard names (step = the round), the final "
+        "metrics as its summary, results.json and the plots as files and each adapter as a model artifact.",
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="'offline': the W&B run is written under wandb_dir only and nothing leaves the machine "
+        "(`wandb sync <its folder>` uploads it later); 'online': streamed to the W&B server you are logged "
+        "in to (`wandb login`).",
+    )
+    wandb_project: str = Field("fedlora", description="W&B project name.")
+    wandb_dir: str = Field(
+        "", description="Folder W&B writes into ('' = <dir>): W&B adds wandb/offline-run-<time>-<id>/ "
+        "(online: wandb/run-...)."
+    )
+    wandb_run_name: str = Field("", description="W&B run name ('' = '<strategy> seed<seed>').")
+    wandb_group: str = Field(
+        "", description="W&B group of the run ('' = none; `fedlora compare` groups its runs under the "
+        "comparison folder's name)."
+    )
     sample_generations: int = Field(
         5, ge=0, description="causal_lm: greedy generations of the global model on the first global "
         "test instructions written to generations.jsonl per evaluation round (round 0 = zero-shot)."
     )
+
+    @model_validator(mode="after")
+    def _mlflow_uri_switches_mlflow_on(self) -> OutputConfig:
+        if self.mlflow_uri and "mlflow" not in self.model_fields_set and not self.mlflow:
+            self.mlflow = True
+        return self
 
 
 # Options added after runs were recorded, each with the value that reproduces what a record written

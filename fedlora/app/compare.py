@@ -120,9 +120,11 @@ def compare(
             summary.write("\n" + comparison.to_markdown())
         table.paired_table = comparison
     if base.output.tensorboard:
-        from fedlora.app.tracking import write_mean_curves
+        from fedlora.app.tracking import write_hparams, write_mean_curves
 
-        write_mean_curves(out / "tensorboard", load_runs(out, table.strategies, seeds))
+        finished = load_runs(out, table.strategies, seeds)
+        write_mean_curves(out / "tensorboard", finished)
+        write_hparams(out / "tensorboard", finished)
     if plots:
         from fedlora.app.plotting import plot_comparison, plot_mechanisms
 

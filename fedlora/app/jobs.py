@@ -98,6 +98,8 @@ def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentCon
     # overlays the strategies in each chart (tracking.write_mean_curves adds <label>/mean)
     raw["output"]["tensorboard_dir"] = str(run_dir.parent.parent / "tensorboard" / job.name / run_dir.name)
     raw["output"]["mlflow_run_name"] = raw["output"].get("mlflow_run_name") or f"{job.name} seed{job.seed}"
+    raw["output"]["wandb_run_name"] = raw["output"].get("wandb_run_name") or f"{job.name} seed{job.seed}"
+    raw["output"]["wandb_group"] = raw["output"].get("wandb_group") or run_dir.parent.parent.resolve().name
     return build_config(raw)
 
 

@@ -111,10 +111,13 @@ def check_inputs(config: ExperimentConfig) -> None:
     federated = build_federated_data(config.data)
     check_target_modules(config.model, len(federated.label_names), config.train.device)
     check_model_limits(config, len(federated.label_names))
-    if config.output.tensorboard:
-        from fedlora.app.tracking import tensorboard_dir
+    from fedlora.app.tracking import check_backends, tensorboard_dir
 
+    check_backends(config)
+    if config.output.tensorboard:
         check_writable(tensorboard_dir(config, Path(config.output.dir)), "output.tensorboard_dir")
+    if config.output.wandb and config.output.wandb_dir:
+        check_writable(Path(config.output.wandb_dir), "output.wandb_dir")
 
 
 def check_output_folder(out: Path) -> None:
