@@ -466,7 +466,10 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
         for k in (0, 1):
             assert (tmp_path / f"{s}/seed{k}/run.log").read_text().count("round   1/") == 1, (s, k)
             assert any((tmp_path / f"tensorboard/{s}/seed{k}").glob("events.out.tfevents.*")), (s, k)
+            # one HParams session per run, beside its curves (tests/test_tracking.py reads them)
+            assert len(list((tmp_path / f"tensorboard/{s}/seed{k}").glob("events.out.tfevents.*.hparams"))) == 1
         assert any((tmp_path / f"tensorboard/{s}/mean").glob("events.out.tfevents.*")), s
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*.hparams"))) == 1  # the experiment
     seeds = {json.loads((tmp_path / f"fedit/seed{s}/results.json").read_text())["config"]["train"]["seed"] for s in (0, 1)}
     assert seeds == {0, 1}
     data_seeds = {(s, k): json.loads((tmp_path / f"{s}/seed{k}/results.json").read_text())["config"]["data"]["seed"]
