@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora import protocol
+from fedlora.app.adapters import adapter_folders
 from fedlora.app.runs import train_seed
 from fedlora.results import RoundRecord
 from fedlora.schema import ExperimentConfig
@@ -314,12 +315,6 @@ class Tracker:
                     run.log_artifact(artifact)
         finally:
             run.finish(exit_code=0 if ok else 1)
-
-
-def adapter_folders(out_dir: Path) -> list[Path]:
-    """The run's saved adapters: ``adapters/global`` and ``adapters/client_<k>`` (those present)."""
-    root = out_dir / "adapters"
-    return sorted(p for p in root.iterdir() if (p / "adapter_config.json").is_file()) if root.is_dir() else []
 
 
 def check_backends(config: ExperimentConfig) -> None:
