@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedlora.app.runs import SEED_DIR_PREFIX
-from fedlora.schema import with_record_defaults
+from fedlora.schema import ConfigSource, Settings, with_record_defaults
 
 if TYPE_CHECKING:
     from concurrent.futures import ProcessPoolExecutor
@@ -75,10 +75,10 @@ def claim_output(out: Path, what: str, resume: bool, overwrite: bool) -> Claim:
     return claim(out, what=what, resume=resume, overwrite=overwrite)
 
 
-def resolve_base(config: ExperimentConfig | str | Path | dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
+def resolve_base(config: ConfigSource, overrides: Settings = ()) -> ExperimentConfig:
     from fedlora.app.runner import resolve
 
-    return resolve(config, list(overrides))
+    return resolve(config, overrides)
 
 
 def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentConfig:
