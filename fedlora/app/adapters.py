@@ -106,7 +106,7 @@ def _client(adapter: str) -> str | None:
 def model_card(results: dict[str, Any], adapter: str, command: str = "", ranks: str = "") -> str:
     """The model card (README.md) of the adapter folder ``adapter`` of a run with ``results``
     (``ranks``: the LoRA rank(s) the folder holds, e.g. ``rank 4``)."""
-    from fedlora.backbones import BACKBONES, public_model_name
+    from fedlora.backbones import public_model_name
     from fedlora.version import __version__
 
     cfg = results.get("config") or {}
@@ -128,7 +128,15 @@ def model_card(results: dict[str, Any], adapter: str, command: str = "", ranks: 
     lines.append(f"Made by `{command}`." if command else
                  "Made from Python (`fedlora.run` / `fedlora.compare`): the resolved config is results.json's "
                  "`config` and this folder's fedlora.json.")
-    path = str(model.get("path", ""))
+    lines += [f"Config hash `{results.get('config_hash', '')}` (fedlora.json holds the resolved config).", "",
+              *_use_lines(str(model.get("path", "")), base, causal)]
+    return "\n".join(front + lines) + "\n"
+
+
+def _use_lines(path: str, base: str, causal: bool) -> list[str]:
+    """The card's "Use" section: the commands, then peft with the base found offline where it can be."""
+    from fedlora.backbones import BACKBONES
+
     entry = BACKBONES.get(path)
     if entry is not None and not entry.public_name:
         peft_route = (f"`{path}` is a random-weight backbone fedlora builds in code (for tests): load the adapter "
@@ -138,12 +146,9 @@ def model_card(results: dict[str, Any], adapter: str, command: str = "", ranks: 
                  else "the folder or hub id the run was configured with")
         peft_route = (f"With peft: the base is `{base}` ({where}), then `PeftModel.from_pretrained(base, ADAPTER)`"
                       + ("" if causal else "; the class names, in the head's order, are in labels.json") + ".")
-    lines += [f"Config hash `{results.get('config_hash', '')}` (fedlora.json holds the resolved config).", "",
-              "## Use", "", "Offline, with fedlora installed (ADAPTER: this folder):", "", "```bash",
-              f"fedlora eval ADAPTER --data FILE.csv      # {'ROUGE-L, loss, perplexity' if causal else 'accuracy'}",
-              "fedlora export ADAPTER --out merged/      # a transformers model, no peft needed", "```", "",
-              peft_route]
-    return "\n".join(front + lines) + "\n"
+    return ["## Use", "", "Offline, with fedlora installed (ADAPTER: this folder):", "", "```bash",
+            f"fedlora eval ADAPTER --data FILE.csv      # {'ROUGE-L, loss, perplexity' if causal else 'accuracy'}",
+            "fedlora export ADAPTER --out merged/      # a transformers model, no peft needed", "```", "", peft_route]
 
 
 def _training_rows(results: dict[str, Any], model: dict[str, Any], data: dict[str, Any], train: dict[str, Any],
