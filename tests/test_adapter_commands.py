@@ -231,6 +231,26 @@ def test_eval_of_a_causal_lm_prints_the_runs_final_rouge_and_loss(llm_run, tmp_p
     assert scores.line().startswith(f"ROUGE-L {final['global_rouge_l']:.4f} on 4 of 24 examples")
 
 
+def test_an_adapter_without_fedlora_json_is_read_with_its_runs_results_or_refused(smoke_run, tmp_path) -> None:
+    import shutil
+
+    from fedlora.app.adapters import AdapterError, read_adapter
+
+    # Prepare: the run copied, its adapter's fedlora.json removed (an adapter saved before it existed);
+    # the adapter folder alone, copied elsewhere
+    out, results = smoke_run
+    shutil.copytree(out, tmp_path / "run")
+    (tmp_path / "run/adapters/global/fedlora.json").unlink()
+    shutil.copytree(tmp_path / "run/adapters/global", tmp_path / "alone")
+    # Execute
+    adapter = read_adapter(tmp_path / "run/adapters/global")
+    # Assert: the run's config from its results.json, the classes from labels.json
+    assert adapter.config.model_dump(mode="json") == results["config"]
+    assert adapter.labels == [results["id2label"][str(i)] for i in range(len(results["id2label"]))]
+    with pytest.raises(AdapterError, match="has no fedlora.json .* and no results.json two folders up"):
+        read_adapter(tmp_path / "alone")
+
+
 # --------------------------------------------------------------------------- bad input
 def bad_label_file(d: Path) -> Path:
     (d / "bad.jsonl").write_text('{"text": "a dog", "label": "noun.animal"}\n{"text": "x", "label": "noun.bogus"}\n')
