@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tomllib
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -595,18 +597,51 @@ class OutputConfig(_Section):
         "run at <out>/tensorboard/<label>/seed<k> so that `tensorboard --logdir <out>/tensorboard` "
         "overlays the strategies (and their mean over seeds) in each chart.",
     )
+    mlflow: bool = Field(
+        False,
+        description="Log to MLflow (needs the `tracking` extra): the resolved config and its hash as params, "
+        "every round's metrics, results.json, the plots and the adapters as artifacts; where: mlflow_uri. "
+        "A config that sets mlflow_uri and not this switch has it on (configs written before the switch).",
+    )
     mlflow_uri: str = Field(
         "",
-        description="MLflow tracking URI ('' = off), e.g. 'sqlite:///mlflow.db' or a tracking server's "
-        "http(s) address. Logs the resolved config and its hash as params, every round's metrics, "
-        "results.json, the plots and the adapters as artifacts. Needs the `tracking` extra.",
+        description="MLflow tracking URI, e.g. 'sqlite:///mlflow.db' or a tracking server's http(s) address "
+        "('' = MLflow's own: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder).",
     )
     mlflow_experiment: str = Field("fedlora", description="MLflow experiment name (created if missing).")
     mlflow_run_name: str = Field("", description="MLflow run name ('' = '<strategy> seed<seed>').")
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases (needs the `wandb` extra): the resolved config and its hash as "
+        "the run's config, every round's metrics under the TensorBoard names (step = the round), the final "
+        "metrics as its summary, results.json and the plots as files and each adapter as a model artifact.",
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="'offline': the W&B run is written under wandb_dir only and nothing leaves the machine "
+        "(`wandb sync <its folder>` uploads it later); 'online': streamed to the W&B server you are logged "
+        "in to (`wandb login`).",
+    )
+    wandb_project: str = Field("fedlora", description="W&B project name.")
+    wandb_dir: str = Field(
+        "", description="Folder W&B writes into ('' = <dir>): W&B adds wandb/offline-run-<time>-<id>/ "
+        "(online: wandb/run-...)."
+    )
+    wandb_run_name: str = Field("", description="W&B run name ('' = '<strategy> seed<seed>').")
+    wandb_group: str = Field(
+        "", description="W&B group of the run ('' = none; `fedlora compare` groups its runs under the "
+        "comparison folder's name)."
+    )
     sample_generations: int = Field(
         5, ge=0, description="causal_lm: greedy generations of the global model on the first global "
         "test instructions written to generations.jsonl per evaluation round (round 0 = zero-shot)."
     )
+
+    @model_validator(mode="after")
+    def _mlflow_uri_switches_mlflow_on(self) -> OutputConfig:
+        if self.mlflow_uri and "mlflow" not in self.model_fields_set and not self.mlflow:
+            self.mlflow = True
+        return self
 
 
 # Options added after runs were recorded, each with the value that reproduces what a record written
@@ -699,6 +734,14 @@ class ExperimentConfig(_Section):
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
 
 
+ConfigSource = ExperimentConfig | str | os.PathLike[str] | Mapping[str, Any]
+"""A config as the Python API takes it: an :class:`ExperimentConfig`, a TOML file's path or a
+mapping of its sections."""
+Settings = Sequence[str] | Mapping[str, Any] | None
+"""Overrides as the Python API takes them: ``section.key=value`` strings (as ``--set`` takes them)
+or a mapping, ``{"train.lr": 1e-3}`` or ``{"train": {"lr": 1e-3}}`` (:func:`overrides_from`)."""
+
+
 def is_instruction_data(data: DataConfig) -> bool:
     """Whether ``data`` is an instruction source (prompt -> response rows) rather than labelled text."""
     if data.source == "wordnet":
@@ -740,6 +783,44 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except ValueError:  # TOMLDecodeError, or an integer of more than 4300 digits: the text as given
         value = raw
     return path, value
+
+
+def toml_literal(value: Any) -> str:
+    """``value`` (a bool, number, string, list or table) as the TOML literal :func:`parse_override`
+    reads back as the same value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string: the same quotes and escapes
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_literal(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(key), ensure_ascii=False)} = {toml_literal(item)}" for key, item in value.items()) + "}"
+    raise ConfigError(f"a setting's value must be a bool, number, string, list or table, got {shown(value)}")
+
+
+def overrides_from(settings: Mapping[str, Any] | Sequence[str] | None) -> list[str]:
+    """``section.key=value`` overrides (as ``--set`` takes them) from a mapping, for Python callers:
+    dotted keys (``{"train.lr": 1e-3}``) or sections (``{"train": {"lr": 1e-3}}``; a table value
+    of a key is set whole: ``{"clients": {"rank_tiers": {"2": 1.0}}}``). A sequence of
+    ``key=value`` strings is returned as it is."""
+    if settings is None:
+        return []
+    if isinstance(settings, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a mapping, got {shown(settings)}")
+    if not isinstance(settings, Mapping):
+        return list(settings)
+    overrides = []
+    for key, value in settings.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"a setting's key must be 'section.key' or a section name, got {shown(key)}")
+        if "." not in key and isinstance(value, Mapping):
+            overrides += [f"{key}.{name}={toml_literal(item)}" for name, item in value.items()]
+        else:
+            overrides.append(f"{key}={toml_literal(value)}")
+    return overrides
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

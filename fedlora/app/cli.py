@@ -7,12 +7,15 @@
                    [--paired BASELINE [--primary LABEL] [--primary-metric METRIC]]
     fedlora tune CONFIG --strategies a,b --grid train.lr=1e-4,1e-3 [--seeds 0,1] [--out DIR]
                    [--resume | --overwrite]
+    fedlora export ADAPTER --out DIR
+    fedlora eval ADAPTER --data FILE [--text-column C] [--label-column C] [--batch-size N]
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
     fedlora deploy local CONFIG --nodes N [--insecure] [--clientapp warm|cold] [--out DIR] [--set k=v ...] [--resume | --overwrite]
 
 A user mistake (bad config, missing model or data, unknown strategy, an output folder that cannot
-be written, a corrupt checkpoint) prints one line on stderr and exits with status 2; nothing
+be written, a corrupt checkpoint, a missing or unknown argument) prints one line on stderr and exits
+with status 2; nothing
 already written (results, adapters) is removed. An output folder that holds an earlier run is
 never written into unless --resume continues it, nor removed: --overwrite moves it aside
 (fedlora/app/folders.py).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -119,6 +123,25 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from fedlora.app.adapters import export
+
+    out = export(args.adapter, args.out)
+    print(f"merged model: {out}/ (transformers' AutoModelFor... loads it without peft; model card: README.md)")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from fedlora.app.adapters import evaluate_file
+    from fedlora.config import ConfigError
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    scores = evaluate_file(args.adapter, args.data, args.text_column, args.label_column, args.batch_size)
+    print(scores.line())
+    return 0
+
+
 def _cmd_strategies(args: argparse.Namespace) -> int:
     from fedlora.methods import method, method_names
 
@@ -192,10 +215,17 @@ def _add_engine(parser: argparse.ArgumentParser,
     parser.add_argument("--engine", choices=("ray", "inprocess"), default="ray", help=text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a missing or unknown argument) are one line, exit 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(USER_ERROR, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedlora.version import __version__
 
-    parser = argparse.ArgumentParser(prog="fedlora", description="Federated LoRA fine-tuning on Flower.")
+    parser = _Parser(prog="fedlora", description="Federated LoRA fine-tuning on Flower.")
     parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -280,6 +310,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(local, "deployment")
     local.set_defaults(func=_cmd_deploy_local)
 
+    export = sub.add_parser("export", help="merge a saved adapter into its backbone: a model transformers loads "
+                            "without peft")
+    export.add_argument("adapter", help="a run's adapter folder (adapters/global or adapters/client_<k>)")
+    export.add_argument("--out", required=True, help="new or empty folder for the merged model")
+    export.set_defaults(func=_cmd_export)
+
+    evaluate = sub.add_parser("eval", help="score a saved adapter on a .csv / .jsonl / .json file")
+    evaluate.add_argument("adapter", help="a run's adapter folder (adapters/global or adapters/client_<k>)")
+    evaluate.add_argument("--data", required=True, help="the file: a text and a label column (classifier), or a "
+                          "prompt and a response column (causal LM)")
+    evaluate.add_argument("--text-column", default=None, help="default: text (classifier), prompt (causal LM)")
+    evaluate.add_argument("--label-column", default=None,
+                          help="default: label (classifier: class names or indices), response (causal LM)")
+    evaluate.add_argument("--batch-size", type=int, default=None, help="default: the run's train.eval_batch_size")
+    evaluate.set_defaults(func=_cmd_eval)
+
     strategies = sub.add_parser("strategies", help="list the registered strategies")
     strategies.set_defaults(func=_cmd_strategies)
 
@@ -308,6 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "ray_address", None):  # --ray-address is federation.ray_address for every run
         args.set = [*args.set, f'federation.ray_address="{args.ray_address}"']
     func: Callable[[argparse.Namespace], int] = args.func
+    from fedlora.app.adapters import COMMAND_ENV
+
+    outer = os.environ.get(COMMAND_ENV)  # the command that makes a run's adapters: their model cards say it
+    os.environ[COMMAND_ENV] = outer or shlex.join(["fedlora", *(sys.argv[1:] if argv is None else argv)])
     try:
         return func(args)
     except _user_errors() as error:
@@ -320,6 +370,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fedlora: interrupted; results written so far are kept", file=sys.stderr)
         return 130
+    finally:
+        if outer is None:
+            os.environ.pop(COMMAND_ENV, None)
+        else:
+            os.environ[COMMAND_ENV] = outer
 
 
 def _flower_logs_to_stdout() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedlora.app.runs import SEED_DIR_PREFIX
-from fedlora.schema import with_record_defaults
+from fedlora.schema import ConfigSource, Settings, with_record_defaults
 
 if TYPE_CHECKING:
     from concurrent.futures import ProcessPoolExecutor
@@ -75,10 +75,10 @@ def claim_output(out: Path, what: str, resume: bool, overwrite: bool) -> Claim:
     return claim(out, what=what, resume=resume, overwrite=overwrite)
 
 
-def resolve_base(config: ExperimentConfig | str | Path | dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
+def resolve_base(config: ConfigSource, overrides: Settings = ()) -> ExperimentConfig:
     from fedlora.app.runner import resolve
 
-    return resolve(config, list(overrides))
+    return resolve(config, overrides)
 
 
 def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentConfig:
@@ -98,6 +98,8 @@ def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentCon
     # overlays the strategies in each chart (tracking.write_mean_curves adds <label>/mean)
     raw["output"]["tensorboard_dir"] = str(run_dir.parent.parent / "tensorboard" / job.name / run_dir.name)
     raw["output"]["mlflow_run_name"] = raw["output"].get("mlflow_run_name") or f"{job.name} seed{job.seed}"
+    raw["output"]["wandb_run_name"] = raw["output"].get("wandb_run_name") or f"{job.name} seed{job.seed}"
+    raw["output"]["wandb_group"] = raw["output"].get("wandb_group") or run_dir.parent.parent.resolve().name
     return build_config(raw)
 
 

@@ -206,7 +206,9 @@ def strategy_info(strategy: Any) -> dict[str, Any]:
 
 
 def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out_dir: Path) -> None:
-    """Save the global adapter (peft format), the profiles, and the accuracy plot."""
+    """Save the global adapter (peft format), the profiles, the accuracy plot, and every adapter's
+    model card and fedlora.json (:func:`fedlora.app.adapters.write_cards`)."""
+    from fedlora.app.adapters import write_cards
     from fedlora.app.plotting import plot_accuracy
     from fedlora.models import save_adapter
 
@@ -218,7 +220,9 @@ def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out
     writer.strategy_info["refused"] = list(strategy.roster.refused.values())
     writer.strategy_info.update(strategy.save_artifacts(out_dir))
     writer.write()
-    plot_accuracy(writer.to_dict(), out_dir / "accuracy_vs_round.png")
+    results = writer.to_dict()
+    plot_accuracy(results, out_dir / "accuracy_vs_round.png")
+    write_cards(out_dir, results)
 
 
 def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None = None, resume: bool = False) -> ServerApp:
