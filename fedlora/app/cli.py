@@ -317,9 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f": {error.filename}" if error.filename else ""
         print(f"fedlora: error: {one_line(error.strerror or str(error))}{where}", file=sys.stderr)
         return USER_ERROR
-    except KeyboardInterrupt:
-        print("fedlora: interrupted; results written so far are kept", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: 130; SIGTERM / SIGHUP of a deployment: 128 + signal
+        import signal
+
+        signum = getattr(interrupt, "signum", signal.SIGINT)  # fedlora.app.deploy.processes.Terminated
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"fedlora: {what}; results written so far are kept", file=sys.stderr)
+        return 128 + signum
 
 
 def _flower_logs_to_stdout() -> None:

@@ -51,6 +51,17 @@ class DeployError(RuntimeError):
     """A deployment step failed; the message is one line and names the log file to read."""
 
 
+# The ServerApp's lines (through Flower's logger) a person follows while a run goes: what `fedlora run`
+# prints (fedlora.app.server.progress_line), a client refused or back, a resumed run, a fedlora error.
+PROGRESS_PREFIXES = ("round ", "query: ", "resuming ", "fedlora: error:")
+
+
+def progress_of(line: str) -> str:
+    """``line`` of a ServerApp log as fedlora's progress line, its spacing kept ('' when it is not one)."""
+    text = _LEVEL.sub("", _ANSI.sub("", line).strip()).rstrip()
+    return text if text.startswith(PROGRESS_PREFIXES) else ""
+
+
 def failure_reason(log: str) -> str:
     """The lines of a Flower process's log that say why it failed (most specific first), as one line."""
     lines = [_plain(line) for line in log.splitlines()]

@@ -109,6 +109,12 @@ def earlier_federation_aside(out: Path) -> Path | None:
     return target
 
 
+def show_progress(line: str) -> None:
+    """A progress line of the ServerApp, as it arrives (a run followed one at a time): fedlora's
+    console (stdout), where ``fedlora run`` prints its round lines."""
+    logger.info("%s", line)
+
+
 def deploy_local(
     config: ExperimentConfig | str | Path | dict,
     num_nodes: int | None = None,
@@ -202,7 +208,8 @@ def deploy_runs(
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     evidence: dict[str, dict[str, Any]] = {}
-    with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure, clientapp=clientapp) as deployment:
+    with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure, clientapp=clientapp,
+                                                 on_progress=show_progress) as deployment:
         deployment.start_superlink()
         logger.info("SuperLink up: Control API https://%s:%d (loopback only), Fleet API %s:%d",
                     HOST, deployment.ports.control, HOST, deployment.ports.fleet)
