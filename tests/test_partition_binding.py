@@ -107,12 +107,12 @@ def test_a_node_with_no_bound_partition_is_refused() -> None:
 @pytest.mark.parametrize(
     ("bad", "line"),
     [
-        ({"fedlora_version": "0.0.9"}, f"silo silo1 (node 1001), partition 1: it runs fedlora 0.0.9, this server "
-                                        f"runs fedlora {__version__}: install the same fedlora on every node"),
-        ({"flower_version": "1.38.0"}, "silo silo1 (node 1001), partition 1: it runs Flower 1.38.0, this server runs "
-                                       "Flower 1.39"),
-        ({"capabilities": []}, "silo silo1 (node 1001), partition 1: its client cannot take part in secure "
-                               "aggregation"),
+        ({"fedlora_version": "0.0.9"}, (f"silo silo1 (node 1001), partition 1: it runs fedlora 0.0.9, this server "
+                                        f"runs fedlora {__version__}: install the same fedlora on every node")),
+        ({"flower_version": "1.38.0"}, ("silo silo1 (node 1001), partition 1: it runs Flower 1.38.0, this server runs "
+                                       "Flower 1.39")),
+        ({"capabilities": []}, ("silo silo1 (node 1001), partition 1: its client cannot take part in secure "
+                               "aggregation")),
     ],
     ids=["fedlora-version", "flower-version", "secure-aggregation"],
 )
