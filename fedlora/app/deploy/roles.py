@@ -71,8 +71,7 @@ from fedlora.config import ConfigError
 logger = logging.getLogger("fedlora")
 
 START_TIMEOUT = 90.0  # seconds a SuperLink or SuperNode may take to come up
-ACTIVATED = re.compile(r"\[Fleet\.ActivateNode\] Activated node_id=(\d+)")
-DEACTIVATED = re.compile(r"\[Fleet\.DeactivateNode\] Deactivated node_id=(\d+)")
+ACTIVATED = re.compile(r"\[Fleet\.ActivateNode\] Activated node_id=(\d+)")  # the SuperLink's log line
 DEFAULT_CONTROL_PORT = 9093
 DEFAULT_SUPERNODE_PORT = 9094
 
@@ -164,16 +163,15 @@ def handover_lines(root: Path, federation: Federation) -> list[str]:
 
 @dataclass
 class Roster:
-    """The operator's view of who joined: node id -> silo name."""
+    """The operator's view of who joined: node id -> silo name, the ones that joined."""
 
     names: dict[int, str]
-    online: set[int]
+    joined: set[int]
 
-    def line(self, node_id: int, joined: bool) -> str:
-        name = self.names.get(node_id, f"an unknown node {node_id}")
-        (self.online.add if joined else self.online.discard)(node_id)
-        return (f"silo {name} {'joined' if joined else 'left'} (node {node_id}): {len(self.online)}/{len(self.names)} "
-                "silos online")
+    def line(self, node_id: int) -> str:
+        self.joined.add(node_id)
+        name = self.names.get(node_id, f"? (node {node_id} is no silo of this federation)")
+        return f"silo {name} joined (node {node_id}): {len(self.joined & set(self.names))}/{len(self.names)} silos"
 
 
 def operator(root: str | Path, address: str | None = None, listen: str | None = None,
@@ -236,7 +234,9 @@ def _register(root: Path, federation: Federation, homes: Path) -> dict[int, str]
 
 
 def _follow_joins(superlink: Daemon, roster: Roster) -> None:
-    """Say which silo joined or left, from the SuperLink's own log, as it writes it, until it exits."""
+    """Say which silo joined (again, after a restart), from the SuperLink's own log as it writes it,
+    until the SuperLink exits. (Flower 1.39 logs no line when a node leaves: ``flwr supernode list``
+    shows who is online, and ``fedlora deploy run`` checks it before it submits.)"""
     offset = 0
     while True:
         text = superlink.text()
@@ -244,10 +244,9 @@ def _follow_joins(superlink: Daemon, roster: Roster) -> None:
             if not line.endswith("\n"):
                 break  # a line being written: read it whole next time
             offset += len(line)
-            for pattern, joined in ((ACTIVATED, True), (DEACTIVATED, False)):
-                match = pattern.search(line)
-                if match:
-                    logger.info("%s", roster.line(int(match.group(1)), joined))
+            match = ACTIVATED.search(line)
+            if match:
+                logger.info("%s", roster.line(int(match.group(1))))
         if not superlink.alive():
             raise DeployError(f"the SuperLink exited: {failure_reason(superlink.text())} (log: {superlink.log_path})")
         time.sleep(0.5)
@@ -336,9 +335,7 @@ def submit(root: str | Path, config: str | Path, overrides: list[str] | None = N
     started = time.monotonic()
     logger.info("link up: SuperLink at %s (Control API %s:%d)", federation.address, HOST, federation.control_port)
     _wait_joined(cli, nodes, join_timeout)
-    run_config = write_run_config(experiment, out / "run_config.toml")
-    with run_config.open("a", encoding="utf-8") as handle:  # the binding: node id -> partition and silo
-        handle.write(f"nodes = {json.dumps(json.dumps(nodes))}\n")
+    run_config = write_run_config(experiment, out / "run_config.toml", nodes=nodes)  # with the binding
     run_id = 0
     try:
         with terminate_on_signals():
