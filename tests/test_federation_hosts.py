@@ -245,23 +245,37 @@ BAD_HOSTS = {
                             "expired on"),
     "other-fedlora": (other_version, "this host runs fedlora 0.1.0, the federation's operator runs fedlora 0.0.9",
                       "install fedlora 0.0.9 here"),
-    "unreachable-superlink": (unreachable, "cannot reach the SuperLink at 127.0.0.1:", "check that the operator's "
-                              "SuperLink runs"),
+    "unreachable-superlink": (unreachable, "cannot reach the SuperLink at 127.0.0.1:",
+                              "check that the operator's SuperLink runs"),
 }
 
 
+@pytest.fixture(scope="module")
+def bad_hosts(federation: Federation) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
+    """Each bad case's silo command (all at once: each pays its imports), on a host of its own with
+    silo alpha's kit, one thing wrong with it: case -> (what the command did, the host's folder)."""
+    started = {}
+    for case, (damage, _, _) in BAD_HOSTS.items():
+        host = federation.root / f"bad-{case}"
+        shutil.copytree(federation.fed / "silos" / "alpha", host / "alpha")
+        shutil.copy(federation.data / "alpha.csv", host / "alpha.csv")
+        damage(host / "alpha")
+        argv = [FEDLORA, "deploy", "silo", str(host / "alpha"), "--data", str(host / "alpha.csv"), "--host", "127.0.0.4",
+                "--port", str(free_port("127.0.0.4"))]
+        started[case] = (subprocess.Popen(argv, cwd=host, env=federation.env(host), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True), host)
+    done = {}
+    for case, (process, host) in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        done[case] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), host)
+    return done
+
+
 @pytest.mark.parametrize("case", sorted(BAD_HOSTS))
-def test_a_bad_silo_is_refused_in_one_line_and_starts_nothing(federation: Federation, case: str) -> None:
-    # Prepare: a third host with silo alpha's kit, one thing wrong with it
-    host = federation.root / f"bad-{case}"
-    shutil.copytree(federation.fed / "silos" / "alpha", host / "alpha")
-    shutil.copy(federation.data / "alpha.csv", host / "alpha.csv")
-    damage, problem, fix = BAD_HOSTS[case]
-    damage(host / "alpha")
-    # Execute
-    done = subprocess.run([FEDLORA, "deploy", "silo", str(host / "alpha"), "--data", str(host / "alpha.csv"),
-                           "--host", "127.0.0.4", "--port", str(free_port("127.0.0.4"))], cwd=host,
-                          env=federation.env(host), capture_output=True, text=True, timeout=300)
+def test_a_bad_silo_is_refused_in_one_line_and_starts_nothing(bad_hosts: dict, case: str) -> None:
+    # Prepare / Execute: the fixture
+    done, host = bad_hosts[case]
+    _, problem, fix = BAD_HOSTS[case]
     # Assert: status 2, one line naming the host, the fault and the fix; no process of its own started
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr

@@ -86,8 +86,9 @@ def linked_environment(env: Path, skip: set[str]) -> Path:
     fedlora's and those of the ``skip`` distributions."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     ours = Path(sysconfig.get_paths()["purelib"])
-    theirs = Path(subprocess.run([str(env / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                  "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    theirs = Path(subprocess.run([str(env / "bin" / "python"), "-c", where], check=True, capture_output=True,
+                                 text=True).stdout.strip())
     from importlib.metadata import distributions
 
     left_out = set()
@@ -134,9 +135,8 @@ def test_fedlora_installs_beside_other_versions_and_runs_the_smoke_config(tmp_pa
                              check=False)
     assert install.returncode == 0, install.stderr[-2000:]
     check = subprocess.run([*target, "check"], capture_output=True, text=True, check=False)
-    probe = subprocess.run([python, "-c", "import scipy, tabulate, fedlora; print(scipy.__version__, "
-                            "tabulate.__version__, fedlora.__file__)"], cwd=tmp_path, capture_output=True, text=True,
-                           check=False)
+    versions = "import scipy, tabulate, fedlora; print(scipy.__version__, tabulate.__version__, fedlora.__file__)"
+    probe = subprocess.run([python, "-c", versions], cwd=tmp_path, capture_output=True, text=True, check=False)
     env_vars = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     smoke = subprocess.run([str(env / "bin" / "fedlora"), "run", str(ROOT / "configs/smoke.toml"), "--engine",
                             "inprocess", "--set", "train.rounds=1", "--out", str(tmp_path / "run")], cwd=tmp_path,
