@@ -270,16 +270,40 @@ def test_ctrl_c_stops_every_process(no_leftovers: Path, busy_cores: int) -> None
     # Execute: Ctrl-C
     os.kill(cli.pid, signal.SIGINT)
     interrupted = time.monotonic()
-    _, stderr = cli.communicate(timeout=CTRL_C_BOUND + 30)  # past the bound: fail below, not hang here
+    stdout, stderr = cli.communicate(timeout=CTRL_C_BOUND + 30)  # past the bound: fail below, not hang here
     took = time.monotonic() - interrupted
     print(f"Ctrl-C: the CLI exited {took:.1f}s after SIGINT, {busy_cores} cores busy, rounds written {written}")
 
     # Assert: stopped within seconds, interrupted and reported; the processes that were running are
-    # gone, and every other one of the deployment (fixture: after 5 s more); the rounds written are kept
+    # gone, and every other one of the deployment (fixture: after 5 s more); the rounds written are kept;
+    # the round lines were on the terminal while it ran (the run of 500 rounds never finished)
     assert took < CTRL_C_BOUND, f"Ctrl-C took {took:.1f}s with {busy_cores} busy cores"
     assert cli.returncode == 130, stderr
     assert "interrupted" in stderr
+    assert any(line.startswith("round   1/500  global ") for line in stdout.splitlines()), stdout
     assert len(started) >= 3  # SuperLink + 2 SuperNodes (and their SuperExecs, the ServerApp, flwr log)
     assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert processes_of(no_leftovers) == []
     assert rounds_written(out)[: len(written)] == written
+
+
+@pytest.mark.slow
+def test_sigterm_stops_deploy_local_with_status_143(no_leftovers: Path) -> None:
+    # Prepare: a CLI deployment, stopped by SIGTERM once its SuperLink is up (the processes it started
+    # meanwhile: the SuperLink and its SuperExec, SuperNodes being started)
+    out = no_leftovers / "run"
+    sets = [arg for item in TWO_SILOS for arg in ("--set", item)]
+    cli = subprocess.Popen([FEDLORA, "deploy", "local", "configs/smoke.toml", "--nodes", "2", "--out", str(out), *sets],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    superlink_log = out / "logs" / "superlink.log"
+    deadline = time.monotonic() + 180
+    while cli.poll() is None and time.monotonic() < deadline and (
+            not superlink_log.is_file() or "Uvicorn running on https://" not in superlink_log.read_text()):
+        time.sleep(0.2)
+    assert cli.poll() is None, cli.communicate()
+    # Execute
+    cli.send_signal(signal.SIGTERM)
+    _, stderr = cli.communicate(timeout=CTRL_C_BOUND + 30)
+    # Assert: 128 + SIGTERM, said in one line; nothing of the deployment left (the fixture)
+    assert cli.returncode == 143, stderr
+    assert stderr.strip() == "fedlora: stopped by SIGTERM; results written so far are kept"
