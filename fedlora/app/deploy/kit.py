@@ -162,6 +162,7 @@ def write_federation(root: Path, address: str, listen: str, control_port: int, s
                      data: DataContract, days: int = 365) -> Federation:
     """Write a new federation into the empty or new folder ``root``: certificates for the host of
     ``address``, a kit per silo (key pairs unless the silo gave its own public key), federation.json."""
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
 
     host, _ = split_address(address)
@@ -171,7 +172,7 @@ def write_federation(root: Path, address: str, listen: str, control_port: int, s
         if key is not None:
             try:
                 serialization.load_ssh_public_key(key.read_bytes())
-            except (OSError, ValueError, TypeError, serialization.UnsupportedAlgorithm):
+            except (OSError, ValueError, TypeError, UnsupportedAlgorithm):
                 raise ConfigError(f"--silo-key {name}={key}: not a readable OpenSSH public key (the silo makes it with "
                                   f"ssh-keygen -t ecdsa -b 384 -N '' -f {name})") from None
     certs = write_certs(root / "certs", hosts=[host], days=days)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
 from fedlora.app.deploy.certs import public_key_path
@@ -83,11 +84,11 @@ def key_check(private_key: Path, registered: Path) -> Check:
         key = serialization.load_ssh_private_key(private_key.read_bytes(), password=None)
     except FileNotFoundError:
         return Check(False, f"no private key at {private_key}: pass --key PATH, the private half of {registered}")
-    except (OSError, ValueError, TypeError, serialization.UnsupportedAlgorithm):
+    except (OSError, ValueError, TypeError, UnsupportedAlgorithm):
         return Check(False, f"{private_key} is not a readable OpenSSH private key (unencrypted): pass --key PATH")
     try:
         public = serialization.load_ssh_public_key(registered.read_bytes())
-    except (OSError, ValueError, TypeError, serialization.UnsupportedAlgorithm):
+    except (OSError, ValueError, TypeError, UnsupportedAlgorithm):
         return Check(False, f"the kit's public key {registered} is not readable: ask the operator for the kit again")
     mine = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     if mine != public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH):
