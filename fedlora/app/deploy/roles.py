@@ -324,6 +324,7 @@ def submit(root: str | Path, config: str | Path, overrides: list[str] | None = N
         raise ConfigError(f"the federation {root} has {silos} silos, the experiment data.num_clients = "
                           f"{experiment.data.num_clients}: add --set data.num_clients={silos}")
     run_checks(operator_checks(root, federation, starting=False), f"operator ({root})")
+    logger.info("link up: SuperLink at %s (Control API %s:%d)", federation.address, HOST, federation.control_port)
     out = Path(out_dir or experiment.output.dir).resolve()
     folder = claim(out, what="run", overwrite=overwrite)
     experiment.output.dir = str(out)
@@ -333,7 +334,6 @@ def submit(root: str | Path, config: str | Path, overrides: list[str] | None = N
     cli = FlwrCli(root / "flwr" / "cli", 120.0)
     nodes = json.loads((root / NODES_FILE).read_text(encoding="utf-8"))
     started = time.monotonic()
-    logger.info("link up: SuperLink at %s (Control API %s:%d)", federation.address, HOST, federation.control_port)
     _wait_joined(cli, nodes, join_timeout)
     run_config = write_run_config(experiment, out / "run_config.toml", nodes=nodes)  # with the binding
     run_id = 0
