@@ -72,11 +72,12 @@ class Federation:
                 "FEDLORA_WORDNET_DIR": str(self.root / "no-wordnet-here")}  # any WordNet read fails
 
     def start(self, role: str, argv: list[str], cwd: Path, ready: str) -> None:
-        """Start a role that stays up; wait until its output says ``ready``."""
+        """Start a role that stays up, its HOME its own folder; wait until its output says ``ready``."""
         out = self.root / f"{role}.out"
         self.outputs[role] = out
+        home = self.root / ("operator" if role == "operator" else f"host-{role}")
         with out.open("w") as handle:
-            self.roles[role] = subprocess.Popen(argv, cwd=cwd, env=self.env(cwd), stdout=handle,
+            self.roles[role] = subprocess.Popen(argv, cwd=cwd, env=self.env(home), stdout=handle,
                                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         deadline = time.monotonic() + START
         while ready not in out.read_text():
