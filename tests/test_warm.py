@@ -58,6 +58,8 @@ def test_on_another_flower_a_deployment_falls_back_to_flowers_own_superexec(tmp_
         deployment = LocalDeployment(tmp_path, 1, clientapp="warm")
     # Assert
     assert deployment.clientapp == "cold"
-    assert [record.getMessage() for record in caplog.records] == [
-        f"Flower {__import__('importlib.metadata').metadata.version('flwr')} has no flwr.supercore.no_such_module, "
-        "which fedlora's warm SuperExec imports: using Flower's own SuperExec (a fresh ClientApp process per message)"]
+    from importlib.metadata import version
+
+    line = (f"Flower {version('flwr')} has no flwr.supercore.no_such_module, which fedlora's warm SuperExec imports: "
+            "using Flower's own SuperExec (a fresh ClientApp process per message)")
+    assert [record.getMessage() for record in caplog.records] == [line]
