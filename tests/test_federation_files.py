@@ -12,7 +12,13 @@ from cryptography import x509
 
 from fedlora.app.deploy.certs import write_node_key
 from fedlora.app.deploy.kit import DataContract, load_kit, parse_silos, split_address, write_federation
-from fedlora.app.deploy.preflight import data_check, key_check, port_free_check, reachable_check, version_check
+from fedlora.app.deploy.preflight import (
+    data_check,
+    key_check,
+    port_free_check,
+    reachable_check,
+    version_check,
+)
 from fedlora.config import ConfigError
 
 CONTRACT = DataContract(text_column="text", label_column="label", labels=["rotten", "fresh"])
@@ -23,7 +29,7 @@ def federation(tmp_path: Path):
     # A federation of two silos: alpha's key pair written by the operator, gamma's own public key
     own = write_node_key(tmp_path / "gamma-host" / "gamma")
     root = tmp_path / "fed"
-    written = write_federation(root, "superlink.example.org:9092", "0.0.0.0", 9093,  # noqa: S104 - not bound here
+    written = write_federation(root, "superlink.example.org:9092", "0.0.0.0", 9093,
                                parse_silos(["alpha"], [f"gamma={own}.pub"]), CONTRACT)
     return root, written, own
 
@@ -44,7 +50,7 @@ def test_the_operator_writes_a_kit_per_silo_and_keeps_a_silos_own_private_key_ou
     assert (root / "silos" / "alpha" / "ca.crt").read_bytes() == (root / "certs" / "tls" / "ca.crt").read_bytes()
     # never overwritten: a second federation into the same folder is refused
     with pytest.raises(ConfigError, match="not empty"):
-        write_federation(root, "h:1", "0.0.0.0", 9093, parse_silos(["x"], []), CONTRACT)  # noqa: S104
+        write_federation(root, "h:1", "0.0.0.0", 9093, parse_silos(["x"], []), CONTRACT)
 
 
 def test_a_silos_key_must_be_the_registered_one(federation, tmp_path: Path) -> None:
