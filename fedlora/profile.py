@@ -34,6 +34,14 @@ class ClientProfile(BaseModel):
     fedlora_version: str = Field(
         "", description="The fedlora version the client runs; the server refuses a client whose version differs from its own."
     )
+    flower_version: str = Field(
+        "", description="The Flower version the client runs ('' = not said); the server refuses another than its own."
+    )
+    capabilities: list[str] = Field(
+        default_factory=list,
+        description="What the client's ClientApp can do beyond training (fedlora.protocol.CAPABILITIES, e.g. "
+        "'secure-aggregation'); a run that needs one refuses a client that does not declare it.",
+    )
 
 
 def tier_ranks(tiers: Mapping[str, float], num_clients: int) -> list[int]:

@@ -74,6 +74,7 @@ STATE_ON_DISK: Final = "state-on-disk"  # simulation: between messages the state
 EVAL_RECEIVED: Final = "eval-received"  # train: evaluate the received model before local training
 EVAL_GLOBAL: Final = "eval-global"  # evaluate: also evaluate on the global test set (no global model)
 SAVE_ADAPTER_DIR: Final = "save-adapter-dir"  # evaluate, last round: save the client's adapter there
+LABEL_NAMES: Final = "label-names"  # the server's class names (a silo with its own data encodes its labels with them)
 # secure aggregation (SecAgg+, docs/secure-aggregation.md): the train message of its masking stage, which also
 # carries Flower's own record (``secaggplus_configs``, Flower's keys); read by clients/secure.py
 SECAGG_WEIGHT: Final = "secagg-weight"  # the aggregation weight the server chose for this client (at most W)
@@ -84,7 +85,7 @@ SECAGG_KEYS: Final = frozenset({SECAGG_WEIGHT, SECAGG_CLIP, SECAGG_RANGE, SECAGG
 # fedlora's own message config keys: a config given to ``configure_*`` (Flower's ``train_config`` /
 # ``evaluate_config``) travels next to them, without these keys
 MESSAGE_KEYS: Final = frozenset({SERVER_ROUND, EXPERIMENT, RANK, CHECKPOINT_DIR, RESUME_ROUND, STATE_ON_DISK,
-                                 EVAL_RECEIVED, EVAL_GLOBAL, SAVE_ADAPTER_DIR, *SECAGG_KEYS})
+                                 EVAL_RECEIVED, EVAL_GLOBAL, SAVE_ADAPTER_DIR, LABEL_NAMES, *SECAGG_KEYS})
 
 # a method's own message config (its strategy's ``Download.config``, read by its trainer)
 # centralized, train: the clients a federated round samples (the step budget)
@@ -93,6 +94,10 @@ FEDHERA_R_TOT: Final = "fedhera-r-tot"  # FedHera: JSON {module: r_tot} (a train
 FEDHERA_R_MAIN: Final = "fedhera-r-main"  # FedHera: JSON {module: r_main} (a train metric too: their sum)
 FEDHERA_LAMBDA: Final = "fedhera-lambda"  # FedHera: the tail warm-up lambda_k (1.0 in evaluation messages)
 METHOD_CONFIG_KEYS: Final = frozenset({CENTRALIZED_CLIENTS, FEDHERA_R_TOT, FEDHERA_R_MAIN, FEDHERA_LAMBDA})
+
+# ------------------------------------------------------------------ capabilities a ClientApp declares (its profile)
+SECURE_AGGREGATION: Final = "secure-aggregation"  # masks its update with Flower's SecAgg+ mod (clients/secure.py)
+CAPABILITIES: Final = frozenset({SECURE_AGGREGATION})
 
 # ------------------------------------------------------------------ node config (SuperNode -> ClientApp)
 NODE_PARTITION_ID: Final = "partition-id"  # the client's partition (simulation: Flower's engine sets it)

@@ -236,7 +236,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # ---------------------------------------------------------------- method interface
     def check_profile(self, profile: ClientProfile) -> str:
         """Why a client cannot take part ('' if it can): :func:`fedlora.strategies.roster.profile_problem`."""
-        return profile_problem(profile, self.module_shapes, self.experiment.data.num_clients)
+        return profile_problem(profile, self.module_shapes, self.experiment.data.num_clients,
+                               secure=self.experiment.secure_aggregation.enabled)
 
     def setup(self) -> None:
         """Called once after the profiles are known (e.g. to build per-client state)."""
@@ -395,6 +396,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if self.roster:
             return
         federation = self.experiment.federation
+        self.roster.announce = self.paths.entries()  # the run's entries (the label names) reach the queries too
         self.roster.query(grid, self._experiment_json, self.min_available_nodes, federation.round_timeout,
                           self.check_profile, connect_timeout=federation.connect_timeout)
         if not self.capabilities.mixed_ranks:

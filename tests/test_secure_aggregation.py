@@ -222,7 +222,7 @@ def secure_client(ranks: list[int], spy: dict[int, tuple[dict[str, np.ndarray], 
     def query(msg: Message, context: Context) -> Message:
         k = partition(context)
         profile = ClientProfile(partition_id=k, rank=ranks[k], num_train_examples=DECLARED[k],
-                                fedlora_version=__version__)
+                                fedlora_version=__version__, capabilities=["secure-aggregation"])
         return Message(RecordDict({"profile": ConfigRecord({"json": profile.model_dump_json()})}), reply_to=msg)
 
     @app.train(mods=[crash, secure_when_asked, masked_update, *([clipping_when_asked] if clip else [])])

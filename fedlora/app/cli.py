@@ -12,6 +12,10 @@
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
     fedlora deploy local CONFIG --nodes N [--insecure] [--clientapp warm|cold] [--out DIR] [--set k=v ...] [--resume | --overwrite]
+    fedlora deploy operator DIR [--address HOST:PORT --silos NAME ... [--silo-key NAME=PUB ...] [--config CONFIG]
+                   [--listen IP] [--control-port N] [--days N]]
+    fedlora deploy silo KIT --data FILE [--key PRIVATE_KEY] [--host IP] [--port N] [--clientapp warm|cold] [--rank N]
+    fedlora deploy run DIR CONFIG [--set k=v ...] [--out DIR] [--overwrite] [--timeout S] [--join-timeout S]
 
 A user mistake (bad config, missing model or data, unknown strategy, an output folder that cannot
 be written, a corrupt checkpoint, a missing or unknown argument) prints one line on stderr and exits
@@ -196,6 +200,33 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy_operator(args: argparse.Namespace) -> int:
+    from fedlora.app.deploy.roles import operator
+
+    operator(args.dir, address=args.address, listen=args.listen, control_port=args.control_port, silos=args.silos,
+             silo_keys=args.silo_key, config=args.config, days=args.days)
+    return 0
+
+
+def _cmd_deploy_silo(args: argparse.Namespace) -> int:
+    from fedlora.app.deploy.roles import silo
+
+    silo(args.kit, args.data, key=args.key, host=args.host, port=args.port, clientapp=args.clientapp, rank=args.rank)
+    return 0
+
+
+def _cmd_deploy_run(args: argparse.Namespace) -> int:
+    from fedlora.app.deploy.roles import submit
+
+    results = submit(args.dir, args.config, overrides=args.set, out_dir=args.out, timeout=args.timeout,
+                     join_timeout=args.join_timeout, overwrite=args.overwrite)
+    out = results["config"]["output"]["dir"]
+    print(f"{_final_scores(results)}, {results['final'].get('bytes_total', 0) / 1e6:.2f} MB "
+          f"in {results['deployment']['seconds']:.0f}s ({results['deployment']['silos']} silos, gRPC over TLS)")
+    print(f"results: {out}/results.json")
+    return 0
+
+
 def one_line(text: str) -> str:
     """``text`` on one line (an error message must never spill over several lines of stderr)."""
     return " ".join(text.split()) or "unknown error"
@@ -310,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(local, "deployment")
     local.set_defaults(func=_cmd_deploy_local)
 
+    _add_federation_roles(deploy_sub)
     export = sub.add_parser("export", help="merge a saved adapter into its backbone: a model transformers loads "
                             "without peft")
     export.add_argument("adapter", help="a run's adapter folder (adapters/global or adapters/client_<k>)")
@@ -340,6 +372,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_federation_roles(deploy_sub: Any) -> None:
+    """``deploy operator`` / ``deploy silo`` / ``deploy run``: a federation of separate hosts
+    (fedlora/app/deploy/roles.py, docs/deployment.md)."""
+    op = deploy_sub.add_parser("operator", help="write a federation (first time), start its SuperLink (TLS + node "
+                               "authentication) and print each silo's command; stays up")
+    op.add_argument("dir", help="the federation's folder (federation.json, certs/, silos/<name>/ kits, logs/)")
+    op.add_argument("--address", default=None, metavar="HOST:PORT",
+                    help="first time: the SuperLink's Fleet API as the silos dial it (its certificate names HOST)")
+    op.add_argument("--silos", nargs="+", default=[], metavar="NAME",
+                    help="first time: the silos, in partition order; the operator writes each one's key pair")
+    op.add_argument("--silo-key", action="append", default=[], metavar="NAME=PUB",
+                    help="first time: a silo that made its own key pair (its OpenSSH public key; repeatable)")
+    op.add_argument("--config", default=None, help="first time: the experiment whose columns and class names each "
+                    "silo's data is checked against when it joins")
+    op.add_argument("--listen", default=None, metavar="IP",
+                    help="first time: the address the Fleet API binds (default: HOST when it is an IP, else 0.0.0.0)")
+    op.add_argument("--control-port", type=int, default=None,
+                    help="first time: the Control API's port on 127.0.0.1 (default 9093; runs are submitted there)")
+    op.add_argument("--days", type=int, default=365, help="first time: how long the certificates are valid")
+    op.set_defaults(func=_cmd_deploy_operator)
+    silo = deploy_sub.add_parser("silo", help="join a federation with this host's data: a SuperNode and its "
+                                 "ClientApp process, up across runs")
+    silo.add_argument("kit", help="the silo's kit, the folder the operator wrote for it (silo.json, ca.crt, node.key)")
+    silo.add_argument("--data", required=True, help="this silo's data: a CSV / JSONL / JSON file or a save_to_disk folder")
+    silo.add_argument("--key", default=None, help="the silo's own private key (default: the kit's node.key)")
+    silo.add_argument("--host", default="127.0.0.1", metavar="IP",
+                      help="this host's address for the SuperNode's Runtime API (never exposed; default 127.0.0.1)")
+    silo.add_argument("--port", type=int, default=9094, help="the SuperNode's Runtime API port (default 9094)")
+    silo.add_argument("--clientapp", choices=("warm", "cold"), default="warm",
+                      help="warm: ClientApp processes forked from fedlora's SuperExec (libraries imported once); "
+                           "cold: Flower's own SuperExec")
+    silo.add_argument("--rank", type=int, default=None, help="the LoRA rank this silo declares (default: the experiment's)")
+    silo.set_defaults(func=_cmd_deploy_silo)
+    run = deploy_sub.add_parser("run", help="submit CONFIG to the running federation and follow it: round lines "
+                                "as it trains, then the results' path")
+    run.add_argument("dir", help="the federation's folder (on the operator's host)")
+    run.add_argument("config", help="TOML experiment config")
+    _add_set(run)
+    run.add_argument("--out", default=None, help="output folder on the operator's host (default: output.dir)")
+    _add_overwrite(run, "run")
+    run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (then stop it)")
+    run.add_argument("--join-timeout", type=float, default=300.0,
+                     help="seconds to wait until every silo is online before submitting")
+    run.set_defaults(func=_cmd_deploy_run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # stderr carries one thing: the one-line error of a failed command. fedlora's lines (and,
@@ -361,15 +439,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except _user_errors() as error:
-        print(f"fedlora: error: {one_line(str(error))}", file=sys.stderr)
+        for line in getattr(error, "lines", None) or [str(error)]:  # a preflight: one line per failed check
+            print(f"fedlora: error: {one_line(line)}", file=sys.stderr)
         return USER_ERROR
     except OSError as error:  # a file or folder the system refused (full disk, permissions, ...)
         where = f": {error.filename}" if error.filename else ""
         print(f"fedlora: error: {one_line(error.strerror or str(error))}{where}", file=sys.stderr)
         return USER_ERROR
-    except KeyboardInterrupt:
-        print("fedlora: interrupted; results written so far are kept", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: 130; SIGTERM / SIGHUP of a deployment: 128 + signal
+        import signal
+
+        signum = getattr(interrupt, "signum", signal.SIGINT)  # fedlora.app.deploy.processes.Terminated
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"fedlora: {what}; results written so far are kept", file=sys.stderr)
+        return 128 + signum
     finally:
         if outer is None:
             os.environ.pop(COMMAND_ENV, None)
