@@ -10,25 +10,12 @@ the masked vectors, runs the unmask stage and gets the weighted mean of the upda
 run fedlora's port of Flower's client mod (``clients/secure.py``); the masks on both sides are
 :func:`fedlora.secagg.mask` (ChaCha20 under the whole 256-bit key).
 
-No client can stop a round: each stage checks each client's contribution on its own and goes on
-with the others while every client still in the protocol keeps threshold-many neighbours.
-
-- setup: both public keys must be SECP384R1 keys, different, and proven held
-  (:func:`fedlora.secagg.check_possession`): a bad, copied or shared key names its sender;
-- share keys: the encrypted shares must be addressed to exactly the sender's neighbours, one each,
-  with a commitment to every share and to its mask seed: a wrong, missing or duplicate destination
-  names its sender, who leaves the round before anyone masks with it;
-- masking: the weight factor travels in the clear and must be the one of the client's declared
-  examples (a tampered weight names its sender), the masked vector must be the right shape and
-  range and never seen before (a replay of an earlier round's vector names its sender); such a
-  client is treated as dropped out: its masks are removed with its key's shares. A client that
-  cannot use a neighbour's shares says so (``secagg-complaints``: a dispute the server cannot
-  settle, recorded); those shares are not asked for, and a client whose shares too many neighbours
-  refuse cannot be unmasked: it is left out and named;
-- unmask: each share is checked against its owner's commitment before use (a random, copied or
-  duplicated share names its sender), any threshold-many valid shares reconstruct a secret, and
-  the reconstruction is checked against the owner's seed commitment or public key.
-
+No client can stop a round: each stage checks each client's contribution on its own
+(``strategies/secure_checks.py``: keys proven held, shares addressed to exactly the neighbours and
+committed to, a clear weight factor, no replayed vector, shares matching their commitments) and goes
+on with the others while every client still in the protocol keeps threshold-many neighbours. A
+client that cannot use a neighbour's shares says so (``secagg-complaints``, a dispute recorded);
+those shares are not asked for, and a client whose shares too many neighbours refuse is left out.
 Every client named (``culprits``) is left out of the rest of the run by the strategy
 (``strategies/secure_round.py``). One change to Flower's server, kept from before: a client that
 drops out during the setup or share-keys stage is not "dead" at the unmask stage (Flower 1.39 asks
@@ -47,8 +34,6 @@ from typing import Any, cast
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-from flwr.common import bytes_to_ndarray
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.common.secure_aggregation.quantization import dequantize
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -65,39 +50,31 @@ from fedlora import protocol, secagg
 from fedlora.protocol import wire_size
 from fedlora.secagg import SecAggParams, neighbours
 from fedlora.strategies.accounting import reply_wire_size, short
+from fedlora.strategies.secure_checks import (
+    copies,
+    holders,
+    keys_problem,
+    read_masked,
+    read_revealed,
+    read_shares,
+    reconstruct,
+    shares_problem,
+    unmaskable,
+)
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
-COMMITMENT_PAIR = 2 * secagg.DIGEST_BYTES  # a holder's seed-share and key-share commitments
 
 
 class SecureRound:
     """One round of SecAgg+ between the server and the sampled clients (module docstring).
 
-    Parameters
-    ----------
-    params : SecAggParams
-        The round's parameters (:func:`fedlora.secagg.choose_params`).
-    grid : Grid
-        The grid the setup, share-keys and unmask stages are sent over.
-    server_round : int
-        The round (the messages' ``group_id``).
-    weights : Mapping[int, float]
-        Node id -> the aggregation weight the server chose for that sampled client (at most
-        ``params.max_weight``); the clients check it against their own count and mask with it.
-    counts : Mapping[int, int]
-        Node id -> the training examples that client declared when it joined (sent to every client).
-    weighting : str
-        'examples' (the share rule on ``counts``) or 'uniform' (:func:`fedlora.secagg.weight_ratio`).
-    size : int
-        Entries of the vector every client masks (:func:`fedlora.secagg.canonical_shapes`).
-    timeout : float, optional
-        Seconds each stage waits for its replies (``federation.round_timeout``).
-    max_share : float
-        ``faults.max_client_share``, the share rule's bound.
-    low_threshold : bool
-        Whether the operator allowed a threshold at most half of the shares.
-    history : set of str, optional
-        Digests of the masked vectors of earlier rounds (a vector seen again is a replay).
+    ``params``: the round's parameters (:func:`fedlora.secagg.choose_params`); ``weights``: node id ->
+    the aggregation weight the server chose (at most W; each client checks it); ``counts``: node id ->
+    the examples it declared when it joined, weighed by ``weighting`` ('examples': the share rule of
+    bound ``max_share``; 'uniform') as :func:`fedlora.secagg.weight_ratio` does; ``size``: entries of
+    the vector every client masks; ``timeout``: seconds each stage waits; ``low_threshold``: the
+    operator allowed a threshold at most half of the shares; ``history``: digests of earlier rounds'
+    masked vectors (a vector seen again is a replay).
     """
 
     def __init__(self, params: SecAggParams, grid: Grid, server_round: int, weights: Mapping[int, float],
@@ -198,7 +175,7 @@ class SecureRound:
                    protocol.SECAGG_LOW_THRESHOLD: self.low_threshold}
         holders: dict[bytes, list[int]] = {}
         for node, record in self._exchange(Stage.SETUP, {node: entries for node in nodes}).items():
-            problem = self._keys_problem(node, record)
+            problem = keys_problem(node, record, self.server_sk)
             if problem:
                 self.blame(node, Stage.SETUP, problem)
                 continue
@@ -211,21 +188,6 @@ class SecureRound:
         self.active &= set(self.public_keys) - set(self.culprits)
         return self._enough(Stage.SETUP)
 
-    def _keys_problem(self, node: int, record: ConfigRecord) -> str:
-        """Why ``node``'s public keys cannot be used ('' if they can)."""
-        pk1, pk2 = record.get(Key.PUBLIC_KEY_1), record.get(Key.PUBLIC_KEY_2)
-        problem = secagg.public_key_problem(pk1) or secagg.public_key_problem(pk2)
-        if problem:
-            return f"sent a public key that is {problem}"
-        if pk1 == pk2:
-            return "sent the same public key twice"
-        try:
-            proven = secagg.check_possession(node, cast(bytes, pk1), cast(bytes, pk2), record.get(protocol.SECAGG_PROOF),
-                                             self.server_sk)
-        except (ValueError, TypeError):
-            proven = False
-        return "" if proven else "sent public keys it cannot prove it holds (another client's, or made up)"
-
     # ------------------------------------------------------------------ stage 1: share keys
     def share_keys(self) -> bool:
         """Send each node its active neighbours' public keys; keep the encrypted shares and
@@ -234,7 +196,7 @@ class SecureRound:
         configs = {node: {str(v): list(self.public_keys[v]) for v in self.neighbours[node] & keyed}
                    for node in sorted(keyed)}
         for src, record in self._exchange(Stage.SHARE_KEYS, configs).items():
-            problem = self._shares_problem(src, record, self.neighbours[src] & keyed)
+            problem = shares_problem(src, record, self.neighbours[src] & keyed)
             if problem:
                 self.blame(src, Stage.SHARE_KEYS, problem)
                 continue
@@ -246,33 +208,6 @@ class SecureRound:
         self.active &= set(self.ciphertexts)
         self.shared = set(self.active)
         return self._enough(Stage.SHARE_KEYS)
-
-    @staticmethod
-    def _shares_problem(src: int, record: ConfigRecord, keyed: set[int]) -> str:
-        """Why ``src``'s share-keys reply cannot be used ('' if it can): its encrypted shares must go to
-        exactly its neighbours that were sent keys (``keyed``, itself included), one each, each a
-        ciphertext of bounded size, with a commitment for every holder and one for its seed."""
-        dsts, ciphertexts = record.get(Key.DESTINATION_LIST), record.get(Key.CIPHERTEXT_LIST)
-        holders, commitments = record.get(protocol.SECAGG_HOLDERS), record.get(protocol.SECAGG_COMMITMENTS)
-        if not all(isinstance(v, list) for v in (dsts, ciphertexts, holders, commitments)):
-            return "sent no lists of destinations, ciphertexts, holders and commitments"
-        dsts, holders = cast(list[Any], dsts), cast(list[Any], holders)
-        expected = sorted(keyed - {src})
-        if any(isinstance(d, bool) or not isinstance(d, int) for d in dsts) or sorted(dsts) != expected:
-            return (f"addressed its shares to {sorted(set(map(str, dsts)))[:6]}, not once to each of its neighbours "
-                    f"{expected[:6]} (a wrong, missing or duplicate destination)")
-        if len(cast(list[Any], ciphertexts)) != len(dsts) or not all(
-                isinstance(c, bytes) and 0 < len(c) <= secagg.MAX_CIPHERTEXT_BYTES for c in cast(list[Any], ciphertexts)):
-            return f"sent {len(cast(list[Any], ciphertexts))} ciphertexts for {len(dsts)} destinations, or one that is no ciphertext"
-        if any(isinstance(h, bool) or not isinstance(h, int) for h in holders) or sorted(holders) != sorted(keyed):
-            return "committed to shares for other holders than its neighbours"
-        if len(cast(list[Any], commitments)) != len(holders) or not all(
-                isinstance(c, bytes) and len(c) == COMMITMENT_PAIR for c in cast(list[Any], commitments)):
-            return "sent commitments that are not one 64-byte pair per holder"
-        seed = record.get(protocol.SECAGG_SEED_COMMITMENT)
-        if not isinstance(seed, bytes) or len(seed) != secagg.DIGEST_BYTES:
-            return "sent no commitment to its mask seed"
-        return ""
 
     # ------------------------------------------------------------------ stage 2: collect masked vectors
     def masking_record(self, node: int) -> ConfigRecord | None:
@@ -287,30 +222,6 @@ class SecureRound:
                              protocol.SECAGG_COMMITMENTS: [self.commitments[s][node] for s in srcs],
                              protocol.SECAGG_WEIGHT: float(self.weights[node])})
 
-    def masked_vector(self, node: int, reply: Message) -> tuple[np.ndarray, set[int]] | str:
-        """The reply's masked entries (int64 in [0, M), ``size`` of them) and the sources it could
-        not use the shares of, or what is wrong with the reply (its sender is then named)."""
-        record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
-        raw = None if record is None else record.get(Key.MASKED_PARAMETERS)
-        if not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(b, bytes) for b in raw):
-            return "sent no masked vector"
-        try:
-            factor, entries = (bytes_to_ndarray(cast(bytes, b)) for b in raw)
-        except Exception as error:  # noqa: BLE001 - whatever a client's bytes make numpy raise
-            return f"sent a masked vector that cannot be read ({type(error).__name__})"
-        if factor.shape != (1,) or entries.shape != (self.size,) or not factor.dtype == entries.dtype == np.int64:
-            return f"sent a masked vector of shapes {[factor.shape, entries.shape]}, not [(1,), ({self.size},)] int64"
-        if int(factor[0]) != self.factors[node]:
-            return (f"sent the weight factor {int(factor[0])}, not the {self.factors[node]} of the examples it declared "
-                    "(a tampered weight)")
-        if entries.min(initial=0) < 0 or entries.max(initial=0) >= self.params.modulus_range:
-            return "sent masked values outside [0, modulus_range)"
-        complaints = cast(ConfigRecord, record).get(protocol.SECAGG_COMPLAINTS, [])
-        sources = (self.neighbours[node] & self.shared) - {node}
-        if not isinstance(complaints, list) or not set(complaints) <= sources:
-            return "complained about nodes that sent it no shares"
-        return entries, set(cast(list[int], complaints))
-
     def collect(self, replies: Mapping[int, Message]) -> dict[int, str]:
         """Check the masked vectors of ``replies`` (node -> its valid training reply), decide which
         can be unmasked, and sum those modulo M; returns node -> why a reply's vector was left
@@ -321,18 +232,24 @@ class SecureRound:
             if node not in self.active:
                 left_out[node] = "it left the protocol before masking"
                 continue
-            parsed = self.masked_vector(node, reply)
+            record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+            parsed = read_masked(record, self.size, self.params.modulus_range, self.factors[node],
+                                 (self.neighbours[node] & self.shared) - {node})
             if isinstance(parsed, str):
                 self.blame(node, Stage.COLLECT_MASKED_VECTORS, parsed)
                 left_out[node] = parsed
                 continue
             vectors[node], self.complaints[node] = parsed
-        for node in self._replays(vectors):
-            left_out[node] = self.culprits[node]
+        for node, why in sorted(copies(vectors, self.history).items()):
+            self.blame(node, Stage.COLLECT_MASKED_VECTORS, why)
+            left_out[node] = why
             del vectors[node]
         self.report["disputes"] = [f"node {v} could not use the shares of node {u}"
                                    for v, owners in sorted(self.complaints.items()) if v in vectors for u in sorted(owners)]
-        self.summed = self._unmaskable(set(vectors))
+        self.summed, refused = unmaskable(set(vectors), self.neighbours, self.complaints, self.params.threshold)
+        for node, count in sorted(refused.items()):
+            self.blame(node, Stage.COLLECT_MASKED_VECTORS,
+                       f"dealt shares that {count} of its neighbours could not use: it cannot be unmasked")
         for node in set(vectors) - self.summed:
             left_out[node] = self.culprits.get(node, "too few of its neighbours hold its shares")
         total = np.zeros(self.size, np.int64)
@@ -343,49 +260,9 @@ class SecureRound:
         self.active &= self.summed
         self.report["after_collect_masked_vectors"] = len(self.summed)
         self._enough(Stage.COLLECT_MASKED_VECTORS)
-        self.revealed = {d for d in self.shared - self.summed
-                         if self.neighbours[d] & self.summed and len(self._holders(d, self.summed)) < self.params.threshold}
+        self.revealed = {d for d in self.shared - self.summed if self.neighbours[d] & self.summed
+                         and len(holders(d, self.summed, self.neighbours, self.complaints)) < self.params.threshold}
         return left_out
-
-    def _replays(self, vectors: Mapping[int, np.ndarray]) -> list[int]:
-        """The nodes whose masked vector was seen before: in an earlier round (a replay: named) or
-        from another node this round (one copied the other: both named)."""
-        seen: dict[str, list[int]] = {}
-        for node, vector in vectors.items():
-            seen.setdefault(hashlib.sha256(vector.tobytes()).hexdigest(), []).append(node)
-        replays = []
-        for digest, nodes in seen.items():
-            for node in nodes:
-                if digest in self.history:
-                    self.blame(node, Stage.COLLECT_MASKED_VECTORS, "sent a masked vector of an earlier round (a replay)")
-                elif len(nodes) > 1:
-                    self.blame(node, Stage.COLLECT_MASKED_VECTORS,
-                               f"sent the same masked vector as node(s) {sorted(set(nodes) - {node})} (a copy)")
-                else:
-                    continue
-                replays.append(node)
-        return replays
-
-    def _holders(self, owner: int, summed: set[int]) -> set[int]:
-        """The summed neighbours of ``owner`` that hold a share of its secrets they could use."""
-        return {w for w in self.neighbours[owner] & summed if owner not in self.complaints.get(w, set())}
-
-    def _unmaskable(self, candidates: set[int]) -> set[int]:
-        """The candidates whose mask seed threshold-many summed neighbours can help reconstruct (a
-        node whose shares too many neighbours could not use is left out and named), to a fixed point."""
-        summed = set(candidates)
-        changed = True
-        while changed:
-            changed = False
-            for node in sorted(summed):
-                if len(self._holders(node, summed)) < self.params.threshold:
-                    summed.discard(node)
-                    refused = sum(node in self.complaints.get(w, set()) for w in self.neighbours[node] & candidates)
-                    if refused:
-                        self.blame(node, Stage.COLLECT_MASKED_VECTORS,
-                                   f"dealt shares that {refused} of its neighbours could not use: it cannot be unmasked")
-                    changed = True
-        return summed
 
     # ------------------------------------------------------------------ stage 3: unmask
     def unmask(self) -> tuple[np.ndarray, float] | None:
@@ -408,10 +285,14 @@ class SecureRound:
         pairwise: dict[tuple[int, int], bytes] = {}  # (dropped node, summed neighbour) -> their pairwise key
         for holder, record in self._exchange(Stage.UNMASK, configs).items():
             asked = set(configs[holder][Key.ACTIVE_NODE_ID_LIST]) | set(configs[holder][Key.DEAD_NODE_ID_LIST])
-            problem = (self._read_shares(holder, record, asked, shares)
-                       or self._read_revealed(holder, record, configs[holder][protocol.SECAGG_REVEAL], pairwise))
+            held, problem = read_shares(holder, record, asked, self.summed, self.commitments)
+            keys, problem = ({}, problem) if problem else read_revealed(record, configs[holder][protocol.SECAGG_REVEAL])
             if problem:
                 self.blame(holder, Stage.UNMASK, problem)
+                continue
+            for owner, share in held.items():
+                shares[owner][holder] = share
+            pairwise.update({(node, holder): key for node, key in keys.items()})
         secrets = self._reconstruct(shares, dead, pairwise)
         if secrets is None:
             return None
@@ -434,42 +315,6 @@ class SecureRound:
         self.report["seconds"][Stage.UNMASK] = time.perf_counter() - started
         return summed, factor / T
 
-    def _read_shares(self, holder: int, record: ConfigRecord, asked: set[int],
-                     shares: dict[int, dict[int, bytes]]) -> str:
-        """Keep each share of ``holder``'s reply that matches its owner's commitment; what is wrong
-        with the reply ('' if nothing): a share that matches no commitment (random, or another's),
-        two shares of one node, a node it was not asked for."""
-        nids, values = record.get(Key.NODE_ID_LIST, []), record.get(Key.SHARE_LIST, [])
-        if not isinstance(nids, list) or not isinstance(values, list) or len(nids) != len(values):
-            return "sent no aligned lists of node ids and shares"
-        seen: set[int] = set()
-        for owner, share in zip(nids, values):
-            if isinstance(owner, bool) or not isinstance(owner, int) or owner not in asked or not isinstance(share, bytes):
-                return f"sent a share of node {owner!r}, which it was not asked for"
-            if owner in seen:
-                return f"sent two shares of node {owner} (a duplicate)"
-            seen.add(owner)
-            kind, half = ("seed", 0) if owner in self.summed else ("key", 1)
-            committed = self.commitments[owner].get(holder, b"")[half * secagg.DIGEST_BYTES:(half + 1) * secagg.DIGEST_BYTES]
-            if secagg.share_commitment(kind, owner, holder, share) != committed:
-                return f"sent a share of node {owner}'s {kind} that does not match its commitment (random, or another's)"
-        for owner, share in zip(nids, values):
-            shares[cast(int, owner)][holder] = cast(bytes, share)
-        return ""
-
-    def _read_revealed(self, holder: int, record: ConfigRecord, reveal: list[int],
-                       pairwise: dict[tuple[int, int], bytes]) -> str:
-        """Keep ``holder``'s pairwise key with each node of ``reveal``; what is wrong ('' if nothing).
-        Nothing can check such a key on its own: a wrong one makes the unmasked mean garbage, which
-        :func:`fedlora.secagg.mean_problem` refuses."""
-        keys = record.get(protocol.SECAGG_REVEALED, [])
-        if not isinstance(keys, list) or len(keys) != len(reveal) or not all(
-                isinstance(k, bytes) and len(k) == 44 for k in keys):
-            return f"revealed {len(keys) if isinstance(keys, list) else 0} pairwise keys for {len(reveal)} dropped nodes"
-        for node, key in zip(reveal, keys):
-            pairwise[(node, holder)] = cast(bytes, key)
-        return ""
-
     def _reconstruct(self, shares: Mapping[int, Mapping[int, bytes]], dead: set[int],
                      pairwise: Mapping[tuple[int, int], bytes]) -> dict[int, bytes] | None:
         """Each needed secret from threshold-many of its valid shares, checked against its owner's
@@ -484,19 +329,13 @@ class SecureRound:
             self.fail(Stage.UNMASK, f"node {missing[0][1]} did not reveal its pairwise key with dropped node {missing[0][0]}")
             return None
         for owner in needed:
-            valid = [shares[owner][h] for h in sorted(shares[owner]) if h not in self.culprits]
+            valid = [shares[owner][h] for h in sorted(shares[owner])]
             if len(valid) < t:
                 self.fail(Stage.UNMASK, f"fewer than {t} valid shares for node {owner}")
                 return None
-            try:
-                secret = combine_shares(valid[:t])
-                if owner in self.summed:
-                    good = secagg.seed_commitment(owner, secret) == self.seed_commitments[owner]
-                else:
-                    good = public_key_to_bytes(bytes_to_private_key(secret).public_key()) == self.public_keys[owner][0]
-            except (ValueError, TypeError):
-                good = False
-            if not good:
+            secret = reconstruct(owner, valid, t, self.seed_commitments[owner] if owner in self.summed else None,
+                                 self.public_keys[owner][0])
+            if secret is None:
                 self.blame(owner, Stage.UNMASK, "dealt shares that do not reconstruct the secret it committed to")
                 self.fail(Stage.UNMASK, f"the shares of node {owner} do not reconstruct its secret")
                 return None

@@ -75,6 +75,10 @@ def test_shares_and_threshold_follow_flowers_rules() -> None:
     assert secagg.resolve_shares(4, 10) == 5  # Flower sends 4 and builds neighbourhoods of 5
     assert secagg.resolve_shares(7, 5) == 5
     assert secagg.resolve_threshold(0.5, 3) == 2 and secagg.resolve_threshold(0.5, 2) == 2
+    # fedlora's default (0): the smallest count above half of the shares
+    assert [secagg.resolve_threshold(0, k) for k in (2, 3, 4, 5, 10, 20)] == [2, 2, 3, 3, 6, 11]
+    assert secagg.threshold_problem(2, 5, allow_low=False).startswith("reconstruction threshold 2 is not above half")
+    assert secagg.threshold_problem(2, 5, allow_low=True) == "" == secagg.threshold_problem(3, 5, allow_low=False)
     assert secagg.resolve_threshold(0.6, 10) == 6 and secagg.resolve_threshold(3, 10) == 3
     assert secagg.neighbours([5, 6, 7, 8, 9], 3) == {5: {9, 5, 6}, 6: {5, 6, 7}, 7: {6, 7, 8}, 8: {7, 8, 9},
                                                      9: {8, 9, 5}}
@@ -97,6 +101,41 @@ def test_every_parameter_flower_refuses_is_refused(num_shares: Any, threshold: A
         flowers = str(error)
     # Assert: Flower's refusals are ours (ours are a little stricter, never looser)
     assert bool(ours) >= bool(flowers), (ours, flowers)
+
+
+def test_two_keys_that_differ_only_beyond_their_first_32_bits_give_unrelated_masks() -> None:
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+
+    # Prepare: a 32-byte key, and the same key with bit 0 flipped in its words 1 and 2 (bytes 4 and
+    # 8): their first 32 bits agree, and so does the XOR of their 32-bit words, the seed Flower's
+    # pseudo_rand_gen gives numpy's MT19937
+    key = bytes(np.random.default_rng(5).integers(0, 256, 32, dtype=np.uint8))
+    other = bytearray(key)
+    other[4] ^= 1
+    other[8] ^= 1
+    n = 100_000
+    # Execute
+    ours, theirs = secagg.mask(key, M, n), secagg.mask(bytes(other), M, n)
+    # Assert: unrelated: equal entries no more often than chance (1 in 2^32), no correlation (the
+    # standard error of a correlation of n independent pairs is 1 / sqrt(n) = 0.003), each uniform
+    assert np.count_nonzero(ours == theirs) <= 1
+    assert abs(np.corrcoef(ours, theirs)[0, 1]) < 0.02
+    assert abs(np.corrcoef(ours % 2, theirs % 2)[0, 1]) < 0.02  # not even the low bits
+    for mask in (ours, theirs):
+        assert mask.dtype == np.int64 and 0 <= mask.min() and mask.max() < M
+        assert chisquare(np.histogram(mask, bins=64, range=(0, M))[0]).pvalue > 1e-4
+    # every byte of the key matters, the last one too
+    assert all(not np.array_equal(secagg.mask(key[:i] + bytes([key[i] ^ 0x80]) + key[i + 1:], M, 8), ours[:8])
+               for i in range(32))
+    # Flower's generator gives these two keys the same mask: the reason fedlora ports its mod
+    [flower_a], [flower_b] = pseudo_rand_gen(key, M, [(1000,)]), pseudo_rand_gen(bytes(other), M, [(1000,)])
+    assert np.array_equal(flower_a, flower_b)
+    # a pairwise key as Flower's key agreement returns it (URL-safe base64 of 32 bytes) is the same key
+    import base64
+
+    assert np.array_equal(secagg.mask(base64.urlsafe_b64encode(key), M, n), ours)
+    with pytest.raises(ValueError, match="32 bytes"):
+        secagg.mask(key[:4], M, 8)
 
 
 def test_a_client_masks_its_padded_update_and_refuses_what_does_not_fit() -> None:
@@ -148,12 +187,28 @@ def test_the_weight_of_a_round_is_its_largest_sampled_weight() -> None:
     (["secure_aggregation.num_shares=2"], "num_shares as an integer must be greater than 2"),
     (["secure_aggregation.clip_norm=2.0", "secure_aggregation.clipping_range=1.0"], "is below clip_norm"),
     (["secure_aggregation.max_error=1e-12"], "worst-case error bound"),
+    (["faults.anomaly_action='reject'"], "cannot run with faults.anomaly_action = 'reject'"),
+    (["faults.aggregation='krum'", "faults.num_malicious=0"], "needs faults.aggregation = 'mean'"),
+    (["secure_aggregation.reconstruction_threshold=2", "data.num_clients=5", "clients.ranks=[4, 4, 4, 4, 4]"],
+     "reconstruction threshold 2 is not above half of the 5 shares"),
+    (["secure_aggregation.reconstruction_threshold=0.4", "data.num_clients=5", "clients.ranks=[4, 4, 4, 4, 4]"],
+     "reconstruction threshold 2 is not above half of the 5 shares"),
 ])
 def test_what_secure_aggregation_cannot_do_is_refused_in_one_line(overrides: list[str], why: str) -> None:
     # Execute / Assert
     with pytest.raises(ConfigError) as refused:
         load_config(SMOKE, ["secure_aggregation.enabled=true", *overrides])
     assert why in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_low_threshold_runs_only_when_explicitly_allowed() -> None:
+    # Execute
+    config = load_config(SMOKE, ["secure_aggregation.enabled=true", "secure_aggregation.reconstruction_threshold=2",
+                                 "secure_aggregation.allow_low_threshold=true", "data.num_clients=5",
+                                 "clients.ranks=[4, 4, 4, 4, 4]"])
+    # Assert: accepted; and the default threshold of 5 clients is 3
+    assert config.secure_aggregation.reconstruction_threshold == 2
+    assert secagg.resolve_threshold(load_config(SMOKE).secure_aggregation.reconstruction_threshold, 5) == 3
 
 
 def test_the_cli_refuses_a_method_that_cannot_aggregate_on_a_sum_with_exit_2(tmp_path: Path) -> None:
@@ -637,6 +692,34 @@ def assert_client_0_refuses(why: str, incoming: Edits) -> None:
     assert metrics["clients"] == 2 and arrays is not None
     assert_within(strategy.global_adapter, plain_mean(spy, [1, 2], 8),
                   strategy.records[1].extra["secure_aggregation"]["error_bound"])
+
+
+def test_a_profile_of_ten_to_the_four_hundred_examples_is_refused_in_one_line() -> None:
+    # Prepare: client 1 declares 10^400 training examples (it crashed any secure run before its
+    # first round: an OverflowError in the weighing)
+    huge = ('{"partition_id": 1, "rank": 4, "num_train_examples": 1' + "0" * 400
+            + f', "fedlora_version": "{__version__}", "secure_masks": "{secagg.MASK_GENERATOR}"}}')
+    # Execute
+    strategy, _, spy, (arrays, metrics) = secure_round("fedit", [2, 4, 8], profiles={1: huge})
+    # Assert: refused at join in one line naming the bound; the secure round runs with the others
+    [reason] = strategy.roster.refused.values()
+    assert "\n" not in reason and "less than or equal to 1000000000000" in reason, reason
+    assert strategy.roster.partitions == [0, 2] and metrics["clients"] == 2 and arrays is not None
+    assert_within(strategy.global_adapter, plain_mean(spy, [0, 2], 8),
+                  strategy.records[1].extra["secure_aggregation"]["error_bound"])
+
+
+@pytest.mark.parametrize("declared", ["", "mt19937-32"])
+def test_a_silo_whose_client_would_use_the_32_bit_generator_cannot_join(declared: str) -> None:
+    # Prepare: client 1's profile declares no mask generator (a client on Flower's own mod), or another
+    profile = ClientProfile(partition_id=1, rank=4, num_train_examples=DECLARED[1], fedlora_version=__version__,
+                            secure_masks=declared)
+    # Execute
+    strategy, _, _, (_, metrics) = secure_round("fedit", [2, 4, 8], profiles={1: profile.model_dump_json()})
+    # Assert: refused at join, one line naming it and why; the others run
+    assert list(strategy.roster.refused) == ["partition 1"] and metrics["clients"] == 2
+    reason = strategy.roster.refused["partition 1"]
+    assert "\n" not in reason and "32 bits" in reason and secagg.MASK_GENERATOR in reason, reason
 
 
 def test_a_round_below_the_threshold_fails_cleanly_and_leaves_the_state_as_it_was() -> None:
