@@ -569,6 +569,12 @@ HOSTILE = [
     ("masking: complaints about strangers", Stage.COLLECT_MASKED_VECTORS, replace(protocol.SECAGG_COMPLAINTS, [5]),
      "survivors", "complained about nodes"),
     ("masking: uniform entries, the right weight", Stage.COLLECT_MASKED_VECTORS, scramble_entries, "fails", ""),
+    # a false complaint about client 0 (a dispute the server cannot settle): client 0 keeps enough holders
+    ("masking: a false complaint", Stage.COLLECT_MASKED_VECTORS, replace(protocol.SECAGG_COMPLAINTS, [NODE]), "all", ""),
+    ("masking: complaints about every neighbour", Stage.COLLECT_MASKED_VECTORS,
+     replace(protocol.SECAGG_COMPLAINTS, [NODE, NODE + 2]), "all", ""),
+    ("unmask: no shares at all", Stage.UNMASK, lambda r: r.update({Key.NODE_ID_LIST: [], Key.SHARE_LIST: []}), "all",
+     ""),
     ("random share", Stage.UNMASK, random_shares, "all", "does not match its commitment"),
     ("duplicate share: another node's", Stage.UNMASK, copied_share, "all", "does not match its commitment"),
     ("duplicate share: one node twice", Stage.UNMASK, repeated_share, "all", "(a duplicate)"),
@@ -650,6 +656,21 @@ def test_a_masked_vector_shifted_by_one_client_is_refused_or_bounded_by_the_clip
     difference = np.sqrt(sum(float(np.sum((moved[k].astype(np.float64) - honest[k]) ** 2)) for k in honest))
     assert 0.01 < difference <= 2 * C, difference
     assert strategy.records[1].extra["secure_aggregation"]["mean_update_norm"] <= C + 1e-6
+
+
+def test_a_client_never_sends_both_shares_of_one_node() -> None:
+    # Execute: the server asks client 0 at the unmask stage for the key share of a node it also
+    # lists as summed (with both, a server unmasks that node's update)
+    def both(record: ConfigRecord) -> None:
+        record[Key.DEAD_NODE_ID_LIST] = [NODE + 2]
+
+    strategy, grid, spy, (arrays, metrics) = secure_round("fedit", [2, 4, 8], incoming={0: (Stage.UNMASK, both)})
+    # Assert: client 0 refused; clients 1 and 2 hold threshold-many shares of every seed: all three summed
+    errors = [r.error.reason for r in grid.received if r.has_error()]
+    assert len(errors) == 1 and "both summed and dropped" in errors[0], errors
+    assert metrics["clients"] == 3 and arrays is not None
+    assert_within(strategy.global_adapter, plain_mean(spy, [0, 1, 2], 8),
+                  strategy.records[1].extra["secure_aggregation"]["error_bound"])
 
 
 def test_a_client_refuses_a_server_weight_that_departs_from_its_own_count() -> None:
