@@ -1,8 +1,9 @@
 """Secure aggregation (SecAgg+): the parameters of a round and the arithmetic around the masks.
 
-Pure functions, no Flower import: the protocol itself is Flower's (its client mod, its key
-agreement, Shamir sharing and quantisation), run by ``strategies/secure.py`` on the server and
-``clients/secure.py`` on the client (docs/secure-aggregation.md). What is decided here:
+Pure functions, no Flower import: the protocol is Flower's SecAgg+ (its stages and messages, its
+key agreement, Shamir sharing and quantisation), run by fedlora's ports of its two halves,
+``strategies/secure.py`` on the server and ``clients/secure.py`` on the client
+(docs/secure-aggregation.md). What is decided here:
 
 - **the ranges of a round**: the quantization range T (the largest power of 2 with
   ``sampled * T < M`` and ``T <= 2**30``: the masked sum never wraps modulo M), the clipping

@@ -2,22 +2,28 @@
 (``secure_aggregation.enabled``, docs/secure-aggregation.md). The strategy is typed ``Any`` here:
 ``base.py`` imports this module, and no import cycle is allowed, ``TYPE_CHECKING`` ones included.
 
-``configure_train`` calls :func:`start_secure_round` once the round's downloads and messages are
-built: the server chooses every sampled client's aggregation weight (the strategy's own weighing
-of the example counts the clients declared when they joined), the round's parameters
-(:func:`fedlora.secagg.choose_params`), runs the setup and share-keys stages
-(:class:`~fedlora.strategies.secure.SecureRound`) and returns the training messages of the clients
-still in the protocol, each with Flower's record of the masking stage and fedlora's ``secagg-*``
-entries. ``aggregate_train`` calls :func:`aggregate_secure_round`: every reply is read as usual
-(sender, metrics, example count; its arrays are empty), the masked vectors of the valid ones are
-summed, the unmask stage removes the masks, and the weighted mean of the updates plus the weighted
+At join, :func:`masks_problem` refuses a client that does not declare fedlora's mask generator; at
+start, :func:`secure_summary` says in one line what a secure round does instead of the screening
+the server cannot do on a sum. ``configure_train`` calls :func:`start_secure_round` once the
+round's downloads and messages are built: the server chooses every sampled client's aggregation
+weight (the strategy's own weighing of the example counts the clients declared when they joined,
+as a rule each client checks: :func:`secure_weighting`), the round's parameters
+(:func:`fedlora.secagg.choose_params`, a threshold above half of the shares unless allowed), runs
+the setup and share-keys stages (:class:`~fedlora.strategies.secure.SecureRound`) and returns the
+training messages of the clients still in the protocol, each with the SecAgg+ record of the
+masking stage and fedlora's ``secagg-*`` entries (the clipping norm C, the range c, the pad rank).
+``aggregate_train`` calls :func:`aggregate_secure_round`: every reply is read as usual (sender,
+metrics, example count; its arrays are empty), the masked vectors of the valid ones are checked and
+summed, the unmask stage removes the masks, the unmasked mean is checked against what clipped
+updates can give (:func:`checked_mean`), and the weighted mean of the updates plus the weighted
 mean of the survivors' downloads is handed to the method's :meth:`aggregate` as one upload of
 weight 1: for a method whose aggregate is the weighted mean of its uploads (zero-padded to the
-largest rank), that is the aggregate of the round.
+largest rank), that is the aggregate of the round. Every client the round named is left out of
+the rest of the run (:func:`exclude_culprits`).
 
 What the server does not check in a secure round, since it never sees an upload: the norm outlier
-rule, the anomaly rule and the update-ratio bound (the clients enforce the clipping range
-instead); NaN and shape checks run on the client.
+rule, the anomaly rule and the update-ratio bound (the clients clip to C instead, and the server
+checks the mean); NaN and shape checks run on the client.
 """
 
 from __future__ import annotations

@@ -218,13 +218,15 @@ def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -
     if problem:
         raise ConfigError(f"secure_aggregation: {problem} (a round of {sampled} clients, num_shares = "
                           f"{secure.num_shares!r}, reconstruction_threshold = {secure.reconstruction_threshold!r})")
-    if secure.clipping_range and secure.clipping_range < secure.clip_norm:
-        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below clip_norm = "
-                          f"{secure.clip_norm:g}: a clipped update could still hold an entry beyond it")
-    bound = secagg.error_bound(secagg.clipping_range(secure.clip_norm, secure.clipping_range), sampled, quantization, 1.0)
+    clip = secagg.clip_bound(secure.clip_norm, config.faults.max_update_norm)  # C: what every client clips to
+    if secure.clipping_range and secure.clipping_range < clip:
+        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below the clipping norm "
+                          f"{clip:g} (clip_norm, else faults.max_update_norm): a clipped update could still hold an "
+                          "entry beyond it")
+    bound = secagg.error_bound(secagg.clipping_range(clip, secure.clipping_range), sampled, quantization, 1.0)
     if secure.max_error and bound > secure.max_error:
         raise ConfigError(f"secure_aggregation: the worst-case error bound 3 c N / T = {bound:.3g} (c = "
-                          f"{secagg.clipping_range(secure.clip_norm, secure.clipping_range):g}, N = {sampled}, T = "
+                          f"{secagg.clipping_range(clip, secure.clipping_range):g}, N = {sampled}, T = "
                           f"{secagg.power(quantization)}) is above max_error = {secure.max_error:g}; lower "
                           "clipping_range or raise quantization_range")
 
