@@ -386,6 +386,17 @@ def test_the_other_capable_methods_aggregate_securely_to_their_weighted_mean(nam
     assert metrics["clients"] == 3
 
 
+def test_a_method_that_weighs_its_clients_alike_is_checked_by_them_as_uniform() -> None:
+    # Execute: FedDR-LoRA with weights = 'uniform' (every client 1 / K whatever its examples)
+    strategy, _, spy, (_, metrics) = secure_round("feddr_lora", [4, 4, 4], overrides=("strategy.weights='uniform'",))
+    # Assert: the clients accepted the uniform weights, and the aggregate is the unweighted mean
+    report = strategy.records[1].extra["secure_aggregation"]
+    assert metrics["clients"] == 3 and report["weighting"] == "uniform" and report["total_weight"] == 3.0
+    shapes = secagg.canonical_shapes({k: v.shape for k, v in spy[0][1].items()}, 4)
+    unweighted = secagg.unflatten(np.mean([secagg.flatten(spy[k][1], shapes) for k in range(3)], axis=0), shapes)
+    assert_within(strategy.global_arrays(), unweighted, report["error_bound"])
+
+
 def test_the_server_never_receives_an_update_only_masked_vectors() -> None:
     # Execute
     strategy, grid, spy, _ = secure_round("fedit", [2, 4, 8])
@@ -576,6 +587,8 @@ HOSTILE = [
      replace(protocol.SECAGG_COMPLAINTS, [NODE, NODE + 2]), "all", ""),
     ("unmask: no shares at all", Stage.UNMASK, lambda r: r.update({Key.NODE_ID_LIST: [], Key.SHARE_LIST: []}), "all",
      ""),
+    ("inconsistent dealing: a seed commitment its shares do not reconstruct", Stage.SHARE_KEYS,
+     replace(protocol.SECAGG_SEED_COMMITMENT, b"\x01" * 32), "fails", "do not reconstruct"),
     ("random share", Stage.UNMASK, random_shares, "all", "does not match its commitment"),
     ("duplicate share: another node's", Stage.UNMASK, copied_share, "all", "does not match its commitment"),
     ("duplicate share: one node twice", Stage.UNMASK, repeated_share, "all", "(a duplicate)"),
