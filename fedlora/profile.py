@@ -14,27 +14,29 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedlora import protocol
-from fedlora.schema import MAX_CLIENTS, ClientsConfig, ExperimentConfig
+from fedlora.schema import ClientsConfig, ExperimentConfig
 from fedlora.secagg import MASK_GENERATOR
 from fedlora.version import __version__
 
-MAX_BUDGET = 1e18  # a budget a client declares (bytes, seconds, memory units): no honest one comes near it
+MAX_DECLARED = int(protocol.MAX_COUNT)  # any whole number a profile declares (10**12: no sum of them overflows)
 
 
 class ClientProfile(BaseModel):
-    """A client's self-description, sent in reply to the server's query. Every number is bounded by
-    the protocol's maxima when the profile is read, before any arithmetic on it: a profile declaring
-    10**400 examples is refused in one line (strategies/roster.py), never an overflow later."""
+    """A client's self-description, sent in reply to the server's query. Every whole number is
+    bounded by the protocol's maxima when the profile is read, before any arithmetic on it: a profile
+    declaring 10**400 examples is refused in one line (strategies/roster.py), never an overflow later."""
 
     model_config = ConfigDict(extra="forbid")
 
-    partition_id: int = Field(ge=0, le=MAX_CLIENTS, description="Data partition this client holds (simulation).")
-    rank: int = Field(ge=1, le=int(protocol.MAX_RANK), description="LoRA rank this client trains.")
+    # Every whole number bounded by the protocol's maxima (|x| <= 10**12), at most 128 budgets: what
+    # the values mean (a partition of this run, a rank the model can hold, a count >= 0, budgets positive
+    # and finite) is the server's check of a profile it read (strategies/roster.py), naming the client
+    partition_id: int = Field(ge=-MAX_DECLARED, le=MAX_DECLARED, description="Data partition this client holds (simulation).")
+    rank: int = Field(ge=-MAX_DECLARED, le=MAX_DECLARED, description="LoRA rank this client trains.")
     num_train_examples: int = Field(
-        0, ge=0, le=int(protocol.MAX_COUNT), description="Training examples held (aggregation weight), at most 10**12."
+        0, ge=-MAX_DECLARED, le=MAX_DECLARED, description="Training examples held (aggregation weight), at most 10**12."
     )
-    budgets: dict[Annotated[str, Field(max_length=protocol.MAX_METRIC_KEY_LENGTH)],
-                  Annotated[float, Field(allow_inf_nan=False, ge=-MAX_BUDGET, le=MAX_BUDGET)]] = Field(
+    budgets: dict[Annotated[str, Field(max_length=protocol.MAX_METRIC_KEY_LENGTH)], float] = Field(
         default_factory=dict, max_length=protocol.MAX_METRIC_KEYS,
         description="Resource budgets (e.g. FedHera's download bytes / time / memory units).",
     )
