@@ -639,6 +639,38 @@ def test_a_client_that_copies_another_clients_public_keys_is_named_and_the_round
     assert_outcome(strategy, spy, result, "survivors", "cannot prove it holds")
 
 
+def test_a_named_client_is_never_sampled_again_in_that_run() -> None:
+    # Execute: two rounds; client 1 sends a key that is no key at setup (round 1)
+    strategy, grid, spy, (arrays, metrics) = secure_round(
+        "fedit", [2, 4, 8], rounds=2, tamper={1: (Stage.SETUP, replace(Key.PUBLIC_KEY_1, b"\x00" * 33))})
+    # Assert: round 1 named it; round 2 sampled clients 0 and 2 only, sent client 1 nothing, aggregated both
+    assert strategy.records[1].extra["secure_aggregation"]["culprits"] == {
+        str(NODE + 1): "setup: sent a public key that is not a PEM public key"}
+    round_2 = [m for m in grid.sent if m.metadata.group_id == "2"]
+    assert round_2 and NODE + 1 not in {m.metadata.dst_node_id for m in round_2}
+    assert strategy.records[2].sampled == 2 and metrics["clients"] == 2 and strategy.records[2].failures == 0
+    assert strategy.records[2].extra["secure_aggregation"]["excluded"] == {"1": strategy.excluded[1]}
+    assert_within(strategy.global_adapter, plain_mean(spy, [0, 2], 8),
+                  strategy.records[2].extra["secure_aggregation"]["error_bound"] + 1e-7)
+
+
+def test_the_norm_the_server_would_reject_above_becomes_the_clients_clipping_norm() -> None:
+    # Execute: faults.max_update_norm = 0.5 (a plain run rejects an update above it); every update
+    # here, 0.05 N(0, 1) on 800 entries, has norm about 1.4
+    strategy, _, spy, (_, metrics) = secure_round("fedit", [8, 8, 8], overrides=("faults.max_update_norm=0.5",))
+    # Assert: each client clipped its update to 0.5 before masking: the aggregate is the weighted
+    # mean of the clipped uploads, computed here by hand
+    report = strategy.records[1].extra["secure_aggregation"]
+    assert report["clip_norm"] == 0.5 and report["mean_update_norm"] <= 0.5 and metrics["clients"] == 3
+    clipped = {}
+    for k, (download, upload) in spy.items():
+        update = {key: upload[key].astype(np.float64) - download[key] for key in download}
+        norm = np.sqrt(sum(float(np.sum(v**2)) for v in update.values()))
+        assert norm > 2 * 0.5
+        clipped[k] = (download, {key: download[key] + update[key] * 0.5 / norm for key in download})
+    assert_within(strategy.global_adapter, plain_mean(clipped, [0, 1, 2], 8), report["error_bound"] + 1e-7)
+
+
 def test_a_replayed_masked_vector_is_named_and_the_round_aggregates_the_others() -> None:
     # Execute: two rounds; in the second, client 1 sends its first round's masked vector again
     strategy, _, spy, result = secure_round("fedit", [2, 4, 8], rounds=2,
