@@ -641,7 +641,7 @@ def test_a_client_that_copies_another_clients_public_keys_is_named_and_the_round
 
 def test_a_named_client_is_never_sampled_again_in_that_run() -> None:
     # Execute: two rounds; client 1 sends a key that is no key at setup (round 1)
-    strategy, grid, spy, (arrays, metrics) = secure_round(
+    strategy, grid, spy, (_, metrics) = secure_round(
         "fedit", [2, 4, 8], rounds=2, tamper={1: (Stage.SETUP, replace(Key.PUBLIC_KEY_1, b"\x00" * 33))})
     # Assert: round 1 named it; round 2 sampled clients 0 and 2 only, sent client 1 nothing, aggregated both
     assert strategy.records[1].extra["secure_aggregation"]["culprits"] == {
