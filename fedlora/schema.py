@@ -545,13 +545,21 @@ class SecureAggregationConfig(_Section):
         "(1.0 = all of them: SecAgg), an int > 2 a count (made odd, at most the sampled clients).",
     )
     reconstruction_threshold: int | float = Field(
-        0.5, description="Shares that reconstruct a secret (Flower's reconstruction_threshold): a float in "
-        "(0, 1] is a fraction of num_shares (at least 2), an int >= 2 a count. A round halts when a "
-        "client has fewer surviving neighbours; a server colluding with fewer clients learns nothing.",
+        0, description="Shares that reconstruct a secret (t): 0 = the smallest count above half of num_shares "
+        "(of the sampled clients with num_shares = 1.0); a float in (0, 1] is a fraction of num_shares (at "
+        "least 2), an int >= 2 a count. A threshold at most half of the shares is refused unless "
+        "allow_low_threshold. A round halts when a client has fewer surviving neighbours; a server "
+        "colluding with fewer clients learns nothing.",
+    )
+    allow_low_threshold: bool = Field(
+        False, description="Allow a reconstruction threshold at most half of the shares (a server that lies "
+        "about who dropped out could then get one client's mask seed from one half of its neighbours and "
+        "its mask key from the other half, and unmask it).",
     )
     clip_norm: float = Field(
-        0.0, ge=0.0, allow_inf_nan=False, description="Each client scales its update down to this L2 norm "
-        "before masking (as Flower's fixedclipping_mod does); 0 = no clipping.",
+        0.0, ge=0.0, allow_inf_nan=False, description="C: each client scales its update down to this L2 norm "
+        "before masking, and the server refuses a round whose unmasked mean is beyond it; 0 = "
+        "faults.max_update_norm when set (the clipping in place of the server's rejection), else none.",
     )
     clipping_range: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="c: every entry of a client's update must lie in "

@@ -75,7 +75,13 @@ from fedlora.strategies.replies import ClientUpload, Expectation
 from fedlora.strategies.robust import minimum_uploads
 from fedlora.strategies.roster import ClientRoster, profile_problem
 from fedlora.strategies.screening import drop_outliers, select_byzantine, watch_updates, weigh
-from fedlora.strategies.secure_round import SecureRound, aggregate_secure_round, start_secure_round
+from fedlora.strategies.secure_round import (
+    SecureRound,
+    aggregate_secure_round,
+    masks_problem,
+    secure_summary,
+    start_secure_round,
+)
 from fedlora.strategies.validation import reference_norm, replacement_problem, update_norm
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
@@ -138,7 +144,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # learned and counted so far. A method adds its own (``STATE = (*LoRAStrategy.STATE, "global_adapter")``);
     # tests/test_architecture.py checks that every attribute a strategy assigns is declared here or below.
     STATE: ClassVar[tuple[str, ...]] = ("records", "started", "ledger", "rng", "failed_rounds", "common_rank",
-                                        "norm_reference", "update_history")
+                                        "norm_reference", "update_history", "excluded", "masked_digests")
     # Attributes an older fedlora checkpointed for the method and this one no longer keeps (what a
     # download's context now carries): a resume drops them (fedlora.checkpoint.check_strategy_state).
     RETIRED_STATE: ClassVar[frozenset[str]] = frozenset()
@@ -194,6 +200,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
         self.update_history: list[Fingerprint] = []  # the anomaly rule's sketches of recent uploads
         self.secure_round: SecureRound | None = None  # secure_aggregation.enabled: this round's SecAgg+ (secure.py)
+        self.excluded: dict[int, str] = {}  # partition -> why it is never sampled again (a secure round named it)
+        self.masked_digests: list[str] = []  # SHA-256 of every masked vector summed so far (a replay is named)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -235,9 +243,12 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     # ---------------------------------------------------------------- method interface
     def check_profile(self, profile: ClientProfile) -> str:
-        """Why a client cannot take part ('' if it can): :func:`fedlora.strategies.roster.profile_problem`."""
-        return profile_problem(profile, self.module_shapes, self.experiment.data.num_clients,
-                               secure=self.experiment.secure_aggregation.enabled)
+        """Why a client cannot take part ('' if it can): :func:`fedlora.strategies.roster.profile_problem`,
+        and in a secure federation a client whose masks are not ChaCha20 under the whole key
+        (:func:`fedlora.strategies.secure_round.masks_problem`)."""
+        secure = self.experiment.secure_aggregation.enabled
+        return (profile_problem(profile, self.module_shapes, self.experiment.data.num_clients, secure=secure)
+                or masks_problem(profile, secure))
 
     def setup(self) -> None:
         """Called once after the profiles are known (e.g. to build per-client state)."""
@@ -381,7 +392,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     def sample(self, fraction: float, minimum: int) -> list[int]:
         """Seeded sample of accepted partitions, at least ``minimum`` (Flower's sample_nodes uses the global RNG)."""
-        partitions = self.roster.partitions
+        partitions = [p for p in self.roster.partitions if p not in self.excluded]  # a secure round's culprits: never
         size = sample_size(len(partitions), fraction, minimum)
         chosen = self.rng.choice(len(partitions), size=size, replace=False)
         return [partitions[i] for i in sorted(chosen)]
@@ -411,6 +422,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         log(INFO, "\t├── sampling: fraction train %.2f, evaluate %.2f; minimum nodes: train %d, evaluate %d, "
             "available %d", self.fraction_train, self.fraction_evaluate, self.min_train_nodes,
             self.min_evaluate_nodes, self.min_available_nodes)
+        if self.experiment.secure_aggregation.enabled:
+            log(INFO, "\t├── %s", secure_summary(self.experiment))
 
     def start(
         self,

@@ -171,9 +171,10 @@ def _check_robust_aggregation(declared: Method[Any], config: ExperimentConfig) -
 
 def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -> None:
     """``secure_aggregation.enabled`` with a method or a config SecAgg+ cannot aggregate: a method
-    whose aggregate is not a weighted mean of the uploads, a robust ``faults.aggregation``, mixed
-    ranks where the method's mean is not over zero-padded uploads, fewer than 2 sampled clients,
-    parameters Flower refuses, a sum that could wrap, an error bound above ``max_error``."""
+    whose aggregate is not a weighted mean of the uploads, a robust ``faults.aggregation`` or the
+    anomaly rule's rejection (they need each upload), mixed ranks where the method's mean is not over
+    zero-padded uploads, fewer than 2 sampled clients, parameters Flower refuses, a threshold at most
+    half of the shares (unless allowed), a sum that could wrap, an error bound above ``max_error``."""
     secure = config.secure_aggregation
     if not secure.enabled:
         return
@@ -188,6 +189,10 @@ def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -
     if config.faults.aggregation != "mean":
         raise ConfigError(f"secure_aggregation.enabled = true needs faults.aggregation = 'mean' (the server sees only "
                           f"the masked sum, not the uploads '{config.faults.aggregation}' combines)")
+    if config.faults.anomaly_action == "reject":
+        raise ConfigError("secure_aggregation.enabled = true cannot run with faults.anomaly_action = 'reject': the "
+                          "anomaly rule needs each update, the server sees only the masked sum (its secure "
+                          "counterpart: secure_aggregation.clip_norm bounds every update)")
     ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
     if caps.secure_one_rank and len(ranks) > 1 and caps.mixed_ranks:
         raise ConfigError(f"secure_aggregation.enabled = true with strategy '{declared.name}' needs one LoRA rank, "
@@ -209,13 +214,19 @@ def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -
         raise ConfigError(f"secure_aggregation.reconstruction_threshold = {threshold} is above the {shares} shares "
                           f"a round of {sampled} clients makes (num_shares = {secure.num_shares!r}): no secret could "
                           "be reconstructed")
-    if secure.clipping_range and secure.clipping_range < secure.clip_norm:
-        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below clip_norm = "
-                          f"{secure.clip_norm:g}: a clipped update could still hold an entry beyond it")
-    bound = secagg.error_bound(secagg.clipping_range(secure.clip_norm, secure.clipping_range), sampled, quantization, 1.0)
+    problem = secagg.threshold_problem(threshold, shares, secure.allow_low_threshold)
+    if problem:
+        raise ConfigError(f"secure_aggregation: {problem} (a round of {sampled} clients, num_shares = "
+                          f"{secure.num_shares!r}, reconstruction_threshold = {secure.reconstruction_threshold!r})")
+    clip = secagg.clip_bound(secure.clip_norm, config.faults.max_update_norm)  # C: what every client clips to
+    if secure.clipping_range and secure.clipping_range < clip:
+        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below the clipping norm "
+                          f"{clip:g} (clip_norm, else faults.max_update_norm): a clipped update could still hold an "
+                          "entry beyond it")
+    bound = secagg.error_bound(secagg.clipping_range(clip, secure.clipping_range), sampled, quantization, 1.0)
     if secure.max_error and bound > secure.max_error:
         raise ConfigError(f"secure_aggregation: the worst-case error bound 3 c N / T = {bound:.3g} (c = "
-                          f"{secagg.clipping_range(secure.clip_norm, secure.clipping_range):g}, N = {sampled}, T = "
+                          f"{secagg.clipping_range(clip, secure.clipping_range):g}, N = {sampled}, T = "
                           f"{secagg.power(quantization)}) is above max_error = {secure.max_error:g}; lower "
                           "clipping_range or raise quantization_range")
 
