@@ -76,6 +76,7 @@ from fedlora.strategies.robust import minimum_uploads
 from fedlora.strategies.roster import ClientRoster, profile_problem
 from fedlora.strategies.screening import drop_outliers, select_byzantine, watch_updates, weigh
 from fedlora.strategies.secure_round import SecureRound, aggregate_secure_round, start_secure_round
+from fedlora.strategies.server_optimizer import Moments, server_step
 from fedlora.strategies.validation import reference_norm, replacement_problem, update_norm
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
@@ -138,7 +139,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # learned and counted so far. A method adds its own (``STATE = (*LoRAStrategy.STATE, "global_adapter")``);
     # tests/test_architecture.py checks that every attribute a strategy assigns is declared here or below.
     STATE: ClassVar[tuple[str, ...]] = ("records", "started", "ledger", "rng", "failed_rounds", "common_rank",
-                                        "norm_reference", "update_history")
+                                        "norm_reference", "update_history", "server_moments")
     # Attributes an older fedlora checkpointed for the method and this one no longer keeps (what a
     # download's context now carries): a resume drops them (fedlora.checkpoint.check_strategy_state).
     RETIRED_STATE: ClassVar[frozenset[str]] = frozenset()
@@ -194,6 +195,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
         self.update_history: list[Fingerprint] = []  # the anomaly rule's sketches of recent uploads
         self.secure_round: SecureRound | None = None  # secure_aggregation.enabled: this round's SecAgg+ (secure.py)
+        self.server_moments: Moments = {}  # [server_optimizer]'s state (server_optimizer.py): empty until it steps
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -293,6 +295,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if self.aggregation_rule != "mean":
             return (f"faults.aggregation = '{self.experiment.faults.aggregation}' replaces the weighted mean the "
                     "noise is calibrated for; use faults.aggregation = 'mean'")
+        if self.experiment.server_optimizer.name != "none":
+            return (f"server_optimizer.name = '{self.experiment.server_optimizer.name}' steps from the mean to arrays "
+                    "the noise is not calibrated for; use server_optimizer.name = 'none'")
         return ""
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
@@ -641,10 +646,23 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         """Aggregate (:meth:`aggregate`) and account for it: its time, the next round's reference
         norm (``faults.max_update_ratio``), the method's facts of the round (:meth:`round_extra`)."""
         started = time.perf_counter()
+        optimised = self.experiment.server_optimizer.name != "none"
+        before = {k: np.array(v, copy=True) for k, v in self.global_arrays().items()} if optimised else {}
         self.aggregate(server_round, uploads)
+        if optimised:
+            self._server_optimizer_step(server_round, before)
         record.aggregation_seconds = time.perf_counter() - started
         self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
         record.extra.update(self.round_extra(server_round))
+
+    def _server_optimizer_step(self, server_round: int, before: Payload) -> None:
+        """``[server_optimizer]``: the method's aggregate (its new :meth:`global_arrays`) is the mean
+        y; the optimiser steps from ``before`` (x) along y - x (:func:`~fedlora.strategies.server_optimizer.server_step`)
+        and the strategy continues from the result (:meth:`load_arrays`). Only methods whose
+        capabilities declare ``server_optimizer`` get here (the config check refuses the others)."""
+        new, self.server_moments = server_step(self.experiment.server_optimizer, server_round, before,
+                                               self.global_arrays(), self.server_moments)
+        self.load_arrays(new)
 
 
 def evaluation_round(experiment: ExperimentConfig, server_round: int) -> bool:
