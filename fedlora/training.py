@@ -360,14 +360,17 @@ class Checkpointing:
     the backbone's layers keep only their inputs and recompute the rest in the backward pass."""
 
     def __init__(self, model: Model, on: bool) -> None:
-        self.base = None
+        self.base, self.use_cache = None, None
         if on:
             self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            # a training forward keeps no key / value cache (transformers would turn it off itself, with a warning)
+            self.use_cache, self.base.config.use_cache = getattr(self.base.config, "use_cache", None), False
 
     def close(self) -> None:
         if self.base is not None:
-            self.base.gradient_checkpointing_disable()
+            self.base.activation_checkpointing_disable()
+            self.base.config.use_cache = self.use_cache
             self.base = None
 
 
@@ -523,17 +526,8 @@ class BarReporter:
     (without it, the text bar, which a notebook redraws in place); gone once the loop ends."""
 
     def __init__(self, label: str, total: int) -> None:
-        bar: Any
-        if in_notebook():
-            try:
-                import ipywidgets  # noqa: F401  # tqdm's widget needs it
-                from tqdm.notebook import tqdm as bar
-            except ImportError:
-                from tqdm import tqdm as bar
-        else:
-            from tqdm import tqdm as bar
-        self.bar = bar(total=total, desc=label, unit="step", leave=False, file=sys.stderr, dynamic_ncols=True,
-                       mininterval=0.5, disable=False)
+        self.bar = bar_class()(total=total, desc=label, unit="step", leave=False, file=sys.stderr,
+                               dynamic_ncols=True, mininterval=0.5, disable=False)
 
     def update(self, steps: int, loss: float) -> None:
         self.bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
@@ -541,6 +535,21 @@ class BarReporter:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def bar_class() -> Any:
+    """tqdm's notebook bar in a Jupyter kernel with ipywidgets, its text bar elsewhere."""
+    if in_notebook():
+        try:
+            import ipywidgets  # noqa: F401  # tqdm's widget needs it
+            from tqdm.notebook import tqdm as notebook_bar
+
+            return notebook_bar
+        except ImportError:
+            pass
+    from tqdm import tqdm
+
+    return tqdm
 
 
 class LineReporter:

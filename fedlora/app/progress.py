@@ -3,6 +3,10 @@
 On a terminal (stdout is a TTY) a rich progress bar shows the rounds done, the elapsed time and
 the estimated time left, with the last round's line under it; in CI, logs and notebooks
 (no TTY) every round prints one plain line, as ``fedlora run`` always did.
+
+While the live bar runs, a local training loop in this process (the in-process engine) shows its
+steps as a second, transient bar under it (:class:`StepTasks`, fedlora.training's step progress);
+elsewhere the step loop decides for itself (fedlora.training.step_reporter).
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ class RoundProgress:
             )
 
             self._bar = Progress(
-                TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TextColumn("eta"), TimeRemainingColumn(), console=Console(), transient=False,
             )
             self._task = self._bar.add_task("rounds", total=total, completed=first - 1)
             self._bar.start()
+            self._steps = StepTasks(self._bar)
+            self._steps.attach()
 
     def round_done(self, server_round: int, line: str) -> None:
         if self._bar is None:
@@ -57,5 +63,42 @@ class RoundProgress:
 
     def close(self) -> None:
         if self._bar is not None:
+            self._steps.detach()
             self._bar.stop()
             self._bar = None
+
+
+class StepTasks:
+    """Local training steps as transient tasks of a live rich ``Progress`` (the round bar): set as
+    ``fedlora.training.REPORTER`` between :meth:`attach` and :meth:`detach`."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.previous: Any = None
+
+    def attach(self) -> None:
+        from fedlora import training
+
+        self.previous, training.REPORTER = training.REPORTER, self.reporter
+
+    def detach(self) -> None:
+        from fedlora import training
+
+        training.REPORTER = self.previous
+
+    def reporter(self, label: str, total: int) -> StepTask:
+        return StepTask(self.bar, label, total)
+
+
+class StepTask:
+    """One step loop's task in the live bar (removed when the loop ends)."""
+
+    def __init__(self, bar: Any, label: str, total: int) -> None:
+        self.bar, self.task = bar, bar.add_task(f"{label}  loss      -", total=total)
+        self.label = label
+
+    def update(self, steps: int, loss: float) -> None:
+        self.bar.update(self.task, completed=steps, description=f"{self.label}  loss {loss:.4f}")
+
+    def close(self) -> None:
+        self.bar.remove_task(self.task)
