@@ -156,3 +156,31 @@ def test_a_run_steps_with_the_server_optimiser(tmp_path: Path) -> None:
     assert off["rounds"][-1]["global_accuracy"] == plain["rounds"][-1]["global_accuracy"]
     assert adam["rounds"][-1]["train_loss"] != plain["rounds"][-1]["train_loss"]  # round 2 trained from Adam's step
     assert adam["config"]["server_optimizer"]["name"] == "fedadam"
+
+
+def test_a_resumed_run_continues_the_optimisers_moments(tmp_path: Path) -> None:
+    """FedAdam, interrupted when round 3's training is sent and resumed from round 2's checkpoint,
+    ends where the uninterrupted run does: its m and v travel in the checkpoint."""
+    from test_golden import assert_close
+    from test_resume import _adapters, _grid, _Interrupted, _rounds
+
+    from fedlora.app.server import run_server
+
+    # Prepare
+    config = load_config(SMOKE, ["train.rounds=3", "train.max_steps=2", "server_optimizer.name=fedadam",
+                                 "server_optimizer.lr=0.01", "train.precision=fp32"])
+    reference, resumed = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    run_server(_grid(config, 1000), config, reference)
+    with pytest.raises(_Interrupted):
+        run_server(_grid(config, 2000, crash_round=3), config, resumed)
+    # Execute
+    run_server(_grid(config, 3000), config, resumed, resume=True)
+    # Assert
+    import json
+
+    assert_close(_rounds(json.loads((resumed / "results.json").read_text())),
+                 _rounds(json.loads((reference / "results.json").read_text())), "rounds")
+    ref, res = _adapters(reference), _adapters(resumed)
+    for name, tensors in ref.items():
+        for key, value in tensors.items():
+            np.testing.assert_allclose(res[name][key], value, atol=1e-6, err_msg=f"{name} {key}")
