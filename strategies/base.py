@@ -18,7 +18,8 @@ strategy's own state" (before round 1: the common seeded initial adapter, at ran
 clients' profiles tell). A strategy is built from a whole fedlora experiment (the ServerApp) or
 from keywords (a Flower user's ServerApp): its method's options, Flower's ``fraction_train``,
 ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``, and
-the experiment sections the clients need (``model``, ``data``, ``train``, ...; docs/flower.md).
+the experiment sections the clients need (``model``, ``data``, ``train``, ...; docs/flower.md), and
+``server_optimizer`` (FedAvgM / FedAdam / FedYogi on the method's mean, :meth:`_server_optimizer_step`).
 
 A reply is read in steps, each a method of its own ("reading replies" below; what they check is in
 ``replies.py``): parse -> validate -> weigh -> aggregate (:meth:`aggregate`) -> account; the
@@ -124,7 +125,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     **settings
         The method's options (its options model, ``fedlora/methods/<name>.py``) and experiment
         sections as mappings or section models: ``model``, ``data``, ``train``, ``federation``,
-        ``clients``, ``faults``, ``privacy``, ``output`` (the clients read them from every message).
+        ``clients``, ``faults``, ``privacy``, ``server_optimizer``, ``output`` (the clients read them from
+        every message).
     """
 
     # The method's home declaration (name, options, capabilities): ``class FedHera(LoRAStrategy[
