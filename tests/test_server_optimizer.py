@@ -83,6 +83,17 @@ def test_adam_by_hand_in_its_first_round() -> None:
     np.testing.assert_allclose(moments["m"]["w"], m, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi"])
+def test_without_memory_and_with_a_large_tau_adam_and_yogi_step_to_the_mean(name: str) -> None:
+    # beta_1 = beta_2 = 0: m = d, v = d^2; x + lr d / (|d| + tau) with lr = tau >> |d| is x + d, the mean
+    rng = np.random.default_rng(3)
+    x, y = _arrays(rng), _arrays(rng)
+    config = ServerOptimizerConfig(name=name, lr=1e6, beta_1=0.0, beta_2=0.0, tau=1e6)
+    stepped, _ = server_step(config, 4, x, y, {})
+    for k in SHAPES:
+        np.testing.assert_allclose(stepped[k], y[k], rtol=1e-4, atol=1e-5)
+
+
 def test_none_and_flowers_off_switch_give_the_mean_itself() -> None:
     rng = np.random.default_rng(1)
     x, y = _arrays(rng), _arrays(rng)
