@@ -17,6 +17,7 @@ whose driver is on a terminal), and nothing when the output is piped.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -370,6 +371,8 @@ class Checkpointing:
     def close(self) -> None:
         if self.base is not None:
             self.base.activation_checkpointing_disable()
+            with contextlib.suppress(AttributeError):  # the input-gradient hook enabling added (a decoder has one)
+                self.base.disable_input_require_grads()
             self.base.config.use_cache = self.use_cache
             self.base = None
 

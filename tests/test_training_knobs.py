@@ -267,6 +267,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients_and_recomputes
     assert (results[False][2], results[True][2]) == (1, 2)
     assert results[True][3] and not model.get_base_model().is_activation_checkpointing
     assert model.get_base_model().config.use_cache == use_cache
+    assert not model.get_base_model().get_input_embeddings()._forward_hooks  # its input-gradient hook removed
 
 
 # --------------------------------------------------------------------------- the config
