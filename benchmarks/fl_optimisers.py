@@ -40,7 +40,7 @@ ARMS: dict[str, tuple[str, ...]] = {
 
 SWEEP: dict[str, tuple[str, ...]] = {
     f"{name}-lr{lr:g}": (f"server_optimizer.name={name}", f"server_optimizer.lr={lr}")
-    for name in ("fedadam", "fedyogi") for lr in (0.003, 0.03, 0.1)
+    for name in ("fedadam", "fedyogi") for lr in (0.03, 0.1)
 }
 
 
