@@ -3,10 +3,6 @@
 On a terminal (stdout is a TTY) a rich progress bar shows the rounds done, the elapsed time and
 the estimated time left, with the last round's line under it; in CI, logs and notebooks
 (no TTY) every round prints one plain line, as ``fedlora run`` always did.
-
-While the live bar runs, a local training loop in this process (the in-process engine) shows its
-steps as a second, transient bar under it (:class:`StepTasks`, fedlora.training's step progress);
-elsewhere the step loop decides for itself (fedlora.training.step_reporter).
 """
 
 from __future__ import annotations
@@ -70,7 +66,9 @@ class RoundProgress:
 
 class StepTasks:
     """Local training steps as transient tasks of a live rich ``Progress`` (the round bar): set as
-    ``fedlora.training.REPORTER`` between :meth:`attach` and :meth:`detach`."""
+    ``fedlora.training.REPORTER`` between :meth:`attach` and :meth:`detach`. While the live bar runs,
+    a local training loop in this process (the in-process engine) shows its steps as a second bar
+    under it; elsewhere the step loop decides for itself (fedlora.training.step_reporter)."""
 
     def __init__(self, bar: Any) -> None:
         self.bar = bar
