@@ -47,6 +47,8 @@ class RoundProgress:
             )
             self._task = self._bar.add_task("rounds", total=total, completed=first - 1)
             self._bar.start()
+            from fedlora.app.step_progress import StepTasks
+
             self._steps = StepTasks(self._bar)
             self._steps.attach()
 
@@ -63,40 +65,3 @@ class RoundProgress:
             self._bar.stop()
             self._bar = None
 
-
-class StepTasks:
-    """Local training steps as transient tasks of a live rich ``Progress`` (the round bar): set as
-    ``fedlora.training.REPORTER`` between :meth:`attach` and :meth:`detach`. While the live bar runs,
-    a local training loop in this process (the in-process engine) shows its steps as a second bar
-    under it; elsewhere the step loop decides for itself (fedlora.training.step_reporter)."""
-
-    def __init__(self, bar: Any) -> None:
-        self.bar = bar
-        self.previous: Any = None
-
-    def attach(self) -> None:
-        from fedlora import training
-
-        self.previous, training.REPORTER = training.REPORTER, self.reporter
-
-    def detach(self) -> None:
-        from fedlora import training
-
-        training.REPORTER = self.previous
-
-    def reporter(self, label: str, total: int) -> StepTask:
-        return StepTask(self.bar, label, total)
-
-
-class StepTask:
-    """One step loop's task in the live bar (removed when the loop ends)."""
-
-    def __init__(self, bar: Any, label: str, total: int) -> None:
-        self.bar, self.task = bar, bar.add_task(f"{label}  loss      -", total=total)
-        self.label = label
-
-    def update(self, steps: int, loss: float) -> None:
-        self.bar.update(self.task, completed=steps, description=f"{self.label}  loss {loss:.4f}")
-
-    def close(self) -> None:
-        self.bar.remove_task(self.task)
