@@ -180,6 +180,15 @@ class DataConfig(_Section):
     )
 
 
+# transformers' scheduler names (transformers.SchedulerType) that need no argument beyond the warmup and
+# the number of steps ('reduce_lr_on_plateau' needs a metric, the *_min_lr / warmup_stable_decay ones more)
+LRScheduler = Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                      "inverse_sqrt"]
+ServerOptimizerName = Literal["none", "fedavgm", "fedadam", "fedyogi"]
+# Flower's defaults of its strategies' server learning rate (FedAvgM, FedAdam, FedYogi)
+SERVER_LR_DEFAULTS: dict[str, float] = {"fedavgm": 1.0, "fedadam": 0.1, "fedyogi": 0.01}
+
+
 class TrainConfig(_Section):
     """Rounds and the client's local optimisation."""
 
@@ -235,6 +244,44 @@ class TrainConfig(_Section):
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of LoRA init, batch order and client sampling, in "
                       "[0, 2**31 - 1].")
+    grad_accumulation: int = Field(
+        1, ge=1, le=MAX_BATCH, description="Gradient accumulation: micro-batches of train.batch_size per optimiser "
+        "step (the step's gradient is the example-weighted mean over them, as one batch of k x batch_size would give; "
+        "the last, shorter group of an epoch steps too). train.max_steps counts optimiser steps. 1 = off, at most 65536. Refused "
+        "with privacy.dp (DP-SGD's Poisson sampling draws each logical batch whole: raise train.batch_size)."
+    )
+    lr_scheduler: LRScheduler = Field(
+        "constant", description="Learning-rate schedule over each round's local optimiser steps, built by "
+        "transformers.get_scheduler (its names; the optimiser, and with it the schedule, starts afresh every "
+        "round): the round's peak rate is train.lr after lr_decay_rounds, so lr_decay_rounds shapes the rate "
+        "across rounds and this within a round. 'constant' with no warmup is the plain constant rate."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="Optimiser steps of linear warmup from 0 at the start of every round's "
+        "local training (train.lr_scheduler); wins over warmup_ratio when > 0."
+    )
+    warmup_ratio: Rate = Field(
+        0.0, description="Warmup as a fraction of the round's planned local optimiser steps, rounded up (used when "
+        "warmup_steps = 0), in [0, 1)."
+    )
+    max_grad_norm: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="Clip the gradient of every optimiser step to this L2 norm, "
+        "over all trainable parameters together (torch.nn.utils.clip_grad_norm_, as transformers' Trainer does); "
+        "0 = off. Refused with privacy.dp, where DP-SGD clips every example's gradient at privacy.max_grad_norm."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="model.kind = 'causal_lm': recompute the backbone's activations in the backward pass "
+        "instead of keeping them (transformers' gradient checkpointing, non-reentrant): less memory per token, "
+        "about one more forward pass of time; the same loss and gradients. Refused for classification and with "
+        "privacy.dp (Opacus' per-example gradients do not support recomputation)."
+    )
+    proximal_mu: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="FedProx (Li et al., MLSys 2020): each client adds "
+        "mu/2 ||w - w0||^2 to its local objective, w the parameters its optimiser trains and w0 their values when "
+        "the round's local training starts (the download overlaid on what the client kept); 0 = off. Works with "
+        "privacy.dp (added to the privatised gradient: it reads no data). Methods that cannot take it refuse it "
+        "(capability matrix)."
+    )
 
     @field_validator("lr_decay_rounds")
     @classmethod
@@ -247,6 +294,37 @@ class TrainConfig(_Section):
         """The learning rate of round ``server_round``: ``lr`` times ``lr_decay_factor`` once for
         every round of ``lr_decay_rounds`` at or before it."""
         return self.lr * self.lr_decay_factor ** sum(r <= server_round for r in self.lr_decay_rounds)
+
+
+class ServerOptimizerConfig(_Section):
+    """A server optimiser on the mean update of the methods whose server step is a mean (FedAvgM,
+    FedAdam, FedYogi: Flower's arithmetic, strategies/server_optimizer.py)."""
+
+    name: ServerOptimizerName = Field(
+        "none", description="'none' (the method's aggregate is the new global model), 'fedavgm' (server SGD with "
+        "momentum, Hsu et al. 2019), 'fedadam' or 'fedyogi' (Reddi et al., ICLR 2021): the round's pseudo-gradient "
+        "is the aggregate minus the global arrays it started from (the LoRA factors and head every client "
+        "downloads alike), and the optimiser's step on it gives the new global arrays. Only methods whose server "
+        "step is a mean take it (capability matrix)."
+    )
+    lr: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="Server learning rate (Flower's server_learning_rate / eta); "
+        "unset = Flower's default for the optimiser: fedavgm 1.0, fedadam 0.1, fedyogi 0.01."
+    )
+    momentum: float = Field(
+        0.9, ge=0.0, lt=1.0, description="fedavgm: server momentum (Flower's server_momentum; Flower's default 0.0 "
+        "would make fedavgm plain FedAvg at lr 1), in [0, 1)."
+    )
+    beta_1: float = Field(0.9, ge=0.0, lt=1.0, description="fedadam / fedyogi: first-moment decay, in [0, 1).")
+    beta_2: float = Field(0.99, ge=0.0, lt=1.0, description="fedadam / fedyogi: second-moment decay, in [0, 1).")
+    tau: float = Field(
+        1e-3, gt=0.0, allow_inf_nan=False, description="fedadam / fedyogi: adaptivity (added to the root of the "
+        "second moment; an entry whose update is well below tau moves about lr x update / tau)."
+    )
+
+    def resolved_lr(self) -> float:
+        """``lr``, or Flower's default for ``name`` when unset."""
+        return self.lr if self.lr is not None else SERVER_LR_DEFAULTS.get(self.name, 1.0)
 
 
 class StrategyConfig(_Section):
@@ -686,10 +764,24 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("secure_aggregation", None, "quantization_range"): 0,
     ("secure_aggregation", None, "modulus_range"): 2**32,
     ("secure_aggregation", None, "max_error"): 0.0,
+    ("train", None, "grad_accumulation"): 1,
+    ("train", None, "lr_scheduler"): "constant",
+    ("train", None, "warmup_steps"): 0,
+    ("train", None, "warmup_ratio"): 0.0,
+    ("train", None, "max_grad_norm"): 0.0,
+    ("train", None, "gradient_checkpointing"): False,
+    ("train", None, "proximal_mu"): 0.0,
+    ("server_optimizer", None, "name"): "none",
+    ("server_optimizer", None, "lr"): None,
+    ("server_optimizer", None, "momentum"): 0.9,
+    ("server_optimizer", None, "beta_1"): 0.9,
+    ("server_optimizer", None, "beta_2"): 0.99,
+    ("server_optimizer", None, "tau"): 1e-3,
 }
 # Sections added after runs were recorded: a record without one is read with its RECORD_DEFAULTS
-# (every run before [secure_aggregation] existed aggregated in the clear).
-ADDED_SECTIONS: tuple[str, ...] = ("secure_aggregation",)
+# (every run before [secure_aggregation] existed aggregated in the clear; every run before
+# [server_optimizer] took the method's aggregate as the new global model).
+ADDED_SECTIONS: tuple[str, ...] = ("secure_aggregation", "server_optimizer")
 
 
 def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
@@ -716,11 +808,13 @@ class ExperimentConfig(_Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = Field(default_factory=SecureAggregationConfig)
+    server_optimizer: ServerOptimizerConfig = Field(default_factory=ServerOptimizerConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ExperimentConfig:
         _check_kind_and_data(self.model, self.data)
+        _check_training_knobs(self.model, self.train, self.privacy)
         if self.clients.ranks and len(self.clients.ranks) != self.data.num_clients:
             raise ValueError(
                 f"clients.ranks has {len(self.clients.ranks)} entries but data.num_clients is "
@@ -776,6 +870,24 @@ def _check_kind_and_data(model: ModelConfig, data: DataConfig) -> None:
             f"data.label_noise = {data.label_noise!r} flips class labels, which instruction data does not "
             "train on (model.kind = 'causal_lm'); set data.label_noise = 'none'"
         )
+
+
+def _check_training_knobs(model: ModelConfig, train: TrainConfig, privacy: PrivacyConfig) -> None:
+    """The local-training knobs a model kind or DP-SGD cannot take, each refused in one line."""
+    if train.gradient_checkpointing and model.kind != "causal_lm":
+        raise ValueError("train.gradient_checkpointing is for model.kind = 'causal_lm' (a classifier's small "
+                         "encoder keeps its activations); set train.gradient_checkpointing = false")
+    if not privacy.dp:
+        return
+    if train.grad_accumulation > 1:
+        raise ValueError(f"train.grad_accumulation = {train.grad_accumulation} with privacy.dp = true: DP-SGD's "
+                         "Poisson sampling draws each logical batch whole; raise train.batch_size instead")
+    if train.max_grad_norm:
+        raise ValueError(f"train.max_grad_norm = {train.max_grad_norm:g} with privacy.dp = true: DP-SGD clips every "
+                         "example's gradient at privacy.max_grad_norm instead; set train.max_grad_norm = 0")
+    if train.gradient_checkpointing:
+        raise ValueError("train.gradient_checkpointing with privacy.dp = true: Opacus' per-example gradients do not "
+                         "support recomputed activations; set one of them to false")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

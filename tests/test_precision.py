@@ -98,7 +98,11 @@ def test_record_defaults_fill_only_what_is_missing() -> None:
     secure = {"enabled": False, "num_shares": 1.0, "reconstruction_threshold": 0.5, "clip_norm": 0.0,
               "clipping_range": 0.0, "quantization_range": 0, "modulus_range": 2**32, "max_error": 0.0}
     decay = {"lr_decay_rounds": [], "lr_decay_factor": 0.5}  # every earlier run: a constant rate
-    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False, **decay}, "model": {"path": "x"},
-                      "secure_aggregation": secure}
-    assert kept == {"train": {"precision": "bf16", "group_by_length": False, **decay},
-                    "secure_aggregation": {**secure, "enabled": True}}
+    # every earlier run: the plain step loop, and the method's aggregate as the new global model
+    loop = {"grad_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 0, "warmup_ratio": 0.0,
+            "max_grad_norm": 0.0, "gradient_checkpointing": False, "proximal_mu": 0.0}
+    server = {"name": "none", "lr": None, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}
+    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False, **decay, **loop},
+                      "model": {"path": "x"}, "secure_aggregation": secure, "server_optimizer": server}
+    assert kept == {"train": {"precision": "bf16", "group_by_length": False, **decay, **loop},
+                    "secure_aggregation": {**secure, "enabled": True}, "server_optimizer": server}

@@ -152,12 +152,19 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
     for name in method_names():
         caps = method(name).capabilities
         kind = "personalised" if caps.personalized else "global"
-        print(f"{name:<12} {kind:<13} up: {caps.uploads:<22} down: {caps.downloads}")
+        also = "".join(f"\n{alias:<12} = {name} (another name of it)" for alias in method(name).aliases)
+        print(f"{name:<12} {kind:<13} up: {caps.uploads:<22} down: {caps.downloads}{also}")
     return 0
 
 
 def _cmd_capabilities(args: argparse.Namespace) -> int:
-    from fedlora.app.capabilities import render_matrix, write_flower_doc, write_readme, write_secure_doc
+    from fedlora.app.capabilities import (
+        render_matrix,
+        write_flower_doc,
+        write_readme,
+        write_secure_doc,
+        write_strategies_doc,
+    )
 
     if args.write:
         changed = write_readme(args.readme)
@@ -166,6 +173,8 @@ def _cmd_capabilities(args: argparse.Namespace) -> int:
         print(f"{args.flower_doc}: Flower DP table {'updated' if changed else 'already current'}")
         changed = write_secure_doc(args.secure_doc)
         print(f"{args.secure_doc}: secure aggregation table {'updated' if changed else 'already current'}")
+        changed = write_strategies_doc(args.strategies_doc)
+        print(f"{args.strategies_doc}: server optimiser / FedProx table {'updated' if changed else 'already current'}")
     else:
         print(render_matrix())
     return 0
@@ -368,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Flower guide whose Flower DP table --write updates (default: docs/flower.md)")
     caps.add_argument("--secure-doc", default="docs/secure-aggregation.md",
                       help="secure aggregation guide whose table --write updates (default: docs/secure-aggregation.md)")
+    caps.add_argument("--strategies-doc", default="docs/strategies.md",
+                      help="strategies page whose server optimiser / FedProx table --write updates "
+                      "(default: docs/strategies.md)")
     caps.set_defaults(func=_cmd_capabilities)
     return parser
 

@@ -301,8 +301,10 @@ def _worker_run(config_json: str, run_dir: str, resume: bool = False) -> float:
     from fedlora.app import progress
     from fedlora.app.quiet import output
     from fedlora.config import config_from_json
+    from fedlora.training import STEP_PROGRESS_ENV
 
     progress.LIVE = False  # workers share the terminal: plain lines, into run.log (run_one writes it)
+    os.environ[STEP_PROGRESS_ENV] = "off"  # and no step bars (fedlora.training.step_reporter)
     started = time.perf_counter()
     with output(console=False):  # a worker runs several jobs: each log only in its own run.log
         run_one(config_from_json(config_json), Path(run_dir), "inprocess", resume=resume)

@@ -48,11 +48,15 @@ class RoundProgress:
             )
 
             self._bar = Progress(
-                TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TextColumn("eta"), TimeRemainingColumn(), console=Console(), transient=False,
             )
             self._task = self._bar.add_task("rounds", total=total, completed=first - 1)
             self._bar.start()
+            from fedlora.app.step_progress import StepTasks
+
+            self._steps = StepTasks(self._bar)
+            self._steps.attach()
 
     def round_done(self, server_round: int, line: str) -> None:
         if self._notebook is not None:
@@ -65,6 +69,7 @@ class RoundProgress:
 
     def close(self) -> None:
         if self._bar is not None:
+            self._steps.detach()
             self._bar.stop()
             self._bar = None
 
