@@ -170,17 +170,16 @@ def fedtreelora_figure(runs: Runs, path: str | Path | None = None) -> Any:
             axes[1].bar(x, mean_of(found, "ari"), width=width, label=label)
         lam, low, high = (mean_of(found, k) for k in ("lam_mean", "lam_min", "lam_max"))
         if lam:
-            blocks = list(range(len(lam)))
-            axes[-1].errorbar(blocks, lam, yerr=[[m - lo for m, lo in zip(lam, low)], [hi - m for m, hi in zip(lam, high)]],
+            axes[-1].errorbar(list(range(len(lam))), lam, yerr=[[m - lo for m, lo in zip(lam, low)], [hi - m for m, hi in zip(lam, high)]],
                               marker="o", markersize=3, capsize=2, linestyle=STYLES[i % len(STYLES)], label=label)
     titles = [("clusters per block (last tree)", "clusters")]
     if with_groups:
         titles.append(("agreement with the task groups", "adjusted Rand index"))
     titles.append(("mixing weight lambda (mean, min-max)", "lambda"))
-    blocks = max((len(t["clusters"]) for found in trees.values() for t in found), default=0)
+    n_blocks = max((len(t["clusters"]) for found in trees.values() for t in found), default=0)
     for ax, (title, ylabel) in zip(axes, titles):
         ax.set_title(title, fontsize=9)
-        ax.set_xticks(range(blocks))
+        ax.set_xticks(range(n_blocks))
         ax.set_xlabel("block (shallow to deep)", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
