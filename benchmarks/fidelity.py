@@ -481,11 +481,11 @@ def _config(path: Path) -> dict[str, Any] | None:
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """A run's config as records compare it: no output folder, options added later at the value the
-    record ran with."""
-    from fedlora.schema import with_record_defaults
+    """A run's config as records compare it (:func:`fedlora.schema.comparable_config`): no output
+    folder, options added later at the value the record ran with, inert sections collapsed."""
+    from fedlora.schema import comparable_config
 
-    return {k: v for k, v in with_record_defaults(config).items() if k != "output"}
+    return comparable_config(config)
 
 
 def _complete_config(path: Path) -> dict[str, Any] | None:
@@ -924,7 +924,7 @@ def recorded_untrained(scenario: Scenario, base: Any, folder: Path, seeds: list[
         except (OSError, ValueError):
             continue
         wanted = _comparable(untrained_config(scenario, base, seed).model_dump(mode="json"))
-        if kept.get("metric") == scenario.regime_metric and kept.get("config") == wanted:
+        if kept.get("metric") == scenario.regime_metric and _comparable(kept.get("config") or {}) == wanted:
             found[seed] = float(kept["value"])
     return found
 

@@ -764,6 +764,8 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("secure_aggregation", None, "quantization_range"): 0,
     ("secure_aggregation", None, "modulus_range"): 2**32,
     ("secure_aggregation", None, "max_error"): 0.0,
+    # runs recorded before the rule ran with whatever threshold they named, half of the shares included
+    ("secure_aggregation", None, "allow_low_threshold"): True,
     ("train", None, "grad_accumulation"): 1,
     ("train", None, "lr_scheduler"): "constant",
     ("train", None, "warmup_steps"): 0,
@@ -793,6 +795,19 @@ def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
         values = filled.get(section)
         if isinstance(values, dict) and (strategy is None or filled.get("strategy", {}).get("name") == strategy):
             values.setdefault(key, value)
+    return filled
+
+
+def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config (a dict of sections, recorded or current) as two runs are compared to tell whether
+    they are the same run: :func:`with_record_defaults` filled, without ``output`` (where results
+    go), and a disabled ``[secure_aggregation]`` as ``{"enabled": False}`` (its other options act on
+    nothing, so a default changed since, such as the reconstruction threshold, does not make an
+    earlier run another one)."""
+    filled = {k: v for k, v in with_record_defaults(config).items() if k != "output"}
+    secure = filled.get("secure_aggregation")
+    if isinstance(secure, dict) and not secure.get("enabled"):
+        filled["secure_aggregation"] = {"enabled": False}
     return filled
 
 

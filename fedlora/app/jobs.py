@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from fedlora.app.runs import SEED_DIR_PREFIX
-from fedlora.schema import ConfigSource, Settings, with_record_defaults
+from fedlora.schema import ConfigSource, Settings, comparable_config
 
 if TYPE_CHECKING:
     from concurrent.futures import ProcessPoolExecutor
@@ -103,10 +103,6 @@ def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentCon
     return build_config(raw)
 
 
-def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k != "output"}
-
-
 def is_complete(run_dir: Path, config: ExperimentConfig, report: bool = False) -> bool:
     """True when ``run_dir/results.json`` holds every round of this exact config (``report``: say
     so when the folder holds a run of another config; the caller that acts on it reports, once)."""
@@ -117,7 +113,7 @@ def is_complete(run_dir: Path, config: ExperimentConfig, report: bool = False) -
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if _comparable(with_record_defaults(results.get("config") or {})) != _comparable(config.model_dump(mode="json")):
+    if comparable_config(results.get("config") or {}) != comparable_config(config.model_dump(mode="json")):
         if report:
             logger.warning("compare: %s was produced by a different config: continued from its checkpoint where "
                            "the config allows it (more train.rounds, a later lr decay), else run again", run_dir)
