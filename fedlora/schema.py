@@ -19,10 +19,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tomllib
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fedlora.backbones import ENCODER_TARGETS, ModelKind, default_target_modules
 from fedlora.errors import ConfigError, shown
@@ -51,10 +61,29 @@ def _rate(value: float) -> float:
 Rate = Annotated[float, AfterValidator(_rate)]  # a fraction in [0, 1) (the message names the bounds)
 
 
+def numbers_only(model: type[BaseModel], name: str | None, value: Any) -> Any:
+    """``value`` as given, or ValueError when field ``name`` of ``model`` takes only numbers (int,
+    float, or either or None) and ``value`` is text or a boolean: pydantic's lax mode would read
+    ``"1"`` as 1 and ``true`` as 1, so a quoted number or a flag in a numeric option would pass."""
+    field = model.model_fields.get(name or "")
+    if field is None or not isinstance(value, (str, bool)):
+        return value
+    union = get_origin(field.annotation) in (Union, UnionType)
+    kinds = set(get_args(field.annotation)) - {type(None)} if union else {field.annotation}
+    if kinds and kinds <= {int, float}:
+        raise ValueError("must be a number, not " + ("a boolean" if isinstance(value, bool) else "text"))
+    return value
+
+
 class _Section(BaseModel):
     # every float of a config must be a finite number: NaN or inf (a learning rate, a DP noise, a
     # budget) would be accepted here and fail only after every round ran
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return numbers_only(cls, info.field_name, value)
 
 
 INSTRUCTION_SOURCES = ("wordnet", "chatterbot", "wordnet+chatterbot")  # data sources of model.kind = causal_lm
@@ -432,12 +461,18 @@ class FaultsConfig(_Section):
         "(0 = off)."
     )
     max_client_share: float = Field(
-        0.6, gt=0.0, le=1.0, allow_inf_nan=False, description="Largest share of a round's aggregation "
-        "weight one client can get: example counts above the share are cut down (water-filling) so "
-        "that no upload weighs more than this; with fewer than 1 / share uploads they weigh the same. "
-        "Also bounds the example weights of the personalised evaluation. 0.6 bounds a client that "
-        "declared a huge partition when it joined; honest runs reach it only with few clients a round "
-        "from uneven partitions (where: docs/robustness.md), each time with a warning line; 1 = off."
+        0.6, gt=0.0, le=1.0, allow_inf_nan=False, description="Weight-share bound (fedlora/shares.py): no "
+        "client weighs more than this share of a round, or than the share its entitled size gives it "
+        "among the round's clients if that is larger, whatever the method weighs by (example counts, "
+        "HetLoRA's update norms); larger weights are cut down by water-filling, with a warning line. "
+        "Honest example counts never reach it; it binds weights a client can inflate. At least 1 / the "
+        "clients a round samples; 1 = off."
+    )
+    max_size_ratio: float = Field(
+        8.0, ge=0.0, allow_inf_nan=False, description="Weight-share rule: a client's example counts weigh at "
+        "most this multiple of the lower median of the partition sizes the clients declared when they joined "
+        "(fixed for the run), and its evaluation counts at most the test or validation split that size "
+        "implies. Honest partitions of every shipped config reach 4.5 x at most. 0 = off, else at least 1."
     )
     max_examples: int = Field(
         0, ge=0, le=MAX_EXAMPLES, description="Reject a training reply whose example count exceeds this cap (0 = no "
@@ -688,6 +723,8 @@ class ExperimentConfig(_Section):
                 f"federation.min_clients ({self.federation.min_clients}) exceeds "
                 f"data.num_clients ({self.data.num_clients})"
             )
+        _check_defences(self.faults, sample_size(self.data.num_clients, self.federation.fraction_train,
+                                                 self.federation.min_clients))
         return self
 
     def to_json(self) -> str:
@@ -697,6 +734,30 @@ class ExperimentConfig(_Section):
     def hash(self) -> str:
         """Short stable hash of the fully resolved config."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+def _check_defences(faults: FaultsConfig, sampled: int) -> None:
+    """A [faults] setting that would turn a defence off without saying so, for rounds of ``sampled``
+    clients: a share bound no round can hold, a MultiKrum selection that keeps every upload, a
+    trimmed mean that cuts nothing, a median of two, a size ratio that cuts honest clients."""
+    if faults.max_client_share < 1.0 and faults.max_client_share * sampled < 1.0 - 1e-9:
+        raise ValueError(f"faults.max_client_share = {faults.max_client_share:g} is below 1 / {sampled}, an equal share "
+                         f"of the {sampled} clients a round samples: no round can hold it; set at least "
+                         f"{math.ceil(1000 / sampled) / 1000:g}, or 1 to turn it off")
+    if 0.0 < faults.max_size_ratio < 1.0:
+        raise ValueError(f"faults.max_size_ratio = {faults.max_size_ratio:g} would cut every client above the lower "
+                         "median size, honest ones included; set at least 1, or 0 to turn it off")
+    rule = faults.aggregation
+    if rule == "multikrum" and faults.multikrum_select >= sampled:
+        raise ValueError(f"faults.multikrum_select = {faults.multikrum_select} keeps every one of the {sampled} uploads a "
+                         f"round samples: MultiKrum would drop none; set it below {sampled}, or 0 for n - f")
+    if rule in ("median", "trimmed_mean") and sampled < 3:
+        raise ValueError(f"faults.aggregation = '{rule}' over the {sampled} uploads a round samples is their mean; "
+                         "sample at least 3 clients a round")
+    if rule == "trimmed_mean" and int(faults.trim_fraction * sampled) == 0:
+        raise ValueError(f"faults.aggregation = 'trimmed_mean' with faults.trim_fraction = {faults.trim_fraction:g} cuts "
+                         f"int({faults.trim_fraction:g} x {sampled}) = 0 values at each end of the {sampled} uploads a "
+                         f"round samples: it is their mean; set trim_fraction to at least {1 / sampled:.3g}")
 
 
 def is_instruction_data(data: DataConfig) -> bool:

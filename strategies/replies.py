@@ -12,8 +12,9 @@
    keys, shapes and dtypes against the expected upload (float only, cast to the adapters' dtype),
    finiteness, and the update's norm against the reference norm (``faults.max_update_ratio``)
    (:func:`parse_train_reply`);
-3. **weigh**: the example counts as aggregation weights, no client above ``faults.max_client_share``
-   of the round (:func:`capped_weights`);
+3. **weigh**: the example counts as aggregation weights by the weight-share rule
+   (:mod:`fedlora.shares`: each count cut to its client's entitlement, no share above the round's
+   bound; :func:`fedlora.strategies.screening.weigh`);
 4. **aggregate** (the method) and **account** (the round's record).
 
 A reply that fails a step is a :class:`Rejection` with its reason; nothing here raises on what a
@@ -33,6 +34,7 @@ from flwr.app import Message
 from fedlora import protocol
 from fedlora.lora import ADAPTER_DTYPE, Payload
 from fedlora.schema import ModelKind
+from fedlora.shares import capped_weights, client_weights
 from fedlora.strategies.download import Download
 from fedlora.strategies.validation import check_upload, ratio_bound, update_norm
 
@@ -43,8 +45,8 @@ MAX_WORKER_TEXT = 200  # characters kept of each entry of a reply's worker recor
 class ClientUpload:
     """One valid training reply: the arrays (cast to the adapters' dtype) and the checked metrics.
 
-    ``weight`` is what the aggregation weighs the upload by: its example count, cut down by
-    :func:`capped_weights` when one client would outweigh ``faults.max_client_share``.
+    ``weight`` is what the aggregation weighs the upload by: its example count, cut down by the
+    weight-share rule (:func:`fedlora.shares.client_weights`) where it would outweigh its bound.
     """
 
     partition_id: int
@@ -228,25 +230,7 @@ def _worker(message: Message) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------- weigh
-def capped_weights(counts: Any, max_share: float) -> np.ndarray:
-    """Example counts (K,) -> aggregation weights (K,) in the same units, no share above ``max_share``.
-
-    The counts above a level T are cut to T, with T the largest level at which the cut counts
-    satisfy max_k w_k / sum w <= max_share (water-filling: the smallest change that bounds every
-    share); counts that already satisfy it are returned unchanged (the same floats), and so are
-    those of a round with one positive count. With fewer than 1 / max_share positive counts no
-    such level exists and the positive counts weigh the same.
-    """
-    n = np.asarray(counts, dtype=np.float64)  # (K,)
-    positive = int(np.count_nonzero(n > 0))
-    if max_share >= 1.0 or positive <= 1 or n.max() <= max_share * n.sum():
-        return n  # a lone client weighs everything, whatever the bound
-    if positive * max_share <= 1.0:
-        return (n > 0).astype(np.float64)  # every positive count weighs the same (share 1 / positive)
-    ordered = np.sort(n)[::-1]  # largest first
-    for cut in range(1, positive):  # cut the `cut` largest counts to the level T
-        rest = ordered[cut:].sum()
-        level = max_share * rest / (1.0 - cut * max_share)  # T / (cut T + rest) = max_share
-        if ordered[cut] <= level <= ordered[cut - 1] and cut * max_share < 1.0:
-            return np.asarray(np.minimum(n, level), dtype=np.float64)
-    return (n > 0).astype(np.float64)
+# The weight-share rule lives in the core (fedlora/shares.py: clients under secure aggregation
+# compute their own weight with it); the server's weigh step is strategies/screening.py's weigh.
+__all__ = ["ClientUpload", "Expectation", "Rejection", "capped_weights", "client_weights", "parse_arrays",
+           "parse_evaluate_reply", "parse_metrics", "parse_train_reply"]

@@ -1,0 +1,102 @@
+"""The weight-share rule: how much of a round one client can weigh, whatever a method weighs by.
+
+One rule for every method (the server's ``strategies/`` and, under secure aggregation, a client
+computing its own weight), in three pure steps:
+
+1. **Entitlement, fixed when the clients join.** Client k declared a training partition of D_k
+   examples when it joined (its profile's ``num_train_examples``); it is entitled to
+   e_k = min(D_k, ``faults.max_size_ratio`` x the lower median of the declared sizes)
+   (:func:`entitled_sizes`). The lower median is the federation's, not a round's, and no single
+   client can raise it (with two clients it is the smaller one). Honest partitions of every shipped
+   config and scenario reach at most 4.5 x their lower median (seeds 0-4; the default ratio is 8),
+   so an honest client is entitled to its whole partition.
+2. **Counts cut to the entitlement.** An example count weighs at most e_k (:func:`client_weights`;
+   the server refuses a count above D_k before this); an evaluation count at most the test or
+   validation split that e_k implies under the run's split fractions (:func:`split_ceiling`).
+3. **A share bound per round, for any weights.** In a round whose weighed clients are S, no
+   client's share of the weights exceeds
+   b(S) = max(``faults.max_client_share``, max_{k in S} e_k / sum_{j in S} e_j) (:func:`share_bound`):
+   the larger of the operator's floor and the share the largest entitlement of the round gives its
+   client. The weights (example counts, HetLoRA's update norms, uniform weights) are cut by
+   water-filling to it (:func:`capped_weights`). Honest example weights sit at the plain counts
+   (n_k = e_k, so n_k / sum n <= max e / sum e <= b(S)); weights a method derives from the uploads
+   (norms) are bounded by b(S) whatever a client uploads.
+
+What it still allows: a client that declares a partition up to ``max_size_ratio`` x the lower median
+weighs that much (no example is checked: the server sees counts, not data), and under norm-derived
+weights a client takes up to b(S) of a round by scaling its update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+SHARE_TOLERANCE = 1e-9  # relative slack of the share test (a bound computed as max / sum, compared with it)
+
+
+def entitled_sizes(declared: Sequence[float], max_ratio: float) -> np.ndarray:
+    """Declared training sizes (K,) -> entitlements (K,): each cut to ``max_ratio`` x the lower
+    median of the positive declared sizes (``max_ratio`` 0: no cut). A client that declared no
+    size (0) is entitled to the cut, or to any count (inf) when there is no cut."""
+    sizes = np.asarray(declared, dtype=np.float64)
+    positive = np.sort(sizes[sizes > 0])
+    cut = max_ratio * float(positive[(positive.size - 1) // 2]) if max_ratio and positive.size else math.inf
+    return np.where(sizes > 0, np.minimum(sizes, cut), cut)
+
+
+def share_bound(entitled: Sequence[float], max_share: float) -> float:
+    """The largest share of a round one client may weigh, for a round whose weighed clients are
+    entitled to ``entitled``: the larger of ``max_share`` (``faults.max_client_share``) and the
+    largest entitlement's share of the round, at most 1 (``max_share`` alone when an entitlement
+    is unknown, inf)."""
+    e = np.asarray(entitled, dtype=np.float64)
+    total = float(e.sum())
+    declared = float(e.max()) / total if 0 < total < math.inf else 0.0
+    return min(1.0, max(max_share, declared))
+
+
+def capped_weights(weights: Sequence[float], max_share: float) -> np.ndarray:
+    """Weights (K,) -> weights (K,) in the same units, no share above ``max_share``.
+
+    The weights above a level T are cut to T, with T the largest level at which the cut weights
+    satisfy max_k w_k / sum w <= max_share (water-filling: the smallest change that bounds every
+    share); weights that already satisfy it are returned unchanged (the same floats), and so are
+    those of a round with one positive weight. With fewer than 1 / max_share positive weights no
+    such level exists and the positive weights weigh the same.
+    """
+    n = np.asarray(weights, dtype=np.float64)  # (K,)
+    positive = int(np.count_nonzero(n > 0))
+    if max_share >= 1.0 or positive <= 1 or n.max() <= max_share * n.sum() * (1 + SHARE_TOLERANCE):
+        return n  # a lone client weighs everything, whatever the bound
+    if positive * max_share <= 1.0:
+        return (n > 0).astype(np.float64)  # every positive weight weighs the same (share 1 / positive)
+    ordered = np.sort(n)[::-1]  # largest first
+    for cut in range(1, positive):  # cut the `cut` largest weights to the level T
+        rest = ordered[cut:].sum()
+        level = max_share * rest / (1.0 - cut * max_share)  # T / (cut T + rest) = max_share
+        if ordered[cut] <= level <= ordered[cut - 1] and cut * max_share < 1.0:
+            return np.asarray(np.minimum(n, level), dtype=np.float64)
+    return (n > 0).astype(np.float64)
+
+
+def client_weights(counts: Sequence[float], entitled: Sequence[float], max_share: float) -> np.ndarray:
+    """A round's example counts (K,) -> aggregation weights (K,): each count cut to its client's
+    entitlement, then no share above :func:`share_bound` (``entitled``, ``max_share``)."""
+    cut = np.minimum(np.asarray(counts, dtype=np.float64), np.asarray(entitled, dtype=np.float64))
+    return capped_weights(cut, share_bound(entitled, max_share))
+
+
+def split_ceiling(entitled: float, fraction: float, train_fraction: float) -> float:
+    """The most examples an honest client entitled to ``entitled`` training examples holds in a
+    split of ``fraction`` of its data when ``train_fraction`` (1 - test - validation) of it trains:
+    its N examples give round(fraction x N) to the split (``fedlora.data.federated.split_sizes``)
+    and at least train_fraction x N - 1 to training, so the split holds at most
+    floor(fraction x (entitled + 1) / train_fraction + 0.5)."""
+    if fraction <= 0:
+        return 0.0
+    if train_fraction <= 0:
+        return math.inf
+    return float(math.floor(fraction * (entitled + 1) / train_fraction + 0.5))
