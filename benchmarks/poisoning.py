@@ -513,6 +513,115 @@ def compact_round(record: dict[str, Any]) -> dict[str, Any]:
             "measures": clients}
 
 
+SHIPPED = tuple(sorted((ROOT / "configs").glob("*.toml")))  # configs/scenarios/ have the fidelity records
+HONEST_RESULTS = ROOT / "benchmarks/results/poisoning-honest"  # one record per shipped config and seed (committed)
+SCENARIO_RECORDS = ROOT / "docs/results/records"  # the fidelity benchmark's honest runs of configs/scenarios/
+
+
+def honest_config_run(path: Path, seed: int, results: Path, scratch: Path) -> dict[str, Any]:
+    """A shipped config's own run (its strategy, seed ``seed``: data.seed and train.seed offset by
+    it), in process, without any attacker: the anomaly rule's measures of every honest upload."""
+    import json
+    import shutil
+    import time
+
+    from fedlora.app.runner import run_inprocess
+
+    logging.getLogger("flwr").setLevel(logging.ERROR)
+    logging.getLogger("fedlora").setLevel(logging.WARNING)
+    base = load_config(path)
+    overrides = [f"data.seed={base.data.seed + seed}", f"train.seed={base.train.seed + seed}",
+                 "output.save_adapters=false", "output.tensorboard=false"]
+    config = load_config(path, overrides)
+    out = scratch / f"{path.stem}-seed{seed}"
+    shutil.rmtree(out, ignore_errors=True)
+    started, cpu = time.perf_counter(), time.process_time()
+    run_inprocess(config, out)
+    rounds = json.loads((out / "results.json").read_text())["rounds"]
+    record = {"benchmark": "poisoning honest configs", "config": str(path.relative_to(ROOT)), "seed": seed,
+              "strategy": config.strategy.name, "overrides": overrides, "rounds": [compact_round(r) for r in rounds],
+              "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(time.process_time() - cpu, 1),
+              "fedlora_version": __version__}
+    target = results / f"{path.stem}-seed{seed}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    return record
+
+
+def run_honest_configs(paths: Sequence[Path], seeds: Sequence[int], results: Path, scratch: Path) -> None:
+    """Every shipped config's honest run without a record, one at a time."""
+    for path in paths:
+        for seed in seeds:
+            if (results / f"{path.stem}-seed{seed}.json").is_file():
+                continue
+            try:
+                record = honest_config_run(path, seed, results, scratch)
+            except Exception as failure:  # noqa: BLE001 - one config that cannot run here leaves the others
+                print(f"{path.name} seed {seed}: no record ({failure!r})", flush=True)
+                continue
+            print(f"{path.name} seed {seed}: {len(record['rounds'])} rounds, {record['seconds']} s", flush=True)
+
+
+def flags_under(measures: dict[str, dict[str, Any]], recorded: dict[str, str], faults: Any) -> set[str]:
+    """The clients of one round the anomaly rule ``faults`` flags, from the round's recorded
+    measures (``update_norm``, ``update_cosine`` by client: the server's own :func:`verdict`); a
+    recorded duplicate stays flagged (its thresholds are not in question)."""
+    from fedlora.strategies.anomaly import lower_median, verdict
+
+    measured = {k: m for k, m in measures.items() if m.get("update_norm") is not None}
+    middle = lower_median([m["update_norm"] for m in measured.values()])
+    flagged = {k for k, m in measured.items() if verdict(
+        m["update_norm"], middle, math.nan if m.get("update_cosine") is None else m["update_cosine"],
+        len(measured), faults)}
+    return flagged | {k for k, reason in recorded.items() if "identical to" in reason}
+
+
+def honest_rounds() -> dict[str, list[dict[str, Any]]]:
+    """The honest runs' rounds, by where they come from: the attack table's runs without attackers,
+    the shipped configs' own runs, the fidelity benchmark's runs of the scenarios."""
+    import json
+
+    table = [r for record in load_records(RESULTS) if record["attack"] == HONEST for r in record["rounds"]]
+    configs = [r for path in sorted(HONEST_RESULTS.glob("*.json")) for r in json.loads(path.read_text())["rounds"]]
+    scenarios = []
+    for path in sorted(SCENARIO_RECORDS.glob("**/results.json")):
+        for r in json.loads(path.read_text())["rounds"]:
+            scenarios.append({"measures": {k: {"update_norm": e.get("update_norm"), "update_cosine": e.get("update_cosine")}
+                                           for k, e in (r.get("per_client_train") or {}).items()},
+                              "flagged": {k: e.get("update_anomaly", "") for k, e in (r.get("per_client_train") or {}).items()
+                                          if e.get("update_anomaly")}})
+    return {"attack table, no attacker": table, "configs/*.toml": configs, "configs/scenarios/ (fidelity records)": scenarios}
+
+
+def rule_table(candidates: Sequence[tuple[float, float]], attacks: Sequence[str], counts: Sequence[int]) -> str:
+    """For each anomaly rule (norm factor, min cosine): the honest uploads it flags (false flags)
+    in every honest run, and the attackers' uploads it flags under each attack (the runs with the
+    rule logging: every rule but 'anomaly')."""
+    from fedlora.schema import FaultsConfig
+
+    honest = honest_rounds()
+    attacked = [r for r in load_records(RESULTS) if r["attack"] != HONEST and r["rule"] != "anomaly"]
+    head = ["rule (norm factor, min cosine)", *(f"false flags: {name} ({sum(len(r['measures']) for r in rounds)} uploads)"
+                                                for name, rounds in honest.items()),
+            *(f"{attack}, {count} of {ATTACK_CLIENTS}" for attack in attacks for count in counts)]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for factor, cosine in candidates:
+        faults = FaultsConfig(anomaly_norm_factor=factor, anomaly_min_cosine=cosine)
+        row = [f"{factor:g}, {cosine:g}"]
+        row += [str(sum(len(flags_under(r["measures"], r["flagged"], faults)) for r in rounds)) for rounds in honest.values()]
+        for attack in attacks:
+            for count in counts:
+                runs = [r for r in attacked if r["attack"] == attack and len(r["attackers"]) == count]
+                bad = [(set(map(str, run["attackers"])), r) for run in runs for r in run["rounds"]]
+                hit = sum(len(attackers & flags_under(r["measures"], r["flagged"], faults)) for attackers, r in bad)
+                total = sum(len(attackers & set(r["measures"])) for attackers, r in bad)
+                false = sum(len(flags_under(r["measures"], r["flagged"], faults) - attackers) for attackers, r in bad)
+                row.append(f"{hit}/{total}, {false}" if total else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def load_records(results: Path) -> list[dict[str, Any]]:
     import json
 
@@ -647,6 +756,8 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(ATTACK_NAMES), help="the attack table's attacks")
     parser.add_argument("--counts", default=",".join(map(str, FRACTIONS)), help="attackers of 7")
     parser.add_argument("--table", action="store_true", help="only rebuild the tables from the records")
+    parser.add_argument("--honest-configs", action="store_true",
+                        help="only the shipped configs' honest runs (the anomaly rule's false flags)")
     parser.add_argument("--out", default=str(ROOT / "runs/poisoning-clean"), help="--clean: comparison folder")
     parser.add_argument("--resume", action="store_true", help="--clean: continue the comparison in --out")
     args = parser.parse_args()
@@ -656,6 +767,9 @@ def main() -> None:
         return
     if args.synthetic:
         attack_table()
+        return
+    if args.honest_configs:
+        run_honest_configs(SHIPPED, [0], HONEST_RESULTS, EFFECTS / "honest")
         return
     rules, attacks = args.rules.split(","), args.attacks.split(",")
     counts = [int(c) for c in args.counts.split(",")]

@@ -466,7 +466,7 @@ class FaultsConfig(_Section):
         "among the round's clients if that is larger, whatever the method weighs by (example counts, "
         "HetLoRA's update norms); larger weights are cut down by water-filling, with a warning line. "
         "Honest example counts never reach it; it binds weights a client can inflate. At least 1 / the "
-        "clients a round samples; 1 = off."
+        "clients a round samples, which makes every upload weigh the same (as Flower's DP wrapper assumes); 1 = off."
     )
     max_size_ratio: float = Field(
         8.0, ge=0.0, allow_inf_nan=False, description="Weight-share rule: a client's example counts weigh at "

@@ -17,7 +17,7 @@ computing its own weight), in three pure steps:
    client's share of the weights exceeds
    b(S) = max(``faults.max_client_share``, max_{k in S} e_k / sum_{j in S} e_j) (:func:`share_bound`):
    the larger of the operator's floor and the share the largest entitlement of the round gives its
-   client. The weights (example counts, HetLoRA's update norms, uniform weights) are cut by
+   client (``max_client_share`` = 1 / the sample: every client weighs the same, on purpose). The weights (example counts, HetLoRA's update norms, uniform weights) are cut by
    water-filling to it (:func:`capped_weights`). Honest example weights sit at the plain counts
    (n_k = e_k, so n_k / sum n <= max e / sum e <= b(S)); weights a method derives from the uploads
    (norms) are bounded by b(S) whatever a client uploads.
@@ -51,8 +51,11 @@ def share_bound(entitled: Sequence[float], max_share: float) -> float:
     """The largest share of a round one client may weigh, for a round whose weighed clients are
     entitled to ``entitled``: the larger of ``max_share`` (``faults.max_client_share``) and the
     largest entitlement's share of the round, at most 1 (``max_share`` alone when an entitlement
-    is unknown, inf)."""
+    is unknown, inf, and when it is an equal share of the round or less: the operator asked for
+    every client to weigh the same, as under Flower's DP wrapper)."""
     e = np.asarray(entitled, dtype=np.float64)
+    if max_share * e.size <= 1.0 + SHARE_TOLERANCE:
+        return max_share  # an equal share asked for (1 / the sample): every client weighs the same
     total = float(e.sum())
     declared = float(e.max()) / total if 0 < total < math.inf else 0.0
     return min(1.0, max(max_share, declared))

@@ -267,3 +267,11 @@ def test_a_refused_setting_is_one_line_and_exit_2_on_the_command_line(tmp_path: 
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().count("\n") == 0 and "faults.multikrum_select = 5" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_equal_share_asked_for_makes_every_client_weigh_the_same() -> None:
+    # faults.max_client_share = 1 / the sample (docs/flower.md, Flower's DP wrapper): uniform weights
+    assert share_bound([100, 110, 120], 1 / 3) == pytest.approx(1 / 3)
+    np.testing.assert_allclose(client_weights([100, 110, 120], [100, 110, 120], 1 / 3), [1.0, 1.0, 1.0])
+    # a round with fewer uploads than the sample: still every one the same
+    np.testing.assert_allclose(client_weights([100, 120], [100, 120], 1 / 3), [1.0, 1.0])

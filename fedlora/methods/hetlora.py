@@ -26,7 +26,8 @@ class HetLoRAOptions(MethodOptions):
         description="Aggregation weights: 'norm' = w_k proportional to ||B_k A_k||_F per module "
         "(HetLoRA's sparsity-weighted aggregation, Cho et al. 2024, Sec. 3), the norm computed in "
         "factor space (trace((B^T B)(A A^T))); 'examples' = "
-        "n_k / sum n (plain zero-padding FedAvg, an ablation).",
+        "n_k / sum n (plain zero-padding FedAvg, an ablation). Either way no client weighs more than the "
+        "round's share bound (the weight-share rule, fedlora/shares.py): a client scaling its B cannot take the round.",
     )
     self_prune: bool = Field(
         False,
