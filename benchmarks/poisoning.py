@@ -411,12 +411,12 @@ class AttackRun:
 
 
 def attack_runs(rules: Sequence[str], attacks: Sequence[str], counts: Sequence[int], seeds: Sequence[int]) -> list[AttackRun]:
-    """Every run of the table: the honest run of each rule and seed first (the movement of an
-    attacked run is measured from it), then the attacked ones."""
-    honest = [AttackRun(rule, HONEST, 0, seed) for seed in seeds for rule in rules]
-    attacked = [AttackRun(rule, attack, count, seed) for seed in seeds for count in counts
-                for attack in attacks for rule in rules]
-    return honest + attacked
+    """Every run of the table, seed by seed (a whole seed's table is there before the next one
+    starts): the honest run of each rule first (the movement of an attacked run is measured from
+    it), then the attacked ones."""
+    return [run for seed in seeds for run in (
+        [AttackRun(rule, HONEST, 0, seed) for rule in rules]
+        + [AttackRun(rule, attack, count, seed) for count in counts for attack in attacks for rule in rules])]
 
 
 def adapter_effect(payload: dict[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
@@ -513,7 +513,10 @@ def compact_round(record: dict[str, Any]) -> dict[str, Any]:
             "measures": clients}
 
 
-SHIPPED = tuple(sorted((ROOT / "configs").glob("*.toml")))  # configs/scenarios/ have the fidelity records
+# configs/scenarios/ have the fidelity records; the cheapest runs first
+SHIPPED = tuple(ROOT / "configs" / f"{name}.toml" for name in (
+    "smoke", "llm_smoke", "quick", "feddr_lora", "baselines", "fedpissa", "fedhera", "fedtreelora", "demo",
+    "quickstart", "llm"))
 HONEST_RESULTS = ROOT / "benchmarks/results/poisoning-honest"  # one record per shipped config and seed (committed)
 SCENARIO_RECORDS = ROOT / "docs/results/records"  # the fidelity benchmark's honest runs of configs/scenarios/
 
@@ -728,11 +731,11 @@ def run_attacks(runs: Sequence[AttackRun], workers: int, results: Path, effects:
     effects.mkdir(parents=True, exist_ok=True)
     todo = [run for run in runs if not run.record_path(results).is_file()
             or (run.attack == HONEST and not (effects / f"{run.rule}-seed{run.seed}.npz").is_file())]
-    honest = [run for run in todo if run.attack == HONEST]
-    attacked = [run for run in todo if run.attack != HONEST]
+    batches = [[run for run in todo if run.seed == seed and (run.attack == HONEST) == honest]
+               for seed in dict.fromkeys(run.seed for run in todo) for honest in (True, False)]
     print(f"{len(runs) - len(todo)} of {len(runs)} runs recorded, {len(todo)} to run", flush=True)
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for batch in (honest, attacked):
+        for batch in batches:
             futures = {pool.submit(play_attack, run, results, effects): run for run in batch}
             for done, future in enumerate(futures, 1):
                 try:

@@ -506,14 +506,15 @@ class FaultsConfig(_Section):
         "(Flower's num_nodes_to_select); 0 = n - f, every upload but the f worst scored."
     )
     anomaly_norm_factor: float = Field(
-        3.0, ge=0.0, allow_inf_nan=False, description="Anomaly rule (strategies/anomaly.py): flag "
+        2.5, ge=0.0, allow_inf_nan=False, description="Anomaly rule (strategies/anomaly.py): flag "
         "an accepted update whose change (the uploaded factors minus what the client downloaded) has an "
-        "L2 norm above this multiple of the round's lower median change norm (needs >= 2 updates; 0 = off)."
+        "L2 norm above this multiple of the round's lower median change norm (needs >= 2 updates; 0 = off). "
+        "Honest updates of every shipped config reach 2.03 x at most (docs/robustness.md)."
     )
     anomaly_min_cosine: float = Field(
-        0.0, ge=-1.0, le=1.0, allow_inf_nan=False, description="Anomaly rule: flag an update whose change "
+        -0.15, ge=-1.0, le=1.0, allow_inf_nan=False, description="Anomaly rule: flag an update whose change "
         "has a cosine similarity below this to the round's coordinate-wise median change (needs >= 3 "
-        "updates; -1 = off)."
+        "updates; -1 = off). Honest updates of the shipped configs come down to -0.085 (docs/robustness.md)."
     )
     duplicate_rounds: int = Field(
         3, ge=0, le=100, description="Anomaly rule: flag an update identical (within duplicate_tolerance) "
