@@ -255,3 +255,21 @@ def test_the_standard_attacks_craft_what_their_papers_say() -> None:
 def test_the_honest_configs_benchmark_runs_every_shipped_config() -> None:
     bench = _benchmark()
     assert sorted(bench.SHIPPED) == sorted((ROOT / "configs").glob("*.toml"))
+
+
+def test_the_default_anomaly_rule_flags_no_honest_client_of_a_recorded_shipped_run() -> None:
+    """Every honest run on record, replayed through the server's own verdict at the default
+    thresholds: the fidelity benchmark's runs of configs/scenarios/ (docs/results/records) and the
+    shipped configs' own runs (benchmarks/results/poisoning-honest, ``poisoning.py --honest-configs``)."""
+    from fedlora.schema import FaultsConfig
+
+    bench = _benchmark()
+    rounds = bench.honest_rounds()
+    scenarios, configs = rounds["configs/scenarios/ (fidelity records)"], rounds["configs/*.toml"]
+    assert sum(len(r["measures"]) for r in scenarios) > 50_000  # the records are there
+    flagged = [(i, flags) for i, r in enumerate(scenarios + configs)
+               if (flags := bench.flags_under(r["measures"], r["flagged"], FaultsConfig()))]
+    assert flagged == []
+    # the rule the defaults replace (3 x the lower median, cosine 0) flagged an honest client there
+    old = FaultsConfig(anomaly_norm_factor=3.0, anomaly_min_cosine=0.0)
+    assert any(bench.flags_under(r["measures"], r["flagged"], old) for r in scenarios)
