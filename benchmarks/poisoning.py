@@ -594,34 +594,40 @@ def honest_rounds() -> dict[str, list[dict[str, Any]]]:
                                            for k, e in (r.get("per_client_train") or {}).items()},
                               "flagged": {k: e.get("update_anomaly", "") for k, e in (r.get("per_client_train") or {}).items()
                                           if e.get("update_anomaly")}})
-    return {"attack table, no attacker": table, "configs/*.toml": configs, "configs/scenarios/ (fidelity records)": scenarios}
+    return {"the attack table's runs": table, "configs/*.toml": configs, "configs/scenarios/ (fidelity records)": scenarios}
+
+
+RULE_CANDIDATES = ((3.0, 0.0), (2.5, -0.15), (2.5, -0.1), (2.5, 0.0), (2.0, -0.15), (3.0, -0.15))
 
 
 def rule_table(candidates: Sequence[tuple[float, float]], attacks: Sequence[str], counts: Sequence[int]) -> str:
-    """For each anomaly rule (norm factor, min cosine): the honest uploads it flags (false flags)
-    in every honest run, and the attackers' uploads it flags under each attack (the runs with the
-    rule logging: every rule but 'anomaly')."""
+    """For each anomaly rule (norm factor, min cosine), a column: the honest uploads it flags (false
+    flags) in every honest run on record, and under each attack the attackers' uploads it flags of
+    theirs and the honest uploads it flags beside them (the runs where the rule logs: every rule
+    but 'anomaly')."""
     from fedlora.schema import FaultsConfig
 
-    honest = honest_rounds()
+    rules = [FaultsConfig(anomaly_norm_factor=factor, anomaly_min_cosine=cosine) for factor, cosine in candidates]
+    lines = ["| honest runs: honest uploads flagged; attacks: attackers' uploads flagged, honest flagged | "
+             + " | ".join(f"{factor:g} x, cosine {cosine:g}" for factor, cosine in candidates) + " |",
+             "|---|" + "---|" * len(candidates)]
+    for name, rounds in honest_rounds().items():
+        uploads = sum(len(r["measures"]) for r in rounds)
+        lines.append(f"| no attacker, {name}: {uploads} uploads | " + " | ".join(
+            str(sum(len(flags_under(r["measures"], r["flagged"], faults)) for r in rounds)) for faults in rules) + " |")
     attacked = [r for r in load_records(RESULTS) if r["attack"] != HONEST and r["rule"] != "anomaly"]
-    head = ["rule (norm factor, min cosine)", *(f"false flags: {name} ({sum(len(r['measures']) for r in rounds)} uploads)"
-                                                for name, rounds in honest.items()),
-            *(f"{attack}, {count} of {ATTACK_CLIENTS}" for attack in attacks for count in counts)]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for factor, cosine in candidates:
-        faults = FaultsConfig(anomaly_norm_factor=factor, anomaly_min_cosine=cosine)
-        row = [f"{factor:g}, {cosine:g}"]
-        row += [str(sum(len(flags_under(r["measures"], r["flagged"], faults)) for r in rounds)) for rounds in honest.values()]
-        for attack in attacks:
-            for count in counts:
-                runs = [r for r in attacked if r["attack"] == attack and len(r["attackers"]) == count]
-                bad = [(set(map(str, run["attackers"])), r) for run in runs for r in run["rounds"]]
-                hit = sum(len(attackers & flags_under(r["measures"], r["flagged"], faults)) for attackers, r in bad)
-                total = sum(len(attackers & set(r["measures"])) for attackers, r in bad)
-                false = sum(len(flags_under(r["measures"], r["flagged"], faults) - attackers) for attackers, r in bad)
-                row.append(f"{hit}/{total}, {false}" if total else "-")
-        lines.append("| " + " | ".join(row) + " |")
+    for attack in attacks:
+        for count in counts:
+            bad = [(set(map(str, run["attackers"])), r) for run in attacked
+                   if run["attack"] == attack and len(run["attackers"]) == count for r in run["rounds"]]
+            if not bad:
+                continue
+            total = sum(len(attackers & set(r["measures"])) for attackers, r in bad)
+            cells = []
+            for faults in rules:
+                flags = [(attackers, flags_under(r["measures"], r["flagged"], faults)) for attackers, r in bad]
+                cells.append(f"{sum(len(a & f) for a, f in flags)}/{total}, {sum(len(f - a) for a, f in flags)}")
+            lines.append(f"| {attack}, {count} of {ATTACK_CLIENTS} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -779,6 +785,12 @@ def main() -> None:
     if not args.table:
         run_attacks(attack_runs(rules, attacks, counts, seeds), args.workers, RESULTS, EFFECTS)
     text = attack_tables(load_records(RESULTS), list(DEFENCES), list(ATTACK_NAMES), list(FRACTIONS))
+    text += ("\n\nThe anomaly rule's thresholds judged on the records (`strategies/anomaly.py`'s `verdict` over "
+             "each round's recorded measures; the defaults are 2.5 and -0.15, the rule before them 3 and 0): the "
+             "honest uploads each flags in every honest run on record, and under each attack the attackers' "
+             "uploads it flags of theirs, then the honest uploads it flags beside them (every rule's runs but "
+             "the anomaly column's, where it rejected).\n\n")
+    text += rule_table(RULE_CANDIDATES, list(ATTACK_NAMES), list(FRACTIONS))
     print(text)
     if write_docs(text):
         print(f"written into {DOCS.relative_to(ROOT)}")
