@@ -100,6 +100,6 @@ def split_ceiling(entitled: float, fraction: float, train_fraction: float) -> fl
     floor(fraction x (entitled + 1) / train_fraction + 0.5)."""
     if fraction <= 0:
         return 0.0
-    if train_fraction <= 0:
+    if train_fraction <= 0 or not math.isfinite(entitled):
         return math.inf
     return float(math.floor(fraction * (entitled + 1) / train_fraction + 0.5))

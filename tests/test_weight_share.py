@@ -275,3 +275,10 @@ def test_an_equal_share_asked_for_makes_every_client_weigh_the_same() -> None:
     np.testing.assert_allclose(client_weights([100, 110, 120], [100, 110, 120], 1 / 3), [1.0, 1.0, 1.0])
     # a round with fewer uploads than the sample: still every one the same
     np.testing.assert_allclose(client_weights([100, 120], [100, 120], 1 / 3), [1.0, 1.0])
+
+
+def test_a_client_that_declared_no_size_is_bounded_by_the_others_or_not_at_all() -> None:
+    # no declared size anywhere: no entitlement cuts anything, evaluation counts included
+    entitled = entitled_sizes([0, 0, 0], 8.0)
+    assert client_weights([5, 7, 9], entitled, 0.6).tolist() == [5, 7, 9]
+    assert split_ceiling(math.inf, 0.2, 0.7) == math.inf
