@@ -697,22 +697,33 @@ def attack_tables(records: Sequence[dict[str, Any]], rules: Sequence[str], attac
     def grid(title: str, value: Any) -> list[str]:
         lines = [f"| {title} | " + " | ".join(rules) + " |", "|---|" + "---|" * len(rules)]
         for attack, count in rows:
-            lines.append(f"| {label(attack, count)} | " + " | ".join(
-                value(table[(rule, attack, count)]) if (rule, attack, count) in table else "-" for rule in rules) + " |")
+            cells = []
+            for rule in rules:
+                cell = table.get((rule, attack, count))
+                few = f" ({cell.seeds})" if cell is not None and cell.seeds < len(seeds) else ""
+                cells.append("-" if cell is None else value(cell) + few)
+            lines.append(f"| {label(attack, count)} | " + " | ".join(cells) + " |")
         return lines
 
-    clean = {rule: float(np.mean(table[(rule, HONEST, 0)].accuracy)) for rule in rules
-             if (rule, HONEST, 0) in table and table[(rule, HONEST, 0)].accuracy}
+    clean = {(r["rule"], r["seed"]): r["final_accuracy"] for r in records
+             if r["attack"] == HONEST and r["final_accuracy"] is not None}
+
+    def cost(rule: str) -> str:  # paired by seed with the mean's clean accuracy
+        paired = [clean[(rule, seed)] - clean[("mean", seed)] for seed in seeds
+                  if (rule, seed) in clean and ("mean", seed) in clean]
+        return f"{float(np.mean(paired)):+.2f}" + (f" ({len(paired)})" if len(paired) < len(seeds) else "") if paired else "-"
+
     accuracy = grid("final accuracy", lambda c: _mean(c.accuracy) + ("*" if c.stopped else ""))
-    if "mean" in clean:
-        accuracy.insert(3, "| clean-accuracy cost (rule's clean accuracy minus the mean's) | " + " | ".join(
-            f"{clean[rule] - clean['mean']:+.2f}" if rule in clean else "-" for rule in rules) + " |")
+    accuracy.insert(3, "| clean-accuracy cost (the rule's clean accuracy minus the mean's, same seed) | "
+                    + " | ".join(cost(rule) for rule in rules) + " |")
     movement = grid("movement from the honest run", lambda c: _mean(c.movement))
     detection = grid("attackers flagged / rejected of their uploads; honest flagged, rejected", lambda c: (
         f"{c.attackers_flagged}/{c.attackers_rejected} of {c.attacker_uploads}; {c.honest_flagged}, {c.honest_rejected}"
         if c.attacker_uploads else f"-; {c.honest_flagged}, {c.honest_rejected}"))
-    return "\n".join([(f"Seeds {', '.join(map(str, seeds))}; each cell the mean over them (* a run stopped: too "
-                      "many rounds without enough valid uploads)."), "", *accuracy, "", *movement, "", *detection])
+    return "\n".join([(f"Seeds {', '.join(map(str, seeds))}; each cell the mean over them, or over the number of "
+                       "seeds in brackets where fewer are recorded yet (`-`: none; * a run stopped: too many rounds "
+                       "without enough valid uploads; the accuracy is that of the runs that did not)."),
+                      "", *accuracy, "", *movement, "", *detection])
 
 
 DOCS = ROOT / "docs/robustness.md"
