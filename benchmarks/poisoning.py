@@ -11,8 +11,10 @@ anomaly rule (``faults.anomaly_action = 'reject'``), at 3 seeds, with real fedit
 honest clients (:data:`ATTACK_CONFIG`: configs/quick.toml's MiniLM, 7 clients, 3 rounds). Every
 finished run is one record under benchmarks/results/poisoning/<rule>/ (committed); the command runs
 only the runs without one (``--workers`` at a time), then prints the tables and writes them into
-docs/robustness.md between its markers. About 441 runs of 8 to 15 s of CPU each: an hour and a
-half on 2 cores (``--table`` only rebuilds the tables from the records).
+docs/robustness.md between its markers. 147 runs a seed, about 12 s of CPU each (the recorded
+``cpu_seconds``' median) but, on the shared 2-core machine they were recorded on, 70 to 100 s of wall
+time each: a seed took about two hours with 2 workers (``--table`` only rebuilds the tables from the
+records).
 
 **Synthetic** (``--synthetic``, no training, as tests/test_poisoning.py): seven fedit clients of
 rank 4 on configs/smoke.toml's tiny random BERT; an honest client's upload is its download plus the
@@ -649,7 +651,7 @@ class Cell:
     honest_uploads: int = 0
     honest_flagged: int = 0
     honest_rejected: int = 0
-    seeds: int = 0
+    seeds: list[int] = field(default_factory=list)  # the seeds recorded
     stopped: int = 0  # runs the defences stopped (too many failed rounds)
 
 
@@ -658,7 +660,7 @@ def cells(records: Sequence[dict[str, Any]]) -> dict[tuple[str, str, int], Cell]
     out: dict[tuple[str, str, int], Cell] = {}
     for record in records:
         cell = out.setdefault((record["rule"], record["attack"], len(record["attackers"])), Cell())
-        cell.seeds += 1
+        cell.seeds.append(record["seed"])
         cell.stopped += bool(record["error"])
         if record["final_accuracy"] is not None:
             cell.accuracy.append(record["final_accuracy"])
@@ -691,6 +693,9 @@ def attack_tables(records: Sequence[dict[str, Any]], rules: Sequence[str], attac
     rows = [(HONEST, 0)] + [(attack, count) for attack in attacks for count in counts]
     seeds = sorted({r["seed"] for r in records})
 
+    def only(recorded: Sequence[int]) -> str:
+        return ("seed " if len(recorded) == 1 else "seeds ") + ", ".join(map(str, sorted(recorded)))
+
     def label(attack: str, count: int) -> str:
         return "no attack (clean accuracy)" if attack == HONEST else f"{attack}, {count} of {ATTACK_CLIENTS}"
 
@@ -700,7 +705,7 @@ def attack_tables(records: Sequence[dict[str, Any]], rules: Sequence[str], attac
             cells = []
             for rule in rules:
                 cell = table.get((rule, attack, count))
-                few = f" ({cell.seeds})" if cell is not None and cell.seeds < len(seeds) else ""
+                few = f" ({only(cell.seeds)})" if cell is not None and len(cell.seeds) < len(seeds) else ""
                 cells.append("-" if cell is None else value(cell) + few)
             lines.append(f"| {label(attack, count)} | " + " | ".join(cells) + " |")
         return lines
@@ -709,9 +714,10 @@ def attack_tables(records: Sequence[dict[str, Any]], rules: Sequence[str], attac
              if r["attack"] == HONEST and r["final_accuracy"] is not None}
 
     def cost(rule: str) -> str:  # paired by seed with the mean's clean accuracy
-        paired = [clean[(rule, seed)] - clean[("mean", seed)] for seed in seeds
-                  if (rule, seed) in clean and ("mean", seed) in clean]
-        return f"{float(np.mean(paired)):+.2f}" + (f" ({len(paired)})" if len(paired) < len(seeds) else "") if paired else "-"
+        paired = {seed: clean[(rule, seed)] - clean[("mean", seed)] for seed in seeds
+                  if (rule, seed) in clean and ("mean", seed) in clean}
+        few = f" ({only(list(paired))})" if len(paired) < len(seeds) else ""
+        return f"{float(np.mean(list(paired.values()))):+.2f}{few}" if paired else "-"
 
     accuracy = grid("final accuracy", lambda c: _mean(c.accuracy) + ("*" if c.stopped else ""))
     accuracy.insert(3, "| clean-accuracy cost (the rule's clean accuracy minus the mean's, same seed) | "
@@ -720,9 +726,10 @@ def attack_tables(records: Sequence[dict[str, Any]], rules: Sequence[str], attac
     detection = grid("attackers flagged / rejected of their uploads; honest flagged, rejected", lambda c: (
         f"{c.attackers_flagged}/{c.attackers_rejected} of {c.attacker_uploads}; {c.honest_flagged}, {c.honest_rejected}"
         if c.attacker_uploads else f"-; {c.honest_flagged}, {c.honest_rejected}"))
-    return "\n".join([(f"Seeds {', '.join(map(str, seeds))}; each cell the mean over them, or over the number of "
+    return "\n".join([(f"Seeds {', '.join(map(str, seeds))} recorded; each cell the mean over them, or over the "
                        "seeds in brackets where fewer are recorded yet (`-`: none; * a run stopped: too many rounds "
-                       "without enough valid uploads; the accuracy is that of the runs that did not)."),
+                       "without enough valid uploads; the accuracy is that of the runs that did not; the detection "
+                       "counts are sums over the seeds)."),
                       "", *accuracy, "", *movement, "", *detection])
 
 
