@@ -517,7 +517,7 @@ def compact_round(record: dict[str, Any]) -> dict[str, Any]:
 
 # configs/scenarios/ have the fidelity records; the cheapest runs first
 SHIPPED = tuple(ROOT / "configs" / f"{name}.toml" for name in (
-    "smoke", "llm_smoke", "quick", "feddr_lora", "baselines", "fedpissa", "fedhera", "fedtreelora", "demo",
+    "smoke", "cross-silo", "llm_smoke", "quick", "feddr_lora", "baselines", "fedpissa", "fedhera", "fedtreelora", "demo",
     "quickstart", "llm"))
 HONEST_RESULTS = ROOT / "benchmarks/results/poisoning-honest"  # one record per shipped config and seed (committed)
 SCENARIO_RECORDS = ROOT / "docs/results/records"  # the fidelity benchmark's honest runs of configs/scenarios/

@@ -1,7 +1,11 @@
 """The weight-share rule: how much of a round one client can weigh, whatever a method weighs by.
 
-One rule for every method (the server's ``strategies/`` and, under secure aggregation, a client
-computing its own weight), in three pure steps:
+One rule for every method, in three pure steps. The server weighs uploads with it
+(``strategies/screening.py``, ``strategies/evaluation.py``, HetLoRA's norms, FedPiSSA's weights);
+under secure aggregation the server weighs the round's clients by the sizes they declared when they
+joined, and each client checks the weight the server sends it against the same rule on the table
+the server sent (``clients/secure.py``, through :func:`fedlora.secagg.weight_ratio`, which calls
+:func:`declared_weights`): secure and plain rounds weigh a client alike.
 
 1. **Entitlement, fixed when the clients join.** Client k declared a training partition of D_k
    examples when it joined (its profile's ``num_train_examples``); it is entitled to
@@ -34,20 +38,33 @@ from collections.abc import Sequence
 
 import numpy as np
 
+Numbers = Sequence[float] | np.ndarray  # (K,): one per client
 SHARE_TOLERANCE = 1e-9  # relative slack of the share test (a bound computed as max / sum, compared with it)
 
 
-def entitled_sizes(declared: Sequence[float], max_ratio: float) -> np.ndarray:
-    """Declared training sizes (K,) -> entitlements (K,): each cut to ``max_ratio`` x the lower
-    median of the positive declared sizes (``max_ratio`` 0: no cut). A client that declared no
-    size (0) is entitled to the cut, or to any count (inf) when there is no cut."""
+def size_cut(declared: Numbers, max_ratio: float) -> float:
+    """The most examples any client is entitled to: ``max_ratio`` x the lower median of the positive
+    declared training sizes (``max_ratio`` 0, or no positive size: no cut, inf)."""
     sizes = np.asarray(declared, dtype=np.float64)
     positive = np.sort(sizes[sizes > 0])
-    cut = max_ratio * float(positive[(positive.size - 1) // 2]) if max_ratio and positive.size else math.inf
+    return max_ratio * float(positive[(positive.size - 1) // 2]) if max_ratio and positive.size else math.inf
+
+
+def entitlements(declared: Numbers, cut: float) -> np.ndarray:
+    """Declared training sizes (K,) -> entitlements (K,): each cut to ``cut`` (:func:`size_cut`);
+    a client that declared no size (0) is entitled to the cut (any count, inf, with no cut)."""
+    sizes = np.asarray(declared, dtype=np.float64)
     return np.where(sizes > 0, np.minimum(sizes, cut), cut)
 
 
-def share_bound(entitled: Sequence[float], max_share: float) -> float:
+def entitled_sizes(declared: Numbers, max_ratio: float) -> np.ndarray:
+    """Declared training sizes (K,) -> entitlements (K,): each cut to ``max_ratio`` x the lower
+    median of the positive declared sizes (``max_ratio`` 0: no cut; :func:`size_cut`,
+    :func:`entitlements`)."""
+    return entitlements(declared, size_cut(declared, max_ratio))
+
+
+def share_bound(entitled: Numbers, max_share: float) -> float:
     """The largest share of a round one client may weigh, for a round whose weighed clients are
     entitled to ``entitled``: the larger of ``max_share`` (``faults.max_client_share``) and the
     largest entitlement's share of the round, at most 1 (``max_share`` alone when an entitlement
@@ -61,7 +78,7 @@ def share_bound(entitled: Sequence[float], max_share: float) -> float:
     return min(1.0, max(max_share, declared))
 
 
-def capped_weights(weights: Sequence[float], max_share: float) -> np.ndarray:
+def capped_weights(weights: Numbers, max_share: float) -> np.ndarray:
     """Weights (K,) -> weights (K,) in the same units, no share above ``max_share``.
 
     The weights above a level T are cut to T, with T the largest level at which the cut weights
@@ -85,11 +102,19 @@ def capped_weights(weights: Sequence[float], max_share: float) -> np.ndarray:
     return (n > 0).astype(np.float64)
 
 
-def client_weights(counts: Sequence[float], entitled: Sequence[float], max_share: float) -> np.ndarray:
+def client_weights(counts: Numbers, entitled: Numbers, max_share: float) -> np.ndarray:
     """A round's example counts (K,) -> aggregation weights (K,): each count cut to its client's
     entitlement, then no share above :func:`share_bound` (``entitled``, ``max_share``)."""
     cut = np.minimum(np.asarray(counts, dtype=np.float64), np.asarray(entitled, dtype=np.float64))
     return capped_weights(cut, share_bound(entitled, max_share))
+
+
+def declared_weights(declared: Numbers, cut: float, max_share: float) -> np.ndarray:
+    """The weights of a round whose clients are weighed by the training sizes they declared when
+    they joined (``declared``, (K,); secure aggregation, where no count arrives before the sum):
+    :func:`client_weights` of those sizes under the entitlements ``cut`` gives
+    (:func:`entitlements`). The server's weights and each secure client's check of its own."""
+    return client_weights(declared, entitlements(declared, cut), max_share)
 
 
 def split_ceiling(entitled: float, fraction: float, train_fraction: float) -> float:

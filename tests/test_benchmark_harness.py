@@ -334,3 +334,33 @@ def test_secagg_refuses_a_round_that_did_not_aggregate_every_client() -> None:
         secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=True)
     assert secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=False)["seconds"] == 1.0
     assert [r["round"] for r in secagg.steady_rounds([{"round": k} for k in range(1, 6)])] == [2, 3, 4]
+
+
+def test_secagg_drops_exactly_one_client_a_round_in_its_dropout_arms() -> None:
+    from fedlora.clients.faults import SimulatedClientFailure, maybe_fail
+    from fedlora.schema import FaultsConfig
+
+    secagg = load("secagg")
+    # Execute: the seed of a 5-client federation over 5 rounds, and the faults its arm runs with
+    seed = secagg.drop_seed(5, 5)
+    faults = FaultsConfig(drop_rate=0.2, seed=seed)
+    # Assert: the client's own failure draw fails exactly one client in each round
+    for server_round in range(1, 6):
+        failed = []
+        for partition in range(5):
+            try:
+                maybe_fail(faults, server_round, partition)
+            except SimulatedClientFailure:
+                failed.append(partition)
+        assert len(failed) == 1, (server_round, failed)
+    # and a round of the dropout arm must say so: 4 aggregated, 1 failure, 1 dropped client's masks rebuilt
+    report = {"masked": 4, "dead_recovered": 1, "culprits": {}, "seconds": dict.fromkeys(secagg.STAGES, 0.1),
+              "wire_bytes": {stage: {"down": 1, "up": 1} for stage in secagg.STAGES}, "error_bound": 1e-8}
+    round_ = {"round": 1, "sampled": 5, "clients": 4, "failures": 1, "seconds": 1.0, "client_train_seconds": 0.5,
+              "bytes_up": 8, "bytes_down": 4, "wire_bytes_up": 9, "wire_bytes_down": 5,
+              "extra": {"secure_aggregation": report}}
+    results = {"rounds": [round_], "final": {"global_accuracy": 0.1}}
+    assert secagg.figures(results, 10.0, 5, secure=True, dropped=1)["unmask_seconds"] == 0.1
+    with pytest.raises(SystemExit, match="with 1 dropped"):
+        secagg.figures({**results, "rounds": [{**round_, "extra": {"secure_aggregation": {**report, "dead_recovered": 0}}}]},
+                       10.0, 5, secure=True, dropped=1)
