@@ -773,10 +773,11 @@ class OutputConfig(_Section):
 # stops matching only when the option's value really differs. Every recorded run before
 # train.precision existed ran its forward pass in fp32 (the records are CPU runs; only CUDA had bf16
 # autocast then, and no CUDA run was recorded); every FedTreeLoRA run before its tree options built
-# the tree once, on the raw B factors. The anomaly rule's options read as today's defaults: with
-# faults.anomaly_action = "log" it only observes (the model and every metric are bit-identical with
-# and without it: tests/test_poisoning.py), so an earlier run is what today's defaults compute, less
-# the per-client diagnostics it did not record.
+# the tree once, on the raw B factors. The anomaly rule's options read as the defaults they came
+# with (3 and 0; today's are 2.5 and -0.15): with faults.anomaly_action = "log" it only observes (the
+# model and every metric are bit-identical with and without it: tests/test_poisoning.py), so an
+# earlier run is what today's defaults compute, less the per-client diagnostics it did not record,
+# and comparable_config leaves its thresholds out under "log".
 RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("train", None, "precision"): "fp32",
     ("data", None, "class_blocks"): [],
@@ -792,6 +793,10 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("faults", None, "anomaly_action"): "log",
     ("faults", None, "num_malicious"): 1,
     ("faults", None, "multikrum_select"): 0,
+    # before the entitlement cut existed no count was cut; every recorded run's partitions are within
+    # 4.5 x their lower median (tests/test_weight_share.py, seeds 0-4 of every config and scenario),
+    # so today's cut at 8 x cuts none of them either: the records are what the default computes
+    ("faults", None, "max_size_ratio"): 8.0,
     ("secure_aggregation", None, "enabled"): False,
     ("secure_aggregation", None, "num_shares"): 1.0,
     ("secure_aggregation", None, "reconstruction_threshold"): 0.5,
@@ -834,16 +839,31 @@ def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
     return filled
 
 
+# The anomaly rule's thresholds: with faults.anomaly_action = "log" they choose which updates are
+# flagged (a warning line, the round's `anomalies`, each client's `update_anomaly`), never which are
+# aggregated (strategies/screening.py's watch_updates keeps a flagged update; the model and every
+# metric are bit-identical with and without the rule: tests/test_poisoning.py).
+OBSERVING_ANOMALY_OPTIONS: tuple[str, ...] = (
+    "anomaly_norm_factor", "anomaly_min_cosine", "duplicate_rounds", "duplicate_tolerance")
+
+
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """A config (a dict of sections, recorded or current) as two runs are compared to tell whether
     they are the same run: :func:`with_record_defaults` filled, without ``output`` (where results
-    go), and a disabled ``[secure_aggregation]`` as ``{"enabled": False}`` (its other options act on
+    go), a disabled ``[secure_aggregation]`` as ``{"enabled": False}`` (its other options act on
     nothing, so a default changed since, such as the reconstruction threshold, does not make an
-    earlier run another one)."""
+    earlier run another one), and with ``faults.anomaly_action = "log"`` without the anomaly rule's
+    thresholds (:data:`OBSERVING_ANOMALY_OPTIONS`: under "log" they change which updates are flagged
+    and reported, never the model nor any metric, so a run at the earlier defaults 3 and 0 is the
+    same run as one at today's 2.5 and -0.15; under "reject" they decide which updates are refused
+    and stay)."""
     filled = {k: v for k, v in with_record_defaults(config).items() if k != "output"}
     secure = filled.get("secure_aggregation")
     if isinstance(secure, dict) and not secure.get("enabled"):
         filled["secure_aggregation"] = {"enabled": False}
+    faults = filled.get("faults")
+    if isinstance(faults, dict) and faults.get("anomaly_action") == "log":
+        filled["faults"] = {k: v for k, v in faults.items() if k not in OBSERVING_ANOMALY_OPTIONS}
     return filled
 
 
