@@ -795,7 +795,10 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("faults", None, "multikrum_select"): 0,
     # before the entitlement cut existed no count was cut; every recorded run's partitions are within
     # 4.5 x their lower median (tests/test_weight_share.py, seeds 0-4 of every config and scenario),
-    # so today's cut at 8 x cuts none of them either: the records are what the default computes
+    # so today's cut at 8 x cuts none of them either, and replayed from the records neither the old
+    # fixed share bound nor today's rule changes a weight of them: they are what the default computes.
+    # The exception, written on docs/robustness.md: the fedhera_llm records kept apart under
+    # faults.max_client_share=0.6, where the old bound changed weights that today's rule leaves.
     ("faults", None, "max_size_ratio"): 8.0,
     ("secure_aggregation", None, "enabled"): False,
     ("secure_aggregation", None, "num_shares"): 1.0,
