@@ -61,7 +61,7 @@ test-fast: install system-data
 # entries link to the repository's fedlora/* and to strategies/, clients/, simulations/.
 CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
 	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/backbones.py fedlora/models.py \
-	fedlora/training.py fedlora/privacy.py fedlora/data fedlora/cache.py fedlora/evaluation.py fedlora/secagg.py
+	fedlora/training.py fedlora/privacy.py fedlora/data fedlora/cache.py fedlora/evaluation.py fedlora/secagg.py fedlora/shares.py
 lint: install
 	$(VENV)/bin/ruff check fedlora strategies clients simulations tests benchmarks examples docs
 	@rm -rf .lint && mkdir -p .lint/fedlora && for f in fedlora/*; do ln -s "../../$$f" .lint/fedlora/; done \

@@ -21,8 +21,9 @@ agreement, Shamir sharing, share encryption and quantisation, with these changes
   (``secagg-complaints``) instead of stopping the client; the client still masks with every source
   (a pairwise mask needs the neighbour's public key, not its share). It refuses to mask when fewer
   than threshold of its neighbours (itself included) were sent the parameters it was sent, and when
-  the server's weight departs from the weight of its own example count under the share rule
-  (:func:`fedlora.secagg.weight_ratio`). Its weight factor travels in the clear (the server knows
+  the server's weight departs from the weight of its own example count under the weight-share rule
+  of plain rounds (fedlora/shares.py: the counts table cut at the entitlement cut the server sent,
+  then the round's share bound; :func:`fedlora.secagg.weight_ratio`). Its weight factor travels in the clear (the server knows
   it: the counts are the ones the clients declared when they joined); the update is masked;
 - **unmask**: it refuses a request that names a node both alive and dead, leaves itself out of
   the alive, or names a node it holds no share of; it sends only shares it verified.
@@ -71,8 +72,8 @@ CallNext = Callable[[Message, Context], Message]
 UPDATE_RECORD = "secagg_update"  # the reply's update vector, from masked_update to the port (never sent)
 _SETUP_KEYS = (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD, Key.CLIPPING_RANGE, Key.TARGET_RANGE,
                Key.MOD_RANGE, Key.MAX_WEIGHT, protocol.SECAGG_GENERATOR, protocol.SECAGG_SERVER_KEY,
-               protocol.SECAGG_NODES, protocol.SECAGG_COUNTS, protocol.SECAGG_MAX_SHARE, protocol.SECAGG_WEIGHTING,
-               protocol.SECAGG_LOW_THRESHOLD)
+               protocol.SECAGG_NODES, protocol.SECAGG_COUNTS, protocol.SECAGG_MAX_SHARE, protocol.SECAGG_SIZE_CUT,
+               protocol.SECAGG_WEIGHTING, protocol.SECAGG_LOW_THRESHOLD)
 
 
 class Refusal(ValueError):
@@ -97,6 +98,7 @@ class SecureState:
     nodes: list[int] = field(default_factory=list)  # the sampled clients, and the counts they declared
     counts: list[int] = field(default_factory=list)
     max_share: float = 1.0
+    size_cut: float = 0.0  # the share rule's entitlement cut (0: none)
     weighting: str = "examples"
     digest: bytes = b""  # the transcript of the setup stage's parameters
     sk1: bytes = b""
@@ -235,6 +237,7 @@ def _setup(state: SecureState, configs: ConfigRecord, nid: int) -> dict[str, Any
                         nodes=list(cast(list[int], configs[protocol.SECAGG_NODES])),
                         counts=list(cast(list[int], configs[protocol.SECAGG_COUNTS])),
                         max_share=protocol.number(configs[protocol.SECAGG_MAX_SHARE]),
+                        size_cut=protocol.number(configs[protocol.SECAGG_SIZE_CUT]),
                         weighting=str(configs[protocol.SECAGG_WEIGHTING]))
     problem = _setup_problem(fresh, configs)
     if problem:
@@ -268,6 +271,8 @@ def _setup_problem(p: SecureState, configs: ConfigRecord) -> str:
         return f"modulus {M} and quantization range {T} for {p.sample_num} clients"
     if not (0 < p.clipping_range < float("inf") and 0 < p.max_weight < float("inf") and 0 < p.max_share <= 1):
         return "a clipping range, largest weight or share bound that is not a positive finite number"
+    if not 0 <= p.size_cut < float("inf"):
+        return "an entitlement cut that is not a finite number >= 0"
     if p.weighting not in secagg.WEIGHTINGS:
         return f"unknown weighting {p.weighting!r}"
     if len(p.nodes) != p.sample_num or len(set(p.nodes)) != len(p.nodes) or p.nid not in p.nodes:
@@ -394,7 +399,7 @@ def _own_factor(state: SecureState, configs: ConfigRecord, own_count: int) -> in
     index = state.nodes.index(state.nid)
     if state.counts[index] != own_count:
         raise Refusal(f"masking: the server lists {state.counts[index]} examples for this client, which holds {own_count}")
-    ratio = secagg.weight_ratio(state.counts, index, state.max_share, state.weighting)
+    ratio = secagg.weight_ratio(state.counts, index, state.max_share, state.weighting, state.size_cut)
     factor = round(ratio * state.target_range)
     weight = configs.get(protocol.SECAGG_WEIGHT)
     told = -1 if not isinstance(weight, (int, float)) or isinstance(weight, bool) else secagg.weight_factor(

@@ -88,6 +88,7 @@ SECAGG_SERVER_KEY: Final = "secagg-server-key"  # the server's one-round public 
 SECAGG_NODES: Final = "secagg-nodes"  # the sampled clients' node ids ...
 SECAGG_COUNTS: Final = "secagg-counts"  # ... and the example counts they declared when they joined
 SECAGG_MAX_SHARE: Final = "secagg-max-share"  # faults.max_client_share: the share rule's bound
+SECAGG_SIZE_CUT: Final = "secagg-size-cut"  # the share rule's entitlement cut (fedlora.shares.size_cut; 0: none)
 SECAGG_WEIGHTING: Final = "secagg-weighting"  # 'examples' (the share rule on the counts) or 'uniform'
 SECAGG_LOW_THRESHOLD: Final = "secagg-low-threshold"  # the operator allowed a threshold at most half the shares
 # setup stage, client -> server
@@ -105,7 +106,7 @@ SECAGG_COMPLAINTS: Final = "secagg-complaints"  # node ids whose encrypted share
 SECAGG_REVEAL: Final = "secagg-reveal"
 SECAGG_REVEALED: Final = "secagg-revealed"
 SECAGG_RECORD_KEYS: Final = frozenset({
-    SECAGG_GENERATOR, SECAGG_SERVER_KEY, SECAGG_NODES, SECAGG_COUNTS, SECAGG_MAX_SHARE, SECAGG_WEIGHTING,
+    SECAGG_GENERATOR, SECAGG_SERVER_KEY, SECAGG_NODES, SECAGG_COUNTS, SECAGG_MAX_SHARE, SECAGG_SIZE_CUT, SECAGG_WEIGHTING,
     SECAGG_LOW_THRESHOLD, SECAGG_PROOF, SECAGG_HOLDERS, SECAGG_COMMITMENTS, SECAGG_SEED_COMMITMENT, SECAGG_WEIGHT,
     SECAGG_COMPLAINTS, SECAGG_REVEAL, SECAGG_REVEALED})
 # fedlora's own message config keys: a config given to ``configure_*`` (Flower's ``train_config`` /

@@ -32,6 +32,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload
-from fedlora.shares import capped_weights
+from fedlora.shares import declared_weights
 
 MAX_QUANTIZATION = 2**30  # T: Flower's stochastic rounding casts to int32 (T + 1 levels must fit)
 MAX_MODULUS = 2**32  # M: masked values are int64; a sum of up to 2**31 of them cannot overflow
@@ -412,15 +413,16 @@ def _proof(secret: bytes, node: int, pk1: bytes, pk2: bytes) -> bytes:
     return hmac.new(key, _node(node) + pk1 + pk2, hashlib.sha256).digest()
 
 
-def weight_ratio(counts: Sequence[float], index: int, max_share: float, weighting: str) -> float:
+def weight_ratio(counts: Sequence[float], index: int, max_share: float, weighting: str, cut: float = 0.0) -> float:
     """A client's aggregation weight over the round's largest, w_k / W in (0, 1]: 1 when the round
-    weighs its clients alike (``weighting = 'uniform'``), else its example count capped by the share
-    rule (:func:`fedlora.shares.capped_weights` over the round's declared ``counts``) over the largest
-    capped count. The server computes the weights it sends from the same; a client computes its own
-    from its own count and refuses a server weight that departs from it."""
+    weighs its clients alike (``weighting = 'uniform'``), else its weight by the weight-share rule
+    (:func:`fedlora.shares.declared_weights` of the round's declared ``counts``, entitlements cut at
+    ``cut``, 0: no cut; bound ``max_share``) over the largest. The server computes the weights it
+    sends from the same; a client computes its own from its own count and refuses a server weight
+    that departs from it."""
     if weighting == "uniform":
         return 1.0
-    capped = capped_weights(counts, max_share)
+    capped = declared_weights(counts, cut if cut > 0 else math.inf, max_share)
     largest = float(capped.max()) if capped.size else 0.0
     return float(capped[index]) / largest if largest > 0 else 0.0
 

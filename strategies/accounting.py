@@ -19,6 +19,7 @@ from fedlora import protocol
 from fedlora.lora import payload_bytes
 from fedlora.protocol import wire_size
 from fedlora.results import RoundRecord
+from fedlora.strategies.evaluation import CountBounds
 from fedlora.strategies.replies import ClientUpload
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
@@ -85,14 +86,14 @@ def reply_wire_size(message: Message) -> int:
         return 0
 
 
-def account_train(uploads: list[ClientUpload], record: RoundRecord, weights: np.ndarray) -> None:
+def account_train(uploads: list[ClientUpload], record: RoundRecord, weights: np.ndarray, bounds: CountBounds) -> None:
     """The round's record of what arrived: clients, upload bytes, the received accuracy
-    (:func:`note_received`), the train loss weighted by ``weights`` (the aggregation's), the
-    clients' training time and examples."""
+    (:func:`note_received`, its counts within ``bounds``), the train loss weighted by ``weights``
+    (the aggregation's), the clients' training time and examples."""
     record.clients = len(uploads)
     record.bytes_up = sum(payload_bytes(u.payload) for u in uploads)
     if uploads:
-        note_received(uploads, record)
+        note_received(uploads, record, bounds)
         record.train_loss = float(np.average([u.metrics.get(protocol.TRAIN_LOSS, math.nan) for u in uploads],
                                              weights=weights))
         record.client_train_seconds = float(sum(u.metrics.get(protocol.TRAIN_SECONDS, 0.0) for u in uploads))
@@ -100,22 +101,23 @@ def account_train(uploads: list[ClientUpload], record: RoundRecord, weights: np.
     log(INFO, "aggregate_train: %d replies, %d failures", len(uploads), record.failures)
 
 
-def note_received(uploads: list[ClientUpload], record: RoundRecord) -> None:
+def note_received(uploads: list[ClientUpload], record: RoundRecord, bounds: CountBounds) -> None:
     """Received accuracy: each sampled client's model as it received it (the download overlaid on
     its kept state; FedHera's tail scaled by lambda), on its local test split, before local
     training (FedHera's official metric; evaluation rounds only). A causal LM's is teacher-forced:
     token accuracy and loss per response token, token-weighted over the clients."""
-    scored = [u.metrics for u in uploads if protocol.RECEIVED_TOKEN_ACCURACY in u.metrics]
-    tokens = np.array([r.get(protocol.RECEIVED_TOKENS, 0.0) for r in scored])  # >= 1 each (protocol.TRAIN_RULES)
-    if scored and tokens.sum() > 0:
+    scored = [{**u.metrics, protocol.PARTITION_ID: u.partition_id} for u in uploads
+              if protocol.RECEIVED_TOKEN_ACCURACY in u.metrics]
+    if scored:  # RECEIVED_TOKENS >= 1 each (protocol.TRAIN_RULES)
+        tokens = bounds.weights(scored, protocol.RECEIVED_TOKENS, tokens=True)
         record.received_token_accuracy = float(np.average([r[protocol.RECEIVED_TOKEN_ACCURACY] for r in scored], weights=tokens))
         record.received_loss = float(np.average([r[protocol.RECEIVED_LOSS] for r in scored], weights=tokens))
     # an evaluation of no examples counts in neither (received-examples comes with it: protocol.TRAIN_RULES)
-    rows = [u.metrics for u in uploads if u.metrics.get(protocol.RECEIVED_EXAMPLES, 0.0) > 0
-            and protocol.RECEIVED_ACCURACY in u.metrics]
+    rows = [{**u.metrics, protocol.PARTITION_ID: u.partition_id} for u in uploads
+            if u.metrics.get(protocol.RECEIVED_EXAMPLES, 0.0) > 0 and protocol.RECEIVED_ACCURACY in u.metrics]
     if not rows:
         return
     accuracy = np.array([r[protocol.RECEIVED_ACCURACY] for r in rows])
-    examples = np.array([r[protocol.RECEIVED_EXAMPLES] for r in rows])
+    examples = bounds.weights(rows, protocol.RECEIVED_EXAMPLES)
     record.received_accuracy = float(np.average(accuracy, weights=examples))
     record.received_accuracy_unweighted = float(accuracy.mean())

@@ -156,6 +156,29 @@ def cosine(change: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]
     return max(-1.0, min(1.0, dot / math.sqrt(mine * theirs)))
 
 
+def lower_median(norms: Sequence[float]) -> float:
+    """The lower median of the positive change norms of a round (0 with fewer than two: no reference)."""
+    positive = sorted(n for n in norms if n > 0)
+    return positive[(len(positive) - 1) // 2] if len(positive) >= 2 else 0.0
+
+
+def verdict(norm: float, middle: float, cosine_to_median: float, updates: int, faults: FaultsConfig) -> list[str]:
+    """Why the rule flags an update (duplicates aside; [] if it does not): its change norm ``norm``
+    above ``faults.anomaly_norm_factor`` x the round's lower median change norm ``middle``
+    (:func:`lower_median`; 0: fewer than two updates), or its cosine to the round's median change
+    below ``faults.anomaly_min_cosine`` in a round of ``updates`` >= 3 measured updates. A pure
+    function of the measures each round's record keeps (``update_norm``, ``update_cosine``), so a
+    rule can be judged on recorded runs (benchmarks/poisoning.py)."""
+    reasons = []
+    if faults.anomaly_norm_factor and middle > 0 and norm > faults.anomaly_norm_factor * middle:
+        reasons.append(f"update norm {norm:.3g} above faults.anomaly_norm_factor x the round's "
+                       f"median ({faults.anomaly_norm_factor:g} x {middle:.3g})")
+    if updates >= 3 and cosine_to_median < faults.anomaly_min_cosine:  # NaN (a zero update) is never below
+        reasons.append(f"cosine {cosine_to_median:.3g} to the round's median update below "
+                       f"faults.anomaly_min_cosine ({faults.anomaly_min_cosine:g})")
+    return reasons
+
+
 def check_updates(uploads: Sequence[tuple[int, Mapping[str, np.ndarray], Mapping[str, np.ndarray]]],
                   history: Sequence[Fingerprint], server_round: int, faults: FaultsConfig
                   ) -> tuple[list[UpdateCheck], list[Fingerprint]]:
@@ -169,18 +192,9 @@ def check_updates(uploads: Sequence[tuple[int, Mapping[str, np.ndarray], Mapping
         reference = median_change(changes)
         for check, change in zip(checks, changes):
             check.cosine = cosine(change, reference)
-    positive = sorted(n for n in norms if n > 0)
-    if faults.anomaly_norm_factor and len(positive) >= 2:
-        limit = faults.anomaly_norm_factor * positive[(len(positive) - 1) // 2]
-        for check in checks:
-            if check.norm > limit:
-                check.reasons.append(f"update norm {check.norm:.3g} above faults.anomaly_norm_factor x the round's "
-                                     f"median ({faults.anomaly_norm_factor:g} x {limit / faults.anomaly_norm_factor:.3g})")
-    if len(changes) >= 3:
-        for check in checks:
-            if check.cosine < faults.anomaly_min_cosine:  # NaN (a zero update) is never below
-                check.reasons.append(f"cosine {check.cosine:.3g} to the round's median update below "
-                                     f"faults.anomaly_min_cosine ({faults.anomaly_min_cosine:g})")
+    middle = lower_median(norms)
+    for check in checks:
+        check.reasons.extend(verdict(check.norm, middle, check.cosine, len(changes), faults))
     if not faults.duplicate_rounds:
         return checks, []
     kept = [f for f in history if isinstance(f, Fingerprint) and isinstance(f.sketch, np.ndarray)

@@ -65,10 +65,11 @@ from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
 from fedlora.schema import AggregationRule, ExperimentConfig, apply_overrides, sample_size
+from fedlora.shares import entitlements, share_bound, size_cut
 from fedlora.strategies.accounting import account_train, failed_rounds, reply_wire_size
 from fedlora.strategies.anomaly import Fingerprint
 from fedlora.strategies.download import Download
-from fedlora.strategies.evaluation import aggregate_accuracy, aggregate_generation
+from fedlora.strategies.evaluation import CountBounds, aggregate_accuracy, aggregate_generation
 from fedlora.strategies.ledger import PrivacyLedger
 from fedlora.strategies.messages import RunPaths, download_message
 from fedlora.strategies.reading import read_evaluate_replies, read_train_replies
@@ -394,8 +395,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         return Combine(self.aggregation_rule, faults.trim_fraction, faults.num_malicious)
 
     def weights(self, uploads: list[ClientUpload]) -> np.ndarray:
-        """p_k = n_k / sum n over this round's uploads (n_k cut down so that no client weighs more
-        than ``faults.max_client_share``: :func:`fedlora.strategies.replies.capped_weights`)."""
+        """p_k = n_k / sum n over this round's uploads (n_k as the weight-share rule weighs it:
+        :func:`fedlora.strategies.screening.weigh`)."""
         return normalise([u.weight for u in uploads])
 
     def sample(self, fraction: float, minimum: int) -> list[int]:
@@ -567,7 +568,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         (:func:`fedlora.strategies.reading.read_evaluate_replies`), then **weigh** and **aggregate**: a
         classifier's accuracy (:func:`fedlora.strategies.evaluation.aggregate_accuracy`), a causal LM's
         ROUGE-L and loss (:func:`fedlora.strategies.evaluation.aggregate_generation`),
-        example-weighted (no client above ``faults.max_client_share``) and unweighted, worst client
+        example-weighted (each count within its client's bound: :meth:`count_bounds`) and unweighted, worst client
         and 10th percentile (``evaluation.py``). None when no reply was valid."""
         record = self.record(server_round)
         replies = list(replies)
@@ -577,7 +578,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if not rows:
             return None
         aggregate = aggregate_generation if kind == "causal_lm" else aggregate_accuracy  # weigh -> aggregate -> account
-        return aggregate(record, rows, self.experiment.faults.max_client_share, self.global_payload() is None)
+        return aggregate(record, rows, self.count_bounds(), self.global_payload() is None)
 
     # ---------------------------------------------------------------- results
     def record(self, server_round: int) -> RoundRecord:
@@ -643,11 +644,36 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     def _weigh(self, uploads: list[ClientUpload]) -> None:
         """Each upload's aggregation weight (:func:`fedlora.strategies.screening.weigh`)."""
-        weigh(uploads, self.experiment.faults.max_client_share)
+        weigh(uploads, self.entitled(), self.experiment.faults.max_client_share)
+
+    def size_cut(self) -> float:
+        """The most examples a client is entitled to: ``faults.max_size_ratio`` x the lower median of
+        the training sizes the accepted clients declared when they joined (:func:`fedlora.shares.size_cut`;
+        inf: no cut)."""
+        return size_cut([p.num_train_examples for p in self.roster.profiles.values()],
+                        self.experiment.faults.max_size_ratio)
+
+    def entitled(self) -> dict[int, float]:
+        """Every accepted client's entitlement: the training size it declared when it joined, cut to
+        :meth:`size_cut` (:func:`fedlora.shares.entitlements`)."""
+        partitions = sorted(self.roster.profiles)
+        sizes = entitlements([self.roster.profiles[p].num_train_examples for p in partitions], self.size_cut())
+        return dict(zip(partitions, sizes.tolist()))
+
+    def count_bounds(self) -> CountBounds:
+        """The most each client's evaluation counts weigh (:class:`fedlora.strategies.evaluation.CountBounds`)."""
+        return CountBounds.of(self.entitled(), self.experiment.data, self.experiment.train.max_length)
+
+    def round_share_bound(self, uploads: list[ClientUpload]) -> float:
+        """The largest share of the round one of ``uploads`` may weigh, whatever the method weighs
+        by (:func:`fedlora.shares.share_bound`): a method weighing by something else than the
+        example counts (HetLoRA's norms) cuts its weights to it with :func:`fedlora.shares.capped_weights`."""
+        entitled = self.entitled()
+        return share_bound([entitled[u.partition_id] for u in uploads], self.experiment.faults.max_client_share)
 
     def _account_train(self, uploads: list[ClientUpload], record: RoundRecord) -> None:
         """The round's record of what arrived (:func:`fedlora.strategies.accounting.account_train`)."""
-        account_train(uploads, record, self.weights(uploads) if uploads else np.ones(0))
+        account_train(uploads, record, self.weights(uploads) if uploads else np.ones(0), self.count_bounds())
 
     def _too_few_uploads(self, uploads: list[ClientUpload], server_round: int) -> bool:
         """The failure policy: fewer valid uploads than :meth:`min_uploads` leave the state as it

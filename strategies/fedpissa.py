@@ -22,6 +22,7 @@ from fedlora.methods.fedpissa import (
     update_consensus,
 )
 from fedlora.protocol import Phase
+from fedlora.shares import client_weights
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
 from fedlora.strategies.download import Download
 
@@ -232,7 +233,9 @@ class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
         A_mean, B_mean = self.initial_A, self.initial_B
         if self.last_A:
             clients = sorted(self.last_A)
-            p = normalise([self.last_examples[k] for k in clients])
+            entitled = self.entitled()  # the weight-share rule, as every round's weights (fedlora/shares.py)
+            p = normalise(client_weights([self.last_examples[k] for k in clients], [entitled[k] for k in clients],
+                                         self.experiment.faults.max_client_share))
 
             def mean(last: dict[ClientId, dict[str, np.ndarray]], m: str) -> np.ndarray:
                 return np.tensordot(p, np.stack([last[k][m] for k in clients]), axes=1).astype(np.float32)

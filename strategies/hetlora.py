@@ -32,7 +32,9 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     weighting : {'norm', 'examples'}, default 'norm'
         Aggregation weights: 'norm' = w_k proportional to ||B_k A_k||_F per module (HetLoRA's
         sparsity-weighted aggregation, Cho et al. 2024, Sec. 3), the norm computed in factor space
-        (trace((B^T B)(A A^T))); 'examples' = n_k / sum n (plain zero-padding FedAvg, an ablation).
+        (trace((B^T B)(A A^T))); 'examples' = n_k / sum n (plain zero-padding FedAvg, an ablation). Either
+        way no client weighs more than the round's share bound (the weight-share rule, fedlora/shares.py):
+        a client scaling its B cannot take the round.
     self_prune : bool, default False
         Local rank self-pruning (Cho et al. 2024, Sec. 3; client side, clients/trainers/hetlora.py): each
         client adds prune_lambda * sum_modules ||B_tail||_F ||A_tail||_F (the components beyond
@@ -96,7 +98,8 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         clients = [split_payload(u.payload)[0] for u in uploads]
         examples = [u.weight for u in uploads]
-        self.global_factors = hetlora_aggregate(clients, self.max_rank, examples, self.options.weighting)
+        self.global_factors = hetlora_aggregate(clients, self.max_rank, examples, self.options.weighting,
+                                                self.round_share_bound(uploads))
         for upload, factors in zip(uploads, clients):
             self.ranks[upload.partition_id] = next(iter(factors.values())).rank  # pruned clients stay pruned
         self.head = self.averaged_head(uploads, self.weights(uploads), self.head)

@@ -12,8 +12,9 @@
    keys, shapes and dtypes against the expected upload (float only, cast to the adapters' dtype),
    finiteness, and the update's norm against the reference norm (``faults.max_update_ratio``)
    (:func:`parse_train_reply`);
-3. **weigh**: the example counts as aggregation weights, no client above ``faults.max_client_share``
-   of the round (:func:`capped_weights`);
+3. **weigh**: the example counts as aggregation weights by the weight-share rule
+   (:mod:`fedlora.shares`: each count cut to its client's entitlement, no share above the round's
+   bound; :func:`fedlora.strategies.screening.weigh`);
 4. **aggregate** (the method) and **account** (the round's record).
 
 A reply that fails a step is a :class:`Rejection` with its reason; nothing here raises on what a
@@ -33,7 +34,7 @@ from flwr.app import Message
 from fedlora import protocol
 from fedlora.lora import ADAPTER_DTYPE, Payload
 from fedlora.schema import ModelKind
-from fedlora.shares import capped_weights  # noqa: F401 - re-exported: the server's weighing step
+from fedlora.shares import capped_weights, client_weights
 from fedlora.strategies.download import Download
 from fedlora.strategies.validation import check_upload, ratio_bound, update_norm
 
@@ -44,8 +45,8 @@ MAX_WORKER_TEXT = 200  # characters kept of each entry of a reply's worker recor
 class ClientUpload:
     """One valid training reply: the arrays (cast to the adapters' dtype) and the checked metrics.
 
-    ``weight`` is what the aggregation weighs the upload by: its example count, cut down by
-    :func:`capped_weights` when one client would outweigh ``faults.max_client_share``.
+    ``weight`` is what the aggregation weighs the upload by: its example count, cut down by the
+    weight-share rule (:func:`fedlora.shares.client_weights`) where it would outweigh its bound.
     """
 
     partition_id: int
@@ -229,5 +230,7 @@ def _worker(message: Message) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------- weigh
-# capped_weights (the share rule) lives in the core, fedlora/shares.py, so that a secure-aggregation client can
-# check its weight with the same function; re-exported here for the server's callers.
+# The weight-share rule lives in the core (fedlora/shares.py: clients under secure aggregation
+# compute their own weight with it); the server's weigh step is strategies/screening.py's weigh.
+__all__ = ["ClientUpload", "Expectation", "Rejection", "capped_weights", "client_weights", "parse_arrays",
+           "parse_evaluate_reply", "parse_metrics", "parse_train_reply"]

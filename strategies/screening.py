@@ -14,9 +14,10 @@ from logging import INFO, WARNING, getLogger
 
 from fedlora.results import RoundRecord
 from fedlora.schema import AggregationRule, FaultsConfig
+from fedlora.shares import client_weights
 from fedlora.strategies.accounting import reject
 from fedlora.strategies.anomaly import Fingerprint, check_updates
-from fedlora.strategies.replies import ClientUpload, capped_weights
+from fedlora.strategies.replies import ClientUpload
 from fedlora.strategies.robust import SELECTING, select_uploads
 from fedlora.strategies.validation import norm_outliers
 
@@ -64,14 +65,19 @@ def watch_updates(server_round: int, uploads: list[ClientUpload], history: list[
     return kept, history
 
 
-def weigh(uploads: list[ClientUpload], max_share: float) -> None:
-    """Each upload's aggregation weight: its example count, no client above ``max_share`` of the
-    round (``faults.max_client_share``; :func:`fedlora.strategies.replies.capped_weights`)."""
-    weights = capped_weights([u.num_examples for u in uploads], max_share)
+def weigh(uploads: list[ClientUpload], entitled: Mapping[int, float], max_share: float) -> None:
+    """Each upload's aggregation weight by the weight-share rule (:func:`fedlora.shares.client_weights`):
+    its example count, cut to its client's entitlement (``entitled``, fixed when the clients joined)
+    and so that no client weighs more than the round's share bound (``faults.max_client_share``, or
+    the largest entitlement's share of the round). A cut is one warning line: honest counts are
+    never cut."""
+    counts = [u.num_examples for u in uploads]
+    weights = client_weights(counts, [entitled[u.partition_id] for u in uploads], max_share)
     for upload, weight in zip(uploads, weights):
         if weight != upload.num_examples:
-            log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples "
-                "(faults.max_client_share = %g)", upload.partition_id, weight, upload.num_examples, max_share)
+            log(WARNING, "aggregate_train: client %d weighs %.4g instead of its %d examples (the weight-share "
+                "rule: faults.max_size_ratio, faults.max_client_share)", upload.partition_id, weight,
+                upload.num_examples)
         upload.weight = float(weight)
 
 

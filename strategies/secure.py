@@ -71,7 +71,8 @@ class SecureRound:
     ``params``: the round's parameters (:func:`fedlora.secagg.choose_params`); ``weights``: node id ->
     the aggregation weight the server chose (at most W; each client checks it); ``counts``: node id ->
     the examples it declared when it joined, weighed by ``weighting`` ('examples': the share rule of
-    bound ``max_share``; 'uniform') as :func:`fedlora.secagg.weight_ratio` does; ``size``: entries of
+    bound ``max_share`` and entitlement cut ``size_cut``, 0: none; 'uniform') as
+    :func:`fedlora.secagg.weight_ratio` does; ``size``: entries of
     the vector every client masks; ``timeout``: seconds each stage waits; ``low_threshold``: the
     operator allowed a threshold at most half of the shares; ``history``: digests of earlier rounds'
     masked vectors (a vector seen again is a replay).
@@ -79,13 +80,15 @@ class SecureRound:
 
     def __init__(self, params: SecAggParams, grid: Grid, server_round: int, weights: Mapping[int, float],
                  counts: Mapping[int, int], weighting: str, size: int, timeout: float | None = None, *,
-                 max_share: float = 1.0, low_threshold: bool = False, history: set[str] | None = None) -> None:
+                 max_share: float = 1.0, size_cut: float = 0.0, low_threshold: bool = False,
+                 history: set[str] | None = None) -> None:
         self.params, self.grid, self.server_round, self.timeout = params, grid, server_round, timeout
         self.weights, self.counts, self.weighting, self.size = dict(weights), dict(counts), weighting, size
         self.max_share, self.low_threshold, self.history = max_share, low_threshold, history or set()
+        self.size_cut = size_cut
         self.sampled = frozenset(self.weights)
         nodes = sorted(self.counts)
-        self.factors = {n: round(secagg.weight_ratio([self.counts[m] for m in nodes], i, max_share, weighting)
+        self.factors = {n: round(secagg.weight_ratio([self.counts[m] for m in nodes], i, max_share, weighting, size_cut)
                                  * params.quantization_range)
                         for i, n in enumerate(nodes)}  # what each client's clear weight factor must be (as it computes it)
         ring = sorted(self.sampled)
@@ -171,7 +174,8 @@ class SecureRound:
                    Key.MOD_RANGE: p.modulus_range, Key.MAX_WEIGHT: float(p.max_weight),
                    protocol.SECAGG_GENERATOR: secagg.MASK_GENERATOR, protocol.SECAGG_SERVER_KEY: self.server_pk,
                    protocol.SECAGG_NODES: nodes, protocol.SECAGG_COUNTS: [int(self.counts[n]) for n in nodes],
-                   protocol.SECAGG_MAX_SHARE: float(self.max_share), protocol.SECAGG_WEIGHTING: self.weighting,
+                   protocol.SECAGG_MAX_SHARE: float(self.max_share), protocol.SECAGG_SIZE_CUT: float(self.size_cut),
+                   protocol.SECAGG_WEIGHTING: self.weighting,
                    protocol.SECAGG_LOW_THRESHOLD: self.low_threshold}
         holders: dict[bytes, list[int]] = {}
         for node, record in self._exchange(Stage.SETUP, {node: entries for node in nodes}).items():

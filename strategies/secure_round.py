@@ -29,6 +29,7 @@ checks the mean); NaN and shape checks run on the client.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from logging import INFO, WARNING, getLogger
 from typing import Any
@@ -94,19 +95,22 @@ def secure_summary(experiment: Any) -> str:
             "rule need single updates and do not run")
 
 
-def secure_weighting(weights: list[float], counts: list[int], max_share: float) -> str:
+def secure_weighting(weights: list[float], counts: list[int], max_share: float, size_cut: float = 0.0) -> str:
     """How the strategy weighs the round's sampled clients, as a rule each client can check on its
-    own (:func:`fedlora.secagg.weight_ratio`): 'examples' when the weights are the share rule on the
-    declared ``counts``, 'uniform' when they are all equal; ConfigError for any other weighting (a
-    client could not tell it from a server that shrinks the others' weights)."""
+    own (:func:`fedlora.secagg.weight_ratio`): 'examples' when the weights are the weight-share rule
+    on the declared ``counts`` (entitlements cut at ``size_cut``, 0: none), 'uniform' when they are
+    all equal; ConfigError for any other weighting (a client could not tell it from a server that
+    shrinks the others' weights)."""
     largest = max(weights)
     ratios = [w / largest for w in weights]
-    if all(abs(r - secagg.weight_ratio(counts, i, max_share, "examples")) <= 1e-9 for i, r in enumerate(ratios)):
+    if all(abs(r - secagg.weight_ratio(counts, i, max_share, "examples", size_cut)) <= 1e-9
+           for i, r in enumerate(ratios)):
         return "examples"
     if all(abs(r - 1.0) <= 1e-12 for r in ratios):
         return "uniform"
     raise ConfigError("secure_aggregation.enabled = true needs weights a client can check on its own: its examples "
-                      "under faults.max_client_share, or the same for every client")
+                      "under the weight-share rule (faults.max_size_ratio, faults.max_client_share), or the same for "
+                      "every client")
 
 
 def start_secure_round(strategy: Any, grid: Grid, server_round: int,
@@ -129,10 +133,12 @@ def start_secure_round(strategy: Any, grid: Grid, server_round: int,
                               f"{p}'s reply would not upload the arrays it downloads (a client masks upload - download)")
     counts = [strategy.roster.declared_examples(p) for p in partitions]
     placeholders = [ClientUpload(p, {}, n, {}) for p, n in zip(partitions, counts)]
-    strategy._weigh(placeholders)  # the strategy's own weighing (faults.max_client_share), before any reply
+    strategy._weigh(placeholders)  # the strategy's own weighing (the weight-share rule), before any reply
     weights = [float(w) for w in strategy.weights(placeholders)]
     secure, faults = strategy.experiment.secure_aggregation, strategy.experiment.faults
-    weighting = secure_weighting(weights, counts, faults.max_client_share)
+    cut = strategy.size_cut()
+    cut = cut if math.isfinite(cut) else 0.0  # 0 on the wire: no cut
+    weighting = secure_weighting(weights, counts, faults.max_client_share, cut)
     clip = secagg.clip_bound(secure.clip_norm, faults.max_update_norm)
     params = choose_params(weights, secure.num_shares, secure.reconstruction_threshold, clip,
                            secure.clipping_range, secure.quantization_range, secure.modulus_range)
@@ -143,7 +149,7 @@ def start_secure_round(strategy: Any, grid: Grid, server_round: int,
     round_ = SecureRound(params, grid, server_round, {node_of[p]: w for p, w in zip(partitions, weights)},
                          {node_of[p]: n for p, n in zip(partitions, counts)}, weighting, size,
                          strategy.experiment.federation.round_timeout, max_share=faults.max_client_share,
-                         low_threshold=secure.allow_low_threshold, history=set(strategy.masked_digests))
+                         size_cut=cut, low_threshold=secure.allow_low_threshold, history=set(strategy.masked_digests))
     round_.report.update(clipping_range=params.clipping_range, quantization_range=params.quantization_range,
                          modulus_range=params.modulus_range, max_weight=params.max_weight, pad_rank=pad_rank,
                          clip_norm=clip, weighting=weighting)

@@ -40,8 +40,10 @@ def fedlora_run(out: Path, *overrides: str, args: tuple[str, ...] = (), config: 
 FEDLORA_LINES = (
     r"load_source: \S+, \d+ examples, \d+ classes",
     r"build_federated_data: \d+ clients \(\w+\), pool \d+, global test \d+, [\d.]+ s",
-    r"round +\d+/\d+  global( \(clients\))? (\d\.\d{3}|  -  )  personalised (\d\.\d{3}|  -  )  received .* clients \d+ failures \d+  [\d.]+s",
-    r"final global( \(clients\))? accuracy \d\.\d{4}, personalised \d\.\d{4}, [\d.]+ MB in \d+s",
+    (r"round +\d+/\d+  global( \(clients\))? (\d\.\d{3}|  -  )  personalised (\d\.\d{3} \(mean \d\.\d{3}, worst "
+     r"\d\.\d{3}\)|  -  )  received .* clients \d+ failures \d+  [\d.]+s"),
+    (r"final global( \(clients\))? accuracy \d\.\d{4}, personalised (\d\.\d{4} \(mean \d\.\d{4}, worst \d\.\d{4}\)|n/a), "
+     r"[\d.]+ MB in \d+s"),
     r"results: \S+/ \(results\.json, accuracy_vs_round\.png, run\.log\)",
 )
 NOISE_SEEN_IN_A_RUN = "`is_gradient_checkpointing` is deprecated"  # peft's FutureWarning (fedlora.models silences it at the source)

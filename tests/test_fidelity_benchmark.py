@@ -71,12 +71,13 @@ def test_every_job_of_every_scenario_is_a_valid_config_at_the_comparison_regime(
 
 @pytest.mark.parametrize("name", [name for name in SCENARIOS if not fidelity.scenarios()[name].causal])
 def test_the_weight_share_bound_never_acts_in_a_classifier_scenario(name: str, tmp_path: Path) -> None:
-    """faults.max_client_share (a robustness bound, 0.6) must leave every classifier scenario's
-    aggregation at the plain example weights: on every seed's partition, no round's sample can give
-    one client that share (its partition against the smallest others a round can hold)."""
+    """The weight-share rule (fedlora/shares.py: faults.max_size_ratio, faults.max_client_share) must
+    leave every classifier scenario's aggregation at the plain example weights: on every seed's
+    partition, no client is cut to its entitlement and no round's sample reaches the share bound
+    (its partition against the smallest others a round can hold)."""
     from fedlora.data.federated import build_federated_data
     from fedlora.schema import sample_size
-    from strategies.replies import capped_weights
+    from fedlora.shares import client_weights, entitled_sizes
 
     scenario = fidelity.scenarios()[name]
     base = resolve_base(str(fidelity.ROOT / scenario.config))
@@ -87,9 +88,11 @@ def test_the_weight_share_bound_never_acts_in_a_classifier_scenario(name: str, t
     for config in partitions:
         sizes = sorted(len(client.train) for client in build_federated_data(config.data).clients)
         k = sample_size(len(sizes), config.federation.fraction_train, config.federation.min_clients)
-        worst_round = [*sizes[: k - 1], sizes[-1]]  # the largest client beside the smallest others
-        weights = capped_weights(worst_round, config.faults.max_client_share)
-        assert weights.tolist() == worst_round  # the server's own rule leaves the example weights as they are
+        entitled = entitled_sizes(sizes, config.faults.max_size_ratio).tolist()
+        worst_round = [*range(k - 1), len(sizes) - 1]  # the largest client beside the smallest others
+        counts = [sizes[i] for i in worst_round]
+        weights = client_weights(counts, [entitled[i] for i in worst_round], config.faults.max_client_share)
+        assert entitled == sizes and weights.tolist() == counts  # the server's own rule leaves them as they are
 
 
 def test_every_override_and_knob_is_an_option_of_its_method() -> None:

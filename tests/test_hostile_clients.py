@@ -688,7 +688,8 @@ def test_robust_aggregation_is_refused_in_one_line_where_the_method_cannot_take_
     caps = method(name).capabilities
     assert bool(caps.not_robust) != caps.robust_aggregation, "say why not, exactly when it is not allowed"
     if caps.robust_aggregation:
-        assert load_config(SMOKE, [f"strategy.name={name}", "faults.aggregation=trimmed_mean"]).faults.aggregation
+        assert load_config(SMOKE, [f"strategy.name={name}", "faults.aggregation=trimmed_mean",
+                                   "faults.trim_fraction=0.34"]).faults.aggregation  # cuts 1 of 3 at each end
         return
     with pytest.raises(ConfigError) as refused:
         load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name), "faults.aggregation=median"])
@@ -756,22 +757,25 @@ def test_without_the_ratio_bound_two_clients_let_the_1e30_update_through() -> No
     assert max(float(np.abs(v).max()) for v in strategy.global_payload().values()) > 1e20
 
 
-def test_a_client_that_declared_a_huge_partition_weighs_at_most_max_client_share() -> None:
+def test_a_client_that_declared_a_huge_partition_weighs_at_most_its_entitlement() -> None:
     # Prepare: client 1 declared 10**6 examples when it joined and reports them
     strategy, grid = two_clients(declared=(100, 10**6))
     # Execute
     uploads = training_round(strategy, grid, 1, {"examples": 10**6})
-    # Assert: accepted, but weighed 0.6 : 0.4 (faults.max_client_share), not 10**6 : 100
+    # Assert: accepted, but weighed as faults.max_size_ratio (8) x the lower median declared size (100,
+    # the smaller of two: the large one cannot raise it): 800 : 100, not 10**6 : 100
     assert strategy.record(1).rejected == 0
     for key, value in strategy.global_payload().items():
-        expected = 0.4 * uploads[0][key].astype(np.float64) + 0.6 * uploads[1][key].astype(np.float64)
+        expected = (100 * uploads[0][key].astype(np.float64) + 800 * uploads[1][key].astype(np.float64)) / 900
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7)
-    # ... and its evaluation weight is bounded the same way: 0.6 x 1.0 + 0.4 x 0.5
+    # ... and its evaluation weight is the test split of 800 examples (smoke: 0.2 of a partition, 0.7
+    # training): floor(0.2 x 801 / 0.7 + 0.5) = 229 examples, not 10**12
     asked = list(strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), grid))
     strategy.aggregate_evaluate(1, [
         Message(RecordDict({"metrics": MetricRecord({"accuracy": 0.5 + 0.5 * partition(m), "num-examples": [10.0, 1e12][partition(m)],
                                                      "partition-id": partition(m)})}), reply_to=m) for m in asked])
-    assert strategy.record(1).personalized_accuracy == pytest.approx(0.8)
+    assert strategy.record(1).personalized_accuracy == pytest.approx((10 * 0.5 + 229 * 1.0) / 239)
+    assert strategy.record(1).personalized_accuracy_unweighted == pytest.approx(0.75)  # reported beside it
 
 
 # ------------------------------------------------------------------ zero-example evaluations
@@ -782,7 +786,7 @@ def test_an_evaluation_of_no_examples_moves_no_accuracy() -> None:
     strategy.connect(grid)
     asked = list(strategy.configure_evaluate(2, ArrayRecord(), ConfigRecord(), grid))
     assert [partition(m) for m in asked] == [0, 1, 2]
-    scores = {0: (0.9, 15.0), 1: (0.5, 15.0), 2: (1.0, 0.0)}  # accuracy, examples
+    scores = {0: (0.9, 12.0), 1: (0.5, 12.0), 2: (1.0, 0.0)}  # accuracy, examples (within what they declared)
 
     def answer(m: Message) -> Message:
         accuracy, examples = scores[partition(m)]

@@ -208,3 +208,68 @@ def test_the_median_update_is_the_coordinate_wise_median_key_by_key() -> None:
     padded = np.stack([np.pad(c["c"], [(0, 3 - c["c"].shape[0]), (0, 0)]) for c in changes])
     np.testing.assert_array_equal(median["c"], np.median(padded, axis=0))
     np.testing.assert_array_equal(median["d"], changes[2]["d"])
+
+
+# ------------------------------------------------------------- the standard attacks' crafting
+def test_the_standard_attacks_craft_what_their_papers_say() -> None:
+    """benchmarks/poisoning.py's craft() on 6 honest changes of 50 coordinates, by hand."""
+    from scipy.stats import norm
+
+    bench = _benchmark()
+    rng = np.random.default_rng(0)
+    honest = rng.standard_normal((6, 50)) + 0.5  # (h, d), a common direction
+    own = rng.standard_normal((1, 50))
+    mean, std = honest.mean(axis=0), honest.std(axis=0)
+    # ALIE, 1 of 7: s = floor(7 / 2 + 1) - 1 = 3, z = Phi^-1(4 / 7)
+    np.testing.assert_allclose(bench.craft("alie", honest, own, rng)[0], mean - norm.ppf(4 / 7) * std)
+    # IPM: -epsilon x the honest mean
+    np.testing.assert_allclose(bench.craft("ipm-100", honest, own, rng)[0], -100 * mean)
+    # min-max: the largest gamma whose farthest honest change is as far as the two farthest honest ones
+    gaps = np.linalg.norm(honest[:, None] - honest[None], axis=2)
+    bad = bench.craft("min-max", honest, own, rng)[0]
+    gamma = float(np.mean((mean - bad) / std))
+    assert np.linalg.norm(honest - bad, axis=1).max() <= gaps.max() + 1e-9
+    assert np.linalg.norm(honest - (mean - 1.01 * gamma * std), axis=1).max() > gaps.max()
+    # min-sum: the same with the sum of squared distances
+    bad = bench.craft("min-sum", honest, own, rng)[0]
+    gamma = float(np.mean((mean - bad) / std))
+    assert np.sum(np.linalg.norm(honest - bad, axis=1) ** 2) <= (gaps ** 2).sum(axis=1).max() + 1e-9
+    assert np.sum(np.linalg.norm(honest - (mean - 1.01 * gamma * std), axis=1) ** 2) > (gaps ** 2).sum(axis=1).max()
+    # Fang's trimmed-mean attack: beyond the honest extreme, against the mean's direction, within b = 2
+    bad = bench.craft("fang-trimmed-mean", honest, np.zeros((3, 50)), rng)
+    up = mean > 0
+    assert np.all(bad[:, up] <= honest.min(axis=0)[up] + 1e-12) and np.all(bad[:, ~up] >= honest.max(axis=0)[~up] - 1e-12)
+    # Fang's Krum attack: -lambda sign(mean), and Krum (f = 1) keeps it
+    bad = bench.craft("fang-krum", honest, np.zeros((1, 50)), rng)[0]
+    assert np.allclose(bad / np.abs(bad[0]), -np.sign(mean)) and bench.krum_picks_attacker(honest, bad[None], 1)
+    # sign flip, label flip, Gaussian noise of the honest median norm
+    np.testing.assert_array_equal(bench.craft("sign-flip", honest, own, rng), -own)
+    np.testing.assert_array_equal(bench.craft("label-flip", honest, own, rng), own)
+    noise = bench.craft("gaussian", honest, np.zeros((200, 50)), rng)
+    assert np.mean(np.linalg.norm(noise, axis=1)) == pytest.approx(np.median(np.linalg.norm(honest, axis=1)), rel=0.05)
+    # colluders: one vector each, 1 % of its norm apart, never duplicates
+    three = bench.craft("alie", honest, np.zeros((3, 50)), rng)
+    assert 0.005 < np.linalg.norm(three[0] - three[1]) / np.linalg.norm(three[0]) < 0.03
+
+
+def test_the_honest_configs_benchmark_runs_every_shipped_config() -> None:
+    bench = _benchmark()
+    assert sorted(bench.SHIPPED) == sorted((ROOT / "configs").glob("*.toml"))
+
+
+def test_the_default_anomaly_rule_flags_no_honest_client_of_a_recorded_shipped_run() -> None:
+    """Every honest run on record, replayed through the server's own verdict at the default
+    thresholds: the fidelity benchmark's runs of configs/scenarios/ (docs/results/records) and the
+    shipped configs' own runs (benchmarks/results/poisoning-honest, ``poisoning.py --honest-configs``)."""
+    from fedlora.schema import FaultsConfig
+
+    bench = _benchmark()
+    rounds = bench.honest_rounds()
+    scenarios, configs = rounds["configs/scenarios/ (fidelity records)"], rounds["configs/*.toml"]
+    assert sum(len(r["measures"]) for r in scenarios) > 50_000  # the records are there
+    flagged = [(i, flags) for i, r in enumerate(scenarios + configs)
+               if (flags := bench.flags_under(r["measures"], r["flagged"], FaultsConfig()))]
+    assert flagged == []
+    # the rule the defaults replace (3 x the lower median, cosine 0) flagged an honest client there
+    old = FaultsConfig(anomaly_norm_factor=3.0, anomaly_min_cosine=0.0)
+    assert any(bench.flags_under(r["measures"], r["flagged"], old) for r in scenarios)

@@ -123,3 +123,27 @@ def test_a_run_recorded_before_a_changed_default_of_a_disabled_section_is_the_sa
     recorded["secure_aggregation"]["enabled"] = True
     (tmp_path / "results.json").write_text(json.dumps({"config": recorded, "rounds": [{"round": 1}, {"round": 2}]}))
     assert not is_complete(tmp_path, config)
+
+
+def test_a_run_recorded_at_the_earlier_anomaly_thresholds_is_the_same_run_only_while_the_rule_logs(tmp_path: Path) -> None:
+    # Arrange: a run recorded at the anomaly rule's earlier defaults (3, 0) and before the
+    # entitlement cut existed (no faults.max_size_ratio), the rule logging as by default
+    config = load_config(SMOKE, ["train.rounds=2"])
+    recorded = config.model_dump(mode="json")
+    recorded["faults"].update(anomaly_norm_factor=3.0, anomaly_min_cosine=0.0)
+    del recorded["faults"]["max_size_ratio"]
+    (tmp_path / "results.json").write_text(json.dumps({"config": recorded, "rounds": [{"round": 1}, {"round": 2}]}))
+    # Execute / Assert: the same run (the thresholds only choose which updates are flagged)
+    assert comparable_config(recorded) == comparable_config(config.model_dump(mode="json"))
+    assert is_complete(tmp_path, config)
+    # another run where the rule rejected (the thresholds chose which updates were aggregated)
+    rejecting = load_config(SMOKE, ["train.rounds=2", "faults.anomaly_action=reject"])
+    recorded["faults"]["anomaly_action"] = "reject"
+    (tmp_path / "results.json").write_text(json.dumps({"config": recorded, "rounds": [{"round": 1}, {"round": 2}]}))
+    assert not is_complete(tmp_path, rejecting)
+    recorded["faults"].update(anomaly_norm_factor=2.5, anomaly_min_cosine=-0.15)
+    (tmp_path / "results.json").write_text(json.dumps({"config": recorded, "rounds": [{"round": 1}, {"round": 2}]}))
+    assert is_complete(tmp_path, rejecting)
+    # and another run at another entitlement cut
+    assert not is_complete(tmp_path, load_config(SMOKE, ["train.rounds=2", "faults.anomaly_action=reject",
+                                                         "faults.max_size_ratio=4"]))

@@ -39,6 +39,8 @@ from fedlora.lora import from_array_record, to_array_record
 from fedlora.profile import ClientProfile
 from fedlora.simulations.inprocess import InProcessGrid
 from fedlora.strategies.registry import create_strategy
+from fedlora.strategies.replies import ClientUpload
+from fedlora.strategies.screening import weigh
 from fedlora.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,6 +377,27 @@ def test_fedsa_lora_aggregated_securely_is_the_weighted_mean_of_the_same_uploads
     expected = plain_mean(spy, [0, 1, 2], 4)
     assert_within(strategy.global_arrays(), expected, report["error_bound"])
     assert metrics["clients"] == 3 and set(expected) == {"m::A", "head::classifier.weight"}
+
+
+def test_a_secure_round_weighs_its_clients_by_the_weight_share_rule_of_plain_rounds() -> None:
+    # Prepare: faults.max_size_ratio = 1: client 2 (120 declared examples) is entitled to 110, the
+    # lower median of the declared sizes; a plain round of the same counts weighs them 100, 110, 110
+    uploads = [ClientUpload(k, {}, DECLARED[k], {}) for k in range(3)]
+    # Execute
+    strategy, _, spy, (_, metrics) = secure_round("fedit", [4, 4, 4], overrides=("faults.max_size_ratio=1",))
+    weigh(uploads, strategy.entitled(), strategy.experiment.faults.max_client_share)  # the plain round's step
+    # Assert: the plain weights, and every client accepted them (it computes its own: 110 / 110 for client 2)
+    assert [u.weight for u in uploads] == [100.0, 110.0, 110.0]
+    assert [secagg.weight_ratio(DECLARED, k, 0.6, "examples", 110.0) for k in range(3)] == [100 / 110, 1.0, 1.0]
+    assert secagg.weight_ratio(DECLARED, 2, 0.6, "examples") == 1.0 and secagg.weight_ratio(DECLARED, 1, 0.6, "examples") == 110 / 120
+    report = strategy.records[1].extra["secure_aggregation"]
+    assert metrics["clients"] == 3 and report["masked"] == 3 and not report["culprits"]
+    shapes = secagg.canonical_shapes({k: v.shape for k, v in spy[0][1].items()}, 4)
+    stacked = np.stack([secagg.flatten(spy[k][1], shapes) for k in range(3)])
+    plain = np.array([u.weight for u in uploads])
+    assert_within(strategy.global_adapter, secagg.unflatten(plain @ stacked / plain.sum(), shapes), report["error_bound"])
+    declared = np.array(DECLARED, dtype=np.float64)  # the counts uncut: farther than the bound
+    assert np.max(np.abs(declared @ stacked / declared.sum() - plain @ stacked / plain.sum())) > 100 * report["error_bound"]
 
 
 @pytest.mark.parametrize("name", ["ffa_lora", "feddpa", "feddr_lora"])

@@ -229,14 +229,20 @@ def execute(config: ExperimentConfig, out: Path, *, resume: bool = False, engine
 def final_scores(results: dict[str, Any]) -> str:
     """The final scores: accuracy, or for a causal LM ROUGE-L (against round 0, zero-shot)."""
     final = results["final"]
+
+    def beside(key: str) -> str:  # the unweighted mean and the worst client beside the weighted figure
+        mean, worst = final.get(f"{key}_unweighted"), final.get(f"{key}_worst")
+        return "" if mean is None else f" (mean {_fmt(mean)}, worst {_fmt(worst)})"
+
     # a method without a global model: the global score is the clients' report (fedlora.app.server)
     by = " (clients)" if results.get("strategy_info", {}).get("global_accuracy_from") == "clients" else ""
     if results["config"]["model"].get("kind") == "causal_lm":
         zero_shot = results["rounds"][0].get("global_rouge_l") if results["rounds"] else None
         return (f"final global{by} ROUGE-L {_fmt(final.get('global_rouge_l'))} (zero-shot {_fmt(zero_shot)}), "
-                f"personalised {_fmt(final.get('personalized_rouge_l'))}, perplexity {_fmt(final.get('global_perplexity'))}")
+                f"personalised {_fmt(final.get('personalized_rouge_l'))}{beside('personalized_rouge_l')}, "
+                f"perplexity {_fmt(final.get('global_perplexity'))}")
     return (f"final global{by} accuracy {_fmt(final.get('global_accuracy'))}, personalised "
-            f"{_fmt(final.get('personalized_accuracy'))}")
+            f"{_fmt(final.get('personalized_accuracy'))}{beside('personalized_accuracy')}")
 
 
 def final_lines(results: dict[str, Any]) -> list[str]:

@@ -49,16 +49,22 @@ def progress_line(record: RoundRecord, rounds: int, causal: bool = False, by_cli
 
     label = "global (clients)" if by_clients else "global"
 
+    def beside(mean: float, worst: float) -> str:  # so that one client's weight cannot set the figure alone
+        return "" if math.isnan(mean) else f" (mean {pct(mean)}, worst {pct(worst)})"
+
     if causal:
         return (
             f"round {record.round:>3}/{rounds}  {label} ROUGE-L {pct(record.global_rouge_l)}  "
-            f"ppl {pct(record.global_perplexity)}  personalised ROUGE-L {pct(record.personalized_rouge_l)}  "
+            f"ppl {pct(record.global_perplexity)}  personalised ROUGE-L {pct(record.personalized_rouge_l)}"
+            f"{beside(record.personalized_rouge_l_unweighted, record.personalized_rouge_l_worst)}  "
             f"loss {pct(record.train_loss)}  up {record.bytes_up / 1e6:.2f} MB  down {record.bytes_down / 1e6:.2f} MB  "
             f"clients {record.clients} failures {record.failures}  {record.seconds:.1f}s"
         )
     return (
         f"round {record.round:>3}/{rounds}  {label} {pct(record.global_accuracy)}  "
-        f"personalised {pct(record.personalized_accuracy)}  received {pct(record.received_accuracy)}  loss {pct(record.train_loss)}  "
+        f"personalised {pct(record.personalized_accuracy)}"
+        f"{beside(record.personalized_accuracy_unweighted, record.personalized_accuracy_worst)}  "
+        f"received {pct(record.received_accuracy)}  loss {pct(record.train_loss)}  "
         f"up {record.bytes_up / 1e6:.2f} MB  down {record.bytes_down / 1e6:.2f} MB  "
         f"clients {record.clients} failures {record.failures}  {record.seconds:.1f}s"
     )

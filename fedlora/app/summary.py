@@ -43,12 +43,13 @@ COLUMNS: tuple[Column, ...] = (
            "(methods without a global model, results.json strategy_info.global_accuracy_from = 'clients': the "
            "clients' own report of their models on it, example-weighted; the server cannot check it)"),
     Column("personalized_accuracy", "pers. acc (weighted)", "final round: each client's own model on its local test "
-           "split, mean weighted by the clients' test examples"),
+           "split, mean weighted by the clients' test examples (each within its client's entitlement, fedlora/shares.py; "
+           "the unweighted mean and the worst client beside it)"),
     Column("personalized_accuracy_unweighted", "pers. acc (unweighted)", "final round: same, plain mean over clients"),
-    Column("received_accuracy", "received acc", "final round: each sampled client's model as received (the "
-           "download before local training; FedHera's official metric) on its local test split, example-weighted"),
     Column("personalized_accuracy_worst", "pers. worst", "final round: lowest client's personalised accuracy"),
     Column("personalized_accuracy_p10", "pers. p10", "final round: 10th percentile of the clients' personalised accuracy"),
+    Column("received_accuracy", "received acc", "final round: each sampled client's model as received (the "
+           "download before local training; FedHera's official metric) on its local test split, example-weighted"),
     Column("best_round", "best round (val)", "round with the highest validation accuracy (client validation splits; "
            "the test sets are never used for selection)", digits=1),
     Column("best_global_accuracy", "global acc @best", "global accuracy at the best-on-validation round"),

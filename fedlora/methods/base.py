@@ -15,16 +15,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
 
 
 class MethodOptions(BaseModel):
-    """Options of a method (``[strategy]`` keys next to ``name``); unknown keys are errors."""
+    """Options of a method (``[strategy]`` keys next to ``name``); unknown keys are errors, and a
+    numeric option refuses text and booleans (:func:`fedlora.schema.numbers_only`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        from fedlora.schema import numbers_only
+
+        return numbers_only(cls, info.field_name, value)
 
 
 @dataclass(frozen=True)

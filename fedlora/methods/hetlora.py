@@ -17,6 +17,7 @@ from pydantic import Field
 
 from fedlora.lora import Factors, average_factors, normalise, product_norm
 from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.shares import capped_weights
 
 
 class HetLoRAOptions(MethodOptions):
@@ -25,7 +26,8 @@ class HetLoRAOptions(MethodOptions):
         description="Aggregation weights: 'norm' = w_k proportional to ||B_k A_k||_F per module "
         "(HetLoRA's sparsity-weighted aggregation, Cho et al. 2024, Sec. 3), the norm computed in "
         "factor space (trace((B^T B)(A A^T))); 'examples' = "
-        "n_k / sum n (plain zero-padding FedAvg, an ablation).",
+        "n_k / sum n (plain zero-padding FedAvg, an ablation). Either way no client weighs more than the "
+        "round's share bound (the weight-share rule, fedlora/shares.py): a client scaling its B cannot take the round.",
     )
     self_prune: bool = Field(
         False,
@@ -50,17 +52,24 @@ def pruned_rank(rank: int, decay: float) -> int:
 
 
 def hetlora_aggregate(
-    clients: Sequence[Mapping[str, Factors]], rank: int, examples: Sequence[float], weighting: str = "norm"
+    clients: Sequence[Mapping[str, Factors]], rank: int, examples: Sequence[float], weighting: str = "norm",
+    max_share: float = 1.0,
 ) -> dict[str, Factors]:
     """Per module: zero-pad every client's factors to ``rank``, then average A and B separately.
 
     ``weighting = norm``: w_k = ||B_k A_k||_F / sum_j ||B_j A_j||_F (HetLoRA's sparsity-weighted
-    aggregation; uniform when every norm is zero); ``examples``: w_k = n_k / sum n.
+    aggregation; uniform when every norm is zero), cut so that no client's share of a module
+    exceeds ``max_share`` (the weight-share rule, :func:`fedlora.shares.capped_weights`: a client
+    scaling its B by 30 would otherwise take the round); ``examples``: w_k = n_k / sum n (the
+    counts as the server weighs them, already within the rule).
     """
     out: dict[str, Factors] = {}
     for module in clients[0]:
         factors = [c[module] for c in clients]
-        w = normalise([product_norm(f) for f in factors]) if weighting == "norm" else normalise(examples)
+        if weighting == "norm":
+            w = normalise(capped_weights([product_norm(f) for f in factors], max_share))
+        else:
+            w = normalise(examples)
         out[module] = average_factors(factors, w, rank)
     return out
 
