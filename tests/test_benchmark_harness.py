@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -151,6 +152,111 @@ def test_record_holds_environment_raw_runs_and_summary(tmp_path: Path) -> None:
     assert e["versions"]["python"] and "numpy" in e["versions"] and "flwr" in e["versions"]
     assert "gpu" in e and "git_commit" in e and e["timestamp"] and len(e["load_average"]) == 3
     assert "pytest" in e["command"] or "python" in e["command"]
+
+
+def settled(name: str, precision: str, threads: int = 2) -> harness.Arm:
+    """An arm that reports ``seconds`` 1.0 and the settings it ran at."""
+    def arm() -> harness.Run:
+        return harness.Run({"seconds": 1.0}, {"precision": precision, "threads": threads, "model": "tiny-bert",
+                                              "engine": name})
+    return arm
+
+
+def test_arms_that_differ_in_more_than_what_is_measured_are_refused_after_their_first_run() -> None:
+    # Prepare: fp32 against bf16 where only the engine may differ
+    calls: list[str] = []
+
+    def counted(name: str, precision: str) -> harness.Arm:
+        inner = settled(name, precision)
+
+        def arm() -> harness.Run:
+            calls.append(name)
+            return inner()
+        return arm
+
+    arms = {"plain": counted("plain", "fp32"), "fedlora": counted("fedlora", "bf16")}
+    # Execute / Assert: refused once both ran once (the warm-up), not after every run
+    with pytest.raises(harness.Unmatched, match=r"differ in more than what is measured \(engine\): "
+                       r"precision: 'fp32' vs 'bf16'"):
+        harness.run_interleaved(arms, repeat=5, warmup=1, log=None, varies=("engine",))
+    assert calls == ["plain", "fedlora"]
+    # Assert: the same arms at one precision pass, and the record keeps what they ran at
+    matched = harness.run_interleaved({"plain": settled("plain", "bf16"), "fedlora": settled("fedlora", "bf16")},
+                                      repeat=2, warmup=0, log=None, varies=("engine",))
+    assert matched.settings["fedlora"] == {"precision": "bf16", "threads": 2, "model": "tiny-bert", "engine": "fedlora"}
+    data = harness.record("demo", {"note": ""}, matched, None, "x=1")
+    assert data["settings"]["plain"]["precision"] == "bf16" and data["varies"] == ["engine"]
+    assert len(data["load_per_run"]) == 4 and "cpu_bf16_flags" in data["environment"]
+    assert "arms matched on: model=tiny-bert precision=bf16 threads=2; varied: engine (plain=plain, fedlora=fedlora)" \
+        in harness.report(matched)
+
+
+def test_an_arm_that_changes_its_settings_or_stays_silent_beside_one_that_reports_is_refused() -> None:
+    threads = iter([2, 2, 1])
+
+    def drifting() -> harness.Run:
+        return harness.Run({"seconds": 1.0}, {"precision": "fp32", "threads": next(threads)})
+
+    with pytest.raises(harness.Unmatched, match=r"arm 'a' ran at other settings in run 3 .*threads: 2 vs 1"):
+        harness.run_interleaved({"a": drifting}, repeat=3, warmup=0, log=None)
+    with pytest.raises(harness.Unmatched, match=r"arms \['b'\] report no settings"):
+        harness.run_interleaved({"a": settled("a", "fp32"), "b": lambda: {"seconds": 1.0}}, repeat=1, warmup=0, log=None)
+
+
+def test_records_at_other_settings_or_without_any_are_not_compared(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: three records of one benchmark: two at bf16, one at fp32
+    def written(name: str, precision: str, seconds: float) -> Path:
+        def arm() -> harness.Run:
+            return harness.Run({"seconds": seconds}, {"precision": precision, "threads": 2})
+        measured = harness.run_interleaved({"plain": arm}, repeat=1, warmup=0, log=None)
+        return harness.write_record(tmp_path / f"{name}.json", harness.record("demo", {"note": ""}, measured, None, ""))
+
+    old, new, fp32 = written("old", "bf16", 2.0), written("new", "bf16", 3.0), written("fp32", "fp32", 1.0)
+    legacy = harness.write_record(tmp_path / "legacy.json", json.loads(old.read_text()) | {"settings": {}})
+    # Execute / Assert: the matched pair side by side, second / first
+    assert harness.main(["compare", str(old), str(new)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plain") and "seconds" in line)
+    assert row.split()[-1] == "1.500"
+    # Execute / Assert: the others refused in one line, exit 2
+    for other, reason in ((fp32, "arm 'plain' ran at other settings in .*fp32.json than in .*old.json: "
+                                 "precision: 'bf16' vs 'fp32'"),
+                          (legacy, "legacy.json records no settings of its arms")):
+        assert harness.main(["compare", str(old), str(other)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(reason, err[0]), err
+
+
+def test_overhead_arms_report_the_same_precision_and_threads_where_auto_picks_bf16(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/overhead.py --quick (tiny BERT, the in-process engine, one fresh process per arm)
+    with configs/smoke.toml's ``train.precision = "auto"`` on a machine whose CPU computes bf16
+    natively (forced: the tests hold torch's kernels at AVX2, where auto is fp32). The plain arm
+    once trained in fp32 there while fedlora's clients trained in bf16; now both must report bf16
+    (read where they trained: the plain arm's forward pass, fedlora's replies) and the same threads,
+    and train alike: the same client losses in every round and the same global accuracy."""
+    import fedlora.training
+
+    overhead = load("overhead")
+    monkeypatch.setattr(fedlora.training, "native_bf16", lambda device: True)
+    out = tmp_path / "overhead.json"
+    # Execute
+    assert overhead.main(["--quick", "--out", str(out)]) == 0
+    # Assert: the record's settings, per arm, as each reported them
+    lines = capsys.readouterr().out.strip().splitlines()
+    back = json.loads(out.read_text())
+    plain, fedlora = back["settings"]["plain"], back["settings"]["fedlora"]
+    assert plain["precision"] == fedlora["precision"] == "bf16"
+    assert plain["threads"] == fedlora["threads"] == os.cpu_count()
+    assert harness.differences(plain, fedlora) == ["engine: 'plain loop' vs 'inprocess'"]
+    assert lines[-1].endswith(f"precision=bf16 threads={os.cpu_count()}") and back["last_line"] == lines[-1]
+    # Assert: trained alike, client by client
+    losses = back["extra"]["client_losses"]
+    assert len(losses["plain"]) == 2 and losses["plain"][1].keys() == {"0", "1"}
+    for mine, theirs in zip(losses["plain"], losses["fedlora"], strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-4)
+    assert back["samples"]["plain"][0]["global_accuracy"] == back["samples"]["fedlora"][0]["global_accuracy"]
+    assert back["extra"]["trained_alike"].startswith("both arms trained alike")
 
 
 def test_overhead_figures_from_round_times() -> None:
