@@ -300,6 +300,32 @@ def fedlora_run(config: str | Path, overrides: Sequence[str], out: Path, engine:
     return json.loads((out / "results.json").read_text()), wall
 
 
+def config_settings(config: Mapping[str, Any]) -> Settings:
+    """What a fedlora config fixes that two compared runs must share (a config as a dict, as
+    ``results.json`` holds it or ``model_dump(mode="json")`` gives it): model, rank, clients,
+    rounds, steps, batch, tokens, learning rate, seed, and the data section as a short hash."""
+    import hashlib
+
+    model, data, train = config["model"], config["data"], config["train"]
+    return {"model": model["path"], "rank": model["lora_rank"], "clients": data["num_clients"],
+            "rounds": train["rounds"], "steps": train["max_steps"], "local_epochs": train["local_epochs"],
+            "batch_size": train["batch_size"], "max_length": train["max_length"], "lr": train["lr"],
+            "seed": train["seed"],
+            "data": hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]}
+
+
+def reported_settings(results: Mapping[str, Any], name: str = "fedlora run") -> Settings:
+    """The settings a fedlora run ran at: the precision and torch threads its clients reported with
+    every training reply (``per_client_train``: ``train-precision``, ``torch-threads``; all alike,
+    else :class:`Unmatched`) and what its config fixed (:func:`config_settings`)."""
+    reported = {(entry.get("train-precision"), entry.get("torch-threads"))
+                for r in results["rounds"] for entry in (r.get("per_client_train") or {}).values()}
+    if len(reported) != 1 or None in next(iter(reported)):
+        raise Unmatched(f"{name}: its clients reported several settings, or none: {sorted(map(str, reported))}")
+    precision, threads = next(iter(reported))
+    return {"precision": precision, "threads": int(threads)} | config_settings(results["config"])
+
+
 def _cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else what :mod:`platform` knows."""
     try:

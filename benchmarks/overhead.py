@@ -188,31 +188,8 @@ def plain_fedavg(config) -> dict[str, object]:  # type: ignore[no-untyped-def]
         losses.append(round_losses)
     accuracy = evaluator.accuracy(global_payload)  # untimed, as on the fedlora side
     return {"round_seconds": round_seconds, "train_seconds": train_seconds, "global_accuracy": accuracy,
-            "client_losses": losses, "settings": observed.settings() | shared_settings(config)}
-
-
-def shared_settings(config) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    """What both arms must share, from the config an arm ran: model, data, steps, seeds, rates."""
-    import hashlib
-
-    cfg = config.train
-    return {"model": config.model.path, "rank": config.model.lora_rank, "clients": config.data.num_clients,
-            "rounds": cfg.rounds, "steps": cfg.max_steps, "local_epochs": cfg.local_epochs,
-            "batch_size": cfg.batch_size, "max_length": cfg.max_length, "lr": cfg.lr, "seed": cfg.seed,
-            "data": hashlib.sha256(config.data.model_dump_json().encode()).hexdigest()[:16]}
-
-
-def fedlora_settings(results: dict[str, object]) -> dict[str, object]:
-    """The settings a fedlora run ran at: what its clients reported with every training reply
-    (precision and torch threads; all alike, else the run is refused) and its config."""
-    from fedlora.config import build_config
-
-    reported = {(entry.get("train-precision"), entry.get("torch-threads"))
-                for r in results["rounds"] for entry in r["per_client_train"].values()}  # type: ignore[attr-defined, index]
-    if len(reported) != 1 or None in next(iter(reported)):
-        raise SystemExit(f"overhead: the fedlora arm's clients reported several or no settings: {sorted(map(str, reported))}")
-    precision, threads = next(iter(reported))
-    return {"precision": precision, "threads": int(threads)} | shared_settings(build_config(results["config"]))
+            "client_losses": losses,
+            "settings": observed.settings() | harness.config_settings(config.model_dump(mode="json"))}
 
 
 def fedlora_run(config_path: Path, overrides: list[str], out: Path, engine: str) -> dict[str, object]:
@@ -224,7 +201,7 @@ def fedlora_run(config_path: Path, overrides: list[str], out: Path, engine: str)
         "train_seconds": [r["client_train_seconds"] for r in results["rounds"]],
         "global_accuracy": results["final"]["global_accuracy"],
         "client_losses": [{k: v["train_loss"] for k, v in r["per_client_train"].items()} for r in results["rounds"]],
-        "settings": fedlora_settings(results),
+        "settings": harness.reported_settings(results, "overhead's fedlora arm"),
         "wall": wall,
     }
 

@@ -150,7 +150,8 @@ def arms(args: argparse.Namespace, tmp: Path) -> dict[str, harness.Arm]:
             out = tmp / f"{'secure' if secure else 'plain'}-{size}-{next(runs)}"
             results, wall = harness.fedlora_run(args.config, overrides(size, secure, args), out, args.engine,
                                                  name="secagg")
-            return figures(results, wall, size, secure)
+            settings = harness.reported_settings(results, "secagg") | {"engine": args.engine, "secure": secure}
+            return harness.Run(figures(results, wall, size, secure), settings)
         return run
 
     return {f"{side}-{size}": arm(size, side == "secure") for size in args.sizes for side in ("plain", "secure")}
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'2..R-1' if args.rounds >= 3 else '2..R'}), {args.per_client} examples per client, rank {args.rank}, "
           f"engine {args.engine}; {args.warmup} warm-up + {args.repeat} interleaved runs per arm", flush=True)
     with tempfile.TemporaryDirectory(prefix="fedlora-secagg-") as tmp:
-        measured = harness.run_interleaved(arms(args, Path(tmp)), repeat=args.repeat, warmup=args.warmup)
+        measured = harness.run_interleaved(arms(args, Path(tmp)), repeat=args.repeat, warmup=args.warmup,
+                                           varies=("secure", "clients"))
     rows = side_by_side(measured, args.sizes)
     largest = args.sizes[-1]
     comparison = harness.compare(measured, f"secure-{largest}", f"plain-{largest}", "seconds")

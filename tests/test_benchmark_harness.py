@@ -219,8 +219,8 @@ def test_records_at_other_settings_or_without_any_are_not_compared(tmp_path: Pat
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plain") and "seconds" in line)
     assert row.split()[-1] == "1.500"
     # Execute / Assert: the others refused in one line, exit 2
-    for other, reason in ((fp32, "arm 'plain' ran at other settings in .*fp32.json than in .*old.json: "
-                                 "precision: 'bf16' vs 'fp32'"),
+    for other, reason in ((fp32, ("arm 'plain' ran at other settings in .*fp32.json than in .*old.json: "
+                                  "precision: 'bf16' vs 'fp32'")),
                           (legacy, "legacy.json records no settings of its arms")):
         assert harness.main(["compare", str(old), str(other)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -288,6 +288,10 @@ def test_aggregation_last_line_matches_its_record(tmp_path: Path, capsys: pytest
     pairs = [d / f for d, f in zip(dense, factor, strict=True)]
     assert float(values["spread"]) == pytest.approx(max(pairs) / min(pairs), abs=5e-3)
     assert back["extra"]["pushed_update_rel_diff"] < 1e-3  # both paths push the same rank-4 update
+    # the arms share the shape, dtype and BLAS threads; they differ in the method and the modules timed
+    assert harness.differences(back["settings"]["factor"], back["settings"]["dense"]) == [
+        "method: 'factor space' vs 'dense SVD'", "modules_timed: 4 vs 1"]
+    assert back["settings"]["dense"]["dtype"] == "float32" and back["settings"]["dense"]["d_out"] == 256
 
 
 def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -329,6 +333,7 @@ def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pyt
     machine = back["machine"]
     assert machine["cpu_model"] and machine["cpu_count"] == os.cpu_count() and machine["torch_threads"] == 1
     assert machine["torch_version"] == torch.__version__ and machine["device"] == "cpu" and machine["dtype"] == "fp32"
+    assert back["settings"]["round"]["precision"] == "fp32" and back["settings"]["round"]["threads"] == 1
     assert "gpu_name" in machine and machine["gpu_name"] is None
     assert back["last_line"] == last and last.startswith(f"tokens_per_second={sample['tokens_per_second']:.1f} ")
     table = out.with_suffix(".md").read_text()
@@ -352,6 +357,10 @@ def test_precision_gives_both_ratios_from_its_record(tmp_path: Path, capsys: pyt
         assert float(values[key]) == pytest.approx(medians["fp32"][figure] / medians["bf16"][figure], abs=5e-4)
     assert values["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and back["last_line"] == last
     assert values["native_bf16"] in ("True", "False") and back["repeat"] == 2
+    # the arms differ in the precision alone, and say so in the record
+    assert back["varies"] == ["precision"]
+    assert harness.differences(back["settings"]["fp32"], back["settings"]["bf16"]) == ["precision: 'fp32' vs 'bf16'"]
+    assert back["settings"]["bf16"]["threads"] == 1 and back["settings"]["bf16"]["steps"] == 2
 
 
 def test_llm_throughput_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -427,6 +436,10 @@ def test_secagg_compares_real_plain_and_secure_runs_from_its_record(tmp_path: Pa
     assert secure["train_stage_seconds"] == pytest.approx(secure["seconds"] - stages)
     assert plain["train_stage_seconds"] == plain["seconds"] and "setup_seconds" not in plain
     assert 0 < secure["error_bound"] < 1e-6  # 3 c |S| / (T D) with c = 8, T = 2^30, 3 clients
+    # Assert: both arms trained at the settings their clients reported, alike but for secure aggregation
+    settings = back["settings"]
+    assert harness.differences(settings["plain-3"], settings["secure-3"]) == ["secure: False vs True"]
+    assert settings["secure-3"]["precision"] in ("fp32", "bf16") and settings["secure-3"]["clients"] == 3
 
 
 def test_secagg_refuses_a_round_that_did_not_aggregate_every_client() -> None:
