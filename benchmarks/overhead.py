@@ -56,9 +56,11 @@ spread=<max/min of the per-pair ratios>`` on the steady-state rounds.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -196,14 +198,43 @@ def fedlora_run(config_path: Path, overrides: list[str], out: Path, engine: str)
     """(b): ``fedlora run`` on Flower's simulation engine (or the in-process one), in a fresh process
     (:func:`harness.fedlora_run`: Ray's workers at the same priority as the plain arm)."""
     results, wall = harness.fedlora_run(config_path, overrides, out, engine, name="overhead")
+    seconds = [float(r["seconds"]) for r in results["rounds"]]
     return {
-        "round_seconds": [r["seconds"] for r in results["rounds"]],
+        "round_seconds": full_rounds(seconds, round_ends(out / "run.log")),
+        "between_seconds": between_rounds(seconds, round_ends(out / "run.log")),
         "train_seconds": [r["client_train_seconds"] for r in results["rounds"]],
         "global_accuracy": results["final"]["global_accuracy"],
         "client_losses": [{k: v["train_loss"] for k, v in r["per_client_train"].items()} for r in results["rounds"]],
         "settings": harness.reported_settings(results, "overhead's fedlora arm"),
         "wall": wall,
     }
+
+
+ROUND_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO fedlora: round +(\d+)/\d+ ", re.MULTILINE)
+
+
+def round_ends(log: Path) -> list[float]:
+    """When each round's line was logged (run.log, millisecond clock): after the round's results,
+    checkpoint and TensorBoard writes, i.e. when the server could start the next round."""
+    return [datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for m in ROUND_LINE.finditer(log.read_text())]
+
+
+def between_rounds(seconds: list[float], ends: list[float]) -> list[float]:
+    """Per round, the server's time outside its own clock: a round's ``seconds`` (results.json)
+    run from configure_train to the end of its evaluation; the results file, the checkpoint, the
+    TensorBoard scalars, the round's line and the next round's roster check come after. Measured
+    for rounds 2..R-1 (line to line, minus the round's seconds); rounds 1 and R, whose intervals
+    hold the start-up and the final evaluation, get the median of those."""
+    gaps = [max(0.0, ends[i] - ends[i - 1] - seconds[i]) for i in range(1, len(seconds) - 1)] if len(ends) == len(seconds) else []
+    typical = statistics.median(gaps) if gaps else 0.0
+    return [typical, *gaps, typical][: len(seconds)] if len(seconds) > 1 else [typical]
+
+
+def full_rounds(seconds: list[float], ends: list[float]) -> list[float]:
+    """Each round's time as the plain loop's is counted (start of one round to the start of the
+    next): its ``seconds`` plus the server's work between rounds (:func:`between_rounds`)."""
+    return [s + gap for s, gap in zip(seconds, between_rounds(seconds, ends), strict=True)]
 
 
 def plain_run(args: argparse.Namespace, out: Path) -> dict[str, object]:
@@ -230,11 +261,13 @@ def figures(side: dict[str, object]) -> dict[str, float]:
     rounds = [float(s) for s in side["round_seconds"]]  # type: ignore[attr-defined]
     trained = [float(s) for s in side["train_seconds"]]  # type: ignore[attr-defined]
     rest = [r - t for r, t in zip(rounds, trained, strict=True)]
+    between = [float(s) for s in side.get("between_seconds", [0.0] * len(rounds))]  # type: ignore[attr-defined]
     wall = float(side["wall"])  # type: ignore[arg-type]
     return {
         "steady_seconds": steady(rounds),
         "steady_train_seconds": steady(trained),
         "steady_rest_seconds": steady(rest),
+        "steady_between_seconds": steady(between),
         "first_round_seconds": rounds[0],
         "rounds_seconds": sum(rounds),
         "one_off_seconds": wall - sum(rounds),

@@ -271,6 +271,24 @@ def test_overhead_figures_from_round_times() -> None:
     assert figures["one_off_seconds"] == 15.0 and figures["global_accuracy"] == 0.5
 
 
+def test_overhead_counts_the_servers_work_between_rounds(tmp_path: Path) -> None:
+    # Prepare: a run.log whose round lines came 10.5 s and 10.7 s apart, rounds' own clocks 10.0 and 10.5 s
+    overhead = load("overhead")
+    stamps = ["2026-12-07 10:00:00,000", "2026-12-07 10:00:10,500", "2026-12-07 10:00:21,200", "2026-12-07 10:00:33,000"]
+    log = tmp_path / "run.log"
+    log.write_text("2026-12-07 09:59:50,000 INFO fedlora: load_source: wordnet\n" + "".join(
+        f"{stamp} INFO fedlora: round   {i + 1}/4  global   -    loss 2.0  7.0s\n" for i, stamp in enumerate(stamps)))
+    seconds = [9.0, 10.0, 10.5, 11.0]
+    # Execute
+    ends = overhead.round_ends(log)
+    between = overhead.between_rounds(seconds, ends)
+    # Assert: rounds 2 and 3 measured line to line (0.5 s, 0.2 s); rounds 1 and 4 get their median
+    assert ends[1] - ends[0] == pytest.approx(10.5)
+    assert between == pytest.approx([0.35, 0.5, 0.2, 0.35])
+    assert overhead.full_rounds(seconds, ends) == pytest.approx([9.35, 10.5, 10.7, 11.35])
+    assert overhead.between_rounds([5.0, 6.0], []) == [0.0, 0.0]  # no lines to read: nothing added
+
+
 def test_aggregation_last_line_matches_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     aggregation = load("aggregation")
     out = tmp_path / "aggregation.json"
