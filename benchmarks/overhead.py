@@ -5,7 +5,8 @@ Two arms run the same local training, each in a fresh process per run:
 (a) **plain**: one process, a Python loop over clients. Each round every client loads the global
     adapter into a model, trains with :func:`fedlora.training.train` on a
     :func:`fedlora.training.make_loader` loader (tokenised once, as fedlora's clients do), and the
-    server averages the uploads with :func:`fedlora.lora.weighted_average` (FedAvg = FedIT).
+    server averages the uploads with :func:`fedlora.lora.padded_average` (FedAvg as FedIT computes
+    it: A and B averaged separately, in float64).
     (This script with ``--plain-once FILE``.)
 (b) **fedlora**: ``fedlora run`` on Flower's simulation engine (Ray backend; ``--engine inprocess``
     for the same apps without Ray), strategy ``fedit``, the same config. Ray normally starts its
@@ -25,7 +26,13 @@ starts from the state a fresh build leaves (weights and torch's RNG, as fedlora'
 restores it), the same loader seeds, learning rate schedule and aggregation weights, and in the
 last round the received model is scored on the client's test split in both arms (fedlora's
 clients do so on an evaluation round), so both end at the same global accuracy (checked and
-printed; tests/test_benchmark_harness.py holds them to the same per-client losses).
+printed; tests/test_benchmark_harness.py holds them to the same per-client losses). Why they did
+not before: the plain arm's uploads were views of its one model's parameters, so its "FedAvg"
+averaged the last client's adapter with itself (``fedlora.lora.from_peft_state`` now copies);
+every client's dropout drew from where the previous one left torch's RNG; fedlora capped a
+client's weight at ``faults.max_client_share`` (off here, in both); and the plain arm averaged in
+float32 through Flower's ``aggregate_arrayrecords``, fedlora in float64 (one ulp in round 1, a
+different last digit of the accuracy after five bf16 rounds).
 
 Evaluation is excluded from the timed rounds on both sides: no personalised evaluation
 (``federation.fraction_evaluate = 0``), and the global test evaluation runs only after the last
@@ -145,7 +152,7 @@ def plain_fedavg(config) -> dict[str, object]:  # type: ignore[no-untyped-def]
     from fedlora.backbones import load_tokenizer, resolve_device
     from fedlora.data import build_federated_data
     from fedlora.evaluation import GlobalEvaluator
-    from fedlora.lora import weighted_average
+    from fedlora.lora import padded_average
     from fedlora.models import adapter_payload, build_model, load_payload
     from fedlora.training import evaluate, make_loader, resolve_precision, train
 
@@ -184,7 +191,7 @@ def plain_fedavg(config) -> dict[str, object]:  # type: ignore[no-untyped-def]
             weights.append(len(client.train))
             trained += stats.seconds
             round_losses[str(client.partition_id)] = stats.loss
-        global_payload = weighted_average(uploads, weights)
+        global_payload = padded_average(uploads, weights, config.model.lora_rank)  # FedIT's FedAvg, its arithmetic
         round_seconds.append(time.perf_counter() - started)
         train_seconds.append(trained)
         losses.append(round_losses)
