@@ -40,7 +40,7 @@ from fedlora.backbones import (
     public_model_name,
     resolve_device,
 )
-from fedlora.lora import Payload, from_peft_state, payload_module, peft_key, peft_module, to_peft_state
+from fedlora.lora import Payload, from_peft_state, payload_module, peft_module, to_peft_state
 from fedlora.schema import ExperimentConfig, ModelConfig
 
 if TYPE_CHECKING:
@@ -375,24 +375,33 @@ def adapter_payload(model: PeftModel) -> Payload:
     return from_peft_state(get_peft_model_state_dict(model, save_embedding_layers=False))
 
 
+# each model's adapter as its keys and shapes, read on its first load (a model from the pool is
+# loaded once per message: reading the whole adapter back through peft to check a payload against
+# it cost as much as the load itself)
+_ADAPTER_SHAPES: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
 def load_payload(model: PeftModel, payload: Payload) -> None:
     """Copy the arrays of ``payload`` into the model (a subset is fine; shapes must match)."""
     from peft import set_peft_model_state_dict
 
-    # start from the current values: peft's loader looks up the head (modules_to_save) keys even
-    # when the payload is a subset without them (KeyError 'base_model.model.classifier.weight')
-    state = to_peft_state(adapter_payload(model))
+    shapes = _ADAPTER_SHAPES.get(model)
+    current: Payload | None = None
+    if shapes is None or not set(payload) <= set(shapes):  # a first load, or keys not seen: read the adapter
+        current = adapter_payload(model)
+        shapes = {key: tuple(array.shape) for key, array in current.items()}
+        _ADAPTER_SHAPES[model] = shapes
     for key, array in payload.items():
-        current = state.get(peft_key(key))
-        if current is None:
+        expected = shapes.get(key)
+        if expected is None:
             raise ValueError(f"payload key {key!r} is not a parameter of this adapter")
-        if tuple(current.shape) != tuple(array.shape):
-            raise ValueError(
-                f"payload key {key!r} has shape {tuple(array.shape)}, adapter expects "
-                f"{tuple(current.shape)}"
-            )
-    state |= to_peft_state(payload)
-    set_peft_model_state_dict(model, state)
+        if expected != tuple(array.shape):
+            raise ValueError(f"payload key {key!r} has shape {tuple(array.shape)}, adapter expects {expected}")
+    if len(payload) < len(shapes):
+        # a subset: start from the current values, as peft's loader looks up the head
+        # (modules_to_save) keys even when the payload lacks them (KeyError 'base_model.model.classifier.weight')
+        payload = {**(current if current is not None else adapter_payload(model)), **payload}
+    set_peft_model_state_dict(model, to_peft_state(payload))
 
 
 def module_shapes(model: PeftModel) -> dict[str, tuple[int, int]]:

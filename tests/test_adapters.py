@@ -257,3 +257,43 @@ def test_a_pooled_model_comes_back_as_built() -> None:
         assert parameter.requires_grad == expected[name].requires_grad and parameter.grad is None
     assert again.training == fresh.training
     assert torch.equal(rng_after_take, fresh_rng)
+
+
+def test_a_payload_is_checked_and_loaded_alike_on_a_models_first_and_later_loads() -> None:
+    """load_payload reads a model's adapter shapes on its first load and checks later payloads
+    against them (a pooled model is loaded once per message): a full payload, a subset (the rest
+    keeps its values), an unknown key or a wrong shape are handled the same on every load, and what
+    is loaded is what adapter_payload reads back (copies: training on does not change them)."""
+    import torch
+
+    from fedlora.models import adapter_payload, build_model, load_payload
+
+    # Prepare: a model and two different adapters for it
+    cfg = ModelConfig(path="tiny-bert", lora_rank=2)
+    model = build_model(cfg, num_labels=3, rank=2, seed=1, device="cpu")
+    first = {key: np.full_like(value, 0.25) for key, value in adapter_payload(model).items()}
+    second = {key: np.full_like(value, -0.5) for key, value in first.items()}
+    a_key = next(key for key in first if key.endswith("::A"))
+    for attempt in range(2):  # the first load reads the adapter's shapes, the second uses them
+        # Execute / Assert: a full payload
+        load_payload(model, first if attempt == 0 else second)
+        loaded = adapter_payload(model)
+        expected = first if attempt == 0 else second
+        assert loaded.keys() == expected.keys() and all(np.array_equal(loaded[k], expected[k]) for k in expected)
+        # a subset: the other keys keep their values
+        load_payload(model, {a_key: np.ones_like(first[a_key])})
+        after = adapter_payload(model)
+        assert np.array_equal(after[a_key], np.ones_like(first[a_key]))
+        assert all(np.array_equal(after[k], expected[k]) for k in expected if k != a_key)
+        # refused: a key the adapter lacks, a wrong shape
+        with pytest.raises(ValueError, match="is not a parameter of this adapter"):
+            load_payload(model, {"nowhere::A": first[a_key]})
+        with pytest.raises(ValueError, match=r"has shape \(1, 1\), adapter expects"):
+            load_payload(model, {a_key: np.zeros((1, 1), np.float32)})
+    # Assert: a payload read from the model is a copy
+    payload = adapter_payload(model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(1.0)
+    assert np.array_equal(payload[a_key], np.ones_like(first[a_key]))
