@@ -300,8 +300,8 @@ def start_ray(init_args: dict[str, Any], log_path: Path, verbose: bool, start_ti
         ray.init(runtime_env=ray_runtime_env(log_path, verbose, {"PYTHONPATH": pythonpath}),
                  **{"include_dashboard": False, **init_args})
 
-    if "address" in init_args:  # a running cluster: nothing of ours to start
-        init()
+    if "address" in init_args or ray.is_initialized():  # a running cluster, or a Ray this process started
+        init()  # itself (ray.init refuses it as before): nothing of ours to start, retry or clean up
         return
     try:
         start_local_ray(init, start_timeout)
