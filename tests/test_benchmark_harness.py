@@ -471,3 +471,49 @@ def test_secagg_refuses_a_round_that_did_not_aggregate_every_client() -> None:
         secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=True)
     assert secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=False)["seconds"] == 1.0
     assert [r["round"] for r in secagg.steady_rounds([{"round": k} for k in range(1, 6)])] == [2, 3, 4]
+
+
+def test_step_arms_differ_only_in_precision_and_batching_and_say_so_in_the_record(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/step.py --quick without the compiled arm (tiny-bert, 2 steps, one run per arm):
+    every arm reports the model, threads, steps, batch and the same examples; fp32 and bf16 differ
+    in the precision alone, fp32 and its bucketed arm in the batching alone."""
+    step = load("step")
+    out = tmp_path / "step.json"
+    # Execute
+    assert step.main(["--quick", "--no-compile", "--repeat", "1", "--warmup", "0", "--threads", "1",
+                      "--out", str(out)]) == 0
+    capsys.readouterr()
+    # Assert
+    back = json.loads(out.read_text())
+    settings = back["settings"]
+    assert set(settings) == {"fp32", "bf16", "fp32-bucketed"} and back["varies"] == ["batching", "compiled", "precision"]
+    assert harness.differences(settings["fp32"], settings["bf16"]) == ["precision: 'fp32' vs 'bf16'"]
+    assert harness.differences(settings["fp32"], settings["fp32-bucketed"]) == ["batching: 'padded' vs 'by length'"]
+    fp32 = settings["fp32"]
+    assert (fp32["model"], fp32["threads"], fp32["steps"], fp32["batch_size"]) == ("tiny-bert", 1, 2, 16)
+    assert fp32["examples"] == settings["fp32-bucketed"]["examples"]  # the same examples, batched otherwise
+
+
+def test_scale_refuses_runs_that_differ_in_more_than_their_number_of_clients(capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: runs of one engine and strategy at 10 and 100 clients, as scale's workers report them
+    scale = load("scale")
+    shared = {"precision": "fp32", "threads": 1, "model": "tiny-bert", "steps": 2, "engine": "inprocess",
+              "strategy": "fedit"}
+
+    def run(clients: int, index: int, **changed: object) -> dict:
+        return {"engine": "inprocess", "strategy": "fedit", "clients": clients, "index": index,
+                "settings": shared | {"clients": clients} | changed}
+
+    # Execute / Assert: the number of clients may differ; and another strategy is its own group
+    scale.check_matched([run(10, 0), run(100, 0), run(10, 1), run(100, 1)])
+    other = run(10, 0) | {"strategy": "fedsa_lora"}
+    other["settings"] = other["settings"] | {"strategy": "fedsa_lora", "threads": 2}
+    scale.check_matched([run(10, 0), run(100, 0), other])
+    # Execute / Assert: a run at another precision or thread count is refused in one line
+    for changed, shown in (({"precision": "bf16"}, "precision: 'fp32' vs 'bf16'"), ({"threads": 2}, "threads: 1 vs 2")):
+        with pytest.raises(SystemExit) as stop:
+            scale.check_matched([run(10, 0), run(100, 0, **changed)])
+        assert str(stop.value).startswith("scale: runs 'inprocess fedit N=10 run 0' and 'inprocess fedit N=100 run 0' "
+                                          "differ in more than what is measured (clients): ")
+        assert str(stop.value).endswith(shown) and "\n" not in str(stop.value)
