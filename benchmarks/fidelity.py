@@ -49,8 +49,9 @@ GPU at once) and its own folder (``runs/fidelity/<scenario>-gpu``). The page nam
 Output (``OUT`` = ``--out``, default ``runs/fidelity/<scenario>``): ``fidelity.md`` (the page the
 docs cite: regime line, tuning, results with ablation rows, worst client, bytes and times, the
 paired comparisons, the mechanisms), ``summary.md`` / ``summary.csv``, ``paired.csv``,
-``fidelity.json``, the comparison plots and ``mechanisms.png``. The last line printed is
-``scenario=... counts=... fedit=... centralized=... gap_points=...``.
+``fidelity.json``, the comparison plots and ``mechanism.png`` (the method's mechanism at work,
+:mod:`fedlora.app.mechanisms`). The last line printed is
+``scenario=... counts=... fedit=... centralized=... gap_points=... untrained=... learned_points=...``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fedlora.app import quiet
 from fedlora.app.jobs import Job, is_complete, job_config, resolve_base, run_jobs
+from fedlora.app.mechanisms import MECHANISM_PLOT, plot_method_mechanism
 from fedlora.app.paired import (
     CAUSAL_PAIRED_METRICS,
     METRIC_NAMES,
@@ -155,11 +158,26 @@ class Seeds(_Table):
 
 
 class Regime(_Table):
-    """``[fidelity.regime]``: when the scenario's runs are long enough to compare anything."""
+    """``[fidelity.regime]``: when the scenario's runs are long enough to compare anything.
+
+    Two conditions, both on ``metric`` and on the seeds the compared rows share: FedIT within
+    ``max_gap_points`` of the centralised reference (the federation has nearly caught up), and the
+    reference at least ``min_learning_points`` above the untrained model (something was learned at
+    all: the gap rule alone passes when neither moves). The floor's default is twice the gap: then a
+    FedIT that passes the gap rule has itself learned at least the gap's worth."""
 
     metric: str = Field(description="The metric of the regime line: FedIT's against the centralised reference's.")
     max_gap_points: float = Field(gt=0, description="The scenario counts when the reference is at most this many "
                                   "points (of 100) above FedIT.")
+    min_learning_points: float | None = Field(
+        None, gt=0, description="The learning floor: the scenario counts only when the reference is at least this "
+        "many points (of 100) above the untrained model (the adapter at initialisation, evaluated by the runs' "
+        "own evaluation on the same seeds). Default (None): twice max_gap_points.")
+
+    @property
+    def floor_points(self) -> float:
+        """The learning floor in points: ``min_learning_points``, by default twice the gap."""
+        return self.min_learning_points if self.min_learning_points is not None else 2 * self.max_gap_points
 
 
 class Scenario(_Table):
@@ -178,7 +196,8 @@ class Scenario(_Table):
     budget: Budget = Field(description="The equal tuning budget of every tuned row, `{ size, lr_grid, max_widen }` "
                            "(fedlora.app.tune.Budget).")
     seeds: Seeds = Field(description="Which seeds the rows run (`{ core, other }`).")
-    regime: Regime = Field(description="When the runs are long enough to compare (`{ metric, max_gap_points }`).")
+    regime: Regime = Field(description="When the runs are long enough to compare, and learn enough to compare "
+                           "(`{ metric, max_gap_points, min_learning_points }`).")
     pairs: tuple[tuple[str, str], ...] = Field((), description="Comparisons (label, baseline) beyond the method "
                                                "against every row; Holm-corrected with them.")
     gpu: tuple[str, ...] = Field((), description="`--gpu`: overrides of the full version (the config is the "
@@ -462,11 +481,11 @@ def _config(path: Path) -> dict[str, Any] | None:
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """A run's config as records compare it: no output folder, options added later at the value the
-    record ran with."""
-    from fedlora.schema import with_record_defaults
+    """A run's config as records compare it (:func:`fedlora.schema.comparable_config`): no output
+    folder, options added later at the value the record ran with, inert sections collapsed."""
+    from fedlora.schema import comparable_config
 
-    return {k: v for k, v in with_record_defaults(config).items() if k != "output"}
+    return comparable_config(config)
 
 
 def _complete_config(path: Path) -> dict[str, Any] | None:
@@ -622,12 +641,16 @@ def run_scenario(name: str, seeds: list[int] | None, out: Path, workers: int, ov
     paired = paired_comparisons(table.runs, comparisons(scenario, seeds, other_seeds), primary=scenario.primary,
                                 primary_metric=scenario.metric, metrics=scenario.paired_metrics)
     paired.write(out)
-    from fedlora.app.plotting import plot_comparison, plot_mechanisms
+    from fedlora.app.plotting import plot_comparison
 
     data = resolve_base(config, overrides).data
     plot_comparison(out, runs, data.model_copy(update={"seed": data.seed + seeds[0]}))  # the first seed's partition
-    plot_mechanisms(out, runs)
-    facts = regime(table, scenario)
+    own = {label: results for label, results in runs.items() if scenario.jobs[label].strategy == scenario.method}
+    plot_method_mechanism(scenario.method, own, out / MECHANISM_PLOT)  # the method and its ablations
+    reference_seeds = sorted(per_seed(table, "centralized", scenario.regime_metric))
+    untrained = measure_untrained(scenario, resolve_base(config, overrides),
+                                  [folder for folder in (records, out) if folder is not None], reference_seeds)
+    facts = regime(table, scenario, untrained)
     facts |= {
         "scenario": name, "seeds": seeds, "other_seeds": seeds[:other_seeds], "workers": workers,
         "tuning_from": None if tuning_from is None else _shown_path(tuning_from),
@@ -783,14 +806,151 @@ def machines(out: Path) -> dict[str, int]:
     return dict(counts.most_common())
 
 
-def regime(table, scenario: Scenario) -> dict:
-    """FedIT's accuracy next to the centralised reference, and whether the scenario counts."""
+def per_seed(table, label: str, key: str) -> dict[int, float]:
+    """Each seed's final ``key`` of the row ``label`` (finite values only)."""
+    return {int(r["seed"]): float(r[key]) for r in table.runs
+            if r["strategy"] == label and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])}
+
+
+def regime_facts(scenario: Scenario, fedit: dict[int, float], reference: dict[int, float],
+                 untrained: dict[int, float]) -> dict:
+    """The regime rule on per-seed values: FedIT against the reference on the seeds both ran (the
+    5-point gap), the reference against the untrained model on the seeds both have (the learning
+    floor), and whether the scenario counts; ``why`` says what fails (or what is not known yet)."""
+    import statistics
+
+    rule = scenario.regime
+    shared = sorted(set(fedit) & set(reference))
+    floor_seeds = sorted(set(reference) & set(untrained))
+    mean = lambda values: statistics.fmean(values) if values else math.nan
+    fedit_mean, reference_mean = mean([fedit[s] for s in shared]), mean([reference[s] for s in shared])
+    gap = reference_mean - fedit_mean
+    learned = mean([reference[s] - untrained[s] for s in floor_seeds])
+    why = []
+    if not shared:
+        why.append("FedIT and the reference share no finished seed yet")
+    elif gap > rule.max_gap_points / 100:
+        why.append(f"the reference is {100 * gap:.1f} points above FedIT (at most {rule.max_gap_points:g}: too short "
+                   "for the federation to catch up)")
+    if not floor_seeds:
+        why.append("the untrained model is not measured on the reference's seeds yet")
+    elif learned < rule.floor_points / 100:
+        why.append(f"the reference learned {100 * learned:+.1f} points over the untrained model (at least "
+                   f"{rule.floor_points:g}: too little is learned to compare)")
+    return {"regime_metric": rule.metric, "regime_seeds": shared, "fedit": fedit_mean, "centralized": reference_mean,
+            "gap_points": 100 * gap, "floor_seeds": floor_seeds,
+            "untrained": mean([untrained[s] for s in floor_seeds]),
+            "reference_on_floor_seeds": mean([reference[s] for s in floor_seeds]),
+            "learned_points": 100 * learned, "floor_points": rule.floor_points, "max_gap_points": rule.max_gap_points,
+            "counts": not why, "why": "; ".join(why)}
+
+
+def regime(table, scenario: Scenario, untrained: dict[int, float]) -> dict:
+    """FedIT's regime metric next to the centralised reference's and the untrained model's, per seed
+    (:func:`regime_facts`), and whether the scenario counts."""
     key = scenario.regime_metric
-    fedit = table["fedit"][f"{key}_mean"]
-    reference = table["centralized"][f"{key}_mean"]
-    gap = reference - fedit
-    return {"regime_metric": key, "fedit": fedit, "centralized": reference, "gap_points": 100 * gap,
-            "counts": bool(math.isfinite(gap) and gap <= scenario.regime.max_gap_points / 100)}
+    return regime_facts(scenario, per_seed(table, "fedit", key), per_seed(table, "centralized", key), untrained)
+
+
+# --------------------------------------------------------------------------- the untrained model
+UNTRAINED = "untrained"  # <records>/untrained/seed<k>/untrained.json: the floor's untrained model per seed
+UNTRAINED_METRICS = ("global_accuracy", "global_rouge_l", "personalized_accuracy", "personalized_rouge_l")
+
+
+def untrained_config(scenario: Scenario, base: Any, seed: int) -> Any:
+    """The config whose initial adapter is the untrained model of ``seed``: the reference's job on that
+    seed (its partition, ``train.seed``, evaluation sizes); its learning rate plays no part."""
+    job = Job("centralized", seed, scenario.jobs["centralized"].overrides, "untrained", fresh_partition=True)
+    return job_config(base, job, Path("untrained") / f"seed{seed}")
+
+
+def untrained_score(config: Any, metric: str) -> float:
+    """``metric`` of the adapter at initialisation (B = 0, the head as seeded: the model before any
+    round), computed by the runs' own evaluation code: the global test as the server scores it, or
+    every client's local test example-weighted as the clients' evaluation is aggregated (a causal LM:
+    weighted by the instructions each client scored)."""
+    import tempfile
+
+    from fedlora.backbones import load_tokenizer
+    from fedlora.causal_lm import evaluate_generation, make_causal_loader
+    from fedlora.data import build_federated_data
+    from fedlora.evaluation import GlobalEvaluator
+    from fedlora.results import RoundRecord
+    from fedlora.training import evaluate, make_loader
+
+    if metric not in UNTRAINED_METRICS:
+        raise ConfigError(f"[fidelity.regime] metric = {metric!r}: the learning floor can measure the untrained "
+                          f"model on {', '.join(UNTRAINED_METRICS)} only")
+    federated = build_federated_data(config.data)
+    evaluator = GlobalEvaluator(config, federated)
+    payload = evaluator.initial_adapter(config.model.lora_rank)
+    if metric.startswith("global_"):
+        record = RoundRecord(round=0)
+        with tempfile.TemporaryDirectory() as scratch:
+            evaluator.evaluate_into(payload, record, Path(scratch))
+        return float(getattr(record, metric))
+    cfg, model = config.train, evaluator.model_for(payload)
+    tokenizer = load_tokenizer(config.model.path)
+    scores, weights = [], []
+    for client in federated.clients:
+        if config.model.kind == "causal_lm":
+            loader = make_causal_loader(client.test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False)
+            result = evaluate_generation(model, client.test, loader, tokenizer, evaluator.torch_device,
+                                         cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
+                                         precision=evaluator.precision)
+            scores.append(result.rouge_l)
+            weights.append(result.rouge_examples)
+        else:
+            loader = make_loader(client.test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False)
+            stats = evaluate(model, loader, evaluator.torch_device, evaluator.precision)
+            scores.append(stats.accuracy)
+            weights.append(stats.examples)
+    kept = [(s, w) for s, w in zip(scores, weights) if w > 0 and math.isfinite(s)]
+    return sum(s * w for s, w in kept) / sum(w for _, w in kept) if kept else math.nan
+
+
+def untrained_record(folder: Path, seed: int) -> Path:
+    return folder / UNTRAINED / f"seed{seed}" / "untrained.json"
+
+
+def recorded_untrained(scenario: Scenario, base: Any, folder: Path, seeds: list[int]) -> dict[int, float]:
+    """The untrained model's regime metric per seed as kept in ``folder`` (records or output), for the
+    seeds whose record was measured at the config those seeds run now; runs nothing."""
+    found = {}
+    for seed in seeds:
+        path = untrained_record(folder, seed)
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        wanted = _comparable(untrained_config(scenario, base, seed).model_dump(mode="json"))
+        if kept.get("metric") == scenario.regime_metric and _comparable(kept.get("config") or {}) == wanted:
+            found[seed] = float(kept["value"])
+    return found
+
+
+def measure_untrained(scenario: Scenario, base: Any, folders: list[Path], seeds: list[int]) -> dict[int, float]:
+    """The untrained model's regime metric on ``seeds``: read from the first of ``folders`` that
+    holds it at the current config, else measured (seconds for a classifier; a causal LM generates)
+    and written into every folder (a record like the runs': nothing computed is thrown away)."""
+    found: dict[int, float] = {}
+    for folder in folders:
+        found |= {s: v for s, v in recorded_untrained(scenario, base, folder, seeds).items() if s not in found}
+    for seed in [s for s in seeds if s not in found]:
+        config = untrained_config(scenario, base, seed)
+        started = time.perf_counter()
+        with quiet.output():  # fedlora's lines only, as in a run (no library load reports)
+            found[seed] = untrained_score(config, scenario.regime_metric)
+        kept = {"metric": scenario.regime_metric, "value": found[seed], "seed": seed,
+                "seconds": time.perf_counter() - started,
+                "config": _comparable(config.model_dump(mode="json"))}
+        for folder in folders:
+            path = untrained_record(folder, seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(kept, indent=2))
+        logger.info("fidelity: the untrained model on seed %d: %s %.4f (%.0f s)", seed, scenario.regime_metric,
+                    found[seed], kept["seconds"])
+    return found
 
 
 # --------------------------------------------------------------------------- the page
@@ -811,6 +971,19 @@ def _minutes(seconds: float | None) -> str:
     return f"{seconds / 60:.1f}" if seconds is not None and math.isfinite(seconds) else "-"
 
 
+def regime_line(facts: dict, verdict: str) -> str:
+    """The page's regime line: the gap rule and the learning floor, each on the seeds it compares."""
+    def seeds(values: list[int]) -> str:
+        return f"seed{'s' if len(values) != 1 else ''} {','.join(str(s) for s in values)}"
+
+    return (f"Regime: FedIT {facts['regime_metric']} {facts['fedit']:.4f} vs centralised reference "
+            f"{facts['centralized']:.4f} ({seeds(facts['regime_seeds'])}; same data, same total optimiser steps): gap "
+            f"{facts['gap_points']:.1f} points (at most {facts['max_gap_points']:g}); the reference "
+            f"{facts['reference_on_floor_seeds']:.4f} vs the untrained model {facts['untrained']:.4f} "
+            f"({seeds(facts['floor_seeds'])}): learned {facts['learned_points']:+.1f} points (at least "
+            f"{facts['floor_points']:g}); the scenario {verdict}.")
+
+
 def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dict, overrides: list[str]) -> str:
     """The markdown the docs cite: command, regime, tuning, results, paired comparisons, mechanisms."""
     seeds_text = ",".join(str(s) for s in facts["seeds"])
@@ -819,8 +992,7 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     if facts.get("tuning_from"):
         command += f" --tuning-from {facts['tuning_from']}"
     selection = "validation loss per response token; score = minus the loss" if scenario.causal else "validation accuracy"
-    verdict = "counts" if facts["counts"] else (f"does NOT count (gap above {scenario.regime.max_gap_points:g} "
-                                                "points: too short to compare)")
+    verdict = "counts" if facts["counts"] else f"does NOT count: {facts['why']}"
     method, lead = scenario.primary
     lines = [
         f"# Fidelity: {name}", "", f"    {command}", "", f"Device: {facts['device']}.", "",
@@ -829,9 +1001,7 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
         (f"Seeds: {seeds_text} for the core jobs (the method, its ablations, the lead baseline), "
          f"{','.join(str(s) for s in facts['other_seeds'])} for the others; seed k is `train.seed = k` and "
          f"`data.seed = config + k` (a fresh partition, shared by every job of that seed)."), "",
-        (f"Regime: FedIT {facts['regime_metric']} {facts['fedit']:.4f} vs centralised reference "
-         f"{facts['centralized']:.4f} (same data, same total optimiser steps): gap {facts['gap_points']:.1f} points, "
-         f"the scenario {verdict}."), "",
+        regime_line(facts, verdict), "",
         (f"Primary comparison (declared before the runs): {method} − {lead} on {METRIC_NAMES[scenario.metric]}: "
          f"{scenario.primary_why}."), "",
         f"## Tuning (first seed, chosen on {selection})", "",
@@ -899,8 +1069,10 @@ def report(name: str, scenario: Scenario, table, paired: PairedTable, facts: dic
     if facts.get("against"):
         lines += against_markdown(facts["against"])
     lines += ["## Mechanisms", "",
-              "Each numeric entry of the rounds' `extra`, by round (mean ± std over seeds):", "",
-              "![mechanisms](mechanisms.png)", ""]
+              (f"Whether {scenario.method}'s mechanism acted, for the method and its ablations "
+               "(fedlora.app.mechanisms; mean over seeds):"), "",
+              f"![mechanism]({MECHANISM_PLOT})", "",
+              "Each numeric entry of the rounds' `extra` (final round, mean ± std over seeds):", ""]
     if table.extra_keys:
         lines += [table.mechanisms().to_markdown(index=False, tablefmt="pipe", disable_numparse=True), ""]
     if facts.get("tree_agreement"):
@@ -951,9 +1123,56 @@ def progress(name: str, seeds: list[int] | None, records: Path, overrides: list[
     cpu = [seconds for folder in finished if math.isfinite(seconds := number(load_results(folder).get("cpu_seconds")))]
     waiting = [] if tuning_from is not None else waiting_runs(scenario, base, records, set(finished), ready, seeds,
                                                               other_seeds)
+    regime_now = status_regime(scenario, base, records, plans, seeds, other_seeds) if tuned else None
+    outside = [] if tuning_from is not None else outside_plan(scenario, base, records, {*finished, *waiting})
     return {"tuning_done": tuning_done, "tuning_pending": pending,
             "tuning_complete": int(tuned), "final_done": len(finished) - tuning_done, "final_planned": len(final),
-            "waiting": len(waiting), "cpu_seconds": sum(cpu), "cpu_runs": len(cpu), "runs": len(finished)}
+            "waiting": len(waiting), "outside": len(outside), "cpu_seconds": sum(cpu), "cpu_runs": len(cpu),
+            "runs": len(finished), "regime": regime_now}
+
+
+def outside_plan(scenario: Scenario, base: Any, records: Path, counted: set[Path]) -> list[Path]:
+    """Complete records at the config their folder names today (:func:`config_now`) that the plan
+    counts nowhere (not in ``counted``): runs of a configuration the tuning no longer chooses, e.g.
+    after the tie rule was corrected (2026-12-07). They stay committed (nothing computed is thrown
+    away) and are reported; a record whose config no longer matches its folder is not among them."""
+    return [run for path in (sorted(records.glob(f"*/seed*/{RESULTS}")) if records.is_dir() else [])
+            if (run := path.parent) not in counted and path.parent.parent.name.partition("[")[0] in scenario.jobs
+            and of_config_now(path, run.relative_to(records), functools.partial(config_now, scenario, base))]
+
+
+def status_regime(scenario: Scenario, base: Any, records: Path, plans: dict[str, TunePlan], seeds: list[int],
+                  other_seeds: int | None) -> dict:
+    """The regime rule (:func:`regime_facts`) on the complete runs of FedIT and the reference kept in
+    ``records`` at their chosen configurations and on the untrained model's records; ``complete``:
+    whether every planned seed of both is in. Reads the records only."""
+    key, values = scenario.regime_metric, {"fedit": {}, "centralized": {}}
+    planned = 0
+    for job in final_jobs(scenario, seeds, choices(scenario, plans), other_seeds):
+        label = label_of(job)
+        if label not in values:
+            continue
+        planned += 1
+        run_dir = job.run_dir(records)
+        if is_complete(run_dir, job_config(base, job, run_dir)):
+            value = number((load_results(run_dir).get("final") or {}).get(key))
+            if math.isfinite(value):
+                values[label][job.seed] = value
+    untrained = recorded_untrained(scenario, base, records, sorted(values["centralized"]))
+    facts = regime_facts(scenario, values["fedit"], values["centralized"], untrained)
+    return facts | {"complete": sum(len(v) for v in values.values()) == planned}
+
+
+def regime_cell(facts: dict | None) -> str:
+    """The status table's regime cell: counts or not and why, from what is in so far."""
+    if facts is None:
+        return "not known yet (tuning)"
+    known = facts["regime_seeds"] and facts["floor_seeds"]
+    sofar = "" if facts["complete"] else "so far: "
+    if facts["counts"]:
+        return (f"{sofar}counts (gap {facts['gap_points']:.1f} points, learned {facts['learned_points']:+.1f} over the "
+                "untrained model)")
+    return f"{sofar}{'does not count' if known else 'not known yet'}: {facts['why']}"
 
 
 def waiting_runs(scenario: Scenario, base: Any, records: Path, counted: set[Path], ready: set[str],
@@ -982,19 +1201,20 @@ def progress_table(records: dict[str, Path], seeds: list[int] | None, overrides:
     """The protocol's progress, one row per scenario (``records``: scenario -> its records folder),
     as a Markdown table (the page copies it)."""
     header = ("| scenario | tuning runs done | tuning runs still to run (known now) | final runs done / planned "
-              "| CPU hours of the runs done |")
-    lines = [header, "|---|---|---|---|---|"]
+              "| CPU hours of the runs done | regime (the gap rule and the learning floor) |")
+    lines = [header, "|---|---|---|---|---|---|"]
     rows = {name: progress(name, seeds, folder, overrides, other_seeds, tuning_from) for name, folder in records.items()}
     for name, p in rows.items():
         pending = f"{p['tuning_pending']}" + ("" if p["tuning_complete"] else " (more if a grid widens)")
         complete = p["tuning_complete"] and p["final_done"] == p["final_planned"]
         waiting = f" (+{p['waiting']} waiting for their job's tuning)" if p["waiting"] else ""
+        waiting += f" (+{p['outside']} outside the plan: configurations it no longer chooses)" if p["outside"] else ""
         lines.append(f"| {name} | {p['tuning_done']} | {pending} | {p['final_done']} / {p['final_planned']}"
                      f"{' (complete)' if complete else ''}{waiting} | "
-                     f"{_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} |")
+                     f"{_cpu_hours(p['cpu_seconds'], p['cpu_runs'], p['runs'])} | {regime_cell(p['regime'])} |")
     if len(rows) > 1:
         total = (sum(p[key] for p in rows.values()) for key in ("cpu_seconds", "cpu_runs", "runs"))
-        lines.append(f"| all | | | | {_cpu_hours(*total)} |")
+        lines.append(f"| all | | | | {_cpu_hours(*total)} | |")
     return "\n".join(lines)
 
 
@@ -1136,10 +1356,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fidelity: error: {error}", file=sys.stderr)
             return 2
         print((out / "fidelity.md").read_text())
-        print(f"results: {out}/fidelity.md (tables), {out}/summary.csv, {out}/paired.csv, {out}/mechanisms.png, "
+        print(f"results: {out}/fidelity.md (tables), {out}/summary.csv, {out}/paired.csv, {out}/{MECHANISM_PLOT}, "
               f"{out}/fidelity.json")
         print(f"scenario={name} counts={facts['counts']} fedit={facts['fedit']:.4f} "
-              f"centralized={facts['centralized']:.4f} gap_points={facts['gap_points']:.1f}")
+              f"centralized={facts['centralized']:.4f} gap_points={facts['gap_points']:.1f} "
+              f"untrained={facts.get('untrained', math.nan):.4f} "
+              f"learned_points={facts.get('learned_points', math.nan):.1f}")
     return 0
 
 

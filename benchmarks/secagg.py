@@ -1,11 +1,21 @@
-"""What does secure aggregation (SecAgg+) cost per round: seconds and bytes, plain vs secure, at 5, 10, 20 clients.
+"""What does secure aggregation (SecAgg+) cost per round: seconds and bytes, plain vs secure, at 5, 10, 20 clients,
+without and with one client dropping out in every round.
 
-    python benchmarks/secagg.py                     # 5 / 10 / 20 clients, in process, 1 warm-up + 5 runs per arm
-    python benchmarks/secagg.py --engine ray --repeat 3
+    python benchmarks/secagg.py                     # 5 / 10 / 20 clients, no dropout and one, in process,
+                                                    # 1 warm-up + 5 runs per arm
+    python benchmarks/secagg.py --dropout none --engine ray --repeat 3
     python benchmarks/secagg.py --quick             # 3 clients, 3 rounds, 1 run per arm: a smoke test (~40 s)
 
 Two arms per federation size N (``--sizes``): **plain**, ``fedlora run`` with strategy ``fedit``,
-and **secure**, the same run with ``--set secure_aggregation.enabled=true`` (docs/secure-aggregation.md).
+and **secure**, the same run with ``--set secure_aggregation.enabled=true`` (docs/secure-aggregation.md:
+fedlora's SecAgg+ port, its masks from ChaCha20, commitments to every share, proofs of key
+possession) and ``secure_aggregation.clip_norm = --clip-norm`` (every client clips its update
+before masking, the server checks the unmasked mean). With ``--dropout one`` (or ``both``, the
+default: both pairs of arms) the pair ``plain-N-drop`` / ``secure-N-drop`` has exactly one client
+fail its training in every round (``faults.drop_rate = 1 / N`` with a ``faults.seed`` for which the
+draws of every round fail exactly one client: :func:`drop_seed`), after the secure stages' key
+exchange, so that the secure server rebuilds the dropped client's pairwise masks from its key's
+shares; ``federation.min_clients = N - 1``.
 The base config is ``configs/smoke.toml`` (the tiny random-weight test backbone), made into an
 N-client federation: every client holds the same ``--per-client`` examples (IID; the pool is
 ``per_client x N`` plus the global test set) and trains at one rank (``model.lora_rank``,
@@ -31,8 +41,9 @@ its results.json to a temporary folder. Per run, from ``rounds[]`` of its result
   ``train_stage_seconds`` is the round minus those stages (the training messages, with the
   clients' masking, and the aggregation); on the plain arm it is the whole round.
 
-Every run is checked: every round must sample and aggregate all N clients with no failure, and a
-secure run must have masked all N (a run that is not what it claims stops the benchmark).
+Every run is checked: every round must sample N clients and aggregate all of them (N - 1 with a
+dropout, one failure), and a secure run must have masked them and, with a dropout, rebuilt one
+dropped client's masks (a run that is not what it claims stops the benchmark).
 
 The arms run through :mod:`harness` (benchmarks/harness.py): ``--warmup`` runs of every arm
 (default 1, discarded), then plain-5, secure-5, plain-10, secure-10, plain-20, secure-20, ...
@@ -40,18 +51,22 @@ The arms run through :mod:`harness` (benchmarks/harness.py): ``--warmup`` runs o
 arm and figure, and for each N the ratio secure / plain of the medians with its spread (max / min
 of the per-pair ratios). The JSON record (``benchmarks/results/secagg.json``; ``--quick``:
 ``runs/benchmarks/secagg-quick.json``) holds the machine, every run and the side-by-side table.
-The last line gives, per N in the order of ``clients=``, the medians and ratios:
+The last line gives, per pair of arms in the order of ``clients=`` (N, then N-drop: with a
+dropout), the medians and ratios:
 
-    clients=5,10,20 plain_seconds=... secure_seconds=... seconds_ratio=... spread=... bytes_up_ratio=...
-    wire_up_ratio=... wire_down_ratio=...
+    clients=5,10,20,5-drop,10-drop,20-drop plain_seconds=... secure_seconds=... seconds_ratio=... spread=...
+    bytes_up_ratio=... wire_up_ratio=... wire_down_ratio=...
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +79,37 @@ import harness
 NAME = "secagg"
 MIN_CLIENTS = 3  # SecAgg+ in fedlora needs at least 3 clients a round (docs/secure-aggregation.md)
 STAGES = ("setup", "share_keys", "unmask")  # the stages outside Flower's training exchange
-DEFAULTS = {"sizes": "5,10,20", "rounds": 5, "per_client": 100}
-QUICK = {"sizes": "3", "rounds": 3, "per_client": 40}
+# what the arms may differ in: secure aggregation, the number of clients (and so the pool of
+# examples: every client keeps per_client), the clients dropping out every round
+VARIES = ("secure", "clients", "dropped")
+DEFAULTS = {"sizes": "5,10,20", "rounds": 5, "per_client": 100, "dropout": "both"}
+QUICK = {"sizes": "3", "rounds": 3, "per_client": 40, "dropout": "none"}
 
 
-def overrides(size: int, secure: bool, args: argparse.Namespace) -> list[str]:
-    """configs/smoke.toml as a ``size``-client FedIT federation, every client sampled and needed."""
+def drop_seed(size: int, rounds: int) -> int:
+    """The smallest ``faults.seed`` whose draws (``fedlora.clients.faults.maybe_fail`` at
+    ``drop_rate = 1 / size``) fail exactly one of ``size`` clients in every round 1..``rounds``."""
+    from fedlora.clients.faults import SimulatedClientFailure, maybe_fail
+    from fedlora.schema import FaultsConfig
+
+    def fails(faults: FaultsConfig, server_round: int, partition: int) -> bool:
+        try:
+            maybe_fail(faults, server_round, partition)
+        except SimulatedClientFailure:
+            return True
+        return False
+
+    for seed in range(100_000):
+        faults = FaultsConfig(drop_rate=1 / size, seed=seed)
+        if all(sum(fails(faults, r, p) for p in range(size)) == 1 for r in range(1, rounds + 1)):
+            return seed
+    raise SystemExit(f"secagg: no faults.seed below 100000 drops exactly one of {size} clients in each of {rounds} rounds")
+
+
+def overrides(size: int, secure: bool, args: argparse.Namespace, dropped: int = 0) -> list[str]:
+    """configs/smoke.toml as a ``size``-client FedIT federation, every client sampled and needed
+    (with ``dropped = 1``: one client fails every round, the others needed)."""
+    drop = [f"faults.drop_rate={1 / size}", f"faults.seed={drop_seed(size, args.rounds)}"] if dropped else []
     return [
         "strategy.name=\"fedit\"",
         f"model.lora_rank={args.rank}",
@@ -82,12 +122,14 @@ def overrides(size: int, secure: bool, args: argparse.Namespace) -> list[str]:
         "federation.fraction_train=1.0",
         "federation.fraction_evaluate=0.0",
         f"federation.evaluate_every={args.rounds}",
-        f"federation.min_clients={size}",
+        f"federation.min_clients={size - dropped}",
         "clients.ranks=[]",  # smoke's three ranks are for its three clients: every client at model.lora_rank
         "clients.rank_tiers={}",
         "output.save_adapters=false",
         "output.tensorboard=false",
         f"secure_aggregation.enabled={'true' if secure else 'false'}",
+        *([f"secure_aggregation.clip_norm={args.clip_norm}"] if secure else []),
+        *drop,
     ]
 
 
@@ -98,16 +140,21 @@ def steady_rounds(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rounds[1:] or rounds
 
 
-def figures(results: dict[str, Any], wall: float, size: int, secure: bool) -> dict[str, float]:
-    """One run's figures (module docstring), after checking that every round was what it claims."""
+def figures(results: dict[str, Any], wall: float, size: int, secure: bool, dropped: int = 0) -> dict[str, float]:
+    """One run's figures (module docstring), after checking that every round was what it claims
+    (``dropped``: clients that fail every round)."""
     rounds = results["rounds"]
+    summed = size - dropped
     for r in rounds:
-        if (r["sampled"], r["clients"], r["failures"]) != (size, size, 0):
+        if (r["sampled"], r["clients"], r["failures"]) != (size, summed, dropped):
             raise SystemExit(f"secagg: round {r['round']} of a {size}-client run sampled {r['sampled']}, aggregated "
-                             f"{r['clients']}, {r['failures']} failures: not a round of {size} clients")
+                             f"{r['clients']}, {r['failures']} failures: not a round of {size} clients, {dropped} "
+                             "dropping out")
         report = r.get("extra", {}).get("secure_aggregation")
-        if secure and (report is None or report.get("masked") != size or "failed_stage" in report):
-            raise SystemExit(f"secagg: round {r['round']} was not securely aggregated over {size} clients: {report}")
+        if secure and (report is None or report.get("masked") != summed or "failed_stage" in report
+                       or report.get("dead_recovered") != dropped or report.get("culprits")):
+            raise SystemExit(f"secagg: round {r['round']} was not securely aggregated over {summed} clients with "
+                             f"{dropped} dropped: {report}")
         if not secure and report is not None:
             raise SystemExit(f"secagg: round {r['round']} of a plain run reports secure aggregation")
     steady = steady_rounds(rounds)
@@ -145,16 +192,31 @@ def arms(args: argparse.Namespace, tmp: Path) -> dict[str, harness.Arm]:
     """plain-N and secure-N for every N, each a fresh ``fedlora run`` per call, writing under ``tmp``."""
     runs = iter(range(1_000_000))
 
-    def arm(size: int, secure: bool) -> harness.Arm:
-        def run() -> dict[str, float]:
-            out = tmp / f"{'secure' if secure else 'plain'}-{size}-{next(runs)}"
-            results, wall = harness.fedlora_run(args.config, overrides(size, secure, args), out, args.engine,
+    def arm(size: int, secure: bool, dropped: int) -> harness.Arm:
+        def run() -> harness.Run:
+            out = tmp / f"{'secure' if secure else 'plain'}-{size}-{dropped}-{next(runs)}"
+            results, wall = harness.fedlora_run(args.config, overrides(size, secure, args, dropped), out, args.engine,
                                                  name="secagg")
-            settings = harness.reported_settings(results, "secagg") | {"engine": args.engine, "secure": secure}
-            return harness.Run(figures(results, wall, size, secure), settings)
+            return harness.Run(figures(results, wall, size, secure, dropped), settings(results, args, secure, dropped))
         return run
 
-    return {f"{side}-{size}": arm(size, side == "secure") for size in args.sizes for side in ("plain", "secure")}
+    return {f"{side}-{size}{suffix}": arm(size, side == "secure", dropped)
+            for dropped, suffix in variants(args) for size in args.sizes for side in ("plain", "secure")}
+
+
+def settings(results: dict[str, Any], args: argparse.Namespace, secure: bool, dropped: int) -> harness.Settings:
+    """What a run ran at: its clients' precision and threads and its config (harness.reported_settings),
+    its data section hashed without the two keys that grow with N (``num_clients`` and the pool,
+    ``max_examples``: every client keeps ``per_client`` examples, which is what the arms share)."""
+    shared = {key: value for key, value in results["config"]["data"].items() if key not in ("num_clients", "max_examples")}
+    return harness.reported_settings(results, "secagg") | {
+        "data": hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16], "engine": args.engine,
+        "secure": secure, "dropped": dropped, "per_client": args.per_client}
+
+
+def variants(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """(clients dropping out every round, the arms' name suffix) for ``--dropout``."""
+    return {"none": [(0, "")], "one": [(1, "-drop")], "both": [(0, ""), (1, "-drop")]}[args.dropout]
 
 
 # the figures compared secure / plain per N, as (record key, column name)
@@ -163,14 +225,16 @@ COMPARED = (("seconds", "seconds"), ("train_stage_seconds", "train_stage"), ("re
             ("wire_bytes_down", "wire_down"))
 
 
-def side_by_side(measured: harness.Measurements, sizes: list[int]) -> list[dict[str, Any]]:
+def side_by_side(measured: harness.Measurements, sizes: list[int],
+                 kinds: Sequence[tuple[int, str]] = ((0, ""),)) -> list[dict[str, Any]]:
     """Per N: min / median / max of both arms' figures, the ratio of the medians secure / plain and
     its spread for every compared figure, and the secure stages' medians."""
     rows = []
-    for size in sizes:
-        plain, secure = f"plain-{size}", f"secure-{size}"
+    for (dropped, suffix), size in ((kind, size) for kind in kinds for size in sizes):
+        plain, secure = f"plain-{size}{suffix}", f"secure-{size}{suffix}"
         stats = {arm: {k: vars(v) for k, v in harness.describe(measured.samples[arm]).items()} for arm in (plain, secure)}
-        row: dict[str, Any] = {"clients": size, "plain": stats[plain], "secure": stats[secure], "ratio": {}, "spread": {}}
+        row: dict[str, Any] = {"clients": f"{size}{suffix}", "size": size, "dropped": dropped, "plain": stats[plain],
+                               "secure": stats[secure], "ratio": {}, "spread": {}}
         for key, _ in COMPARED:
             c = harness.compare(measured, secure, plain, key)
             row["ratio"][key], row["spread"][key] = c.ratio, c.spread
@@ -245,6 +309,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--global-test", type=int, default=100, help="global test set size")
     parser.add_argument("--rank", type=int, default=4, help="model.lora_rank, every client's rank")
     parser.add_argument("--engine", choices=("inprocess", "ray"), default="inprocess", help="fedlora's engine")
+    parser.add_argument("--dropout", choices=("none", "one", "both"), default=None,
+                        help=f"arms without a dropout, with one client dropping out every round, or both (default "
+                        f"{DEFAULTS['dropout']}; --quick {QUICK['dropout']})")
+    parser.add_argument("--clip-norm", type=float, default=1.0,
+                        help="secure arms: secure_aggregation.clip_norm, the L2 norm every client clips its update to")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 3 clients, 3 rounds, no warm-up, 1 run per arm (checks the plumbing, "
                         "measures nothing)")
@@ -254,11 +323,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.sizes = [int(s) for s in str(args.sizes or preset["sizes"]).split(",")]
     args.rounds = args.rounds or preset["rounds"]
     args.per_client = args.per_client or preset["per_client"]
+    args.dropout = args.dropout or preset["dropout"]
     if min(args.sizes) < MIN_CLIENTS or len(set(args.sizes)) != len(args.sizes):
         parser.exit(2, f"error: --sizes must be distinct numbers of clients >= {MIN_CLIENTS} "
                        f"(secure aggregation needs {MIN_CLIENTS} a round), got {args.sizes}\n")
-    if args.rounds < 1 or args.per_client < 1 or args.rank < 1:
-        parser.exit(2, "error: need --rounds >= 1, --per-client >= 1 and --rank >= 1\n")
+    if args.rounds < 1 or args.per_client < 1 or args.rank < 1 or not args.clip_norm > 0:
+        parser.exit(2, "error: need --rounds >= 1, --per-client >= 1, --rank >= 1 and --clip-norm > 0\n")
     harness.settle(args, NAME, quick=args.quick, repeat=1 if args.quick else harness.DEFAULT_REPEAT,
                    warmup=0 if args.quick else harness.DEFAULT_WARMUP)
     return args
@@ -269,19 +339,21 @@ def main(argv: list[str] | None = None) -> int:
     env = harness.environment(args.note)
     print(f"secagg: fedit on {Path(args.config).name}, sizes {args.sizes}, {args.rounds} rounds (steady: "
           f"{'2..R-1' if args.rounds >= 3 else '2..R'}), {args.per_client} examples per client, rank {args.rank}, "
-          f"engine {args.engine}; {args.warmup} warm-up + {args.repeat} interleaved runs per arm", flush=True)
+          f"dropout {args.dropout}, clip norm {args.clip_norm:g}, engine {args.engine}; {args.warmup} warm-up + "
+          f"{args.repeat} interleaved runs per arm", flush=True)
     with tempfile.TemporaryDirectory(prefix="fedlora-secagg-") as tmp:
         measured = harness.run_interleaved(arms(args, Path(tmp)), repeat=args.repeat, warmup=args.warmup,
-                                           varies=("secure", "clients"))
-    rows = side_by_side(measured, args.sizes)
-    largest = args.sizes[-1]
-    comparison = harness.compare(measured, f"secure-{largest}", f"plain-{largest}", "seconds")
+                                           varies=VARIES)
+    rows = side_by_side(measured, args.sizes, variants(args))
+    largest, suffix = args.sizes[-1], variants(args)[0][1]
+    comparison = harness.compare(measured, f"secure-{largest}{suffix}", f"plain-{largest}{suffix}", "seconds")
     print(harness.report(measured, comparison))
     text = table(rows)
     print(text)
     extra = {"side_by_side": rows, "table": text,
              "steady_rounds": "2..R-1" if args.rounds >= 3 else "2..R",
-             "overrides": {"plain": overrides(largest, False, args), "secure": overrides(largest, True, args)}}
+             "overrides": {f"{side}-{largest}{suffix}": overrides(largest, side == "secure", args, dropped)
+                           for dropped, suffix in variants(args) for side in ("plain", "secure")}}
     return harness.finish(NAME, args, measured, comparison, last_line(rows), extra, env)
 
 

@@ -43,6 +43,16 @@ def _process_age() -> float:
 
 
 app = ClientApp()
+# What this ClientApp can do beyond training, declared in its profile (fedlora.profile): its train
+# handler runs Flower's SecAgg+ mod when the server asks (clients/secure.py)
+CAPABILITIES = (protocol.SECURE_AGGREGATION,)
+
+
+def _flower_version() -> str:
+    from importlib.metadata import version
+
+    return version("flwr")
+
 
 # Process start -> this module imported (interpreter, flwr and this module): the cold-start cost of
 # every message in a deployment, where each message gets a fresh ClientApp process.
@@ -114,6 +124,11 @@ def _setup(msg: Message, context: Context):
     profile = resolve_profile(config, context.node_config)
     if protocol.RANK in message_config:  # the server's one rank decision for this client and round
         profile.rank = int(protocol.number(message_config[protocol.RANK]))
+    labels = message_config.get(protocol.LABEL_NAMES)
+    if profile.data_path and isinstance(labels, list) and labels:  # a silo with its own data and the server's
+        from fedlora.data.silo import SiloFederation  # labels: [data].source is not read (nor WordNet)
+
+        return config, profile, SiloFederation(config.data, [str(label) for label in labels]), message_config
     return config, profile, build_federated_data(config.data), message_config
 
 
@@ -251,6 +266,8 @@ def query(msg: Message, context: Context) -> Message:
     """Reply with this client's profile (rank, budgets, number of training examples); a simulated
     client counts its training examples from the partition index, without building its data."""
     config, profile, federated, _ = _setup(msg, context)
+    profile.flower_version = _flower_version()
+    profile.capabilities = list(CAPABILITIES)
     if profile.data_path:
         profile.num_train_examples = len(_client_data(profile, config, federated).train)
     else:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedlora.errors import ConfigError
-from fedlora.schema import ExperimentConfig, with_record_defaults
+from fedlora.schema import ExperimentConfig, comparable_config
 from fedlora.state import StateError, decode, encode
 
 if TYPE_CHECKING:
@@ -94,10 +94,10 @@ def blob_digest(blob: dict[str, Any]) -> str:
 
 
 def _comparable(config: ExperimentConfig) -> dict[str, Any]:
-    """The config without what may change on resume: the output folder, and the number of rounds
+    """The config without what may change on resume (:func:`fedlora.schema.comparable_config`: the output
+    folder, a disabled secure aggregation's inert options), and the number of rounds
     unless a DP target epsilon was planned for it."""
-    data = config.model_dump(mode="json")
-    data.pop("output", None)
+    data = comparable_config(config.model_dump(mode="json"))
     if not (config.privacy.dp and config.privacy.target_epsilon is not None):
         data["train"].pop("rounds", None)
     return data
@@ -181,7 +181,7 @@ def load_server(out_dir: str | Path, config: ExperimentConfig | None = None) -> 
                               f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
     round_done, partitions = blob["round"], list(blob["partitions"])
     if config is not None:
-        stored = _as_run_until(with_record_defaults(blob["config"]), round_done)
+        stored = _as_run_until(comparable_config(blob["config"]), round_done)
         now = _as_run_until(_comparable(config), round_done)
         if stored != now:
             keys = sorted(f"{s}.{k}" for s in now for k in (now[s] if isinstance(now[s], dict) else {})

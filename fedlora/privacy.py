@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedlora.schema import PrivacyConfig
-from fedlora.training import TrainStats, cross_entropy_loss, optimise
+from fedlora.training import StepOptions, TrainStats, cross_entropy_loss, optimise
 
 History = list[tuple[float, float, int]]  # (noise multiplier, sample rate, steps), RDPAccountant.history
 
@@ -84,16 +84,23 @@ def private_train(
     max_steps: int = 0,
     weight_decay: float = 0.0,
     loss_fn: Callable[[Any, dict[str, Any]], Any] = cross_entropy_loss,
+    options: StepOptions | None = None,
 ) -> PrivateTrainStats:
     """DP-SGD (AdamW steps on the privatised gradient) over the trainable parameters of ``model``;
     ``history`` is the client's accountant history before this call (returned extended).
 
     ``seed``: None (the default, and what ``privacy.reproducible_noise = false`` passes) draws the
     noise and sampling seeds from the operating system's entropy; an int makes them reproducible
-    (and known to whoever knows the int)."""
+    (and known to whoever knows the int). ``options``: the step loop's knobs that DP-SGD takes (a
+    schedule, FedProx's term: :func:`fedlora.training.optimise`); accumulation and batch clipping
+    are refused with privacy.dp when the config is read."""
     import torch
     from opacus import PrivacyEngine
     from opacus.data_loader import DPDataLoader
+
+    if options is not None and (options.accumulation > 1 or options.max_grad_norm or options.gradient_checkpointing):
+        raise ValueError("DP-SGD takes no gradient accumulation, batch clipping or gradient checkpointing "
+                         "(Opacus samples, clips and differentiates per example)")
 
     sampling_seed, noise_seed = (secrets.randbits(63), secrets.randbits(63)) if seed is None else (seed, seed + 1)
     model.to(device).train()  # before wrapping (docs/design.md, Opacus notes)
@@ -119,7 +126,7 @@ def private_train(
             noise_generator=torch.Generator(device=device).manual_seed(noise_seed),
         )
         try:
-            stats = optimise(private_model, poisson, optimizer, epochs, max_steps, loss_fn)
+            stats = optimise(private_model, poisson, optimizer, epochs, max_steps, loss_fn, options=options)
         finally:
             private_model._close()  # remove Opacus' hooks and per-example grads: the peft model is plain again
     new_history: History = [tuple(h) for h in engine.accountant.history]

@@ -9,30 +9,55 @@ the first training round), never from a config it could not have in a real deplo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedlora import protocol
 from fedlora.schema import ClientsConfig, ExperimentConfig
+from fedlora.secagg import MASK_GENERATOR
 from fedlora.version import __version__
+
+MAX_DECLARED = int(protocol.MAX_COUNT)  # any whole number a profile declares (10**12: no sum of them overflows)
 
 
 class ClientProfile(BaseModel):
-    """A client's self-description, sent in reply to the server's query."""
+    """A client's self-description, sent in reply to the server's query. Every whole number is
+    bounded by the protocol's maxima when the profile is read, before any arithmetic on it: a profile
+    declaring 10**400 examples is refused in one line (strategies/roster.py), never an overflow later."""
 
     model_config = ConfigDict(extra="forbid")
 
-    partition_id: int = Field(description="Data partition this client holds (simulation).")
-    rank: int = Field(description="LoRA rank this client trains.")
-    num_train_examples: int = Field(0, description="Training examples held (aggregation weight).")
-    budgets: dict[str, float] = Field(
-        default_factory=dict,
+    # Every whole number bounded by the protocol's maxima (|x| <= 10**12), at most 128 budgets: what
+    # the values mean (a partition of this run, a rank the model can hold, a count >= 0, budgets positive
+    # and finite) is the server's check of a profile it read (strategies/roster.py), naming the client
+    partition_id: int = Field(ge=-MAX_DECLARED, le=MAX_DECLARED, description="Data partition this client holds (simulation).")
+    rank: int = Field(ge=-MAX_DECLARED, le=MAX_DECLARED, description="LoRA rank this client trains.")
+    num_train_examples: int = Field(
+        0, ge=-MAX_DECLARED, le=MAX_DECLARED, description="Training examples held (aggregation weight), at most 10**12."
+    )
+    budgets: dict[Annotated[str, Field(max_length=protocol.MAX_METRIC_KEY_LENGTH)], float] = Field(
+        default_factory=dict, max_length=protocol.MAX_METRIC_KEYS,
         description="Resource budgets (e.g. FedHera's download bytes / time / memory units).",
     )
-    data_path: str = Field("", description="Silo-local data folder/file, if not simulated.")
+    data_path: str = Field("", max_length=4096, description="Silo-local data folder/file, if not simulated.")
     fedlora_version: str = Field(
-        "", description="The fedlora version the client runs; the server refuses a client whose version differs from its own."
+        "", max_length=64,
+        description="The fedlora version the client runs; the server refuses a client whose version differs from its own."
+    )
+    secure_masks: str = Field(
+        "", max_length=64,
+        description="The mask generator of the client's secure-aggregation mod (fedlora.secagg.MASK_GENERATOR); "
+        "a secure federation refuses a client that declares another (Flower's own mod seeds its masks with 32 "
+        "bits of the key).",
+    )
+    flower_version: str = Field(
+        "", description="The Flower version the client runs ('' = not said); the server refuses another than its own."
+    )
+    capabilities: list[str] = Field(
+        default_factory=list,
+        description="What the client's ClientApp can do beyond training (fedlora.protocol.CAPABILITIES, e.g. "
+        "'secure-aggregation'); a run that needs one refuses a client that does not declare it.",
     )
 
 
@@ -100,4 +125,5 @@ def resolve_profile(config: ExperimentConfig, node_config: Mapping[str, Any]) ->
         budgets=budgets,
         data_path=str(node_config.get(protocol.NODE_DATA_PATH, "")),
         fedlora_version=__version__,
+        secure_masks=MASK_GENERATOR,
     )

@@ -76,17 +76,44 @@ STATE_ON_DISK: Final = "state-on-disk"  # simulation: between messages the state
 EVAL_RECEIVED: Final = "eval-received"  # train: evaluate the received model before local training
 EVAL_GLOBAL: Final = "eval-global"  # evaluate: also evaluate on the global test set (no global model)
 SAVE_ADAPTER_DIR: Final = "save-adapter-dir"  # evaluate, last round: save the client's adapter there
+LABEL_NAMES: Final = "label-names"  # the server's class names (a silo with its own data encodes its labels with them)
 # secure aggregation (SecAgg+, docs/secure-aggregation.md): the train message of its masking stage, which also
-# carries Flower's own record (``secaggplus_configs``, Flower's keys); read by clients/secure.py
-SECAGG_WEIGHT: Final = "secagg-weight"  # the aggregation weight the server chose for this client (at most W)
+# carries the SecAgg+ record (``secaggplus_configs``, Flower's keys and fedlora's below); read by clients/secure.py
 SECAGG_CLIP: Final = "secagg-clip"  # scale the update down to this L2 norm before masking (0: no clipping)
 SECAGG_RANGE: Final = "secagg-range"  # c: refuse to mask an update with an entry beyond [-c, c]
 SECAGG_PAD_RANK: Final = "secagg-pad-rank"  # zero-pad A rows / B columns to this rank before masking (0: none)
-SECAGG_KEYS: Final = frozenset({SECAGG_WEIGHT, SECAGG_CLIP, SECAGG_RANGE, SECAGG_PAD_RANK})
+SECAGG_KEYS: Final = frozenset({SECAGG_CLIP, SECAGG_RANGE, SECAGG_PAD_RANK})
+# fedlora's entries of the SecAgg+ record (next to Flower's ``Key`` entries, docs/secure-aggregation.md)
+# setup stage, server -> client: the round's public parameters beyond Flower's (all of them in the transcript)
+SECAGG_GENERATOR: Final = "secagg-generator"  # the mask generator of the round (fedlora.secagg.MASK_GENERATOR)
+SECAGG_SERVER_KEY: Final = "secagg-server-key"  # the server's one-round public key (proofs of possession)
+SECAGG_NODES: Final = "secagg-nodes"  # the sampled clients' node ids ...
+SECAGG_COUNTS: Final = "secagg-counts"  # ... and the example counts they declared when they joined
+SECAGG_MAX_SHARE: Final = "secagg-max-share"  # faults.max_client_share: the share rule's bound
+SECAGG_WEIGHTING: Final = "secagg-weighting"  # 'examples' (the share rule on the counts) or 'uniform'
+SECAGG_LOW_THRESHOLD: Final = "secagg-low-threshold"  # the operator allowed a threshold at most half the shares
+# setup stage, client -> server
+SECAGG_PROOF: Final = "secagg-proof"  # the client's proof that it holds its two private keys
+# share-keys stage, client -> server: commitments to its shares (to each holder, itself included) and its seed
+SECAGG_HOLDERS: Final = "secagg-holders"  # node ids, aligned with ...
+SECAGG_COMMITMENTS: Final = "secagg-commitments"  # ... seed-share commitment + key-share commitment (64 bytes)
+SECAGG_SEED_COMMITMENT: Final = "secagg-seed-commitment"  # commitment to the private mask seed (32 bytes)
+# masking stage, server -> client: the sources' commitments for this client (aligned with Flower's sources) and
+# the weight the server chose; client -> server: the sources whose shares it could not use
+SECAGG_WEIGHT: Final = "secagg-weight"  # the aggregation weight the server chose for this client (at most W)
+SECAGG_COMPLAINTS: Final = "secagg-complaints"  # node ids whose encrypted shares were not theirs to this client
+# unmask stage: dropped nodes whose key too few neighbours hold valid shares of (server -> client), and the
+# client's pairwise mask key with each of them, in that order (client -> server)
+SECAGG_REVEAL: Final = "secagg-reveal"
+SECAGG_REVEALED: Final = "secagg-revealed"
+SECAGG_RECORD_KEYS: Final = frozenset({
+    SECAGG_GENERATOR, SECAGG_SERVER_KEY, SECAGG_NODES, SECAGG_COUNTS, SECAGG_MAX_SHARE, SECAGG_WEIGHTING,
+    SECAGG_LOW_THRESHOLD, SECAGG_PROOF, SECAGG_HOLDERS, SECAGG_COMMITMENTS, SECAGG_SEED_COMMITMENT, SECAGG_WEIGHT,
+    SECAGG_COMPLAINTS, SECAGG_REVEAL, SECAGG_REVEALED})
 # fedlora's own message config keys: a config given to ``configure_*`` (Flower's ``train_config`` /
 # ``evaluate_config``) travels next to them, without these keys
 MESSAGE_KEYS: Final = frozenset({SERVER_ROUND, EXPERIMENT, RANK, CHECKPOINT_DIR, RESUME_ROUND, STATE_ON_DISK,
-                                 EVAL_RECEIVED, EVAL_GLOBAL, SAVE_ADAPTER_DIR, *SECAGG_KEYS})
+                                 EVAL_RECEIVED, EVAL_GLOBAL, SAVE_ADAPTER_DIR, LABEL_NAMES, *SECAGG_KEYS})
 
 # a method's own message config (its strategy's ``Download.config``, read by its trainer)
 # centralized, train: the clients a federated round samples (the step budget)
@@ -95,6 +122,10 @@ FEDHERA_R_TOT: Final = "fedhera-r-tot"  # FedHera: JSON {module: r_tot} (a train
 FEDHERA_R_MAIN: Final = "fedhera-r-main"  # FedHera: JSON {module: r_main} (a train metric too: their sum)
 FEDHERA_LAMBDA: Final = "fedhera-lambda"  # FedHera: the tail warm-up lambda_k (1.0 in evaluation messages)
 METHOD_CONFIG_KEYS: Final = frozenset({CENTRALIZED_CLIENTS, FEDHERA_R_TOT, FEDHERA_R_MAIN, FEDHERA_LAMBDA})
+
+# ------------------------------------------------------------------ capabilities a ClientApp declares (its profile)
+SECURE_AGGREGATION: Final = "secure-aggregation"  # masks its update with Flower's SecAgg+ mod (clients/secure.py)
+CAPABILITIES: Final = frozenset({SECURE_AGGREGATION})
 
 # ------------------------------------------------------------------ node config (SuperNode -> ClientApp)
 NODE_PARTITION_ID: Final = "partition-id"  # the client's partition (simulation: Flower's engine sets it)
@@ -307,7 +338,7 @@ ROUND_METRICS: Final = frozenset({TRAIN_LOSS, CLIENTS, PERSONALIZED_ACCURACY, PE
 
 # every key above that names a config entry or a metric (the records' own names apart)
 WIRE_KEYS: Final = (MESSAGE_KEYS | METHOD_CONFIG_KEYS | NODE_CONFIG_KEYS | WORKER_ENTRIES | TRAIN_METRICS
-                    | EVALUATE_METRICS | ROUND_METRICS | {PROFILE_JSON})
+                    | EVALUATE_METRICS | ROUND_METRICS | SECAGG_RECORD_KEYS | {PROFILE_JSON})
 WIRE_PREFIXES: Final = (*METRIC_PREFIXES, NODE_BUDGET_PREFIX)
 
 

@@ -246,3 +246,86 @@ def load_results(path: str | Path) -> dict[str, Any]:
         path = path / "results.json"
     results: dict[str, Any] = json.loads(path.read_text())
     return results
+
+
+#: RoundRecord fields that are not one number per round: left out of :attr:`RunResults.per_round`
+#: (the per-client entries are :attr:`RunResults.per_client`; ``extra``'s numbers are ``extra.<key>``)
+NOT_SCALAR = ("per_client", "per_client_train", "extra", "rejections", "refused", "anomalies")
+
+
+class RunResults(dict[str, Any]):
+    """One run's results: the results.json dict itself (``results["final"]["global_accuracy"]``, as
+    the contract in docs/design.md says), with its tables as pandas DataFrames for notebooks:
+    :attr:`per_round` (a row per round) and :attr:`per_client` (a row per round and client), and
+    :attr:`final` / :attr:`config` for the rest. ``fedlora.run`` returns one;
+    :meth:`load` reads a finished (or running) run's folder. A notebook shows its final scores."""
+
+    def __init__(self, results: dict[str, Any], out_dir: str | Path | None = None) -> None:
+        super().__init__(results)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunResults:
+        """The results of the run in folder ``path`` (or of the results.json file ``path``)."""
+        path = Path(path)
+        return cls(load_results(path), path if path.is_dir() else path.parent)
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The last evaluated round plus the run's totals (results.json ``final``)."""
+        final: dict[str, Any] = self.get("final") or {}
+        return final
+
+    @property
+    def config(self) -> ExperimentConfig:
+        """The run's resolved config (options added since the run was recorded: their old values)."""
+        from fedlora.config import build_config
+        from fedlora.schema import with_record_defaults
+
+        return build_config(with_record_defaults(self.get("config") or {}))
+
+    @property
+    def per_round(self) -> Any:
+        """A pandas DataFrame indexed by round: every one-number field of the rounds (NaN where a
+        round did not measure it) and the numeric entries of their ``extra`` as ``extra.<key>``."""
+        import pandas as pd
+
+        rows = []
+        for record in self.get("rounds") or []:
+            row = {key: (math.nan if value is None else value) for key, value in record.items() if key not in NOT_SCALAR}
+            extra = record.get("extra") or {}
+            row |= {f"extra.{key}": value for key, value in extra.items()
+                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("round") if rows else pd.DataFrame()
+
+    @property
+    def per_client(self) -> Any:
+        """A pandas DataFrame with a row per round and client (``round``, ``client``: its partition
+        id): the client's evaluation metrics (``accuracy``, ``loss``, ``num_examples``,
+        ``val_accuracy``, ...) and its training reply as ``train.<key>`` (``train.loss``,
+        ``train.examples``, ``train.update_norm``, ...); NaN where a round did not ask it."""
+        import pandas as pd
+
+        rows = []
+        for record in self.get("rounds") or []:
+            evaluated, trained = record.get("per_client") or {}, record.get("per_client_train") or {}
+            for client in sorted(set(evaluated) | set(trained), key=int):
+                row: dict[str, Any] = {"round": record["round"], "client": int(client)}
+                row |= {key.replace("-", "_"): value for key, value in (evaluated.get(client) or {}).items()}
+                row |= {f"train.{key.removeprefix('train_').replace('-', '_')}": value
+                        for key, value in (trained.get(client) or {}).items()}
+                rows.append(row)
+        return pd.DataFrame(rows)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        final = self.final
+        keys = [k for k in ("global_accuracy", "personalized_accuracy", "received_accuracy", "global_rouge_l",
+                            "personalized_rouge_l", "global_perplexity") if isinstance(final.get(k), (int, float))]
+        cells = "".join(f"<tr><td>{html.escape(k)}</td><td>{final[k]:.4f}</td></tr>" for k in keys)
+        where = f" in {html.escape(str(self.out_dir))}" if self.out_dir is not None else ""
+        return (f"<p>{html.escape(str(self.get('strategy', '')))}: {len(self.get('rounds') or [])} rounds{where}; "
+                f"final round {final.get('round', 'n/a')}</p><table>{cells}</table>"
+                "<p><code>.per_round</code>, <code>.per_client</code>: the tables as pandas DataFrames</p>")

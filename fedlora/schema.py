@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tomllib
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -178,6 +180,15 @@ class DataConfig(_Section):
     )
 
 
+# transformers' scheduler names (transformers.SchedulerType) that need no argument beyond the warmup and
+# the number of steps ('reduce_lr_on_plateau' needs a metric, the *_min_lr / warmup_stable_decay ones more)
+LRScheduler = Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                      "inverse_sqrt"]
+ServerOptimizerName = Literal["none", "fedavgm", "fedadam", "fedyogi"]
+# Flower's defaults of its strategies' server learning rate (FedAvgM, FedAdam, FedYogi)
+SERVER_LR_DEFAULTS: dict[str, float] = {"fedavgm": 1.0, "fedadam": 0.1, "fedyogi": 0.01}
+
+
 class TrainConfig(_Section):
     """Rounds and the client's local optimisation."""
 
@@ -233,6 +244,44 @@ class TrainConfig(_Section):
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of LoRA init, batch order and client sampling, in "
                       "[0, 2**31 - 1].")
+    grad_accumulation: int = Field(
+        1, ge=1, le=MAX_BATCH, description="Gradient accumulation: micro-batches of train.batch_size per optimiser "
+        "step (the step's gradient is the example-weighted mean over them, as one batch of k x batch_size would give; "
+        "the last, shorter group of an epoch steps too). train.max_steps counts optimiser steps. 1 = off, at most 65536. Refused "
+        "with privacy.dp (DP-SGD's Poisson sampling draws each logical batch whole: raise train.batch_size)."
+    )
+    lr_scheduler: LRScheduler = Field(
+        "constant", description="Learning-rate schedule over each round's local optimiser steps, built by "
+        "transformers.get_scheduler (its names; the optimiser, and with it the schedule, starts afresh every "
+        "round): the round's peak rate is train.lr after lr_decay_rounds, so lr_decay_rounds shapes the rate "
+        "across rounds and this within a round. 'constant' with no warmup is the plain constant rate."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="Optimiser steps of linear warmup from 0 at the start of every round's "
+        "local training (train.lr_scheduler); wins over warmup_ratio when > 0."
+    )
+    warmup_ratio: Rate = Field(
+        0.0, description="Warmup as a fraction of the round's planned local optimiser steps, rounded up (used when "
+        "warmup_steps = 0), in [0, 1)."
+    )
+    max_grad_norm: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="Clip the gradient of every optimiser step to this L2 norm, "
+        "over all trainable parameters together (torch.nn.utils.clip_grad_norm_, as transformers' Trainer does); "
+        "0 = off. Refused with privacy.dp, where DP-SGD clips every example's gradient at privacy.max_grad_norm."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="model.kind = 'causal_lm': recompute the backbone's activations in the backward pass "
+        "instead of keeping them (transformers' gradient checkpointing, non-reentrant): less memory per token, "
+        "about one more forward pass of time; the same loss and gradients. Refused for classification and with "
+        "privacy.dp (Opacus' per-example gradients do not support recomputation)."
+    )
+    proximal_mu: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="FedProx (Li et al., MLSys 2020): each client adds "
+        "mu/2 ||w - w0||^2 to its local objective, w the parameters its optimiser trains and w0 their values when "
+        "the round's local training starts (the download overlaid on what the client kept); 0 = off. Works with "
+        "privacy.dp (added to the privatised gradient: it reads no data). Methods that cannot take it refuse it "
+        "(capability matrix)."
+    )
 
     @field_validator("lr_decay_rounds")
     @classmethod
@@ -245,6 +294,37 @@ class TrainConfig(_Section):
         """The learning rate of round ``server_round``: ``lr`` times ``lr_decay_factor`` once for
         every round of ``lr_decay_rounds`` at or before it."""
         return self.lr * self.lr_decay_factor ** sum(r <= server_round for r in self.lr_decay_rounds)
+
+
+class ServerOptimizerConfig(_Section):
+    """A server optimiser on the mean update of the methods whose server step is a mean (FedAvgM,
+    FedAdam, FedYogi: Flower's arithmetic, strategies/server_optimizer.py)."""
+
+    name: ServerOptimizerName = Field(
+        "none", description="'none' (the method's aggregate is the new global model), 'fedavgm' (server SGD with "
+        "momentum, Hsu et al. 2019), 'fedadam' or 'fedyogi' (Reddi et al., ICLR 2021): the round's pseudo-gradient "
+        "is the aggregate minus the global arrays it started from (the LoRA factors and head every client "
+        "downloads alike), and the optimiser's step on it gives the new global arrays. Only methods whose server "
+        "step is a mean take it (capability matrix)."
+    )
+    lr: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="Server learning rate (Flower's server_learning_rate / eta); "
+        "unset = Flower's default for the optimiser: fedavgm 1.0, fedadam 0.1, fedyogi 0.01."
+    )
+    momentum: float = Field(
+        0.9, ge=0.0, lt=1.0, description="fedavgm: server momentum (Flower's server_momentum; Flower's default 0.0 "
+        "would make fedavgm plain FedAvg at lr 1), in [0, 1)."
+    )
+    beta_1: float = Field(0.9, ge=0.0, lt=1.0, description="fedadam / fedyogi: first-moment decay, in [0, 1).")
+    beta_2: float = Field(0.99, ge=0.0, lt=1.0, description="fedadam / fedyogi: second-moment decay, in [0, 1).")
+    tau: float = Field(
+        1e-3, gt=0.0, allow_inf_nan=False, description="fedadam / fedyogi: adaptivity (added to the root of the "
+        "second moment; an entry whose update is well below tau moves about lr x update / tau)."
+    )
+
+    def resolved_lr(self) -> float:
+        """``lr``, or Flower's default for ``name`` when unset."""
+        return self.lr if self.lr is not None else SERVER_LR_DEFAULTS.get(self.name, 1.0)
 
 
 class StrategyConfig(_Section):
@@ -551,13 +631,21 @@ class SecureAggregationConfig(_Section):
         "(1.0 = all of them: SecAgg), an int > 2 a count (made odd, at most the sampled clients).",
     )
     reconstruction_threshold: int | float = Field(
-        0.5, description="Shares that reconstruct a secret (Flower's reconstruction_threshold): a float in "
-        "(0, 1] is a fraction of num_shares (at least 2), an int >= 2 a count. A round halts when a "
-        "client has fewer surviving neighbours; a server colluding with fewer clients learns nothing.",
+        0, description="Shares that reconstruct a secret (t): 0 = the smallest count above half of num_shares "
+        "(of the sampled clients with num_shares = 1.0); a float in (0, 1] is a fraction of num_shares (at "
+        "least 2), an int >= 2 a count. A threshold at most half of the shares is refused unless "
+        "allow_low_threshold. A round halts when a client has fewer surviving neighbours; a server "
+        "colluding with fewer clients learns nothing.",
+    )
+    allow_low_threshold: bool = Field(
+        False, description="Allow a reconstruction threshold at most half of the shares (a server that lies "
+        "about who dropped out could then get one client's mask seed from one half of its neighbours and "
+        "its mask key from the other half, and unmask it).",
     )
     clip_norm: float = Field(
-        0.0, ge=0.0, allow_inf_nan=False, description="Each client scales its update down to this L2 norm "
-        "before masking (as Flower's fixedclipping_mod does); 0 = no clipping.",
+        0.0, ge=0.0, allow_inf_nan=False, description="C: each client scales its update down to this L2 norm "
+        "before masking, and the server refuses a round whose unmasked mean is beyond it; 0 = "
+        "faults.max_update_norm when set (the clipping in place of the server's rejection), else none.",
     )
     clipping_range: float = Field(
         0.0, ge=0.0, allow_inf_nan=False, description="c: every entry of a client's update must lie in "
@@ -603,18 +691,51 @@ class OutputConfig(_Section):
         "run at <out>/tensorboard/<label>/seed<k> so that `tensorboard --logdir <out>/tensorboard` "
         "overlays the strategies (and their mean over seeds) in each chart.",
     )
+    mlflow: bool = Field(
+        False,
+        description="Log to MLflow (needs the `tracking` extra): the resolved config and its hash as params, "
+        "every round's metrics, results.json, the plots and the adapters as artifacts; where: mlflow_uri. "
+        "A config that sets mlflow_uri and not this switch has it on (configs written before the switch).",
+    )
     mlflow_uri: str = Field(
         "",
-        description="MLflow tracking URI ('' = off), e.g. 'sqlite:///mlflow.db' or a tracking server's "
-        "http(s) address. Logs the resolved config and its hash as params, every round's metrics, "
-        "results.json, the plots and the adapters as artifacts. Needs the `tracking` extra.",
+        description="MLflow tracking URI, e.g. 'sqlite:///mlflow.db' or a tracking server's http(s) address "
+        "('' = MLflow's own: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder).",
     )
     mlflow_experiment: str = Field("fedlora", description="MLflow experiment name (created if missing).")
     mlflow_run_name: str = Field("", description="MLflow run name ('' = '<strategy> seed<seed>').")
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases (needs the `wandb` extra): the resolved config and its hash as "
+        "the run's config, every round's metrics under the TensorBoard names (step = the round), the final "
+        "metrics as its summary, results.json and the plots as files and each adapter as a model artifact.",
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="'offline': the W&B run is written under wandb_dir only and nothing leaves the machine "
+        "(`wandb sync <its folder>` uploads it later); 'online': streamed to the W&B server you are logged "
+        "in to (`wandb login`).",
+    )
+    wandb_project: str = Field("fedlora", description="W&B project name.")
+    wandb_dir: str = Field(
+        "", description="Folder W&B writes into ('' = <dir>): W&B adds wandb/offline-run-<time>-<id>/ "
+        "(online: wandb/run-...)."
+    )
+    wandb_run_name: str = Field("", description="W&B run name ('' = '<strategy> seed<seed>').")
+    wandb_group: str = Field(
+        "", description="W&B group of the run ('' = none; `fedlora compare` groups its runs under the "
+        "comparison folder's name)."
+    )
     sample_generations: int = Field(
         5, ge=0, description="causal_lm: greedy generations of the global model on the first global "
         "test instructions written to generations.jsonl per evaluation round (round 0 = zero-shot)."
     )
+
+    @model_validator(mode="after")
+    def _mlflow_uri_switches_mlflow_on(self) -> OutputConfig:
+        if self.mlflow_uri and "mlflow" not in self.model_fields_set and not self.mlflow:
+            self.mlflow = True
+        return self
 
 
 # Options added after runs were recorded, each with the value that reproduces what a record written
@@ -652,10 +773,26 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     ("secure_aggregation", None, "quantization_range"): 0,
     ("secure_aggregation", None, "modulus_range"): 2**32,
     ("secure_aggregation", None, "max_error"): 0.0,
+    # runs recorded before the rule ran with whatever threshold they named, half of the shares included
+    ("secure_aggregation", None, "allow_low_threshold"): True,
+    ("train", None, "grad_accumulation"): 1,
+    ("train", None, "lr_scheduler"): "constant",
+    ("train", None, "warmup_steps"): 0,
+    ("train", None, "warmup_ratio"): 0.0,
+    ("train", None, "max_grad_norm"): 0.0,
+    ("train", None, "gradient_checkpointing"): False,
+    ("train", None, "proximal_mu"): 0.0,
+    ("server_optimizer", None, "name"): "none",
+    ("server_optimizer", None, "lr"): None,
+    ("server_optimizer", None, "momentum"): 0.9,
+    ("server_optimizer", None, "beta_1"): 0.9,
+    ("server_optimizer", None, "beta_2"): 0.99,
+    ("server_optimizer", None, "tau"): 1e-3,
 }
 # Sections added after runs were recorded: a record without one is read with its RECORD_DEFAULTS
-# (every run before [secure_aggregation] existed aggregated in the clear).
-ADDED_SECTIONS: tuple[str, ...] = ("secure_aggregation",)
+# (every run before [secure_aggregation] existed aggregated in the clear; every run before
+# [server_optimizer] took the method's aggregate as the new global model).
+ADDED_SECTIONS: tuple[str, ...] = ("secure_aggregation", "server_optimizer")
 
 
 def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
@@ -667,6 +804,19 @@ def with_record_defaults(config: dict[str, Any]) -> dict[str, Any]:
         values = filled.get(section)
         if isinstance(values, dict) and (strategy is None or filled.get("strategy", {}).get("name") == strategy):
             values.setdefault(key, value)
+    return filled
+
+
+def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config (a dict of sections, recorded or current) as two runs are compared to tell whether
+    they are the same run: :func:`with_record_defaults` filled, without ``output`` (where results
+    go), and a disabled ``[secure_aggregation]`` as ``{"enabled": False}`` (its other options act on
+    nothing, so a default changed since, such as the reconstruction threshold, does not make an
+    earlier run another one)."""
+    filled = {k: v for k, v in with_record_defaults(config).items() if k != "output"}
+    secure = filled.get("secure_aggregation")
+    if isinstance(secure, dict) and not secure.get("enabled"):
+        filled["secure_aggregation"] = {"enabled": False}
     return filled
 
 
@@ -682,11 +832,13 @@ class ExperimentConfig(_Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = Field(default_factory=SecureAggregationConfig)
+    server_optimizer: ServerOptimizerConfig = Field(default_factory=ServerOptimizerConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ExperimentConfig:
         _check_kind_and_data(self.model, self.data)
+        _check_training_knobs(self.model, self.train, self.privacy)
         if self.clients.ranks and len(self.clients.ranks) != self.data.num_clients:
             raise ValueError(
                 f"clients.ranks has {len(self.clients.ranks)} entries but data.num_clients is "
@@ -706,6 +858,14 @@ class ExperimentConfig(_Section):
     def hash(self) -> str:
         """Short stable hash of the fully resolved config."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+ConfigSource = ExperimentConfig | str | os.PathLike[str] | Mapping[str, Any]
+"""A config as the Python API takes it: an :class:`ExperimentConfig`, a TOML file's path or a
+mapping of its sections."""
+Settings = Sequence[str] | Mapping[str, Any] | None
+"""Overrides as the Python API takes them: ``section.key=value`` strings (as ``--set`` takes them)
+or a mapping, ``{"train.lr": 1e-3}`` or ``{"train": {"lr": 1e-3}}`` (:func:`overrides_from`)."""
 
 
 def is_instruction_data(data: DataConfig) -> bool:
@@ -736,6 +896,24 @@ def _check_kind_and_data(model: ModelConfig, data: DataConfig) -> None:
         )
 
 
+def _check_training_knobs(model: ModelConfig, train: TrainConfig, privacy: PrivacyConfig) -> None:
+    """The local-training knobs a model kind or DP-SGD cannot take, each refused in one line."""
+    if train.gradient_checkpointing and model.kind != "causal_lm":
+        raise ValueError("train.gradient_checkpointing is for model.kind = 'causal_lm' (a classifier's small "
+                         "encoder keeps its activations); set train.gradient_checkpointing = false")
+    if not privacy.dp:
+        return
+    if train.grad_accumulation > 1:
+        raise ValueError(f"train.grad_accumulation = {train.grad_accumulation} with privacy.dp = true: DP-SGD's "
+                         "Poisson sampling draws each logical batch whole; raise train.batch_size instead")
+    if train.max_grad_norm:
+        raise ValueError(f"train.max_grad_norm = {train.max_grad_norm:g} with privacy.dp = true: DP-SGD clips every "
+                         "example's gradient at privacy.max_grad_norm instead; set train.max_grad_norm = 0")
+    if train.gradient_checkpointing:
+        raise ValueError("train.gradient_checkpointing with privacy.dp = true: Opacus' per-example gradients do not "
+                         "support recomputed activations; set one of them to false")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``section.key=value`` into (path, value); the value as a TOML literal if possible."""
     if "=" not in text:
@@ -749,6 +927,44 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except ValueError:  # TOMLDecodeError, or an integer of more than 4300 digits: the text as given
         value = raw
     return path, value
+
+
+def toml_literal(value: Any) -> str:
+    """``value`` (a bool, number, string, list or table) as the TOML literal :func:`parse_override`
+    reads back as the same value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string: the same quotes and escapes
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_literal(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(key), ensure_ascii=False)} = {toml_literal(item)}" for key, item in value.items()) + "}"
+    raise ConfigError(f"a setting's value must be a bool, number, string, list or table, got {shown(value)}")
+
+
+def overrides_from(settings: Mapping[str, Any] | Sequence[str] | None) -> list[str]:
+    """``section.key=value`` overrides (as ``--set`` takes them) from a mapping, for Python callers:
+    dotted keys (``{"train.lr": 1e-3}``) or sections (``{"train": {"lr": 1e-3}}``; a table value
+    of a key is set whole: ``{"clients": {"rank_tiers": {"2": 1.0}}}``). A sequence of
+    ``key=value`` strings is returned as it is."""
+    if settings is None:
+        return []
+    if isinstance(settings, str):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a mapping, got {shown(settings)}")
+    if not isinstance(settings, Mapping):
+        return list(settings)
+    overrides = []
+    for key, value in settings.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"a setting's key must be 'section.key' or a section name, got {shown(key)}")
+        if "." not in key and isinstance(value, Mapping):
+            overrides += [f"{key}.{name}={toml_literal(item)}" for name, item in value.items()]
+        else:
+            overrides.append(f"{key}={toml_literal(value)}")
+    return overrides
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Secure aggregation (SecAgg+): the parameters of a round and the arithmetic around the masks.
 
-Pure functions, no Flower import: the protocol itself is Flower's (its client mod, its key
-agreement, Shamir sharing and quantisation), run by ``strategies/secure.py`` on the server and
-``clients/secure.py`` on the client (docs/secure-aggregation.md). What is decided here:
+Pure functions, no Flower import: the protocol is Flower's SecAgg+ (its stages and messages, its
+key agreement, Shamir sharing and quantisation), run by fedlora's ports of its two halves,
+``strategies/secure.py`` on the server and ``clients/secure.py`` on the client
+(docs/secure-aggregation.md). What is decided here:
 
 - **the ranges of a round**: the quantization range T (the largest power of 2 with
   ``sampled * T < M`` and ``T <= 2**30``: the masked sum never wraps modulo M), the clipping
@@ -13,21 +14,50 @@ agreement, Shamir sharing and quantisation), run by ``strategies/secure.py`` on 
   ``3 c |S| / (T D)`` (:func:`error_bound`);
 - **what a client masks**: its update (upload minus download), A rows and B columns zero-padded
   to the round's largest rank, flattened in a fixed key order into one vector
-  (:func:`update_vector`), and the server's inverse (:func:`unflatten`).
+  (:func:`update_vector`), and the server's inverse (:func:`unflatten`);
+- **the cryptography both sides must agree on** (fedlora's SecAgg+ port, docs/secure-aggregation.md):
+  the masks, expanded by ChaCha20 keyed by the whole 256-bit shared key or seed (:func:`mask`;
+  Flower's own generator folds the key into a 32-bit seed); the commitments a client publishes
+  with its shares and its mask seed (:func:`share_commitment`, :func:`seed_commitment`); the proof
+  that a client holds the private keys of the public keys it sends (:func:`possession_proof`); the
+  digest of a round's public parameters its clients compare with each other (:func:`transcript`);
+- **what an honest round can give**: the weight ratio a client derives from its own example count
+  with the share rule (:func:`weight_ratio`), and the test of the unmasked mean against what
+  clipped updates can sum to (:func:`mean_problem`).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedlora.lora import A_SUFFIX, B_SUFFIX, Payload
+from fedlora.shares import capped_weights
 
 MAX_QUANTIZATION = 2**30  # T: Flower's stochastic rounding casts to int32 (T + 1 levels must fit)
 MAX_MODULUS = 2**32  # M: masked values are int64; a sum of up to 2**31 of them cannot overflow
 DEFAULT_CLIPPING_RANGE = 8.0  # c when neither clip_norm nor clipping_range is set (Flower's default)
+# The mask generator every client of a secure federation uses (declared in its profile, ClientProfile.secure_masks):
+# ChaCha20 keyed by the whole 32-byte shared key or seed. A client that would use Flower's pseudo_rand_gen
+# (MT19937 seeded with 32 bits of the key) cannot join.
+MASK_GENERATOR = "chacha20-256"
+SECURITY_BITS = 128  # the weakest primitive of the protocol: Fernet's AES-128 around the shares (docs)
+KEY_BYTES = 32  # a mask key: a pairwise key (HKDF-SHA256 of the ECDH secret) or a private mask seed
+DIGEST_BYTES = 32  # SHA-256: a commitment, a transcript, a proof of possession
+MAX_CIPHERTEXT_BYTES = 4096  # an encrypted pair of shares of 32-byte secrets is about 300 bytes
+WEIGHTINGS = ("examples", "uniform")  # how a secure round weighs its clients (what a client can check)
+_MASK_NONCE = (0).to_bytes(4, "little") + b"fedlora-mask"  # ChaCha20's 16 bytes: block counter 0 + a 12-byte label
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -84,11 +114,27 @@ def resolve_shares(num_shares: float, sampled: int) -> int:
 
 
 def resolve_threshold(threshold: float, num_shares: int) -> int:
-    """Flower's rule: a float is a fraction of the shares, rounded, at least 2; an int is a count
-    (1 means all the shares, as Flower reads it)."""
+    """0 (the default): the smallest count above half of the shares, ``num_shares // 2 + 1`` (at
+    least 2). Otherwise Flower's rule: a float is a fraction of the shares, rounded, at least 2; an
+    int is a count (1 means all the shares, as Flower reads it)."""
+    if threshold == 0:
+        return max(num_shares // 2 + 1, 2)
     if isinstance(threshold, float) or threshold == 1:
         return max(round(float(threshold) * num_shares), 2)
     return int(threshold)
+
+
+def threshold_problem(threshold: int, num_shares: int, allow_low: bool) -> str:
+    """Why ``threshold`` of ``num_shares`` is refused ('' if it is not): at most half of the shares
+    (a server that lies about who dropped out could then get a client's mask seed from one half of
+    its neighbours and its mask key from the other) unless ``allow_low``, or above the shares."""
+    if threshold > num_shares:
+        return f"reconstruction threshold {threshold} is above the {num_shares} shares: no secret could be reconstructed"
+    if 2 * threshold <= num_shares and not allow_low:
+        return (f"reconstruction threshold {threshold} is not above half of the {num_shares} shares; set "
+                "secure_aggregation.reconstruction_threshold = 0 (the smallest count above half) or "
+                "secure_aggregation.allow_low_threshold = true")
+    return ""
 
 
 def quantization_range(sampled: int, modulus_range: int, cap: int = MAX_QUANTIZATION) -> int:
@@ -135,7 +181,7 @@ def weight_factor(weight: float, max_weight: float, quantization: int) -> int:
 def flower_problem(num_shares: float, threshold: float, quantization: int, modulus_range: int) -> str:
     """Flower's checks of its SecAgg+ parameters (``SecAggPlusWorkflow._check_init_params``), as a
     sentence ('' when they pass); plus a threshold of at least 2 (Flower lets 0 and negative
-    integers through)."""
+    integers through; 0 is fedlora's default, :func:`resolve_threshold`)."""
     if isinstance(num_shares, bool) or not isinstance(num_shares, (int, float)):
         return "num_shares must be an int or a float"
     if isinstance(num_shares, int) and num_shares != 1 and num_shares <= 2:
@@ -144,7 +190,7 @@ def flower_problem(num_shares: float, threshold: float, quantization: int, modul
         return f"num_shares as a float is a fraction of the sampled clients, in (0, 1], got {num_shares}"
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
         return "reconstruction_threshold must be an int or a float"
-    if isinstance(threshold, int) and threshold != 1:
+    if isinstance(threshold, int) and threshold not in (0, 1):  # 0: fedlora's default (above half of the shares)
         if threshold < 2:
             return f"reconstruction_threshold as an integer must be at least 2, got {threshold}"
         if isinstance(num_shares, int) and num_shares != 1 and threshold >= num_shares:
@@ -264,3 +310,141 @@ def update_vector(upload: Payload, download: Payload, pad_rank: int, clip_norm: 
         raise ValueError(f"an update entry of {largest:.4g} is beyond secure_aggregation's clipping range "
                          f"{clip_range:g}: raise secure_aggregation.clipping_range or set clip_norm")
     return vector
+
+
+# ------------------------------------------------------------------ the cryptography both sides agree on
+def raw_key(key: bytes) -> bytes:
+    """The 32 bytes of a mask key: a private mask seed as it is, a pairwise key as Flower's
+    ``generate_shared_key`` returns it (the URL-safe base64 of 32 bytes of HKDF-SHA256 output)
+    decoded. ValueError for anything else."""
+    raw = key if len(key) == KEY_BYTES else base64.urlsafe_b64decode(key) if len(key) == 44 else b""
+    if len(raw) != KEY_BYTES:
+        raise ValueError(f"a mask key must be {KEY_BYTES} bytes (or their URL-safe base64), got {len(key)} bytes")
+    return raw
+
+
+def mask(key: bytes, modulus_range: int, size: int) -> np.ndarray:
+    """The mask of ``size`` entries a key expands to, int64 uniform on [0, M): the ChaCha20
+    keystream under the whole 256-bit key (:func:`raw_key`; nonce: block counter 0 and a fixed
+    label, every key being used for one mask only), read as little-endian 32-bit words, each
+    reduced modulo M (a power of 2 <= 2^32, so the reduction keeps them uniform)."""
+    if not 2 <= modulus_range <= 2**32 or modulus_range & (modulus_range - 1):
+        raise ValueError(f"modulus_range must be a power of 2 in [2, 2^32], got {modulus_range}")
+    encryptor = Cipher(algorithms.ChaCha20(raw_key(key), _MASK_NONCE), mode=None).encryptor()
+    words = np.frombuffer(encryptor.update(bytes(4 * size)), dtype="<u4")
+    return (words & np.uint32(modulus_range - 1)).astype(np.int64)
+
+
+def _node(node: int) -> bytes:
+    return int(node).to_bytes(8, "little", signed=False)  # Flower's node ids are unsigned 64-bit
+
+
+def share_commitment(kind: str, owner: int, holder: int, share: bytes) -> bytes:
+    """SHA-256 commitment to the share of ``owner``'s secret (``kind``: 'seed' for the private mask
+    seed, 'key' for the first private key) that ``holder`` holds. The owner publishes it with its
+    encrypted shares; the holder checks the share it decrypts against it, the server every share
+    it receives at the unmask stage. A share of a 32-byte secret carries 384 random bits: the hash
+    hides it."""
+    return hashlib.sha256(b"fedlora-secagg-share\0" + kind.encode() + b"\0" + _node(owner) + _node(holder)
+                          + share).digest()
+
+
+def seed_commitment(owner: int, seed: bytes) -> bytes:
+    """SHA-256 commitment to ``owner``'s private mask seed: a reconstruction that does not hash to it
+    comes from shares the owner dealt inconsistently."""
+    return hashlib.sha256(b"fedlora-secagg-seed\0" + _node(owner) + seed).digest()
+
+
+def transcript(entries: Mapping[str, Any]) -> bytes:
+    """SHA-256 of a round's public parameters as the setup stage sent them (canonical JSON, bytes
+    as hex): every client puts it inside the shares it encrypts for its neighbours and compares
+    theirs with its own, so that a server cannot give clients different counts, weights or ranges
+    without their noticing."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, bytes):
+            return value.hex()
+        return [plain(v) for v in value] if isinstance(value, list) else value
+
+    text = json.dumps({str(k): plain(v) for k, v in entries.items()}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(b"fedlora-secagg-transcript\0" + text.encode()).digest()
+
+
+def public_key_problem(pem: object) -> str:
+    """Why ``pem`` is not a public key of SecAgg+'s curve, SECP384R1 ('' if it is)."""
+    if not isinstance(pem, bytes) or len(pem) > 1024:
+        return "not a PEM public key"
+    try:
+        key = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError):
+        return "not a PEM public key"
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != ec.SECP384R1().name:
+        return "not a public key of curve SECP384R1"
+    return ""
+
+
+def _exchange(private_pem: bytes, public_pem: bytes) -> bytes:
+    private = serialization.load_pem_private_key(private_pem, password=None)
+    public = serialization.load_pem_public_key(public_pem)
+    if not isinstance(private, ec.EllipticCurvePrivateKey) or not isinstance(public, ec.EllipticCurvePublicKey):
+        raise TypeError("not elliptic-curve keys")
+    return private.exchange(ec.ECDH(), public)
+
+
+def possession_proof(node: int, pk1: bytes, pk2: bytes, sk1: bytes, sk2: bytes, server_pk: bytes) -> bytes:
+    """A client's proof that it holds the private keys of its two public keys (PEM): an HMAC-SHA256
+    of its node id and both public keys under a key derived from ECDH(sk1, S) and ECDH(sk2, S),
+    S the server's one-round key. The server computes the same from its own private key; a client
+    that copies another's public keys (or sends a point whose private key nobody holds) cannot."""
+    secret = _exchange(sk1, server_pk) + _exchange(sk2, server_pk)
+    return _proof(secret, node, pk1, pk2)
+
+
+def check_possession(node: int, pk1: bytes, pk2: bytes, proof: object, server_sk: bytes) -> bool:
+    """Whether ``proof`` is :func:`possession_proof` of ``node`` for these keys (the server's side)."""
+    if not isinstance(proof, bytes) or len(proof) != DIGEST_BYTES:
+        return False
+    expected = _proof(_exchange(server_sk, pk1) + _exchange(server_sk, pk2), node, pk1, pk2)
+    return hmac.compare_digest(expected, proof)
+
+
+def _proof(secret: bytes, node: int, pk1: bytes, pk2: bytes) -> bytes:
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"fedlora-secagg-possession").derive(secret)
+    return hmac.new(key, _node(node) + pk1 + pk2, hashlib.sha256).digest()
+
+
+def weight_ratio(counts: Sequence[float], index: int, max_share: float, weighting: str) -> float:
+    """A client's aggregation weight over the round's largest, w_k / W in (0, 1]: 1 when the round
+    weighs its clients alike (``weighting = 'uniform'``), else its example count capped by the share
+    rule (:func:`fedlora.shares.capped_weights` over the round's declared ``counts``) over the largest
+    capped count. The server computes the weights it sends from the same; a client computes its own
+    from its own count and refuses a server weight that departs from it."""
+    if weighting == "uniform":
+        return 1.0
+    capped = capped_weights(counts, max_share)
+    largest = float(capped.max()) if capped.size else 0.0
+    return float(capped[index]) / largest if largest > 0 else 0.0
+
+
+def clip_bound(clip_norm: float, max_update_norm: float) -> float:
+    """C, the L2 norm every client clips its update to before masking (0: none): ``clip_norm``,
+    else ``faults.max_update_norm`` (the norm above which the server would reject a plain update),
+    the smaller of the two when both are set."""
+    bounds = [b for b in (clip_norm, max_update_norm) if b > 0]
+    return min(bounds) if bounds else 0.0
+
+
+def mean_problem(mean: np.ndarray, clip_norm: float, clip_range: float, entry_error: float) -> str:
+    """Why ``mean`` (the unmasked weighted mean of the summed updates, flat) cannot be a weighted
+    mean of honest updates ('' if it can): an entry beyond the clipping range c, or an L2 norm
+    beyond C (``clip_norm``, 0: no norm bound), each with the quantisation's slack (``entry_error``
+    per entry, :func:`error_bound`). A weighted mean of vectors of norm <= C has norm <= C."""
+    largest = float(np.max(np.abs(mean))) if mean.size else 0.0
+    if not np.isfinite(largest) or largest > clip_range + entry_error:
+        return (f"an entry of the unmasked mean is {largest:.4g}, beyond the clipping range c = {clip_range:g} "
+                "that every client's update lies in")
+    norm = float(np.linalg.norm(mean))
+    slack = entry_error * float(np.sqrt(mean.size))
+    if clip_norm and norm > clip_norm + slack:
+        return (f"the unmasked mean has L2 norm {norm:.4g}, beyond the {clip_norm:g} that clipped updates can "
+                "average to")
+    return ""

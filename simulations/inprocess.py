@@ -134,6 +134,12 @@ class InProcessGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
+    def partition_binding(self) -> dict[int, int]:
+        """The engine's binding of node ids to partitions: the partition id of each node's node config,
+        as this engine wrote it (a node's reply claiming another is refused)."""
+        return {node_id: int(context.node_config[protocol.NODE_PARTITION_ID])
+                for node_id, context in self.contexts.items() if protocol.NODE_PARTITION_ID in context.node_config}
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Carry each message to its node (:func:`over_the_wire`: what Flower cannot serialise raises
         here) and return the message ids: Flower's, the message's object id, set on the sender's

@@ -18,7 +18,8 @@ strategy's own state" (before round 1: the common seeded initial adapter, at ran
 clients' profiles tell). A strategy is built from a whole fedlora experiment (the ServerApp) or
 from keywords (a Flower user's ServerApp): its method's options, Flower's ``fraction_train``,
 ``fraction_evaluate``, ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``, and
-the experiment sections the clients need (``model``, ``data``, ``train``, ...; docs/flower.md).
+the experiment sections the clients need (``model``, ``data``, ``train``, ...; docs/flower.md), and
+``server_optimizer`` (FedAvgM / FedAdam / FedYogi on the method's mean, :meth:`_server_optimizer_step`).
 
 A reply is read in steps, each a method of its own ("reading replies" below; what they check is in
 ``replies.py``): parse -> validate -> weigh -> aggregate (:meth:`aggregate`) -> account; the
@@ -75,7 +76,14 @@ from fedlora.strategies.replies import ClientUpload, Expectation
 from fedlora.strategies.robust import minimum_uploads
 from fedlora.strategies.roster import ClientRoster, profile_problem
 from fedlora.strategies.screening import drop_outliers, select_byzantine, watch_updates, weigh
-from fedlora.strategies.secure_round import SecureRound, aggregate_secure_round, start_secure_round
+from fedlora.strategies.secure_round import (
+    SecureRound,
+    aggregate_secure_round,
+    masks_problem,
+    secure_summary,
+    start_secure_round,
+)
+from fedlora.strategies.server_optimizer import Moments, server_step
 from fedlora.strategies.validation import reference_norm, replacement_problem, update_norm
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
@@ -123,7 +131,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     **settings
         The method's options (its options model, ``fedlora/methods/<name>.py``) and experiment
         sections as mappings or section models: ``model``, ``data``, ``train``, ``federation``,
-        ``clients``, ``faults``, ``privacy``, ``output`` (the clients read them from every message).
+        ``clients``, ``faults``, ``privacy``, ``server_optimizer``, ``output`` (the clients read them from
+        every message).
     """
 
     # The method's home declaration (name, options, capabilities): ``class FedHera(LoRAStrategy[
@@ -138,7 +147,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
     # learned and counted so far. A method adds its own (``STATE = (*LoRAStrategy.STATE, "global_adapter")``);
     # tests/test_architecture.py checks that every attribute a strategy assigns is declared here or below.
     STATE: ClassVar[tuple[str, ...]] = ("records", "started", "ledger", "rng", "failed_rounds", "common_rank",
-                                        "norm_reference", "update_history")
+                                        "norm_reference", "update_history", "excluded", "masked_digests",
+                                        "server_moments")
     # Attributes an older fedlora checkpointed for the method and this one no longer keeps (what a
     # download's context now carries): a resume drops them (fedlora.checkpoint.check_strategy_state).
     RETIRED_STATE: ClassVar[frozenset[str]] = frozenset()
@@ -194,6 +204,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self._initial_norm = 0.0  # norm of the initial adapter at model.lora_rank (computed once)
         self.update_history: list[Fingerprint] = []  # the anomaly rule's sketches of recent uploads
         self.secure_round: SecureRound | None = None  # secure_aggregation.enabled: this round's SecAgg+ (secure.py)
+        self.excluded: dict[int, str] = {}  # partition -> why it is never sampled again (a secure round named it)
+        self.masked_digests: list[str] = []  # SHA-256 of every masked vector summed so far (a replay is named)
+        self.server_moments: Moments = {}  # [server_optimizer]'s state (server_optimizer.py): empty until it steps
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -235,8 +248,12 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     # ---------------------------------------------------------------- method interface
     def check_profile(self, profile: ClientProfile) -> str:
-        """Why a client cannot take part ('' if it can): :func:`fedlora.strategies.roster.profile_problem`."""
-        return profile_problem(profile, self.module_shapes, self.experiment.data.num_clients)
+        """Why a client cannot take part ('' if it can): :func:`fedlora.strategies.roster.profile_problem`,
+        and in a secure federation a client whose masks are not ChaCha20 under the whole key
+        (:func:`fedlora.strategies.secure_round.masks_problem`)."""
+        secure = self.experiment.secure_aggregation.enabled
+        return (profile_problem(profile, self.module_shapes, self.experiment.data.num_clients, secure=secure)
+                or masks_problem(profile, secure))
 
     def setup(self) -> None:
         """Called once after the profiles are known (e.g. to build per-client state)."""
@@ -293,6 +310,9 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if self.aggregation_rule != "mean":
             return (f"faults.aggregation = '{self.experiment.faults.aggregation}' replaces the weighted mean the "
                     "noise is calibrated for; use faults.aggregation = 'mean'")
+        if self.experiment.server_optimizer.name != "none":
+            return (f"server_optimizer.name = '{self.experiment.server_optimizer.name}' steps from the mean to arrays "
+                    "the noise is not calibrated for; use server_optimizer.name = 'none'")
         return ""
 
     def round_extra(self, server_round: int) -> dict[str, Any]:
@@ -380,7 +400,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
 
     def sample(self, fraction: float, minimum: int) -> list[int]:
         """Seeded sample of accepted partitions, at least ``minimum`` (Flower's sample_nodes uses the global RNG)."""
-        partitions = self.roster.partitions
+        partitions = [p for p in self.roster.partitions if p not in self.excluded]  # a secure round's culprits: never
         size = sample_size(len(partitions), fraction, minimum)
         chosen = self.rng.choice(len(partitions), size=size, replace=False)
         return [partitions[i] for i in sorted(chosen)]
@@ -395,6 +415,7 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         if self.roster:
             return
         federation = self.experiment.federation
+        self.roster.announce = self.paths.entries()  # the run's entries (the label names) reach the queries too
         self.roster.query(grid, self._experiment_json, self.min_available_nodes, federation.round_timeout,
                           self.check_profile, connect_timeout=federation.connect_timeout)
         if not self.capabilities.mixed_ranks:
@@ -409,6 +430,8 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         log(INFO, "\t├── sampling: fraction train %.2f, evaluate %.2f; minimum nodes: train %d, evaluate %d, "
             "available %d", self.fraction_train, self.fraction_evaluate, self.min_train_nodes,
             self.min_evaluate_nodes, self.min_available_nodes)
+        if self.experiment.secure_aggregation.enabled:
+            log(INFO, "\t├── %s", secure_summary(self.experiment))
 
     def start(
         self,
@@ -641,10 +664,23 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         """Aggregate (:meth:`aggregate`) and account for it: its time, the next round's reference
         norm (``faults.max_update_ratio``), the method's facts of the round (:meth:`round_extra`)."""
         started = time.perf_counter()
+        optimised = self.experiment.server_optimizer.name != "none"
+        before = {k: np.array(v, copy=True) for k, v in self.global_arrays().items()} if optimised else {}
         self.aggregate(server_round, uploads)
+        if optimised:
+            self._server_optimizer_step(server_round, before)
         record.aggregation_seconds = time.perf_counter() - started
         self.norm_reference = reference_norm([update_norm(u.payload) for u in uploads], self.norm_reference)
         record.extra.update(self.round_extra(server_round))
+
+    def _server_optimizer_step(self, server_round: int, before: Payload) -> None:
+        """``[server_optimizer]``: the method's aggregate (its new :meth:`global_arrays`) is the mean
+        y; the optimiser steps from ``before`` (x) along y - x (:func:`~fedlora.strategies.server_optimizer.server_step`)
+        and the strategy continues from the result (:meth:`load_arrays`). Only methods whose
+        capabilities declare ``server_optimizer`` get here (the config check refuses the others)."""
+        new, self.server_moments = server_step(self.experiment.server_optimizer, server_round, before,
+                                               self.global_arrays(), self.server_moments)
+        self.load_arrays(new)
 
 
 def evaluation_round(experiment: ExperimentConfig, server_round: int) -> bool:

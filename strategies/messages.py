@@ -9,7 +9,7 @@ the method's own entries and Flower's config.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -27,10 +27,15 @@ class RunPaths:
     checkpoint_dir: str = ""  # clients keep their state there (simulation: one file system)
     state_on_disk: bool = False  # simulation: clients keep their state only there between messages
     resumed_from: int = 0  # > 0: a resumed run, clients restore their state of this round
+    # the server's class names, in the head's order: a silo with its own data file encodes its labels
+    # with them (it need not read [data].source)
+    label_names: list[str] = field(default_factory=list)
 
     def entries(self) -> dict[str, Any]:
-        """The config entries every message of the run carries about these paths."""
+        """The config entries every message of the run carries about these paths (and its labels)."""
         entries: dict[str, Any] = {}
+        if self.label_names:
+            entries[protocol.LABEL_NAMES] = list(self.label_names)
         if self.checkpoint_dir:
             entries[protocol.CHECKPOINT_DIR] = self.checkpoint_dir
             if self.state_on_disk:

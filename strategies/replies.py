@@ -33,6 +33,7 @@ from flwr.app import Message
 from fedlora import protocol
 from fedlora.lora import ADAPTER_DTYPE, Payload
 from fedlora.schema import ModelKind
+from fedlora.shares import capped_weights  # noqa: F401 - re-exported: the server's weighing step
 from fedlora.strategies.download import Download
 from fedlora.strategies.validation import check_upload, ratio_bound, update_norm
 
@@ -228,25 +229,5 @@ def _worker(message: Message) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------- weigh
-def capped_weights(counts: Any, max_share: float) -> np.ndarray:
-    """Example counts (K,) -> aggregation weights (K,) in the same units, no share above ``max_share``.
-
-    The counts above a level T are cut to T, with T the largest level at which the cut counts
-    satisfy max_k w_k / sum w <= max_share (water-filling: the smallest change that bounds every
-    share); counts that already satisfy it are returned unchanged (the same floats), and so are
-    those of a round with one positive count. With fewer than 1 / max_share positive counts no
-    such level exists and the positive counts weigh the same.
-    """
-    n = np.asarray(counts, dtype=np.float64)  # (K,)
-    positive = int(np.count_nonzero(n > 0))
-    if max_share >= 1.0 or positive <= 1 or n.max() <= max_share * n.sum():
-        return n  # a lone client weighs everything, whatever the bound
-    if positive * max_share <= 1.0:
-        return (n > 0).astype(np.float64)  # every positive count weighs the same (share 1 / positive)
-    ordered = np.sort(n)[::-1]  # largest first
-    for cut in range(1, positive):  # cut the `cut` largest counts to the level T
-        rest = ordered[cut:].sum()
-        level = max_share * rest / (1.0 - cut * max_share)  # T / (cut T + rest) = max_share
-        if ordered[cut] <= level <= ordered[cut - 1] and cut * max_share < 1.0:
-            return np.asarray(np.minimum(n, level), dtype=np.float64)
-    return (n > 0).astype(np.float64)
+# capped_weights (the share rule) lives in the core, fedlora/shares.py, so that a secure-aggregation client can
+# check its weight with the same function; re-exported here for the server's callers.

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from logging import INFO, WARNING, getLogger
+from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -33,6 +34,11 @@ class MixedRanksError(RuntimeError):
 
 class MissingClientsError(RuntimeError):
     """Fewer SuperNodes than clients (``data.num_clients``) connected within ``federation.connect_timeout``."""
+
+
+class PreflightError(RuntimeError):
+    """A deployment's silo cannot take part (another fedlora or Flower, unreadable data, a client the
+    strategy cannot use): the run is refused before its first round, one line per silo."""
 
 
 def missing_clients_line(expected: int, connected: int, waited: float) -> str:
@@ -60,7 +66,15 @@ def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
 
 
 class ClientRoster:
-    """The accepted clients (partition id -> profile, node id) and the refused ones."""
+    """The accepted clients (partition id -> profile, node id) and the refused ones.
+
+    Which partition a node holds: with a binding (:meth:`bind`: node id -> partition, set by whoever
+    knows the nodes' identities: a deployment's operator from the keys the SuperLink authenticates,
+    the in-process engine from the node configs it wrote) the binding's, and a node whose profile
+    claims another partition, or that has none, is refused and logged; without one (Flower's own
+    simulation engine, which writes every node config itself) the partition the profile names. Either
+    way a second node claiming a partition already held is refused and logged.
+    """
 
     def __init__(self) -> None:
         self.profiles: dict[int, ClientProfile] = {}  # partition id -> profile (accepted only)
@@ -69,6 +83,24 @@ class ClientRoster:
         self.refused_partitions: list[int] = []
         self.seen_nodes: set[int] = set()  # every node id asked for its profile
         self._partition_of: dict[int, int] = {}  # node id -> partition id (the reverse of node_of)
+        self.bound: dict[int, int] = {}  # node id -> the partition its identity holds (empty: no binding)
+        self.names: dict[int, str] = {}  # node id -> the silo's name (a deployment's operator names them)
+        self.strict = False  # a deployment: a silo that cannot take part refuses the run (PreflightError)
+        self.announce: dict[str, Any] = {}  # entries every query carries beside the experiment
+        self.preflight: list[str] = []  # this query's lines about silos that cannot take part
+
+    def bind(self, partitions: Mapping[int, int], names: Mapping[int, str] | None = None,
+             strict: bool = False) -> None:
+        """Bind node ids to partitions (``names``: the silos' names, for the lines); ``strict``:
+        refuse the run when a bound silo cannot take part (:class:`PreflightError`)."""
+        self.bound = {int(node): int(partition) for node, partition in partitions.items()}
+        self.names = {int(node): str(name) for node, name in (names or {}).items()}
+        self.strict = strict
+
+    def who(self, node_id: int) -> str:
+        """``silo NAME (node N)`` where the operator named it, else ``node N``."""
+        name = self.names.get(node_id)
+        return f"silo {name} (node {node_id})" if name else f"node {node_id}"
 
     def __bool__(self) -> bool:
         return bool(self.profiles)
@@ -100,28 +132,49 @@ class ClientRoster:
         with fewer), ask each for its profile (replies within ``timeout`` s), keep the ones
         ``check_profile`` accepts ('' = accepted)."""
         node_ids = wait_for_nodes(grid, expected, connect_timeout)
+        self.preflight = []
         for reply in self._ask(grid, node_ids, experiment_json, timeout):
             node_id = reply.metadata.src_node_id
             profile = read_profile(reply)
             if isinstance(profile, str):
-                self.refused[f"node {node_id}"] = profile
-                log(WARNING, "query: node %d: %s", node_id, profile)
+                self._refuse_node(node_id, profile, preflight=True)
                 continue
-            if profile.partition_id in self.profiles:  # a second node claiming a partition: the first keeps it
-                self.refused[f"node {node_id}"] = (f"claims partition {profile.partition_id}, already held by node "
-                                                   f"{self.node_of[profile.partition_id]}")
-                log(WARNING, "query: node %d: %s", node_id, self.refused[f"node {node_id}"])
+            claim = self.claim_problem(node_id, profile.partition_id)
+            if claim:
+                self._refuse_node(node_id, claim)
                 continue
             problem = version_problem(profile) or check_profile(profile)
             if problem:
                 self.refused[f"partition {profile.partition_id}"] = f"{profile.partition_id}: {problem}"
                 self.refused_partitions.append(profile.partition_id)
                 log(WARNING, "query: refusing client %d: %s", profile.partition_id, problem)
+                self.preflight.append(f"{self.who(node_id)}, partition {profile.partition_id}: {problem}")
                 continue
             self.profiles[profile.partition_id] = profile
             self.node_of[profile.partition_id] = node_id
+        if self.strict and self.preflight:
+            raise PreflightError("; ".join(self.preflight))
         if not self.profiles:
             raise NoClientError("no client accepted: " + "; ".join(self.refused.values()))
+
+    def claim_problem(self, node_id: int, claimed: int) -> str:
+        """Why ``node_id`` may not hold the partition its profile claims ('' = it may): the partition
+        its identity is bound to is another (or it has none), or another node holds it already."""
+        if self.bound:
+            bound = self.bound.get(node_id)
+            if bound is None:
+                return f"claims partition {claimed}, but no partition is bound to its identity (not a silo of this federation)"
+            if bound != claimed:
+                return f"claims partition {claimed}, but its identity is bound to partition {bound}"
+        if claimed in self.profiles:  # a second node claiming a partition: the first keeps it
+            return f"claims partition {claimed}, already held by node {self.node_of[claimed]}"
+        return ""
+
+    def _refuse_node(self, node_id: int, reason: str, preflight: bool = False) -> None:
+        self.refused[f"node {node_id}"] = reason
+        log(WARNING, "query: %s: %s", self.who(node_id), reason)
+        if preflight:
+            self.preflight.append(f"{self.who(node_id)}: {reason}")
 
     def refresh(self, grid: Grid, experiment_json: str, timeout: float) -> list[int]:
         """Ask nodes that connected since the last query who they are; an accepted partition
@@ -138,6 +191,9 @@ class ClientRoster:
                 log(WARNING, "query: new node %d: %s", node_id, profile)
                 continue
             partition = profile.partition_id
+            if self.bound and self.bound.get(node_id) != partition:  # not the identity of that partition
+                self._refuse_node(node_id, self.claim_problem(node_id, partition))
+                continue
             if partition in self.profiles:
                 log(INFO, "query: client %d is back, as node %d (was %d)", partition, node_id, self.node_of[partition])
                 self.node_of[partition] = node_id
@@ -151,8 +207,9 @@ class ClientRoster:
     def _ask(self, grid: Grid, node_ids: list[int], experiment_json: str, timeout: float) -> list[Message]:
         """One QUERY message per node (carrying the experiment); the replies."""
         self.seen_nodes.update(node_ids)
+        entries = {**self.announce, protocol.EXPERIMENT: experiment_json}
         queries = [
-            Message(content=RecordDict({protocol.CONFIG_RECORD: ConfigRecord({protocol.EXPERIMENT: experiment_json})}),
+            Message(content=RecordDict({protocol.CONFIG_RECORD: ConfigRecord(entries)}),
                     dst_node_id=node_id, message_type=MessageType.QUERY)
             for node_id in node_ids
         ]
@@ -176,11 +233,16 @@ class ClientRoster:
         return ranks[0]
 
 
-def profile_problem(profile: ClientProfile, module_shapes: Mapping[str, tuple[int, int]], num_clients: int) -> str:
+def profile_problem(profile: ClientProfile, module_shapes: Mapping[str, tuple[int, int]], num_clients: int,
+                    secure: bool = False) -> str:
     """Why a client cannot take part ('' if it can): its partition outside ``[0, num_clients)``,
-    a rank the adapted modules cannot hold, a negative example count, or budgets that are not
-    positive finite numbers."""
+    a rank the adapted modules cannot hold, a negative example count, budgets that are not
+    positive finite numbers, or (``secure``: a run with secure aggregation) a client that does not
+    declare it can mask its update (``secure-aggregation`` in its profile's capabilities)."""
     max_rank = min(min(shape) for shape in module_shapes.values())
+    if secure and protocol.SECURE_AGGREGATION not in profile.capabilities:
+        return ("its client cannot take part in secure aggregation (its profile does not declare "
+                f"'{protocol.SECURE_AGGREGATION}'): run fedlora's ClientApp there, or turn secure_aggregation.enabled off")
     if not 0 <= profile.partition_id < num_clients:
         return f"partition {profile.partition_id} outside [0, {num_clients}) (data.num_clients)"
     if not 1 <= profile.rank <= max_rank:
@@ -194,12 +256,25 @@ def profile_problem(profile: ClientProfile, module_shapes: Mapping[str, tuple[in
 
 
 def version_problem(profile: ClientProfile) -> str:
-    """Why a client running another fedlora version cannot take part ('' = same version): the
-    server and every client must run the same installed fedlora (the FAB carries no code)."""
-    if profile.fedlora_version == __version__:
-        return ""
-    runs = f"runs fedlora {profile.fedlora_version}" if profile.fedlora_version else "does not say which fedlora it runs"
-    return f"it {runs}, this server runs fedlora {__version__}: install the same fedlora on every node"
+    """Why a client running another fedlora or Flower version cannot take part ('' = the server's
+    versions): the server and every client must run the same installed fedlora (the FAB carries no
+    code) on the same Flower. A profile that does not name its Flower (an older fedlora) is
+    checked on fedlora alone."""
+    if profile.fedlora_version != __version__:
+        runs = f"runs fedlora {profile.fedlora_version}" if profile.fedlora_version else "does not say which fedlora it runs"
+        return f"it {runs}, this server runs fedlora {__version__}: install the same fedlora on every node"
+    flower = flower_version()
+    if profile.flower_version and profile.flower_version != flower:
+        return (f"it runs Flower {profile.flower_version}, this server runs Flower {flower}: install the same "
+                "Flower on every node (make install installs the lock's)")
+    return ""
+
+
+def flower_version() -> str:
+    """The installed Flower's version."""
+    from importlib.metadata import version
+
+    return version("flwr")
 
 
 def read_profile(reply: Message) -> ClientProfile | str:

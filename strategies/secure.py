@@ -2,21 +2,30 @@
 
 Flower 1.39's ``SecAggPlusWorkflow`` runs the four stages of SecAgg+ as a legacy workflow that
 replaces the round loop. :class:`SecureRound` is the same protocol (the same messages, keys and
-checks, Flower's primitives for the key agreement, Shamir sharing, masks and quantisation), driven
-by a :class:`~fedlora.strategies.base.LoRAStrategy` round (``strategies/secure_round.py``):
+checks, Flower's primitives for the key agreement, Shamir sharing and quantisation), driven by a
+:class:`~fedlora.strategies.base.LoRAStrategy` round (``strategies/secure_round.py``):
 ``configure_train`` runs the setup and share-keys stages over the grid and returns the masking
-stage's messages (fedlora's training messages plus Flower's record); ``aggregate_train`` sums the
-masked vectors, runs the unmask stage and gets the weighted mean of the updates.
+stage's messages (fedlora's training messages plus the SecAgg+ record); ``aggregate_train`` sums
+the masked vectors, runs the unmask stage and gets the weighted mean of the updates. The clients
+run fedlora's port of Flower's client mod (``clients/secure.py``); the masks on both sides are
+:func:`fedlora.secagg.mask` (ChaCha20 under the whole 256-bit key).
 
-One change to Flower's server: a client that drops out during the setup or share-keys stage is
-not "dead" at the unmask stage (Flower 1.39 asks the survivors for shares of its key they never
-received, and the round halts after every client trained). Here the dead are the clients that
-shared their keys and sent no valid masked vector; their pairwise masks are rebuilt with the
-neighbours whose masked vectors were summed, the only masks in the sum.
+No client can stop a round: each stage checks each client's contribution on its own
+(``strategies/secure_checks.py``: keys proven held, shares addressed to exactly the neighbours and
+committed to, a clear weight factor, no replayed vector, shares matching their commitments) and goes
+on with the others while every client still in the protocol keeps threshold-many neighbours. A
+client that cannot use a neighbour's shares says so (``secagg-complaints``, a dispute recorded);
+those shares are not asked for, and a client whose shares too many neighbours refuse is left out.
+Every client named (``culprits``) is left out of the rest of the run by the strategy
+(``strategies/secure_round.py``). One change to Flower's server, kept from before: a client that
+drops out during the setup or share-keys stage is not "dead" at the unmask stage (Flower 1.39 asks
+the survivors for shares of its key they never received, and the round halts after every client
+trained). Here the dead are the clients that shared their keys and sent no valid masked vector.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from collections.abc import Mapping
@@ -25,19 +34,33 @@ from typing import Any, cast
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-from flwr.common import bytes_to_ndarray
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
-from flwr.common.secure_aggregation.ndarrays_arithmetic import parameters_mod
 from flwr.common.secure_aggregation.quantization import dequantize
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
+    bytes_to_public_key,
+    generate_key_pairs,
+    private_key_to_bytes,
+    public_key_to_bytes,
+)
 
+from fedlora import protocol, secagg
 from fedlora.protocol import wire_size
-from fedlora.secagg import SecAggParams, neighbours, weight_factor
+from fedlora.secagg import SecAggParams, neighbours
 from fedlora.strategies.accounting import reply_wire_size, short
+from fedlora.strategies.secure_checks import (
+    copies,
+    holders,
+    keys_problem,
+    read_masked,
+    read_revealed,
+    read_shares,
+    reconstruct,
+    shares_problem,
+    unmaskable,
+)
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
@@ -45,43 +68,49 @@ log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and
 class SecureRound:
     """One round of SecAgg+ between the server and the sampled clients (module docstring).
 
-    Parameters
-    ----------
-    params : SecAggParams
-        The round's parameters (:func:`fedlora.secagg.choose_params`).
-    grid : Grid
-        The grid the setup, share-keys and unmask stages are sent over.
-    server_round : int
-        The round (the messages' ``group_id``).
-    weights : Mapping[int, float]
-        Node id -> the aggregation weight the server chose for that sampled client (at most
-        ``params.max_weight``); the clients mask with these.
-    size : int
-        Entries of the vector every client masks (:func:`fedlora.secagg.canonical_shapes`).
-    timeout : float, optional
-        Seconds each stage waits for its replies (``federation.round_timeout``).
+    ``params``: the round's parameters (:func:`fedlora.secagg.choose_params`); ``weights``: node id ->
+    the aggregation weight the server chose (at most W; each client checks it); ``counts``: node id ->
+    the examples it declared when it joined, weighed by ``weighting`` ('examples': the share rule of
+    bound ``max_share``; 'uniform') as :func:`fedlora.secagg.weight_ratio` does; ``size``: entries of
+    the vector every client masks; ``timeout``: seconds each stage waits; ``low_threshold``: the
+    operator allowed a threshold at most half of the shares; ``history``: digests of earlier rounds'
+    masked vectors (a vector seen again is a replay).
     """
 
-    def __init__(self, params: SecAggParams, grid: Grid, server_round: int, weights: Mapping[int, float], size: int,
-                 timeout: float | None = None) -> None:
+    def __init__(self, params: SecAggParams, grid: Grid, server_round: int, weights: Mapping[int, float],
+                 counts: Mapping[int, int], weighting: str, size: int, timeout: float | None = None, *,
+                 max_share: float = 1.0, low_threshold: bool = False, history: set[str] | None = None) -> None:
         self.params, self.grid, self.server_round, self.timeout = params, grid, server_round, timeout
-        self.weights, self.size = dict(weights), size
+        self.weights, self.counts, self.weighting, self.size = dict(weights), dict(counts), weighting, size
+        self.max_share, self.low_threshold, self.history = max_share, low_threshold, history or set()
         self.sampled = frozenset(self.weights)
+        nodes = sorted(self.counts)
+        self.factors = {n: round(secagg.weight_ratio([self.counts[m] for m in nodes], i, max_share, weighting)
+                                 * params.quantization_range)
+                        for i, n in enumerate(nodes)}  # what each client's clear weight factor must be (as it computes it)
         ring = sorted(self.sampled)
         random.SystemRandom().shuffle(ring)  # Flower shuffles the ring too (the server picks it: no secret)
         self.neighbours = neighbours(ring, params.num_shares)
+        server_sk, server_pk = generate_key_pairs()  # this round's key, for the clients' proofs of possession
+        self.server_sk, self.server_pk = private_key_to_bytes(server_sk), public_key_to_bytes(server_pk)
         self.active: set[int] = set(self.sampled)  # nodes still in the protocol
         self.shared: set[int] = set()  # nodes whose encrypted shares were forwarded (share-keys stage done)
         self.summed: set[int] = set()  # nodes whose masked vector is in the sum
         self.public_keys: dict[int, tuple[bytes, bytes]] = {}
-        self.forward: dict[int, tuple[list[int], list[bytes]]] = {}  # destination -> (sources, ciphertexts)
-        self.total: list[np.ndarray] = []  # the sum of the masked vectors, mod M: [weight factor (1,), entries]
+        self.ciphertexts: dict[int, dict[int, bytes]] = {}  # source -> destination -> its encrypted shares
+        self.commitments: dict[int, dict[int, bytes]] = {}  # owner -> holder -> seed- and key-share commitments
+        self.seed_commitments: dict[int, bytes] = {}
+        self.complaints: dict[int, set[int]] = {}  # node -> the sources whose shares it could not use
+        self.culprits: dict[int, str] = {}  # node -> what it did (left out of the rest of the run)
+        self.total = np.zeros(size, np.int64)  # the sum of the summed masked vectors, mod M
+        self.revealed: set[int] = set()  # dropped nodes whose pairwise keys their summed neighbours reveal
         self.failed = ""  # the stage that halted the round, and why
         self.report: dict[str, Any] = {"sampled": len(self.sampled), "num_shares": params.num_shares,
-                                       "threshold": params.threshold, "wire_bytes": {}, "seconds": {}}
+                                       "threshold": params.threshold, "mask_generator": secagg.MASK_GENERATOR,
+                                       "wire_bytes": {}, "seconds": {}, "culprits": {}, "disputes": []}
 
     # ------------------------------------------------------------------ helpers
-    def _exchange(self, stage: str, configs: Mapping[int, dict[str, Any]]) -> dict[int, ConfigRecord]:
+    def _exchange(self, stage: str, configs: Mapping[int, Mapping[str, Any]]) -> dict[int, ConfigRecord]:
         """Send each node its stage record and return the records of the replies that came and
         are not errors (the others leave :attr:`active`)."""
         started = time.perf_counter()
@@ -104,13 +133,14 @@ class SecureRound:
         return records
 
     def _enough(self, stage: str) -> bool:
-        """Flower's check after a stage: every sampled node keeps at least ``threshold`` active
-        neighbours (itself included), else the round halts."""
-        short_of = [n for n in self.sampled if len(self.neighbours[n] & self.active) < self.params.threshold]
-        if short_of:
+        """After a stage: every node still in the protocol keeps at least ``threshold`` active
+        neighbours (itself included), else the round halts (Flower's check, over the nodes that
+        are still in: a node that left before sharing its keys has no mask to remove)."""
+        short_of = [n for n in self.active if len(self.neighbours[n] & self.active) < self.params.threshold]
+        if short_of or not self.active:
             self.fail(stage, f"{len(short_of)} clients have fewer than {self.params.threshold} active neighbours "
                              f"({len(self.active)} of {len(self.sampled)} clients left)")
-        return not short_of
+        return not short_of and bool(self.active)
 
     def fail(self, stage: str, reason: str) -> None:
         """Halt the round at ``stage`` (logged, and in the round's report; the first halt stays)."""
@@ -120,133 +150,194 @@ class SecureRound:
         self.report["failed_stage"] = self.failed
         log(WARNING, "secure aggregation halted, round %d, %s", self.server_round, self.failed)
 
+    def blame(self, node: int, stage: str, what: str) -> None:
+        """Name ``node`` as the sender of a contribution the protocol cannot use (``what``, at
+        ``stage``): it leaves the protocol now, and the strategy leaves it out of the rest of the
+        run. The first reason stays."""
+        self.active.discard(node)
+        if node in self.culprits:
+            return
+        self.culprits[node] = f"{stage}: {what}"
+        self.report["culprits"][str(node)] = self.culprits[node]
+        log(WARNING, "secure aggregation, round %d: node %d %s", self.server_round, node, self.culprits[node])
+
     # ------------------------------------------------------------------ stage 0: setup
     def setup(self) -> bool:
-        """Send the parameters; keep each replying node's two public keys."""
+        """Send the parameters; keep each replying node's two public keys once they check out."""
         p = self.params
+        nodes = sorted(self.sampled)
         entries = {Key.SAMPLE_NUMBER: p.sampled, Key.SHARE_NUMBER: p.num_shares, Key.THRESHOLD: p.threshold,
                    Key.CLIPPING_RANGE: float(p.clipping_range), Key.TARGET_RANGE: p.quantization_range,
-                   Key.MOD_RANGE: p.modulus_range, Key.MAX_WEIGHT: float(p.max_weight)}
-        for node, record in self._exchange(Stage.SETUP, {node: entries for node in self.sampled}).items():
-            pk1, pk2 = record.get(Key.PUBLIC_KEY_1), record.get(Key.PUBLIC_KEY_2)
-            if isinstance(pk1, bytes) and isinstance(pk2, bytes):
-                self.public_keys[node] = (pk1, pk2)
-        self.active &= set(self.public_keys)
+                   Key.MOD_RANGE: p.modulus_range, Key.MAX_WEIGHT: float(p.max_weight),
+                   protocol.SECAGG_GENERATOR: secagg.MASK_GENERATOR, protocol.SECAGG_SERVER_KEY: self.server_pk,
+                   protocol.SECAGG_NODES: nodes, protocol.SECAGG_COUNTS: [int(self.counts[n]) for n in nodes],
+                   protocol.SECAGG_MAX_SHARE: float(self.max_share), protocol.SECAGG_WEIGHTING: self.weighting,
+                   protocol.SECAGG_LOW_THRESHOLD: self.low_threshold}
+        holders: dict[bytes, list[int]] = {}
+        for node, record in self._exchange(Stage.SETUP, {node: entries for node in nodes}).items():
+            problem = keys_problem(node, record, self.server_sk)
+            if problem:
+                self.blame(node, Stage.SETUP, problem)
+                continue
+            self.public_keys[node] = cast(tuple[bytes, bytes], (record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2]))
+            for key in self.public_keys[node]:
+                holders.setdefault(key, []).append(node)
+        for key, nodes_of_key in holders.items():  # two nodes proving one key hold one private key: both named
+            for node in nodes_of_key if len(nodes_of_key) > 1 else ():
+                self.blame(node, Stage.SETUP, f"holds the same public key as node(s) {sorted(set(nodes_of_key) - {node})}")
+        self.active &= set(self.public_keys) - set(self.culprits)
         return self._enough(Stage.SETUP)
 
     # ------------------------------------------------------------------ stage 1: share keys
     def share_keys(self) -> bool:
-        """Send each node its active neighbours' public keys; forward each encrypted share to its
-        destination (active destinations only, as Flower does)."""
-        configs = {node: {str(v): list(self.public_keys[v]) for v in self.neighbours[node] & self.active}
-                   for node in self.active}
-        records = self._exchange(Stage.SHARE_KEYS, configs)
-        self.forward = {node: ([], []) for node in self.active}
-        for src, record in records.items():
-            dsts, ctxts = record.get(Key.DESTINATION_LIST, []), record.get(Key.CIPHERTEXT_LIST, [])
-            if not isinstance(dsts, list) or not isinstance(ctxts, list) or len(dsts) != len(ctxts):
-                self.active.discard(src)
+        """Send each node its active neighbours' public keys; keep the encrypted shares and
+        commitments of each node whose reply checks out (:meth:`_shares_problem`)."""
+        keyed = set(self.active)
+        configs = {node: {str(v): list(self.public_keys[v]) for v in self.neighbours[node] & keyed}
+                   for node in sorted(keyed)}
+        for src, record in self._exchange(Stage.SHARE_KEYS, configs).items():
+            problem = shares_problem(src, record, self.neighbours[src] & keyed)
+            if problem:
+                self.blame(src, Stage.SHARE_KEYS, problem)
                 continue
-            for dst, ctxt in zip(dsts, ctxts):
-                if dst in self.forward and dst in self.neighbours[src] and isinstance(ctxt, bytes):
-                    self.forward[dst][0].append(src)
-                    self.forward[dst][1].append(ctxt)
+            dsts, ciphertexts = record[Key.DESTINATION_LIST], record[Key.CIPHERTEXT_LIST]
+            self.ciphertexts[src] = dict(zip(cast(list[int], dsts), cast(list[bytes], ciphertexts), strict=True))
+            holders, commitments = record[protocol.SECAGG_HOLDERS], record[protocol.SECAGG_COMMITMENTS]
+            self.commitments[src] = dict(zip(cast(list[int], holders), cast(list[bytes], commitments), strict=True))
+            self.seed_commitments[src] = cast(bytes, record[protocol.SECAGG_SEED_COMMITMENT])
+        self.active &= set(self.ciphertexts)
         self.shared = set(self.active)
         return self._enough(Stage.SHARE_KEYS)
 
     # ------------------------------------------------------------------ stage 2: collect masked vectors
     def masking_record(self, node: int) -> ConfigRecord | None:
-        """Flower's record of the masking stage for ``node`` (its forwarded shares); None for a node
-        that left the protocol (it is sent no training message)."""
+        """The SecAgg+ record of the masking stage for ``node``: the shares of its active neighbours
+        (whose replies checked out: both directions of every pair exist), their commitments for it,
+        and its weight; None for a node that left the protocol (it is sent no training message)."""
         if node not in self.active:
             return None
-        srcs, ctxts = self.forward[node]
-        return ConfigRecord({Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: list(ctxts),
-                             Key.SOURCE_LIST: list(srcs)})
-
-    def masked_vector(self, reply: Message) -> list[np.ndarray] | str:
-        """The reply's masked vector ([weight factor (1,), entries (size,)], int64 in [0, M)), or
-        why it is not one (then its sender counts as dropped: its masks are rebuilt)."""
-        record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
-        raw = None if record is None else record.get(Key.MASKED_PARAMETERS)
-        if not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(b, bytes) for b in raw):
-            return "no masked vector"
-        try:
-            vector = [bytes_to_ndarray(cast(bytes, b)) for b in raw]
-        except Exception as error:  # noqa: BLE001 - whatever a client's bytes make numpy raise
-            return f"the masked vector cannot be read ({type(error).__name__})"
-        if [v.shape for v in vector] != [(1,), (self.size,)] or any(v.dtype != np.int64 for v in vector):
-            return f"a masked vector of shapes {[v.shape for v in vector]}, expected [(1,), ({self.size},)] int64"
-        if any(v.min(initial=0) < 0 or v.max(initial=0) >= self.params.modulus_range for v in vector):
-            return "masked values outside [0, modulus_range)"
-        return vector
+        srcs = sorted((self.neighbours[node] & self.active) - {node})
+        return ConfigRecord({Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                             Key.CIPHERTEXT_LIST: [self.ciphertexts[s][node] for s in srcs], Key.SOURCE_LIST: srcs,
+                             protocol.SECAGG_COMMITMENTS: [self.commitments[s][node] for s in srcs],
+                             protocol.SECAGG_WEIGHT: float(self.weights[node])})
 
     def collect(self, replies: Mapping[int, Message]) -> dict[int, str]:
-        """Sum the masked vectors of ``replies`` (node -> its valid training reply) modulo M;
-        returns node -> why a reply's vector was left out. The round halts below the threshold."""
+        """Check the masked vectors of ``replies`` (node -> its valid training reply), decide which
+        can be unmasked, and sum those modulo M; returns node -> why a reply's vector was left
+        out. The round halts when too few remain or a dropped node's masks cannot be removed."""
         left_out: dict[int, str] = {}
-        total = [np.zeros(1, np.int64), np.zeros(self.size, np.int64)]
+        vectors: dict[int, np.ndarray] = {}
         for node, reply in sorted(replies.items()):
-            vector = self.masked_vector(reply) if node in self.active else "it left the protocol before masking"
-            if isinstance(vector, str):
-                left_out[node] = vector
+            if node not in self.active:
+                left_out[node] = "it left the protocol before masking"
                 continue
-            total = [t + v for t, v in zip(total, vector)]
-            self.summed.add(node)
-        self.total = parameters_mod(total, self.params.modulus_range)
+            record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+            parsed = read_masked(record, self.size, self.params.modulus_range, self.factors[node],
+                                 (self.neighbours[node] & self.shared) - {node})
+            if isinstance(parsed, str):
+                self.blame(node, Stage.COLLECT_MASKED_VECTORS, parsed)
+                left_out[node] = parsed
+                continue
+            vectors[node], self.complaints[node] = parsed
+        for node, why in sorted(copies(vectors, self.history).items()):
+            self.blame(node, Stage.COLLECT_MASKED_VECTORS, why)
+            left_out[node] = why
+            del vectors[node]
+        self.report["disputes"] = [f"node {v} could not use the shares of node {u}"
+                                   for v, owners in sorted(self.complaints.items()) if v in vectors for u in sorted(owners)]
+        self.summed, refused = unmaskable(set(vectors), self.neighbours, self.complaints, self.params.threshold)
+        for node, count in sorted(refused.items()):
+            self.blame(node, Stage.COLLECT_MASKED_VECTORS,
+                       f"dealt shares that {count} of its neighbours could not use: it cannot be unmasked")
+        for node in set(vectors) - self.summed:
+            left_out[node] = self.culprits.get(node, "too few of its neighbours hold its shares")
+        total = np.zeros(self.size, np.int64)
+        for node in sorted(self.summed):
+            total = np.mod(total + vectors[node], self.params.modulus_range)
+        self.total = total
+        self.report["masked_digests"] = sorted(hashlib.sha256(vectors[n].tobytes()).hexdigest() for n in vectors)
         self.active &= self.summed
         self.report["after_collect_masked_vectors"] = len(self.summed)
         self._enough(Stage.COLLECT_MASKED_VECTORS)
+        self.revealed = {d for d in self.shared - self.summed if self.neighbours[d] & self.summed
+                         and len(holders(d, self.summed, self.neighbours, self.complaints)) < self.params.threshold}
         return left_out
 
     # ------------------------------------------------------------------ stage 3: unmask
     def unmask(self) -> tuple[np.ndarray, float] | None:
-        """Ask the summing nodes for the shares that remove the masks: the private-mask seeds of
-        the summed nodes, the first private keys of the dead (shared keys, sent no valid vector).
-        Returns the weighted mean of the summed updates (float64, ``size`` entries) and D, the
-        sum of their weight ratios; None when the round halts."""
+        """Ask the summed nodes for the shares that remove the masks: of the mask seeds of the
+        summed nodes, of the first private keys of the dead (shared keys, not summed). Each share
+        is checked against its owner's commitment; any threshold-many valid ones reconstruct.
+        Returns the weighted mean of the summed updates (float64, ``size`` entries) and D, the sum
+        of their weight ratios; None when the round halts."""
         if self.failed:
             return None
         started = time.perf_counter()
-        dead = self.shared - self.summed
-        self.report["dead_recovered"] = len(dead)
-        configs = {node: {Key.ACTIVE_NODE_ID_LIST: sorted(self.neighbours[node] & self.summed),
-                          Key.DEAD_NODE_ID_LIST: sorted(self.neighbours[node] & dead)} for node in self.summed}
-        shares: dict[int, list[bytes]] = {node: [] for node in self.summed | dead}
-        for node, record in self._exchange(Stage.UNMASK, configs).items():
-            nids, values = record.get(Key.NODE_ID_LIST, []), record.get(Key.SHARE_LIST, [])
-            if isinstance(nids, list) and isinstance(values, list) and len(nids) == len(values):
-                asked = set(configs[node][Key.ACTIVE_NODE_ID_LIST]) | set(configs[node][Key.DEAD_NODE_ID_LIST])
-                for owner, share in zip(nids, values):
-                    if owner in asked and isinstance(share, bytes):
-                        shares[cast(int, owner)].append(share)
-        short_of = sorted(n for n, got in shares.items() if len(got) < self.params.threshold)
-        if short_of:
-            self.fail(Stage.UNMASK, f"fewer than {self.params.threshold} shares for {len(short_of)} clients")
+        dead = self.shared - self.summed - self.revealed
+        self.report["dead_recovered"] = len({d for d in dead | self.revealed if self.neighbours[d] & self.summed})
+        self.report["keys_revealed_for"] = sorted(self.revealed)
+        configs: dict[int, dict[str, list[int]]] = {
+            node: {Key.ACTIVE_NODE_ID_LIST: sorted(self.neighbours[node] & self.summed),
+                   Key.DEAD_NODE_ID_LIST: sorted(self.neighbours[node] & dead),
+                   protocol.SECAGG_REVEAL: sorted(self.neighbours[node] & self.revealed)} for node in sorted(self.summed)}
+        shares: dict[int, dict[int, bytes]] = {node: {} for node in self.summed | dead}
+        pairwise: dict[tuple[int, int], bytes] = {}  # (dropped node, summed neighbour) -> their pairwise key
+        for holder, record in self._exchange(Stage.UNMASK, configs).items():
+            asked = set(configs[holder][Key.ACTIVE_NODE_ID_LIST]) | set(configs[holder][Key.DEAD_NODE_ID_LIST])
+            held, problem = read_shares(holder, record, asked, self.summed, self.commitments)
+            keys, problem = ({}, problem) if problem else read_revealed(record, configs[holder][protocol.SECAGG_REVEAL])
+            if problem:
+                self.blame(holder, Stage.UNMASK, problem)
+                continue
+            for owner, share in held.items():
+                shares[owner][holder] = share
+            pairwise.update({(node, holder): key for node, key in keys.items()})
+        secrets = self._reconstruct(shares, dead, pairwise)
+        if secrets is None:
             return None
-        M, shape = self.params.modulus_range, cast(list[tuple[int, ...]], [(1,), (self.size,)])
-        total = list(self.total)
-        try:
-            for node in sorted(shares):
-                secret = combine_shares(shares[node])
-                if node in self.summed:  # its private mask
-                    total = [t - m for t, m in zip(total, pseudo_rand_gen(secret, M, shape))]
-                    continue
-                for other in sorted(self.neighbours[node] & self.summed):  # the dead node's pairwise masks in the sum
-                    key = generate_shared_key(bytes_to_private_key(secret), bytes_to_public_key(self.public_keys[other][0]))
-                    sign = 1 if node > other else -1
-                    total = [t + sign * m for t, m in zip(total, pseudo_rand_gen(key, M, shape))]
-        except Exception as error:  # noqa: BLE001 - shares a client sent that do not combine, or a key that does not load
-            self.fail(Stage.UNMASK, f"the masks cannot be removed ({type(error).__name__}: {short(error, 120)})")
-            return None
-        total = parameters_mod(total, M)
-        factor, entries = int(total[0][0]), total[1]
-        T = self.params.quantization_range
-        expected = sum(weight_factor(self.weights[n], self.params.max_weight, T) for n in self.summed)
-        if factor != expected:
-            self.fail(Stage.UNMASK, f"the masked weights add up to {factor}, not the {expected} the server chose")
-            return None
+        M, T = self.params.modulus_range, self.params.quantization_range
+        total = self.total.copy()
+        for (node, other), key in sorted(pairwise.items()):  # a revealed pair's mask, as the dead node's key would give
+            total += (1 if node > other else -1) * secagg.mask(key, M, self.size)
+        for node, secret in secrets.items():
+            if node in self.summed:  # its private mask
+                total -= secagg.mask(secret, M, self.size)
+                continue
+            private = bytes_to_private_key(secret)
+            for other in sorted(self.neighbours[node] & self.summed):  # the dead node's pairwise masks in the sum
+                key = generate_shared_key(private, bytes_to_public_key(self.public_keys[other][0]))
+                total += (1 if node > other else -1) * secagg.mask(key, M, self.size)
+        entries = np.mod(total, M)
+        factor = sum(self.factors[n] for n in self.summed)
         [summed] = dequantize([entries], self.params.clipping_range, T)
         summed = (summed - (len(self.summed) - 1) * self.params.clipping_range) * (T / factor)
         self.report["seconds"][Stage.UNMASK] = time.perf_counter() - started
         return summed, factor / T
+
+    def _reconstruct(self, shares: Mapping[int, Mapping[int, bytes]], dead: set[int],
+                     pairwise: Mapping[tuple[int, int], bytes]) -> dict[int, bytes] | None:
+        """Each needed secret from threshold-many of its valid shares, checked against its owner's
+        seed commitment (a mask seed) or public key (a private key); None (the round halts) when
+        one has too few valid shares or does not reconstruct, or a summed neighbour of a node in
+        :attr:`revealed` did not reveal its pairwise key with it."""
+        t, secrets = self.params.threshold, {}
+        needed = sorted(self.summed) + sorted(d for d in dead if self.neighbours[d] & self.summed)
+        missing = [(d, w) for d in sorted(self.revealed) for w in sorted(self.neighbours[d] & self.summed)
+                   if (d, w) not in pairwise]
+        if missing:
+            self.fail(Stage.UNMASK, f"node {missing[0][1]} did not reveal its pairwise key with dropped node {missing[0][0]}")
+            return None
+        for owner in needed:
+            valid = [shares[owner][h] for h in sorted(shares[owner])]
+            if len(valid) < t:
+                self.fail(Stage.UNMASK, f"fewer than {t} valid shares for node {owner}")
+                return None
+            secret = reconstruct(owner, valid, t, self.seed_commitments[owner] if owner in self.summed else None,
+                                 self.public_keys[owner][0])
+            if secret is None:
+                self.blame(owner, Stage.UNMASK, "dealt shares that do not reconstruct the secret it committed to")
+                self.fail(Stage.UNMASK, f"the shares of node {owner} do not reconstruct its secret")
+                return None
+            secrets[owner] = secret
+        return secrets

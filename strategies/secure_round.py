@@ -2,29 +2,35 @@
 (``secure_aggregation.enabled``, docs/secure-aggregation.md). The strategy is typed ``Any`` here:
 ``base.py`` imports this module, and no import cycle is allowed, ``TYPE_CHECKING`` ones included.
 
-``configure_train`` calls :func:`start_secure_round` once the round's downloads and messages are
-built: the server chooses every sampled client's aggregation weight (the strategy's own weighing
-of the example counts the clients declared when they joined), the round's parameters
-(:func:`fedlora.secagg.choose_params`), runs the setup and share-keys stages
-(:class:`~fedlora.strategies.secure.SecureRound`) and returns the training messages of the clients
-still in the protocol, each with Flower's record of the masking stage and fedlora's ``secagg-*``
-entries. ``aggregate_train`` calls :func:`aggregate_secure_round`: every reply is read as usual
-(sender, metrics, example count; its arrays are empty), the masked vectors of the valid ones are
-summed, the unmask stage removes the masks, and the weighted mean of the updates plus the weighted
+At join, :func:`masks_problem` refuses a client that does not declare fedlora's mask generator; at
+start, :func:`secure_summary` says in one line what a secure round does instead of the screening
+the server cannot do on a sum. ``configure_train`` calls :func:`start_secure_round` once the
+round's downloads and messages are built: the server chooses every sampled client's aggregation
+weight (the strategy's own weighing of the example counts the clients declared when they joined,
+as a rule each client checks: :func:`secure_weighting`), the round's parameters
+(:func:`fedlora.secagg.choose_params`, a threshold above half of the shares unless allowed), runs
+the setup and share-keys stages (:class:`~fedlora.strategies.secure.SecureRound`) and returns the
+training messages of the clients still in the protocol, each with the SecAgg+ record of the
+masking stage and fedlora's ``secagg-*`` entries (the clipping norm C, the range c, the pad rank).
+``aggregate_train`` calls :func:`aggregate_secure_round`: every reply is read as usual (sender,
+metrics, example count; its arrays are empty), the masked vectors of the valid ones are checked and
+summed, the unmask stage removes the masks, the unmasked mean is checked against what clipped
+updates can give (:func:`checked_mean`), and the weighted mean of the updates plus the weighted
 mean of the survivors' downloads is handed to the method's :meth:`aggregate` as one upload of
 weight 1: for a method whose aggregate is the weighted mean of its uploads (zero-padded to the
-largest rank), that is the aggregate of the round.
+largest rank), that is the aggregate of the round. Every client the round named is left out of
+the rest of the run (:func:`exclude_culprits`).
 
 What the server does not check in a secure round, since it never sees an upload: the norm outlier
-rule, the anomaly rule and the update-ratio bound (the clients enforce the clipping range
-instead); NaN and shape checks run on the client.
+rule, the anomaly rule and the update-ratio bound (the clients clip to C instead, and the server
+checks the mean); NaN and shape checks run on the client.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from logging import INFO, getLogger
+from logging import INFO, WARNING, getLogger
 from typing import Any
 
 import numpy as np
@@ -32,7 +38,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.serverapp import Grid
 
-from fedlora import protocol
+from fedlora import protocol, secagg
 from fedlora.errors import ConfigError
 from fedlora.lora import ADAPTER_DTYPE, to_array_record
 from fedlora.protocol import Phase
@@ -61,6 +67,48 @@ def secure_problem(strategy: Any) -> str:
     return ""
 
 
+def masks_problem(profile: Any, secure: bool) -> str:
+    """Why a client cannot join a secure federation ('' if it can, or if the federation is not
+    secure): its profile does not declare fedlora's mask generator (ChaCha20 under the whole key);
+    a client running Flower's own SecAgg+ mod would expand its masks from 32 bits of the key."""
+    if not secure or profile.secure_masks == secagg.MASK_GENERATOR:
+        return ""
+    declared = f"declares masks {profile.secure_masks!r}" if profile.secure_masks else "declares no mask generator"
+    return (f"it {declared}: this secure federation masks with {secagg.MASK_GENERATOR} keyed by the whole 256-bit "
+            "key, and a client on Flower's own SecAgg+ mod would seed its masks with 32 bits of it")
+
+
+def secure_summary(experiment: Any) -> str:
+    """The secure round in one line, at start: the generator, the threshold rule, the clients'
+    clipping norm and what the server can no longer screen (the counterparts of the plain rules)."""
+    secure, faults = experiment.secure_aggregation, experiment.faults
+    clip = secagg.clip_bound(secure.clip_norm, faults.max_update_norm)
+    threshold = ("above half of the shares" if secure.reconstruction_threshold == 0
+                 else f"{secure.reconstruction_threshold!r}")
+    bound = (f"each client clips its update to L2 norm {clip:g} before masking and the server refuses a round whose "
+             f"unmasked mean is beyond it" if clip else
+             "no norm bound (secure_aggregation.clip_norm = faults.max_update_norm = 0): a client can move the mean "
+             "by up to the clipping range per entry; set secure_aggregation.clip_norm")
+    return (f"secure aggregation: SecAgg+, masks {secagg.MASK_GENERATOR} ({secagg.SECURITY_BITS}-bit security), "
+            f"threshold {threshold}; {bound}; faults.norm_outlier_factor, faults.max_update_ratio and the anomaly "
+            "rule need single updates and do not run")
+
+
+def secure_weighting(weights: list[float], counts: list[int], max_share: float) -> str:
+    """How the strategy weighs the round's sampled clients, as a rule each client can check on its
+    own (:func:`fedlora.secagg.weight_ratio`): 'examples' when the weights are the share rule on the
+    declared ``counts``, 'uniform' when they are all equal; ConfigError for any other weighting (a
+    client could not tell it from a server that shrinks the others' weights)."""
+    largest = max(weights)
+    ratios = [w / largest for w in weights]
+    if all(abs(r - secagg.weight_ratio(counts, i, max_share, "examples")) <= 1e-9 for i, r in enumerate(ratios)):
+        return "examples"
+    if all(abs(r - 1.0) <= 1e-12 for r in ratios):
+        return "uniform"
+    raise ConfigError("secure_aggregation.enabled = true needs weights a client can check on its own: its examples "
+                      "under faults.max_client_share, or the same for every client")
+
+
 def start_secure_round(strategy: Any, grid: Grid, server_round: int,
                        messages: list[Message]) -> tuple[SecureRound, list[Message]]:
     """The setup and share-keys stages of ``server_round``, then the training messages of the
@@ -79,42 +127,51 @@ def start_secure_round(strategy: Any, grid: Grid, server_round: int,
                 k: tuple(np.shape(v)) for k, v in download.payload.items()} != {k: tuple(s) for k, s in download.upload.items()}:
             raise ConfigError(f"strategy '{strategy.name}' cannot run with secure_aggregation.enabled = true: client "
                               f"{p}'s reply would not upload the arrays it downloads (a client masks upload - download)")
-    placeholders = [ClientUpload(p, {}, strategy.roster.declared_examples(p), {}) for p in partitions]
+    counts = [strategy.roster.declared_examples(p) for p in partitions]
+    placeholders = [ClientUpload(p, {}, n, {}) for p, n in zip(partitions, counts)]
     strategy._weigh(placeholders)  # the strategy's own weighing (faults.max_client_share), before any reply
     weights = [float(w) for w in strategy.weights(placeholders)]
-    secure = strategy.experiment.secure_aggregation
-    params = choose_params(weights, secure.num_shares, secure.reconstruction_threshold, secure.clip_norm,
+    secure, faults = strategy.experiment.secure_aggregation, strategy.experiment.faults
+    weighting = secure_weighting(weights, counts, faults.max_client_share)
+    clip = secagg.clip_bound(secure.clip_norm, faults.max_update_norm)
+    params = choose_params(weights, secure.num_shares, secure.reconstruction_threshold, clip,
                            secure.clipping_range, secure.quantization_range, secure.modulus_range)
+    problem = secagg.threshold_problem(params.threshold, params.num_shares, secure.allow_low_threshold)
+    if problem:
+        raise ConfigError(f"secure_aggregation: {problem}")
     size = sum(int(np.prod(s)) for s in shapes.values())
-    round_ = SecureRound(params, grid, server_round, {node_of[p]: w for p, w in zip(partitions, weights)}, size,
-                         strategy.experiment.federation.round_timeout)
+    round_ = SecureRound(params, grid, server_round, {node_of[p]: w for p, w in zip(partitions, weights)},
+                         {node_of[p]: n for p, n in zip(partitions, counts)}, weighting, size,
+                         strategy.experiment.federation.round_timeout, max_share=faults.max_client_share,
+                         low_threshold=secure.allow_low_threshold, history=set(strategy.masked_digests))
     round_.report.update(clipping_range=params.clipping_range, quantization_range=params.quantization_range,
-                         modulus_range=params.modulus_range, max_weight=params.max_weight, pad_rank=pad_rank)
+                         modulus_range=params.modulus_range, max_weight=params.max_weight, pad_rank=pad_rank,
+                         clip_norm=clip, weighting=weighting)
     if not (round_.setup() and round_.share_keys()):
         return round_, []
-    entries = {protocol.SECAGG_CLIP: float(secure.clip_norm), protocol.SECAGG_RANGE: float(params.clipping_range),
+    entries = {protocol.SECAGG_CLIP: float(clip), protocol.SECAGG_RANGE: float(params.clipping_range),
                protocol.SECAGG_PAD_RANK: pad_rank}
-    weight_of = {node_of[p]: w for p, w in zip(partitions, weights)}
     masking = []
     for message in messages:
-        node = message.metadata.dst_node_id
-        record = round_.masking_record(node)
+        record = round_.masking_record(message.metadata.dst_node_id)
         if record is None:
             continue
         message.content.config_records[RECORD_KEY_CONFIGS] = record
-        config = message.content.config_records[protocol.CONFIG_RECORD]
-        config.update({**entries, protocol.SECAGG_WEIGHT: weight_of[node]})
+        message.content.config_records[protocol.CONFIG_RECORD].update(entries)
         masking.append(message)
-    log(INFO, "secure aggregation, round %d: %d of %d clients masking (threshold %d, T = %d, c = %g)",
-        server_round, len(masking), len(partitions), params.threshold, params.quantization_range, params.clipping_range)
+    log(INFO, "secure aggregation, round %d: %d of %d clients masking (threshold %d, T = %d, c = %g, C = %g)",
+        server_round, len(masking), len(partitions), params.threshold, params.quantization_range,
+        params.clipping_range, clip)
     return round_, masking
 
 
 def aggregate_secure_round(strategy: Any, round_: SecureRound, server_round: int,
                            replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """``aggregate_train`` of a secure round: read every reply (its arrays are empty), sum the
-    masked vectors of the valid ones, unmask, and hand the method the weighted mean (module
-    docstring). (None, None) when the round failed (too few valid replies, a halted stage)."""
+    masked vectors of the valid ones, unmask, check the mean against what clipped updates can
+    give, and hand the method the weighted mean (module docstring). (None, None) when the round
+    failed (too few valid replies, a halted stage, a mean out of bounds). Every client the round
+    named (``culprits``) is left out of the rest of the run."""
     record = strategy.record(server_round)
     replies = list(replies)
     record.wire_bytes_up += sum(reply_wire_size(reply) for reply in replies)
@@ -131,7 +188,10 @@ def aggregate_secure_round(strategy: Any, round_: SecureRound, server_round: int
             reject(record, upload.partition_id, node, f"secure aggregation: {left_out[node]}")
     uploads = [u for u in uploads if node_of[u.partition_id] in round_.summed]
     unmasked = round_.unmask()
-    if unmasked is None:
+    exclude_culprits(strategy, round_)
+    strategy.masked_digests = [*strategy.masked_digests, *round_.report.pop("masked_digests", [])]
+    mean = None if unmasked is None else checked_mean(strategy, round_, uploads, sent, unmasked)
+    if mean is None:
         record.failures += len(uploads)
         uploads = []
     strategy._weigh(uploads)
@@ -140,19 +200,51 @@ def aggregate_secure_round(strategy: Any, round_: SecureRound, server_round: int
     record.extra["secure_aggregation"] = round_.report
     record.wire_bytes_down += sum(b["down"] for b in round_.report["wire_bytes"].values())  # stages 0, 1, 3
     record.wire_bytes_up += sum(b["up"] for b in round_.report["wire_bytes"].values())
-    if strategy._too_few_uploads(uploads, server_round) or unmasked is None:
+    if strategy._too_few_uploads(uploads, server_round) or mean is None:
         return None, None
-    update, total_weight = unmasked
-    shapes = canonical_shapes(sent[uploads[0].partition_id].upload, round_.report["pad_rank"])
-    weights = np.array([round_.weights[node_of[u.partition_id]] for u in uploads])
-    downloads = np.stack([flatten(sent[u.partition_id].payload, shapes) for u in uploads])  # (|S|, size)
-    mean = unflatten(update + weights @ downloads / weights.sum(), shapes)
-    payload = {key: value.astype(ADAPTER_DTYPE) for key, value in mean.items()}
-    bound = error_bound(round_.params.clipping_range, len(uploads), round_.params.quantization_range, total_weight)
-    largest = max((float(np.max(np.abs(v))) for v in payload.values() if v.size), default=0.0)
-    round_.report.update(masked=len(uploads), total_weight=total_weight, error_bound=bound,
-                         error_bound_relative=bound / largest if largest else float("nan"))
-    mean_upload = ClientUpload(-1, payload, int(sum(u.num_examples for u in uploads)), {}, weight=1.0)
+    mean_upload = ClientUpload(-1, mean, int(sum(u.num_examples for u in uploads)), {}, weight=1.0)
     strategy._aggregate_round(server_round, [mean_upload], record)
     metrics = MetricRecord({protocol.TRAIN_LOSS: record.train_loss, protocol.CLIENTS: len(uploads)})
     return to_array_record(strategy.global_arrays()), metrics
+
+
+def checked_mean(strategy: Any, round_: SecureRound, uploads: list[ClientUpload], sent: Any,
+                 unmasked: tuple[np.ndarray, float]) -> dict[str, np.ndarray] | None:
+    """The weighted mean of the summed uploads (the unmasked mean update plus the weighted mean of
+    their downloads), or None when the mean update is beyond what the clients' clipped updates can
+    average to (:func:`fedlora.secagg.mean_problem`: a client masked something else; the round is
+    refused, in its report)."""
+    if not uploads:
+        return None
+    update, total_weight = unmasked
+    params, node_of = round_.params, strategy.roster.node_of
+    bound = error_bound(params.clipping_range, len(uploads), params.quantization_range, total_weight)
+    problem = secagg.mean_problem(update, round_.report["clip_norm"], params.clipping_range, bound)
+    if problem:
+        round_.fail("mean", f"{problem}: the round is refused (a client masked something other than its clipped "
+                            "update; the server cannot tell whose)")
+        return None
+    shapes = canonical_shapes(sent[uploads[0].partition_id].upload, round_.report["pad_rank"])
+    factors = np.array([round_.factors[node_of[u.partition_id]] for u in uploads], dtype=np.float64)
+    downloads = np.stack([flatten(sent[u.partition_id].payload, shapes) for u in uploads])  # (|S|, size)
+    mean = unflatten(update + factors @ downloads / factors.sum(), shapes)
+    payload = {key: value.astype(ADAPTER_DTYPE) for key, value in mean.items()}
+    largest = max((float(np.max(np.abs(v))) for v in payload.values() if v.size), default=0.0)
+    round_.report.update(masked=len(uploads), total_weight=total_weight, error_bound=bound,
+                         error_bound_relative=bound / largest if largest else float("nan"),
+                         mean_update_norm=float(np.linalg.norm(update)))
+    return payload
+
+
+def exclude_culprits(strategy: Any, round_: SecureRound) -> None:
+    """Leave every client the round named out of the rest of the run (``strategy.excluded``:
+    partition -> why; never sampled again), with one line each."""
+    partition_of = {node: p for p, node in strategy.roster.node_of.items()}
+    for node, why in sorted(round_.culprits.items()):
+        partition = partition_of.get(node)
+        if partition is None or partition in strategy.excluded:
+            continue
+        strategy.excluded[partition] = f"round {round_.server_round}, secure aggregation, {why}"
+        log(WARNING, "secure aggregation: client %d (node %d) is left out of the rest of the run: %s", partition,
+            node, why)
+    round_.report["excluded"] = {str(p): why for p, why in sorted(strategy.excluded.items())}

@@ -62,13 +62,14 @@ DEPLOYMENT_LANES = {
     "test_deploy_strategies.py": "deployments", "test_deploy.py": "deployments",
     "test_deploy_faults.py": "deployments", "test_output_folders.py": "deployments",
     "test_flwr_run.py": "deployments", "test_deploy_secure.py": "deployments",
+    "test_federation_hosts.py": "deployments",
 }
 # The lane first, then the longest modules (work units are handed out in collection order, see
 # pytest_xdist_make_scheduler, so a long module collected last would run alone at the end): module sums measured with `make test`
 # (it prints them at the end). Modules not listed keep their order after these.
 LONGEST_FIRST = (
     "test_deploy_strategies.py", "test_deploy.py", "test_deploy_faults.py", "test_output_folders.py",
-    "test_flwr_run.py", "test_deploy_secure.py", "test_resume.py", "test_compare.py", "test_golden.py", "test_ray_cluster.py",
+    "test_flwr_run.py", "test_deploy_secure.py", "test_federation_hosts.py", "test_resume.py", "test_compare.py", "test_golden.py", "test_ray_cluster.py",
     "test_bad_input.py", "test_quiet.py", "test_causal_lm.py", "test_protocol.py", "test_run.py",
 )
 

@@ -223,6 +223,37 @@ def test_the_usage_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(tm
     assert accuracy == pytest.approx(results["final"]["global_accuracy"], abs=1e-12)
 
 
+def test_the_offline_usage_snippet_loads_a_minilm_runs_adapter_without_the_hub(tmp_path: Path, monkeypatch,
+                                                                               capsys) -> None:
+    import torch
+    from cli_helpers import QUICK_CUT
+
+    from fedlora.app.runner import run_inprocess
+    from fedlora.backbones import load_tokenizer
+    from fedlora.config import load_config
+    from fedlora.data import build_federated_data
+    from fedlora.training import evaluate, make_loader
+
+    # Prepare: a 1-round run of the packaged MiniLM (the golden cut of configs/quick.toml), no network
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = load_config(ROOT / "configs/quick.toml", [*QUICK_CUT, "train.rounds=1", "output.dir=runs/quick"])
+    results = run_inprocess(config, tmp_path / "runs/quick").to_dict()
+    capsys.readouterr()
+    code = usage_block("resolve_model_path(\"minilm\")")
+    # Execute: the guide's offline code, as written, in the folder the run was started from
+    namespace: dict = {}
+    exec(compile(code, "docs/usage.md", "exec"), namespace)  # noqa: S102 - the guide's own code, on purpose
+    # Assert: it printed one of the run's classes, and its model is the run's global model (the run's
+    # final global accuracy on the global test set)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and printed[0] in set(results["id2label"].values())
+    loader = make_loader(build_federated_data(config.data).global_test, load_tokenizer("minilm"),
+                         config.train.eval_batch_size, config.train.max_length, shuffle=False)
+    accuracy = evaluate(namespace["model"], loader, torch.device("cpu")).accuracy
+    assert accuracy == pytest.approx(results["final"]["global_accuracy"], abs=1e-12)
+
+
 def test_a_pooled_model_comes_back_as_built() -> None:
     """The process's model pool hands a model back exactly as :func:`build_model` builds it (values
     of the trainable parameters, ``requires_grad``, no gradients, eval / train mode, the RNG state

@@ -162,6 +162,12 @@ CASES: list[tuple[str, Argv, str]] = [
     ("certs-zero-days", lambda d, o, e, c: ["deploy", "certs", str(o), "--days", "0"], "--days"),
     ("capabilities-missing-readme", lambda d, o, e, c: ["capabilities", "--write", "--readme", str(d / "missing.md")],
      "missing.md"),
+    # ------------------------------------------------------------------ saved adapters (tests/test_adapter_commands.py: more)
+    ("eval-a-folder-that-is-no-adapter", lambda d, o, e, c: ["eval", str(e / "adapters" / "global"), "--data",
+                                                             str(write(d / "t.csv", "text,label\na,b\n"))],
+     "holds no adapter_config.json"),
+    ("export-without-out", lambda d, o, e, c: ["export", str(e / "adapters" / "global")],
+     "the following arguments are required: --out"),
     # ------------------------------------------------------------------ limits the model sets
     ("unknown-target-module", lambda d, o, e, c: ["run", SMOKE, "--out", str(o), "--set",
                                                   'model.target_modules=["nope"]'], "model.target_modules"),

@@ -517,3 +517,65 @@ def test_scale_refuses_runs_that_differ_in_more_than_their_number_of_clients(cap
         assert str(stop.value).startswith("scale: runs 'inprocess fedit N=10 run 0' and 'inprocess fedit N=100 run 0' "
                                           "differ in more than what is measured (clients): ")
         assert str(stop.value).endswith(shown) and "\n" not in str(stop.value)
+
+
+def test_secagg_drops_exactly_one_client_a_round_in_its_dropout_arms() -> None:
+    from fedlora.clients.faults import SimulatedClientFailure, maybe_fail
+    from fedlora.schema import FaultsConfig
+
+    secagg = load("secagg")
+    # Execute: the seed of a 5-client federation over 5 rounds, and the faults its arm runs with
+    seed = secagg.drop_seed(5, 5)
+    faults = FaultsConfig(drop_rate=0.2, seed=seed)
+    # Assert: the client's own failure draw fails exactly one client in each round
+    for server_round in range(1, 6):
+        failed = []
+        for partition in range(5):
+            try:
+                maybe_fail(faults, server_round, partition)
+            except SimulatedClientFailure:
+                failed.append(partition)
+        assert len(failed) == 1, (server_round, failed)
+    # and a round of the dropout arm must say so: 4 aggregated, 1 failure, 1 dropped client's masks rebuilt
+    report = {"masked": 4, "dead_recovered": 1, "culprits": {}, "seconds": dict.fromkeys(secagg.STAGES, 0.1),
+              "wire_bytes": {stage: {"down": 1, "up": 1} for stage in secagg.STAGES}, "error_bound": 1e-8}
+    round_ = {"round": 1, "sampled": 5, "clients": 4, "failures": 1, "seconds": 1.0, "client_train_seconds": 0.5,
+              "bytes_up": 8, "bytes_down": 4, "wire_bytes_up": 9, "wire_bytes_down": 5,
+              "extra": {"secure_aggregation": report}}
+    results = {"rounds": [round_], "final": {"global_accuracy": 0.1}}
+    assert secagg.figures(results, 10.0, 5, secure=True, dropped=1)["unmask_seconds"] == 0.1
+    with pytest.raises(SystemExit, match="with 1 dropped"):
+        secagg.figures({**results, "rounds": [{**round_, "extra": {"secure_aggregation": {**report, "dead_recovered": 0}}}]},
+                       10.0, 5, secure=True, dropped=1)
+
+
+def test_secagg_arms_of_other_sizes_and_dropout_share_every_setting_but_those() -> None:
+    """secagg's arms at N = 5 and 10 clients, with and without a dropped client: the configs it
+    runs (smoke.toml with its overrides, as results.json holds them) give settings that differ in
+    the clients, secure aggregation and the dropped clients alone (the pool of examples grows with
+    N; each client's share does not); a run whose clients trained at another precision, or on
+    other data, is refused."""
+    from fedlora.config import load_config
+
+    # Prepare: the results of each arm's run as far as the settings go (its config, its clients' replies)
+    secagg = load("secagg")
+    args = secagg.parse(["--sizes", "5,10"])
+
+    def results(size: int, secure: bool, dropped: int, precision: str = "fp32", **data: object) -> dict:
+        config = load_config(args.config, secagg.overrides(size, secure, args, dropped)).model_dump(mode="json")
+        config["data"] |= data
+        reply = {"train-precision": precision, "torch-threads": 1}
+        return {"config": config, "rounds": [{"per_client_train": {str(k): reply for k in range(size - dropped)}}]}
+
+    # Execute
+    arms = {f"{size}-{secure}-{dropped}": secagg.settings(results(size, secure, dropped), args, secure, dropped)
+            for size in (5, 10) for secure in (False, True) for dropped in (0, 1)}
+    # Assert: matched but for what the benchmark varies
+    harness.require_matched(arms, secagg.VARIES)
+    assert harness.differences(arms["5-False-0"], arms["10-True-1"]) == [
+        "clients: 5 vs 10", "dropped: 0 vs 1", "secure: False vs True"]
+    assert arms["10-True-1"]["per_client"] == args.per_client and arms["10-True-1"]["precision"] == "fp32"
+    # Assert: another precision, or other data (a different partition), is refused
+    for other in (results(10, True, 0, precision="bf16"), results(10, True, 0, partition="dirichlet")):
+        with pytest.raises(harness.Unmatched):
+            harness.require_matched(arms | {"odd": secagg.settings(other, args, True, 0)}, secagg.VARIES)

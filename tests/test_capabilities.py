@@ -6,11 +6,14 @@ from pathlib import Path
 
 from fedlora.app.capabilities import (
     DEPLOYMENT_TESTED,
+    FL_OPTIMISERS_END,
+    FL_OPTIMISERS_START,
     FLOWER_DP_END,
     FLOWER_DP_START,
     SECURE_END,
     SECURE_START,
     readme_block,
+    render_fl_optimisers,
     render_flower_dp,
     render_matrix,
     render_secure,
@@ -20,6 +23,7 @@ from fedlora.strategies.registry import strategy_names
 README = Path(__file__).resolve().parents[1] / "README.md"
 FLOWER_DOC = README.parent / "docs" / "flower.md"
 SECURE_DOC = README.parent / "docs" / "secure-aggregation.md"
+STRATEGIES_DOC = README.parent / "docs" / "strategies.md"
 
 
 def test_readme_capability_matrix_is_current() -> None:
@@ -38,6 +42,21 @@ def test_secure_aggregation_docs_table_is_current() -> None:
     block = readme_block(SECURE_DOC.read_text(), SECURE_START, SECURE_END)
     assert block is not None, "docs/secure-aggregation.md lacks the table markers"
     assert block == render_secure(), "docs/secure-aggregation.md's table is stale: run `fedlora capabilities --write`"
+
+
+def test_strategies_docs_server_optimiser_and_fedprox_table_is_current() -> None:
+    block = readme_block(STRATEGIES_DOC.read_text(), FL_OPTIMISERS_START, FL_OPTIMISERS_END)
+    assert block is not None, "docs/strategies.md lacks the server optimiser / FedProx table markers"
+    assert block == render_fl_optimisers(), "docs/strategies.md's table is stale: run `fedlora capabilities --write`"
+
+
+def test_a_method_that_refuses_a_server_optimiser_or_fedprox_says_why() -> None:
+    from fedlora.methods import method
+
+    for name in strategy_names():
+        caps = method(name).capabilities
+        assert caps.server_optimizer or caps.not_server_optimizer, name
+        assert caps.proximal or caps.not_proximal, name
 
 
 def test_matrix_lists_every_registered_strategy() -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import QUICK_CUT, QUICK_CUT_OPTIONS
+from cli_helpers import QUICK_CUT
+from strategy_helpers import SHORT_RUN_OPTIONS
 
 from fedlora.app.compare import compare as compare_strategies
 from fedlora.app.jobs import Job, is_complete, job_config
@@ -466,7 +467,10 @@ def test_inprocess_compare_writes_summary_plots_and_resumes(tmp_path: Path) -> N
         for k in (0, 1):
             assert (tmp_path / f"{s}/seed{k}/run.log").read_text().count("round   1/") == 1, (s, k)
             assert any((tmp_path / f"tensorboard/{s}/seed{k}").glob("events.out.tfevents.*")), (s, k)
+            # one HParams session per run, beside its curves (tests/test_tracking.py reads them)
+            assert len(list((tmp_path / f"tensorboard/{s}/seed{k}").glob("events.out.tfevents.*.hparams"))) == 1
         assert any((tmp_path / f"tensorboard/{s}/mean").glob("events.out.tfevents.*")), s
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*.hparams"))) == 1  # the experiment
     seeds = {json.loads((tmp_path / f"fedit/seed{s}/results.json").read_text())["config"]["train"]["seed"] for s in (0, 1)}
     assert seeds == {0, 1}
     data_seeds = {(s, k): json.loads((tmp_path / f"{s}/seed{k}/results.json").read_text())["config"]["data"]["seed"]
@@ -534,8 +538,8 @@ def test_cli_compare_on_ray_writes_summary_and_pngs_and_skips_finished_runs(tmp_
 def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: a kernelspec for this interpreter (works in a fresh clone, no `jupyter kernelspec
     # install` needed); the parameters papermill-style (a cell after the one tagged `parameters`):
-    # the golden tests' cut of the quick config, output in tmp, the "open finished runs" section
-    # pointed at tmp (it must find the comparison one level down)
+    # the notebook's own quick setting (QUICK = True, its default), output in tmp, the "open
+    # finished runs" section pointed at tmp (it must find the comparison one level down)
     import nbformat
     from nbclient import NotebookClient
 
@@ -548,19 +552,29 @@ def test_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
     assert len(tagged) == 1
-    parameters = (f"OVERRIDES = {list(QUICK_CUT)!r}\nSTRATEGY_OPTIONS = {dict(QUICK_CUT_OPTIONS)!r}\n"
-                  f"OUT = {str(tmp_path / 'out')!r}\nFINISHED = {str(tmp_path)!r}")
+    parameters = f"OUT = {str(tmp_path / 'out')!r}\nFINISHED = {str(tmp_path)!r}"
     notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(parameters))
     # Execute
     NotebookClient(notebook, timeout=900, kernel_name="fedlora-test",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    # Assert: no error; the four methods and their baselines ran on the quick config's cut
+    # Assert: no error; the four methods and their baselines ran on the quick setting: the golden
+    # tests' cut of the quick config (tests/test_golden.py: every strategy learns under it)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     runs = {p.parent.parent.name for p in (tmp_path / "out").glob("*/seed0/results.json")}
     assert {"fedpissa", "fedhera", "feddr_lora", "fedtreelora", "fedit"} <= runs
     config = json.loads((tmp_path / "out" / "fedit" / "seed0" / "results.json").read_text())["config"]
+    golden = load_config(ROOT / "configs/quick.toml", list(QUICK_CUT)).model_dump(mode="json")
     assert config["model"]["path"] == "minilm"
+    assert {k: config[k] for k in ("model", "data", "train")} == {k: golden[k] for k in ("model", "data", "train")}
+    tree = json.loads((tmp_path / "out" / "fedtreelora" / "seed0" / "results.json").read_text())["config"]["strategy"]
+    assert {key: tree[key] for key in SHORT_RUN_OPTIONS["fedtreelora"]} == SHORT_RUN_OPTIONS["fedtreelora"]
+    # ... progress bars in the notebook, updated in place to the last round, one per run
+    html = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+    assert sum('<progress value="2" max="2"' in h for h in html) == 7
+    # ... one run's per-round and per-client tables as pandas frames
+    assert any("received_accuracy" in h and "train_loss" in h for h in html)
+    assert any("train.loss" in h and "num_examples" in h for h in html)
     # ... the table twice (after the runs, and reopened from the files), with its legend
     tables = [o["data"]["text/html"] for o in outputs if "pers. acc (unweighted)" in o.get("data", {}).get("text/html", "")]
     # (the first <table> of each: the summary; the mechanisms table's columns follow each table's label order)

@@ -6,6 +6,7 @@ The slow tests start real Flower 1.39 processes (``flower-superlink``, ``flower-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -250,28 +251,39 @@ CLI_AS_IN_A_TERMINAL = [
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(no_leftovers: Path, busy_cores: int) -> None:
     # Prepare: a CLI deployment (this checkout's code: python -m, cwd first on sys.path) with every
-    # core busy, interrupted once it wrote round 1; the run is long (500 rounds), so the interrupt
-    # cannot arrive after it has finished (2 rounds finished first on a loaded machine, and the CLI
-    # then rightly exited 0)
+    # core busy, interrupted once it printed round 1's line on its terminal (the ServerApp's line, relayed
+    # as it comes: round 1 is written by then); the run is long (500 rounds), so the interrupt cannot
+    # arrive after it has finished (2 rounds finished first on a loaded machine, and the CLI then rightly
+    # exited 0)
+    import threading
+
     out = no_leftovers / "run"
     sets = [arg for item in [*TWO_SILOS, "train.rounds=500"] for arg in ("--set", item)]
     cli = subprocess.Popen(
         [*CLI_AS_IN_A_TERMINAL, "deploy", "local", "configs/smoke.toml", "--nodes", "2", "--out", str(out), *sets],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(cli.stdout.readline, "")), daemon=True)
+    reader.start()
     deadline = time.monotonic() + 480
-    while time.monotonic() < deadline and cli.poll() is None and not rounds_written(out):
+    while time.monotonic() < deadline and cli.poll() is None and not any(
+            line.startswith("round   1/500  global ") for line in list(printed)):
         time.sleep(0.5)
-    assert cli.poll() is None, cli.communicate()
+    assert cli.poll() is None, (printed, cli.stderr.read())
     written = rounds_written(out)
-    assert written, "no round written within 480 s"
+    assert written, f"no round line within 480 s: {printed}"
     started = processes_of(no_leftovers)
 
     # Execute: Ctrl-C
     os.kill(cli.pid, signal.SIGINT)
     interrupted = time.monotonic()
-    _, stderr = cli.communicate(timeout=CTRL_C_BOUND + 30)  # past the bound: fail below, not hang here
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        cli.wait(timeout=CTRL_C_BOUND + 30)  # past the bound: fail below, not hang here
     took = time.monotonic() - interrupted
+    cli.kill()
+    reader.join(10)
+    stderr = cli.stderr.read()
     print(f"Ctrl-C: the CLI exited {took:.1f}s after SIGINT, {busy_cores} cores busy, rounds written {written}")
 
     # Assert: stopped within seconds, interrupted and reported; the processes that were running are
@@ -283,3 +295,25 @@ def test_ctrl_c_stops_every_process(no_leftovers: Path, busy_cores: int) -> None
     assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert processes_of(no_leftovers) == []
     assert rounds_written(out)[: len(written)] == written
+
+
+@pytest.mark.slow
+def test_sigterm_stops_deploy_local_with_status_143(no_leftovers: Path) -> None:
+    # Prepare: a CLI deployment, stopped by SIGTERM once its SuperLink is up (the processes it started
+    # meanwhile: the SuperLink and its SuperExec, SuperNodes being started)
+    out = no_leftovers / "run"
+    sets = [arg for item in TWO_SILOS for arg in ("--set", item)]
+    cli = subprocess.Popen([FEDLORA, "deploy", "local", "configs/smoke.toml", "--nodes", "2", "--out", str(out), *sets],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    superlink_log = out / "logs" / "superlink.log"
+    deadline = time.monotonic() + 180
+    while cli.poll() is None and time.monotonic() < deadline and (
+            not superlink_log.is_file() or "Uvicorn running on https://" not in superlink_log.read_text()):
+        time.sleep(0.2)
+    assert cli.poll() is None, cli.communicate()
+    # Execute
+    cli.send_signal(signal.SIGTERM)
+    _, stderr = cli.communicate(timeout=CTRL_C_BOUND + 30)
+    # Assert: 128 + SIGTERM, said in one line; nothing of the deployment left (the fixture)
+    assert cli.returncode == 143, stderr
+    assert stderr.strip() == "fedlora: stopped by SIGTERM; results written so far are kept"

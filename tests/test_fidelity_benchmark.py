@@ -278,6 +278,46 @@ def test_a_choice_at_the_grid_edge_widens_the_grid_in_that_direction() -> None:
     assert result.chosen == ("train.lr=0.000375",) and result.at_edge
 
 
+def _validated(correct: list[int], examples: list[int]) -> dict:
+    """A results.json whose one round the clients validated: each client's accuracy as it crosses the
+    wire (float32) and the example-weighted mean the server records (strategies/evaluation.py)."""
+    import numpy as np
+
+    accuracies = [float(np.float32(c / n)) for c, n in zip(correct, examples)]
+    per_client = {str(i): {"val-accuracy": a, "val-examples": float(n)} for i, (a, n) in enumerate(zip(accuracies,
+                                                                                                       examples))}
+    return {"rounds": [{"round": 1, "validation_accuracy": float(np.average(accuracies, weights=examples)),
+                        "per_client": per_client}]}
+
+
+def test_two_configurations_with_as_many_correct_validation_examples_tie_and_the_earlier_is_chosen() -> None:
+    # Prepare: 250 of 288 correct in both, split differently over three clients; the recorded means
+    # differ in the 8th digit (float32 client accuracies), the later one higher
+    from fedlora.app.tune import choose, validation_score
+
+    earlier, later = _validated([85, 85, 80], [97, 103, 88]), _validated([80, 82, 88], [97, 103, 88])
+    assert earlier["rounds"][0]["validation_accuracy"] < later["rounds"][0]["validation_accuracy"]
+    # Execute
+    scores = {("train.lr=0.006",): validation_score(earlier), ("train.lr=0.012",): validation_score(later)}
+    chosen = plan(Budget(size=2, lr_grid=(6e-3, 1.2e-2), max_widen=0), None, scores.get).chosen
+    label, _ = choose({"a": [earlier], "b": [later]}, ["a", "b"])
+    # Assert: exact counts, a tie, the earlier configuration of the protocol's order
+    assert scores[("train.lr=0.006",)] == scores[("train.lr=0.012",)] == 250 / 288
+    assert chosen == ("train.lr=0.006",) and label == "a"
+    # one more correct example is a difference, not a tie
+    assert validation_score(_validated([80, 83, 88], [97, 103, 88])) > validation_score(earlier)
+
+
+def test_a_causal_lm_validation_loss_within_the_stated_tolerance_is_a_tie() -> None:
+    from fedlora.app.tune import LOSS_TIE_TOLERANCE, validation_score
+
+    def run(loss: float) -> dict:
+        return {"rounds": [{"round": 1, "validation_loss": loss}]}
+
+    assert validation_score(run(1.7500001)) == validation_score(run(1.7500003)) == -1.75
+    assert validation_score(run(1.75)) > validation_score(run(1.75 + 2 * LOSS_TIE_TOLERANCE))
+
+
 def test_a_diverged_configuration_counts_as_the_worst() -> None:
     budget = Budget(size=2, lr_grid=(1e-3, 2e-3), max_widen=0)
     result = plan(budget, None, {("train.lr=0.001",): 0.5, ("train.lr=0.002",): math.nan}.get)
@@ -410,7 +450,7 @@ def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_tim
     seed0 = sum(1 for job in fake_training if job.seed == 0)  # its tuning runs and its finals of reused choices
     assert facts["machines"] == {"Test CPU": recorded, "not recorded": seed0}
     assert f"not recorded {seed0}, Test CPU {recorded} runs." in page
-    assert "![mechanisms](mechanisms.png)" in page and (tmp_path / "mechanisms.png").stat().st_size > 0
+    assert "![mechanism](mechanism.png)" in page and (tmp_path / "mechanism.png").stat().st_size > 0
     assert "relative_correction" in page and (tmp_path / "paired.csv").is_file()
     assert facts["primary"] == {"label": "fedpissa", "baseline": "feddpa", "metric": "personalized_accuracy"}
     assert facts["tuning"]["fedit"]["budget"] == 4 and facts["tuning"]["fedit"]["widened"] == 0
@@ -456,8 +496,11 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     # and their CPU time: the fake runs of seeds 1 and 2 recorded 300 s each, those of seed 0 nothing
     timed = sum(1 for k in kept if k.parent.name != "seed0")
     assert 0 < timed < ran
-    assert row_after == (f"| fedpissa | {4 * tuned} | 0 | {final} / {final} (complete) "
-                         f"| {timed * 300 / 3600:.1f} ({timed} of {ran} runs recorded it) |")
+    assert row_after.startswith(f"| fedpissa | {4 * tuned} | 0 | {final} / {final} (complete) "
+                                f"| {timed * 300 / 3600:.1f} ({timed} of {ran} runs recorded it) | ")
+    # and the regime from the records: the untrained model was measured on the reference's seeds and kept
+    assert sorted(p.parent.name for p in records.glob("untrained/seed*/untrained.json")) == ["seed0", "seed1", "seed2"]
+    assert re.search(r"\| (counts|does not count)[^|]*\|$", row_after), row_after
 
 
 def test_a_precision_check_runs_every_seed_at_the_choices_of_another_folder_s_tuning(
@@ -670,11 +713,15 @@ def test_the_status_counts_every_committed_record_as_a_complete_planned_run(caps
     rows = {cells[0]: cells for line in capsys.readouterr().out.splitlines() if line.startswith("| ")
             if (cells := [cell.strip() for cell in line.strip("|").split("|")])}
     # Assert: every record is a run the plan counts as done, in the tuning stage or among the final
-    # runs (a record of a job, configuration, seed or config the plan no longer has counts nowhere)
+    # runs, or a complete run of today's config at a configuration the plan no longer chooses (a record
+    # of a job, seed or config the plan no longer has counts nowhere)
     for name, count in recorded.items():
         tuning_done, final_done = int(rows[name][1]), int(rows[name][3].split("/")[0])
-        waiting = re.search(r"\+(\d+) waiting", rows[name][3])
-        assert tuning_done + final_done + (int(waiting[1]) if waiting else 0) == count, (name, rows[name], count)
+        waiting, outside = (re.search(rf"\+(\d+) {word}", rows[name][3]) for word in ("waiting", "outside"))
+        extra = sum(int(found[1]) for found in (waiting, outside) if found)
+        assert tuning_done + final_done + extra == count, (name, rows[name], count)
+    # the tie rule's correction (2026-12-07) left FedIT's runs at 0.012 and 0.024 outside feddr_lora's plan
+    assert "(+5 outside the plan" in rows["feddr_lora"][3]
 
 
 def test_overrides_keep_their_records_apart() -> None:
@@ -707,25 +754,61 @@ def test_the_page_reads_the_trees_agreement_with_the_task_groups_from_the_record
 # --------------------------------------------------------------------------- the regime rule
 @pytest.mark.parametrize(
     ("fedit", "reference", "counts"),
-    [(0.840, 0.889, True), (0.838, 0.889, False), (0.95, 0.80, True), (math.nan, 0.80, False)],
+    [(0.840, 0.889, True), (0.838, 0.889, False), (0.95, 0.80, True)],
 )
 def test_regime_counts_only_when_fedit_is_within_five_points_of_the_reference(
     fedit: float, reference: float, counts: bool
 ) -> None:
+    # Prepare: the reference learned far more than the floor, so the gap alone decides
     scenario = fidelity.scenarios()["fedhera"]
-    table = {"fedit": {"global_accuracy_mean": fedit}, "centralized": {"global_accuracy_mean": reference}}
-    facts = fidelity.regime(table, scenario)
+    # Execute
+    facts = fidelity.regime_facts(scenario, {0: fedit}, {0: reference}, {0: 0.125})
+    # Assert
     assert facts["counts"] is counts
     assert facts["regime_metric"] == "global_accuracy"
-    if not math.isnan(fedit):
-        assert facts["gap_points"] == pytest.approx(100 * (reference - fedit))
+    assert facts["gap_points"] == pytest.approx(100 * (reference - fedit))
+    assert ("points above FedIT" in facts["why"]) is not counts
+
+
+def test_a_scenario_whose_reference_learns_less_than_the_floor_does_not_count() -> None:
+    # Prepare: fedhera_llm's first reading (10 rounds of 2 steps of 4): FedIT 0.1924 and the reference
+    # 0.1912 global ROUGE-L, the zero-shot model 0.1502: the 5-point rule passes, little was learned
+    scenario = fidelity.scenarios()["fedhera_llm"]
+    assert scenario.regime.floor_points == 2 * scenario.regime.max_gap_points == 10.0
+    # Execute
+    facts = fidelity.regime_facts(scenario, {0: 0.1924}, {0: 0.1912}, {0: 0.1502})
+    # Assert
+    assert facts["gap_points"] == pytest.approx(-0.12) and facts["learned_points"] == pytest.approx(4.10)
+    assert facts["counts"] is False
+    assert facts["why"] == ("the reference learned +4.1 points over the untrained model (at least 10: too little is "
+                            "learned to compare)")
+    line = fidelity.regime_line(facts, f"does NOT count: {facts['why']}")
+    assert "learned +4.1 points (at least 10)" in line and "does NOT count" in line
+    # just above the floor it counts; without the untrained model it is not known
+    assert fidelity.regime_facts(scenario, {0: 0.26}, {0: 0.2503}, {0: 0.1502})["counts"] is True
+    unknown = fidelity.regime_facts(scenario, {0: 0.26}, {0: 0.2502}, {})
+    assert unknown["counts"] is False and "not measured" in unknown["why"]
+
+
+def test_the_regime_compares_fedit_and_the_reference_on_the_seeds_both_ran() -> None:
+    # Prepare: FedIT is a core job (5 seeds), the reference ran 3; seed 3 and 4 favour FedIT
+    scenario = fidelity.scenarios()["feddr_lora"]
+    fedit = {0: 0.80, 1: 0.82, 2: 0.84, 3: 0.99, 4: 0.99}
+    reference = {0: 0.86, 1: 0.88, 2: 0.90}
+    # Execute
+    facts = fidelity.regime_facts(scenario, fedit, reference, {0: 0.1, 1: 0.1, 2: 0.1})
+    # Assert: the 5-seed mean (0.888) would pass; on the shared seeds FedIT is 6 points under
+    assert facts["regime_seeds"] == [0, 1, 2] and facts["fedit"] == pytest.approx(0.82)
+    assert facts["gap_points"] == pytest.approx(6.0) and facts["counts"] is False
 
 
 def test_regime_reads_the_scenarios_metric() -> None:
     tree = fidelity.scenarios()["fedtreelora"]
-    table = {"fedit": {"personalized_accuracy_mean": 0.9, "global_accuracy_mean": 0.3},
-             "centralized": {"personalized_accuracy_mean": 0.92, "global_accuracy_mean": 0.9}}
-    assert fidelity.regime(table, tree)["counts"] is True  # per-task heads: personalised accuracy
+    runs = [{"strategy": "fedit", "seed": 0, "personalized_accuracy": 0.9, "global_accuracy": 0.3},
+            {"strategy": "centralized", "seed": 0, "personalized_accuracy": 0.92, "global_accuracy": 0.9}]
+    table = type("Table", (), {"runs": runs})()
+    facts = fidelity.regime(table, tree, {0: 0.2})  # per-task heads: personalised accuracy
+    assert facts["counts"] is True and facts["fedit"] == 0.9 and facts["untrained"] == 0.2
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_benchmark_harness import load
 
+from fedlora.app.jobs import resolve_base
 from fedlora.app.tune import TunePlan, plan
 
 fidelity = load("fidelity")
@@ -105,6 +106,13 @@ def test_every_job_of_an_llm_scenario_runs_one_round_on_the_tiny_llama_and_write
     key = scenario.regime_metric
     assert facts["regime_metric"] == key and "rouge_l" in key
     assert facts["gap_points"] == pytest.approx(100 * (finals["centralized"][key] - finals["fedit"][key]))
+    # the learning floor's untrained model, measured on the reference's seed and kept beside the records
+    kept = json.loads((tmp_path / "kept" / "untrained" / "seed0" / "untrained.json").read_text())
+    assert kept["metric"] == key and facts["untrained"] == kept["value"] and facts["floor_seeds"] == [0]
+    if key == "global_rouge_l":  # the zero-shot round 0 every causal run records: the same model, the same score
+        reference = json.loads(next(tmp_path.glob("centralized[[]*/seed0/results.json")).read_text())
+        assert reference["rounds"][0]["round"] == 0 and kept["value"] == reference["rounds"][0][key]
+    assert facts["learned_points"] == pytest.approx(100 * (finals["centralized"][key] - kept["value"]))
     assert facts["device"].startswith("CPU") and math.isfinite(facts["stage_seconds"]["final"])
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"scenario={name} ")
 
@@ -177,3 +185,19 @@ def test_final_causal_metrics_join_their_runs_rows_and_the_mean_and_std_over_see
     assert table.rows[0]["personalized_rouge_l_mean"] == 0.5
     assert table.rows[0]["personalized_rouge_l_std"] == pytest.approx(math.sqrt(0.125))
     assert math.isnan(table.rows[1]["personalized_rouge_l_mean"])
+
+
+def test_the_untrained_model_is_measured_once_per_seed_and_config(tmp_path: Path) -> None:
+    # Prepare
+    scenario = fidelity.scenarios()["fedtreelora_llm"]  # personalised ROUGE-L: every client's local test
+    tiny = [*TINY, *OWN["fedtreelora_llm"]]
+    base = resolve_base(str(fidelity.ROOT / scenario.config), [*tiny, "data.num_clients=4"])
+    # Execute
+    first = fidelity.measure_untrained(scenario, base, [tmp_path], [1])
+    kept = json.loads((tmp_path / "untrained" / "seed1" / "untrained.json").read_text())
+    # Assert: seed 1's partition and init, kept, read back without measuring, another config measured again
+    assert kept["config"]["train"]["seed"] == 1 and kept["config"]["data"]["seed"] == base.data.seed + 1
+    assert 0.0 <= first[1] <= 1.0 and kept["value"] == first[1] and kept["metric"] == "personalized_rouge_l"
+    assert fidelity.recorded_untrained(scenario, base, tmp_path, [1, 2]) == first
+    other = resolve_base(str(fidelity.ROOT / scenario.config), [*tiny, "data.num_clients=6"])
+    assert fidelity.recorded_untrained(scenario, other, tmp_path, [1]) == {}

@@ -13,7 +13,7 @@ import torch
 from fedlora import training
 from fedlora.app.jobs import is_complete
 from fedlora.config import ConfigError, load_config
-from fedlora.schema import with_record_defaults
+from fedlora.schema import comparable_config, with_record_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
@@ -96,9 +96,30 @@ def test_record_defaults_fill_only_what_is_missing() -> None:
     kept = with_record_defaults({"train": {"precision": "bf16"}, "secure_aggregation": {"enabled": True}})
     # Assert: a section added since (ADDED_SECTIONS) is filled in whole: every earlier run aggregated in the clear
     secure = {"enabled": False, "num_shares": 1.0, "reconstruction_threshold": 0.5, "clip_norm": 0.0,
-              "clipping_range": 0.0, "quantization_range": 0, "modulus_range": 2**32, "max_error": 0.0}
+              "clipping_range": 0.0, "quantization_range": 0, "modulus_range": 2**32, "max_error": 0.0,
+              "allow_low_threshold": True}
     decay = {"lr_decay_rounds": [], "lr_decay_factor": 0.5}  # every earlier run: a constant rate
-    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False, **decay}, "model": {"path": "x"},
-                      "secure_aggregation": secure}
-    assert kept == {"train": {"precision": "bf16", "group_by_length": False, **decay},
-                    "secure_aggregation": {**secure, "enabled": True}}
+    # every earlier run: the plain step loop, and the method's aggregate as the new global model
+    loop = {"grad_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 0, "warmup_ratio": 0.0,
+            "max_grad_norm": 0.0, "gradient_checkpointing": False, "proximal_mu": 0.0}
+    server = {"name": "none", "lr": None, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}
+    assert filled == {"train": {"lr": 0.1, "precision": "fp32", "group_by_length": False, **decay, **loop},
+                      "model": {"path": "x"}, "secure_aggregation": secure, "server_optimizer": server}
+    assert kept == {"train": {"precision": "bf16", "group_by_length": False, **decay, **loop},
+                    "secure_aggregation": {**secure, "enabled": True}, "server_optimizer": server}
+
+
+def test_a_run_recorded_before_a_changed_default_of_a_disabled_section_is_the_same_run(tmp_path: Path) -> None:
+    # Arrange: a run recorded when a disabled [secure_aggregation] still had reconstruction_threshold
+    # 0.5 and no allow_low_threshold (both changed since; neither acts without secure aggregation)
+    config = load_config(SMOKE, ["train.rounds=2"])
+    recorded = config.model_dump(mode="json")
+    recorded["secure_aggregation"]["reconstruction_threshold"] = 0.5
+    del recorded["secure_aggregation"]["allow_low_threshold"]
+    (tmp_path / "results.json").write_text(json.dumps({"config": recorded, "rounds": [{"round": 1}, {"round": 2}]}))
+    # Execute / Assert: the same run (complete), and still another one where secure aggregation was on
+    assert comparable_config(recorded) == comparable_config(config.model_dump(mode="json"))
+    assert is_complete(tmp_path, config)
+    recorded["secure_aggregation"]["enabled"] = True
+    (tmp_path / "results.json").write_text(json.dumps({"config": recorded, "rounds": [{"round": 1}, {"round": 2}]}))
+    assert not is_complete(tmp_path, config)

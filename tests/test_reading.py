@@ -35,6 +35,60 @@ def test_a_runs_plot_has_whole_rounds_on_its_x_axis(tmp_path: Path, rounds: int)
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
+def test_a_runs_plot_draws_received_accuracy_and_the_loss_beside_the_accuracies(tmp_path: Path) -> None:
+    from fedlora.app.plotting import plot_accuracy
+
+    # Prepare: round 2 not evaluated (no accuracies), its loss measured
+    results = fake_results(3)
+    for record, received, loss in zip(results["rounds"], (0.2, None, 0.4), (2.0, 1.5, 1.0), strict=True):
+        record |= {"received_accuracy": received, "train_loss": loss}
+    results["rounds"][1] |= {"global_accuracy": None, "personalized_accuracy": None}
+    # Execute
+    fig = plot_accuracy(results, tmp_path / "plot.png")
+    # Assert: the accuracies (received among them) on the left, the loss on the right, each from results
+    accuracy, loss = fig.axes[:2]
+    drawn = {line.get_label(): list(zip(*line.get_data())) for line in accuracy.get_lines()}
+    assert drawn == {"global (held-out test)": [(1, 0.1), (3, pytest.approx(0.3))],
+                     "personalised (local tests)": [(1, 0.05), (3, pytest.approx(0.15))],
+                     "received (before local training)": [(1, 0.2), (3, 0.4)]}
+    assert {line.get_label(): list(zip(*line.get_data())) for line in loss.get_lines()} == {
+        "training": [(1, 2.0), (2, 1.5), (3, 1.0)]}
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def comparison_runs(labels: int = 7, seeds: int = 2, rounds: int = 4) -> dict:
+    """Hand-made runs of ``labels`` strategies (long names, as the notebook's), with mechanisms."""
+    def results(label: int, seed: int) -> dict:
+        per_round = [{"round": r, "global_accuracy": 0.1 * r, "personalized_accuracy": 0.05 * r + 0.01 * seed,
+                      "bytes_up": 1000, "bytes_down": 2000, "extra": {"relative_correction": 0.1 * r, "lam": r},
+                      "per_client": {str(c): {"accuracy": 0.1 * c} for c in range(4)}} for r in range(1, rounds + 1)]
+        return {"strategy": f"strategy_{label}", "config": {"model": {}, "train": {"seed": seed}}, "rounds": per_round}
+    return {f"strategy_long_name_{label}": [results(label, seed) for seed in range(seeds)] for label in range(labels)}
+
+
+def test_every_figure_is_readable_at_the_readmes_width(tmp_path: Path) -> None:
+    from fedlora.app import plotting
+    from fedlora.data import build_federated_data
+
+    # Prepare: seven strategies, as in the notebook
+    runs = comparison_runs()
+    federated = build_federated_data(load_config(SMOKE).data)
+    # Execute
+    figures = {
+        "per run": plotting.plot_accuracy(next(iter(runs.values()))[0], tmp_path / "run.png"),
+        "vs round": plotting.plot_accuracy_vs_round(runs, tmp_path / "round.png"),
+        "vs bytes": plotting.plot_accuracy_vs_bytes(runs, tmp_path / "bytes.png"),
+        "distribution": plotting.plot_personalized_distribution(runs, tmp_path / "distribution.png"),
+        "labels": plotting.plot_label_distribution(federated, tmp_path / "labels.png"),
+        "mechanisms": plotting.plot_mechanisms(runs=runs, path=tmp_path / "mechanisms.png"),
+    }
+    # Assert: at most the README's figure width, and no text under 11 px shown 830 px wide
+    for name, fig in figures.items():
+        assert fig.get_figwidth() <= plotting.FIGURE_WIDTH, name
+        assert plotting.smallest_text_px(fig) >= plotting.MIN_TEXT_PX, (name, plotting.smallest_text_px(fig))
+    assert plotting.smallest_text_px(figures["vs round"], 830) == pytest.approx(9 * 830 / (8 * 72))  # the legend: 9 pt
+
+
 def test_fedlora_version_is_the_projects() -> None:
     # Execute
     proc = subprocess.run([sys.executable, "-m", "fedlora.app.cli", "--version"], capture_output=True, text=True,

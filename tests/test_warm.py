@@ -39,3 +39,27 @@ def test_a_bad_poll_interval_is_one_line_and_exit_2() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip() == "error: FLWR_SUPEREXEC_TASK_POLL_INTERVAL must be a number of seconds"
+
+
+def test_on_another_flower_a_deployment_falls_back_to_flowers_own_superexec(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The warm SuperExec uses Flower 1.39 internals: on another Flower (or one without them) a
+    deployment says so in one line and runs Flower's own SuperExec, before any process starts."""
+    import logging
+
+    from fedlora.app.deploy import warm
+    from fedlora.app.deploy.federation import LocalDeployment
+
+    # Prepare: this Flower passes the check; a later minor and a missing module do not
+    assert warm.unsupported() == ""
+    assert warm.unsupported("1.40.0") == "Flower 1.40.0 is installed, fedlora's warm SuperExec uses Flower 1.39 internals"
+    monkeypatch.setattr(warm, "INTERNAL_MODULES", (*warm.INTERNAL_MODULES, "flwr.supercore.no_such_module"))
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="fedlora"):
+        deployment = LocalDeployment(tmp_path, 1, clientapp="warm")
+    # Assert
+    assert deployment.clientapp == "cold"
+    from importlib.metadata import version
+
+    line = (f"Flower {version('flwr')} has no flwr.supercore.no_such_module, which fedlora's warm SuperExec imports: "
+            "using Flower's own SuperExec (a fresh ClientApp process per message)")
+    assert [record.getMessage() for record in caplog.records] == [line]

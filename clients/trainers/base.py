@@ -34,6 +34,7 @@ from fedlora.schema import ExperimentConfig
 from fedlora.training import (
     EvalStats,
     Precision,
+    StepOptions,
     TrainStats,
     cross_entropy_loss,
     evaluate,
@@ -149,7 +150,13 @@ class LocalTrainer:
             after_backward=self.after_backward,
             parameters=self.parameter_groups(model, loader),
             precision=self.precision,
+            options=self.step_options(),
         )
+
+    def step_options(self) -> StepOptions:
+        """How the step loop runs: ``[train]``'s knobs (accumulation, schedule, clipping, FedProx),
+        its progress labelled with this client and round."""
+        return StepOptions.of(self.config.train, f"client {self.job.profile.partition_id}, round {self.job.server_round}")
 
     def trainable_parameters(self, model: PeftModel, loader: Any) -> list[torch.nn.Parameter]:
         """What the optimiser updates (default: the model's trainable parameters); a method with
@@ -181,6 +188,7 @@ class LocalTrainer:
             model, self.loader(self.job.data.train, "train", shuffle=True), privacy=privacy,
             epochs=cfg.local_epochs, lr=self.lr, device=self.device, rounds=cfg.rounds, history=history,
             seed=seed, max_steps=cfg.max_steps, weight_decay=cfg.weight_decay, loss_fn=self.loss,
+            options=self.step_options(),
         )
         self.job.state[PRIVACY_STATE_KEY] = ConfigRecord({
             "noise": [float(h[0]) for h in result.history], "rate": [float(h[1]) for h in result.history],

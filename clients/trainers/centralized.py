@@ -31,4 +31,4 @@ class CentralizedTrainer(LocalTrainer):
         loader = self.loader(pooled, "pooled-train", shuffle=True)
         return train(model, loader, epochs=max(epochs, 1), lr=self.lr, device=self.device, max_steps=steps,
                      weight_decay=cfg.weight_decay, loss_fn=self.loss, after_backward=self.after_backward,
-                     precision=self.precision)
+                     precision=self.precision, options=self.step_options())

@@ -229,6 +229,7 @@ class FedDRLoRATrainer(LocalTrainer):
             epochs=cfg.local_epochs, lr=self.lr, device=self.device, max_steps=cfg.max_steps,
             weight_decay=cfg.weight_decay, loss_fn=self.loss, after_backward=self.after_backward,
             parameters=self.trainable_parameters(model, loader), precision=self.precision,
+            options=self.step_options(),
         )
 
     def loss(self, model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:

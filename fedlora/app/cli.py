@@ -7,12 +7,19 @@
                    [--paired BASELINE [--primary LABEL] [--primary-metric METRIC]]
     fedlora tune CONFIG --strategies a,b --grid train.lr=1e-4,1e-3 [--seeds 0,1] [--out DIR]
                    [--resume | --overwrite]
+    fedlora export ADAPTER --out DIR
+    fedlora eval ADAPTER --data FILE [--text-column C] [--label-column C] [--batch-size N]
     fedlora strategies
     fedlora deploy certs DIR [--hosts HOST ...] [--nodes N]
     fedlora deploy local CONFIG --nodes N [--insecure] [--clientapp warm|cold] [--out DIR] [--set k=v ...] [--resume | --overwrite]
+    fedlora deploy operator DIR [--address HOST:PORT --silos NAME ... [--silo-key NAME=PUB ...] [--config CONFIG]
+                   [--listen IP] [--control-port N] [--days N]]
+    fedlora deploy silo KIT --data FILE [--key PRIVATE_KEY] [--host IP] [--port N] [--clientapp warm|cold] [--rank N]
+    fedlora deploy run DIR CONFIG [--set k=v ...] [--out DIR] [--overwrite] [--timeout S] [--join-timeout S]
 
 A user mistake (bad config, missing model or data, unknown strategy, an output folder that cannot
-be written, a corrupt checkpoint) prints one line on stderr and exits with status 2; nothing
+be written, a corrupt checkpoint, a missing or unknown argument) prints one line on stderr and exits
+with status 2; nothing
 already written (results, adapters) is removed. An output folder that holds an earlier run is
 never written into unless --resume continues it, nor removed: --overwrite moves it aside
 (fedlora/app/folders.py).
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -119,18 +127,44 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from fedlora.app.adapters import export
+
+    out = export(args.adapter, args.out)
+    print(f"merged model: {out}/ (transformers' AutoModelFor... loads it without peft; model card: README.md)")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from fedlora.app.adapters import evaluate_file
+    from fedlora.config import ConfigError
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    scores = evaluate_file(args.adapter, args.data, args.text_column, args.label_column, args.batch_size)
+    print(scores.line())
+    return 0
+
+
 def _cmd_strategies(args: argparse.Namespace) -> int:
     from fedlora.methods import method, method_names
 
     for name in method_names():
         caps = method(name).capabilities
         kind = "personalised" if caps.personalized else "global"
-        print(f"{name:<12} {kind:<13} up: {caps.uploads:<22} down: {caps.downloads}")
+        also = "".join(f"\n{alias:<12} = {name} (another name of it)" for alias in method(name).aliases)
+        print(f"{name:<12} {kind:<13} up: {caps.uploads:<22} down: {caps.downloads}{also}")
     return 0
 
 
 def _cmd_capabilities(args: argparse.Namespace) -> int:
-    from fedlora.app.capabilities import render_matrix, write_flower_doc, write_readme, write_secure_doc
+    from fedlora.app.capabilities import (
+        render_matrix,
+        write_flower_doc,
+        write_readme,
+        write_secure_doc,
+        write_strategies_doc,
+    )
 
     if args.write:
         changed = write_readme(args.readme)
@@ -139,6 +173,8 @@ def _cmd_capabilities(args: argparse.Namespace) -> int:
         print(f"{args.flower_doc}: Flower DP table {'updated' if changed else 'already current'}")
         changed = write_secure_doc(args.secure_doc)
         print(f"{args.secure_doc}: secure aggregation table {'updated' if changed else 'already current'}")
+        changed = write_strategies_doc(args.strategies_doc)
+        print(f"{args.strategies_doc}: server optimiser / FedProx table {'updated' if changed else 'already current'}")
     else:
         print(render_matrix())
     return 0
@@ -173,6 +209,33 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy_operator(args: argparse.Namespace) -> int:
+    from fedlora.app.deploy.roles import operator
+
+    operator(args.dir, address=args.address, listen=args.listen, control_port=args.control_port, silos=args.silos,
+             silo_keys=args.silo_key, config=args.config, days=args.days)
+    return 0
+
+
+def _cmd_deploy_silo(args: argparse.Namespace) -> int:
+    from fedlora.app.deploy.roles import silo
+
+    silo(args.kit, args.data, key=args.key, host=args.host, port=args.port, clientapp=args.clientapp, rank=args.rank)
+    return 0
+
+
+def _cmd_deploy_run(args: argparse.Namespace) -> int:
+    from fedlora.app.deploy.roles import submit
+
+    results = submit(args.dir, args.config, overrides=args.set, out_dir=args.out, timeout=args.timeout,
+                     join_timeout=args.join_timeout, overwrite=args.overwrite)
+    out = results["config"]["output"]["dir"]
+    print(f"{_final_scores(results)}, {results['final'].get('bytes_total', 0) / 1e6:.2f} MB "
+          f"in {results['deployment']['seconds']:.0f}s ({results['deployment']['silos']} silos, gRPC over TLS)")
+    print(f"results: {out}/results.json")
+    return 0
+
+
 def one_line(text: str) -> str:
     """``text`` on one line (an error message must never spill over several lines of stderr)."""
     return " ".join(text.split()) or "unknown error"
@@ -192,10 +255,17 @@ def _add_engine(parser: argparse.ArgumentParser,
     parser.add_argument("--engine", choices=("ray", "inprocess"), default="ray", help=text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a missing or unknown argument) are one line, exit 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(USER_ERROR, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedlora.version import __version__
 
-    parser = argparse.ArgumentParser(prog="fedlora", description="Federated LoRA fine-tuning on Flower.")
+    parser = _Parser(prog="fedlora", description="Federated LoRA fine-tuning on Flower.")
     parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -280,6 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite(local, "deployment")
     local.set_defaults(func=_cmd_deploy_local)
 
+    _add_federation_roles(deploy_sub)
+    export = sub.add_parser("export", help="merge a saved adapter into its backbone: a model transformers loads "
+                            "without peft")
+    export.add_argument("adapter", help="a run's adapter folder (adapters/global or adapters/client_<k>)")
+    export.add_argument("--out", required=True, help="new or empty folder for the merged model")
+    export.set_defaults(func=_cmd_export)
+
+    evaluate = sub.add_parser("eval", help="score a saved adapter on a .csv / .jsonl / .json file")
+    evaluate.add_argument("adapter", help="a run's adapter folder (adapters/global or adapters/client_<k>)")
+    evaluate.add_argument("--data", required=True, help="the file: a text and a label column (classifier), or a "
+                          "prompt and a response column (causal LM)")
+    evaluate.add_argument("--text-column", default=None, help="default: text (classifier), prompt (causal LM)")
+    evaluate.add_argument("--label-column", default=None,
+                          help="default: label (classifier: class names or indices), response (causal LM)")
+    evaluate.add_argument("--batch-size", type=int, default=None, help="default: the run's train.eval_batch_size")
+    evaluate.set_defaults(func=_cmd_eval)
+
     strategies = sub.add_parser("strategies", help="list the registered strategies")
     strategies.set_defaults(func=_cmd_strategies)
 
@@ -290,8 +377,57 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Flower guide whose Flower DP table --write updates (default: docs/flower.md)")
     caps.add_argument("--secure-doc", default="docs/secure-aggregation.md",
                       help="secure aggregation guide whose table --write updates (default: docs/secure-aggregation.md)")
+    caps.add_argument("--strategies-doc", default="docs/strategies.md",
+                      help="strategies page whose server optimiser / FedProx table --write updates "
+                      "(default: docs/strategies.md)")
     caps.set_defaults(func=_cmd_capabilities)
     return parser
+
+
+def _add_federation_roles(deploy_sub: Any) -> None:
+    """``deploy operator`` / ``deploy silo`` / ``deploy run``: a federation of separate hosts
+    (fedlora/app/deploy/roles.py, docs/deployment.md)."""
+    op = deploy_sub.add_parser("operator", help="write a federation (first time), start its SuperLink (TLS + node "
+                               "authentication) and print each silo's command; stays up")
+    op.add_argument("dir", help="the federation's folder (federation.json, certs/, silos/<name>/ kits, logs/)")
+    op.add_argument("--address", default=None, metavar="HOST:PORT",
+                    help="first time: the SuperLink's Fleet API as the silos dial it (its certificate names HOST)")
+    op.add_argument("--silos", nargs="+", default=[], metavar="NAME",
+                    help="first time: the silos, in partition order; the operator writes each one's key pair")
+    op.add_argument("--silo-key", action="append", default=[], metavar="NAME=PUB",
+                    help="first time: a silo that made its own key pair (its OpenSSH public key; repeatable)")
+    op.add_argument("--config", default=None, help="first time: the experiment whose columns and class names each "
+                    "silo's data is checked against when it joins")
+    op.add_argument("--listen", default=None, metavar="IP",
+                    help="first time: the address the Fleet API binds (default: HOST when it is an IP, else 0.0.0.0)")
+    op.add_argument("--control-port", type=int, default=None,
+                    help="first time: the Control API's port on 127.0.0.1 (default 9093; runs are submitted there)")
+    op.add_argument("--days", type=int, default=365, help="first time: how long the certificates are valid")
+    op.set_defaults(func=_cmd_deploy_operator)
+    silo = deploy_sub.add_parser("silo", help="join a federation with this host's data: a SuperNode and its "
+                                 "ClientApp process, up across runs")
+    silo.add_argument("kit", help="the silo's kit, the folder the operator wrote for it (silo.json, ca.crt, node.key)")
+    silo.add_argument("--data", required=True, help="this silo's data: a CSV / JSONL / JSON file or a save_to_disk folder")
+    silo.add_argument("--key", default=None, help="the silo's own private key (default: the kit's node.key)")
+    silo.add_argument("--host", default="127.0.0.1", metavar="IP",
+                      help="this host's address for the SuperNode's Runtime API (never exposed; default 127.0.0.1)")
+    silo.add_argument("--port", type=int, default=9094, help="the SuperNode's Runtime API port (default 9094)")
+    silo.add_argument("--clientapp", choices=("warm", "cold"), default="warm",
+                      help="warm: ClientApp processes forked from fedlora's SuperExec (libraries imported once); "
+                           "cold: Flower's own SuperExec")
+    silo.add_argument("--rank", type=int, default=None, help="the LoRA rank this silo declares (default: the experiment's)")
+    silo.set_defaults(func=_cmd_deploy_silo)
+    run = deploy_sub.add_parser("run", help="submit CONFIG to the running federation and follow it: round lines "
+                                "as it trains, then the results' path")
+    run.add_argument("dir", help="the federation's folder (on the operator's host)")
+    run.add_argument("config", help="TOML experiment config")
+    _add_set(run)
+    run.add_argument("--out", default=None, help="output folder on the operator's host (default: output.dir)")
+    _add_overwrite(run, "run")
+    run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (then stop it)")
+    run.add_argument("--join-timeout", type=float, default=300.0,
+                     help="seconds to wait until every silo is online before submitting")
+    run.set_defaults(func=_cmd_deploy_run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,18 +444,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "ray_address", None):  # --ray-address is federation.ray_address for every run
         args.set = [*args.set, f'federation.ray_address="{args.ray_address}"']
     func: Callable[[argparse.Namespace], int] = args.func
+    from fedlora.app.adapters import COMMAND_ENV
+
+    outer = os.environ.get(COMMAND_ENV)  # the command that makes a run's adapters: their model cards say it
+    os.environ[COMMAND_ENV] = outer or shlex.join(["fedlora", *(sys.argv[1:] if argv is None else argv)])
     try:
         return func(args)
     except _user_errors() as error:
-        print(f"fedlora: error: {one_line(str(error))}", file=sys.stderr)
+        for line in getattr(error, "lines", None) or [str(error)]:  # a preflight: one line per failed check
+            print(f"fedlora: error: {one_line(line)}", file=sys.stderr)
         return USER_ERROR
     except OSError as error:  # a file or folder the system refused (full disk, permissions, ...)
         where = f": {error.filename}" if error.filename else ""
         print(f"fedlora: error: {one_line(error.strerror or str(error))}{where}", file=sys.stderr)
         return USER_ERROR
-    except KeyboardInterrupt:
-        print("fedlora: interrupted; results written so far are kept", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: 130; SIGTERM / SIGHUP of a deployment: 128 + signal
+        import signal
+
+        signum = getattr(interrupt, "signum", signal.SIGINT)  # fedlora.app.deploy.processes.Terminated
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"fedlora: {what}; results written so far are kept", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if outer is None:
+            os.environ.pop(COMMAND_ENV, None)
+        else:
+            os.environ[COMMAND_ENV] = outer
 
 
 def _flower_logs_to_stdout() -> None:

@@ -27,25 +27,23 @@ their final values as ``extra.<key>`` columns in ``summary.csv``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fedlora.app.jobs import Engine, Job, check_engine, claim_output, default_out_dir, resolve_base, run_jobs
 from fedlora.app.paired import PairingError
 from fedlora.app.runs import load_runs
 from fedlora.app.summary import ComparisonTable, summarize
-
-if TYPE_CHECKING:
-    from fedlora.config import ExperimentConfig
+from fedlora.schema import ConfigSource, Settings, overrides_from
 
 
 def compare(
-    config: ExperimentConfig | str | Path | dict,
+    config: ConfigSource,
     strategies: Sequence[str],
     seeds: Sequence[int] = (0,),
-    out_dir: str | Path | None = None,
-    overrides: Sequence[str] = (),
+    out_dir: str | os.PathLike[str] | None = None,
+    overrides: Settings = (),
     engine: Engine = "ray",
     plots: bool = True,
     verbose: bool = False,
@@ -56,14 +54,15 @@ def compare(
     primary_metric: str = "personalized_accuracy",
     resume: bool = False,
     overwrite: bool = False,
-    strategy_overrides: dict[str, Sequence[str]] | None = None,
+    strategy_overrides: Mapping[str, Settings] | None = None,
 ) -> ComparisonTable:
     """Run every strategy x seed, then summarise and plot.
 
     Parameters
     ----------
-    config : ExperimentConfig, TOML path or dict
-        The base experiment; ``overrides`` (``section.key=value``) apply to every run.
+    config : ExperimentConfig, TOML path or mapping
+        The base experiment; ``overrides`` apply to every run: ``section.key=value`` strings or a
+        mapping (``{"train.lr": 1e-3}``, ``{"train": {"lr": 1e-3}}``).
     strategies : sequence of str
         Registered strategy names; a run folder is ``OUT/<strategy>/seed<k>/``.
     seeds : sequence of int, default (0,)
@@ -86,9 +85,10 @@ def compare(
     primary, primary_metric : str, optional
         The declared primary comparison (``primary`` - ``paired`` on ``primary_metric``): reported
         uncorrected, outside the Holm family.
-    strategy_overrides : dict, optional
+    strategy_overrides : mapping, optional
         Strategy name -> overrides for that strategy's runs only (e.g. its own options:
-        ``{"fedtreelora": ["strategy.warmup_rounds=1"]}``), applied after ``overrides``.
+        ``{"fedtreelora": ["strategy.warmup_rounds=1"]}`` or ``{"fedtreelora": {"strategy.warmup_rounds": 1}}``),
+        applied after ``overrides``.
 
     resume : bool, default False
         Continue the comparison in ``out_dir`` (:func:`run_jobs`): runs whose results.json holds
@@ -107,8 +107,8 @@ def compare(
     base = resolve_base(config, overrides)
     out = Path(out_dir) if out_dir is not None else default_out_dir(base)
     folder = claim_output(out, "comparison", resume, overwrite)
-    own = strategy_overrides or {}
-    jobs = [Job(strategy, int(seed), tuple(own.get(strategy, ())), fresh_partition=fresh_partitions)
+    own = {name: tuple(overrides_from(settings)) for name, settings in (strategy_overrides or {}).items()}
+    jobs = [Job(strategy, int(seed), own.get(strategy, ()), fresh_partition=fresh_partitions)
             for strategy in strategies for seed in seeds]
     run_jobs(base, jobs, out, engine=engine, verbose=verbose, workers=workers, folder=folder)
     labels = list(dict.fromkeys(strategies))
@@ -120,9 +120,11 @@ def compare(
             summary.write("\n" + comparison.to_markdown())
         table.paired_table = comparison
     if base.output.tensorboard:
-        from fedlora.app.tracking import write_mean_curves
+        from fedlora.app.tracking import write_hparams, write_mean_curves
 
-        write_mean_curves(out / "tensorboard", load_runs(out, table.strategies, seeds))
+        finished = load_runs(out, table.strategies, seeds)
+        write_mean_curves(out / "tensorboard", finished)
+        write_hparams(out / "tensorboard", finished)
     if plots:
         from fedlora.app.plotting import plot_comparison, plot_mechanisms
 

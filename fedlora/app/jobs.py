@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from fedlora.app.runs import SEED_DIR_PREFIX
-from fedlora.schema import with_record_defaults
+from fedlora.schema import ConfigSource, Settings, comparable_config
 
 if TYPE_CHECKING:
     from concurrent.futures import ProcessPoolExecutor
@@ -75,10 +75,10 @@ def claim_output(out: Path, what: str, resume: bool, overwrite: bool) -> Claim:
     return claim(out, what=what, resume=resume, overwrite=overwrite)
 
 
-def resolve_base(config: ExperimentConfig | str | Path | dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
+def resolve_base(config: ConfigSource, overrides: Settings = ()) -> ExperimentConfig:
     from fedlora.app.runner import resolve
 
-    return resolve(config, list(overrides))
+    return resolve(config, overrides)
 
 
 def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentConfig:
@@ -98,11 +98,9 @@ def job_config(base: ExperimentConfig, job: Job, run_dir: Path) -> ExperimentCon
     # overlays the strategies in each chart (tracking.write_mean_curves adds <label>/mean)
     raw["output"]["tensorboard_dir"] = str(run_dir.parent.parent / "tensorboard" / job.name / run_dir.name)
     raw["output"]["mlflow_run_name"] = raw["output"].get("mlflow_run_name") or f"{job.name} seed{job.seed}"
+    raw["output"]["wandb_run_name"] = raw["output"].get("wandb_run_name") or f"{job.name} seed{job.seed}"
+    raw["output"]["wandb_group"] = raw["output"].get("wandb_group") or run_dir.parent.parent.resolve().name
     return build_config(raw)
-
-
-def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k != "output"}
 
 
 def is_complete(run_dir: Path, config: ExperimentConfig, report: bool = False) -> bool:
@@ -115,7 +113,7 @@ def is_complete(run_dir: Path, config: ExperimentConfig, report: bool = False) -
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if _comparable(with_record_defaults(results.get("config") or {})) != _comparable(config.model_dump(mode="json")):
+    if comparable_config(results.get("config") or {}) != comparable_config(config.model_dump(mode="json")):
         if report:
             logger.warning("compare: %s was produced by a different config: continued from its checkpoint where "
                            "the config allows it (more train.rounds, a later lr decay), else run again", run_dir)
@@ -299,8 +297,10 @@ def _worker_run(config_json: str, run_dir: str, resume: bool = False) -> float:
     from fedlora.app import progress
     from fedlora.app.quiet import output
     from fedlora.config import config_from_json
+    from fedlora.training import STEP_PROGRESS_ENV
 
     progress.LIVE = False  # workers share the terminal: plain lines, into run.log (run_one writes it)
+    os.environ[STEP_PROGRESS_ENV] = "off"  # and no step bars (fedlora.training.step_reporter)
     started = time.perf_counter()
     with output(console=False):  # a worker runs several jobs: each log only in its own run.log
         run_one(config_from_json(config_json), Path(run_dir), "inprocess", resume=resume)

@@ -98,7 +98,8 @@ class QuietFilter(logging.Filter):
 
     fedlora's code that logs through Flower's logger (strategies, clients) shows from WARNING up:
     its INFO lines (per-message details) stay in the log file. ``worker``: a Ray worker, where
-    fedlora's INFO lines (a client loading its data) repeat the driver's: warnings only."""
+    fedlora's INFO lines (a client loading its data) repeat the driver's: warnings only, and the
+    lines of a long local training loop (logger ``fedlora.steps``, when the driver asks for them)."""
 
     def __init__(self, worker: bool = False) -> None:
         super().__init__()
@@ -106,7 +107,7 @@ class QuietFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if is_ours(record):
-            shown = record.name.startswith("fedlora") and not self.worker
+            shown = record.name.startswith("fedlora") and (not self.worker or record.name == "fedlora.steps")
             return shown or record.levelno >= logging.WARNING
         return record.levelno >= logging.WARNING and not is_noise(record)
 
@@ -316,9 +317,23 @@ def ray_runtime_env(log_path: Path | None, verbose: bool, env_vars: dict[str, st
     :func:`setup_ray_worker` run in every worker process before its first task."""
     return {
         "env_vars": {**env_vars, ENV_VERBOSE: "1" if verbose else "0",
-                     ENV_LOG_FILE: str(log_path.resolve()) if log_path is not None else ""},
+                     ENV_LOG_FILE: str(log_path.resolve()) if log_path is not None else "",
+                     **worker_step_progress()},
         "worker_process_setup_hook": WORKER_HOOK,
     }
+
+
+def worker_step_progress() -> dict[str, str]:
+    """How a Ray worker's local training shows its steps (fedlora.training.step_reporter): a plain
+    line now and then ('lines', which Ray forwards to this console) when a person watches this
+    driver (a terminal or a notebook), nothing otherwise; ``FEDLORA_STEP_PROGRESS`` set here wins."""
+    from fedlora.training import STEP_PROGRESS_ENV, interactive
+
+    chosen = os.environ.get(STEP_PROGRESS_ENV)
+    if chosen:
+        return {STEP_PROGRESS_ENV: "off" if chosen == "off" else "lines"}  # a worker draws no bar
+    watched = interactive() or bool(getattr(sys.stdout, "isatty", lambda: False)())
+    return {STEP_PROGRESS_ENV: "lines" if watched else "off"}
 
 
 def setup_ray_worker() -> None:

@@ -18,7 +18,7 @@ from flwr.serverapp import Grid
 
 from fedlora.config import ExperimentConfig, apply_overrides, build_config, config_from_json, load_config
 
-RUN_CONFIG_ENTRIES = ("config", "experiment", "resume", "set")
+RUN_CONFIG_ENTRIES = ("config", "experiment", "resume", "set", "nodes")
 """fedlora's own run-config entries (pyproject ``[tool.flwr.app.config]``); every other entry there is
 a dotted config key (``train.rounds``), declared with the value "" (= the config's own value)."""
 
@@ -37,6 +37,24 @@ def _toml_literal(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value) if math.isfinite(value) else str(value)  # inf, -inf, nan: TOML's spelling
     return json.dumps(str(value))  # a JSON string is a TOML basic string
+
+
+def node_binding(run_config: Mapping[str, Any]) -> tuple[dict[int, int], dict[int, str]]:
+    """The run-config entry ``nodes`` (JSON ``{"<node id>": {"partition": k, "silo": "name"}}``, what
+    ``fedlora deploy run`` sends from the operator's registrations): node id -> partition, node id ->
+    silo name; both empty without it. A value that is not such a mapping is a ConfigError."""
+    from fedlora.config import ConfigError
+
+    text = str(run_config.get("nodes", "") or "")
+    if not text:
+        return {}, {}
+    try:
+        entries = json.loads(text)
+        partitions = {int(node): int(entry["partition"]) for node, entry in entries.items()}
+        names = {int(node): str(entry.get("silo", "")) for node, entry in entries.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise ConfigError('run config "nodes" must be JSON {"<node id>": {"partition": k, "silo": "name"}}') from None
+    return partitions, names
 
 
 def run_app_dir(grid: Grid) -> Path | None:

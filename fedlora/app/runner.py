@@ -9,20 +9,22 @@ under /tmp when the run directory's path is too long for Ray's socket names).
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import logging
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fedlora.app.folders import Claim, check_writable, claim, same_folder
 from fedlora.app.quiet import LOG_FILE, output, run_log
 from fedlora.config import ConfigError, ExperimentConfig, apply_overrides, build_config, load_config
-from fedlora.results import ResultsWriter
+from fedlora.results import ResultsWriter, RunResults
+from fedlora.schema import ConfigSource, Settings, overrides_from
 
 logger = logging.getLogger("fedlora")
 
@@ -88,15 +90,20 @@ def check_ray_resources(config: ExperimentConfig) -> None:
                           "run on a Ray cluster with GPUs (--ray-address)")
 
 
-def resolve(config: ExperimentConfig | str | Path | dict, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Accept a config object, a TOML path or a raw dict (notebooks), apply overrides."""
+def resolve(config: ConfigSource, overrides: Settings = None) -> ExperimentConfig:
+    """Accept a config object, a TOML path or a mapping of sections (notebooks), apply overrides
+    (strings or a mapping); the caller's object is never changed."""
+    settings = overrides_from(overrides)
     if isinstance(config, ExperimentConfig):
-        if not overrides:
+        if not settings:
             return config
         config = config.model_dump(mode="json")
-    if isinstance(config, dict):
-        return build_config(apply_overrides(config, overrides or []))
-    return load_config(config, overrides)
+    if isinstance(config, Mapping):
+        return build_config(apply_overrides(copy.deepcopy(dict(config)), settings))
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"config must be an ExperimentConfig, a TOML file's path or a mapping of its sections, got "
+                          f"{type(config).__name__}")
+    return load_config(Path(config), settings)
 
 
 def check_inputs(config: ExperimentConfig) -> None:
@@ -111,10 +118,13 @@ def check_inputs(config: ExperimentConfig) -> None:
     federated = build_federated_data(config.data)
     check_target_modules(config.model, len(federated.label_names), config.train.device)
     check_model_limits(config, len(federated.label_names))
-    if config.output.tensorboard:
-        from fedlora.app.tracking import tensorboard_dir
+    from fedlora.app.tracking import check_backends, tensorboard_dir
 
+    check_backends(config)
+    if config.output.tensorboard:
         check_writable(tensorboard_dir(config, Path(config.output.dir)), "output.tensorboard_dir")
+    if config.output.wandb and config.output.wandb_dir:
+        check_writable(Path(config.output.wandb_dir), "output.wandb_dir")
 
 
 def check_output_folder(out: Path) -> None:
@@ -154,15 +164,17 @@ def protocol_errors() -> tuple[type[BaseException], ...]:
 
 
 def run(
-    config: ExperimentConfig | str | Path | dict,
-    overrides: list[str] | None = None,
-    out_dir: str | Path | None = None,
+    config: ConfigSource,
+    overrides: Settings = None,
+    out_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
-    resume: str | Path | None = None,
-    engine: str = "ray",
+    resume: str | os.PathLike[str] | None = None,
+    engine: Literal["ray", "inprocess"] = "ray",
     overwrite: bool = False,
-) -> dict[str, Any]:
-    """Run one experiment in Flower's simulation engine and return its results dict.
+) -> RunResults:
+    """Run one experiment in Flower's simulation engine and return its results
+    (:class:`~fedlora.results.RunResults`: the results.json dict, with its per-round and
+    per-client tables as pandas frames).
 
     ``out_dir`` (default ``output.dir``) must be new or empty (:mod:`fedlora.app.folders`):
     ``resume``: the output folder of an interrupted run; continue it after its last complete
@@ -174,7 +186,7 @@ def run(
     round, then the final scores and where the results are; everything else goes to
     ``<out>/run.log``."""
     config = resolve(config, overrides)
-    if resume and out_dir and not same_folder(resume, out_dir):
+    if resume and out_dir and not same_folder(Path(resume), Path(out_dir)):
         raise ConfigError(f"--resume {resume} continues the run in {resume} and writes there, but --out names "
                           f"{out_dir}: drop --out, or copy {resume} to {out_dir} first and --resume {out_dir}")
     out = Path(resume or out_dir or config.output.dir)
@@ -183,7 +195,7 @@ def run(
         results = execute(config, out, resume=bool(resume), engine=engine, verbose=verbose, folder=folder)
         for line in final_lines(results):
             logger.info(line)
-    return results
+    return RunResults(results, out)
 
 
 def execute(config: ExperimentConfig, out: Path, *, resume: bool = False, engine: str = "ray", verbose: bool = False,

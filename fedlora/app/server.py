@@ -23,7 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedlora import protocol
 from fedlora.app.progress import RoundProgress
-from fedlora.app.run_config import config_from_run_config, run_app_dir
+from fedlora.app.run_config import config_from_run_config, node_binding, run_app_dir
 from fedlora.app.tracking import Tracker
 from fedlora.config import ExperimentConfig
 from fedlora.evaluation import GlobalEvaluator
@@ -65,7 +65,8 @@ def progress_line(record: RoundRecord, rounds: int, causal: bool = False, by_cli
 
 
 def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume: bool = False,
-               client_checkpoints: bool = True, flower_logger: bool = False) -> ResultsWriter:
+               client_checkpoints: bool = True, flower_logger: bool = False,
+               nodes: tuple[dict[int, int], dict[int, str]] | None = None) -> ResultsWriter:
     """Query, train and evaluate for ``config.train.rounds`` rounds; write results and a
     checkpoint (fedlora.checkpoint) each round. ``resume``: continue ``out_dir``'s run after its
     last complete round. ``client_checkpoints``: tell clients to keep their state under
@@ -73,7 +74,11 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     engine holds no idle client's state in memory; in a deployment each silo names its own folder
     (node config ``checkpoint-dir``) and its SuperNode keeps the state in ``context.state``.
     ``flower_logger``: the round lines (and where the results are) go through Flower's logger at
-    INFO, what ``flwr log`` shows (``flwr run``, deployments), not fedlora's console."""
+    INFO, what ``flwr log`` shows (``flwr run``, deployments), not fedlora's console. ``nodes``: a
+    deployment's binding of node ids to partitions and silo names (the operator's, from the keys the
+    SuperLink authenticates): a node holds its bound partition only, and a silo that cannot take
+    part refuses the run before its first round (:class:`~fedlora.strategies.roster.PreflightError`);
+    without it the in-process engine's own binding (its node configs), or none (Flower's engine)."""
     # first the SuperNodes, one per client: too few within federation.connect_timeout stop the run in one
     # line (fedlora.strategies.roster.MissingClientsError), before the data, the models and any output
     wait_for_nodes(grid, config.data.num_clients, config.federation.connect_timeout)
@@ -97,6 +102,9 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.paths.adapter_dir = str((out_dir / "adapters").resolve())
     info = strategy_info(strategy)
+    bind_nodes(strategy.roster, grid, nodes)
+    if not client_checkpoints:  # Flower's runtime (a deployment): a silo may hold its own data, no data.source
+        strategy.paths.label_names = list(federated.label_names)
     if client_checkpoints:  # simulation: every client's state lives in its checkpoint file between messages
         strategy.paths.checkpoint_dir = str((checkpoint.checkpoint_dir(out_dir) / checkpoint.CLIENTS_DIR).resolve())
         strategy.paths.state_on_disk = True
@@ -168,6 +176,17 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     return writer
 
 
+def bind_nodes(roster: Any, grid: Grid, nodes: tuple[dict[int, int], dict[int, str]] | None) -> None:
+    """Which node holds which partition: a deployment's binding (strict: a silo that cannot take part
+    refuses the run), else the engine's own where it has one (the in-process engine's node configs)."""
+    if nodes is not None and nodes[0]:
+        roster.bind(nodes[0], nodes[1], strict=True)
+        return
+    engine_binding = getattr(grid, "partition_binding", None)
+    if callable(engine_binding):
+        roster.bind(engine_binding())
+
+
 def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
                evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]) -> None:
     """Flower's ``Strategy.start`` loop for rounds ``first``..``last`` (``start`` always begins at
@@ -206,7 +225,9 @@ def strategy_info(strategy: Any) -> dict[str, Any]:
 
 
 def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out_dir: Path) -> None:
-    """Save the global adapter (peft format), the profiles, and the accuracy plot."""
+    """Save the global adapter (peft format), the profiles, the accuracy plot, and every adapter's
+    model card and fedlora.json (:func:`fedlora.app.adapters.write_cards`)."""
+    from fedlora.app.adapters import write_cards
     from fedlora.app.plotting import plot_accuracy
     from fedlora.models import save_adapter
 
@@ -218,7 +239,9 @@ def finish(writer: ResultsWriter, strategy: Any, evaluator: GlobalEvaluator, out
     writer.strategy_info["refused"] = list(strategy.roster.refused.values())
     writer.strategy_info.update(strategy.save_artifacts(out_dir))
     writer.write()
-    plot_accuracy(writer.to_dict(), out_dir / "accuracy_vs_round.png")
+    results = writer.to_dict()
+    plot_accuracy(results, out_dir / "accuracy_vs_round.png")
+    write_cards(out_dir, results)
 
 
 def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None = None, resume: bool = False) -> ServerApp:
@@ -237,7 +260,7 @@ def make_server_app(config: ExperimentConfig | None = None, out_dir: str | None 
             cfg = config_from_run_config(dict(context.run_config), run_app_dir(grid))
             again = resume or str(context.run_config.get("resume", "")).lower() in ("1", "true")
             run_server(grid, cfg, out_dir or cfg.output.dir, resume=again, client_checkpoints=False,
-                       flower_logger=True)
+                       flower_logger=True, nodes=node_binding(context.run_config))
         except user_errors() as error:
             report_error(error)
             raise
@@ -251,9 +274,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from fedlora.data.sources import DataError
     from fedlora.errors import ConfigError  # CheckpointError, ModelError: subclasses
     from fedlora.strategies.accounting import RoundFailedError
-    from fedlora.strategies.roster import MissingClientsError, MixedRanksError, NoClientError
+    from fedlora.strategies.roster import MissingClientsError, MixedRanksError, NoClientError, PreflightError
 
-    return (ConfigError, DataError, RoundFailedError, NoClientError, MixedRanksError, MissingClientsError)
+    return (ConfigError, DataError, RoundFailedError, NoClientError, MixedRanksError, MissingClientsError,
+            PreflightError)
 
 
 REPORTED = "fedlora_reported"  # set on an exception report_error has logged

@@ -17,10 +17,13 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedlora.app.paired import PAIRED_METRICS, RESAMPLES, Pair, PairedTable, PairingError, paired_comparisons
 from fedlora.app.runs import EXTRA_PREFIX, final_extra, load_runs, number, train_seed
+
+if TYPE_CHECKING:
+    from fedlora.results import RunResults
 
 
 # --------------------------------------------------------------------------- columns
@@ -267,6 +270,42 @@ class ComparisonTable:
         """The summary rows as a pandas DataFrame."""
         return self.frame.copy()
 
+    def run_results(self) -> list[tuple[str, int, RunResults]]:
+        """(strategy, seed, its :class:`~fedlora.results.RunResults`) of every run summarised, read
+        from the comparison folder."""
+        from fedlora.results import RunResults
+
+        if self.out_dir is None:
+            raise ValueError("this table was not read from a comparison folder: no runs to open")
+        return [(run["strategy"], int(run["seed"]),
+                 RunResults.load(self.out_dir / str(run.get("folder", run["strategy"])) / str(run["path"])))
+                for run in self.runs]
+
+    @property
+    def per_round(self):  # -> pandas.DataFrame
+        """Every run's rounds as one pandas DataFrame: ``strategy``, ``seed``, ``round`` and the
+        columns of :attr:`fedlora.results.RunResults.per_round`."""
+        return self._stacked("per_round")
+
+    @property
+    def per_client(self):  # -> pandas.DataFrame
+        """Every run's per-client rows as one pandas DataFrame: ``strategy``, ``seed`` and the
+        columns of :attr:`fedlora.results.RunResults.per_client`."""
+        return self._stacked("per_client")
+
+    def _stacked(self, table: str):  # -> pandas.DataFrame
+        import pandas as pd
+
+        frames = []
+        for strategy, seed, results in self.run_results():
+            frame = getattr(results, table)
+            frame = frame.reset_index() if table == "per_round" else frame
+            frames.append(frame.assign(strategy=strategy, seed=seed))
+        if not frames:
+            return pd.DataFrame()
+        stacked = pd.concat(frames, ignore_index=True)
+        return stacked[["strategy", "seed", *(c for c in stacked.columns if c not in ("strategy", "seed"))]]
+
     def write(self, out_dir: str | Path | None = None) -> tuple[Path, Path]:
         """Write ``summary.csv`` and ``summary.md`` into ``out_dir`` (default: where it was read)."""
         folder = Path(out_dir or self.out_dir or ".")
@@ -316,8 +355,8 @@ def summarize(
     for label, results_list in runs.items():
         for results in results_list:
             data_seed = ((results.get("config") or {}).get("data") or {}).get("seed")
-            rows.append({"strategy": rename.get(label, label), "seed": train_seed(results),
-                         "data_seed": data_seed, "path": results["_seed_dir"], **run_row(results)})
+            rows.append({"strategy": rename.get(label, label), "seed": train_seed(results), "data_seed": data_seed,
+                         "folder": label, "path": results["_seed_dir"], **run_row(results)})
     first = next(iter(runs.values()), [{}])[0]
     fresh = len({row["data_seed"] for row in rows}) > 1
     table = ComparisonTable(rows, out_dir, scale=scale_line(first, fresh) if first else "")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedlora import protocol
 from fedlora.app.jobs import Job, run_jobs
 from fedlora.app.runs import load_runs
 from fedlora.app.summary import ComparisonTable, summarize
@@ -70,19 +71,43 @@ def point_label(strategy: str, point: tuple[str, ...]) -> str:
     return f"{strategy}[{','.join(point)}]"
 
 
+# A causal LM's validation losses closer than this (nats per response token) are a tie: float noise,
+# not a difference the protocol should act on (one token of a 1,000-token split moves the mean by
+# about 1e-3). Ties go to the earlier configuration (:func:`plan`, :func:`choose`).
+LOSS_TIE_TOLERANCE = 1e-6
+
+
+def validated_fraction(row: dict[str, Any]) -> float | None:
+    """One round's validation accuracy from exact counts: the clients' correct validation examples
+    (``val-accuracy`` x ``val-examples``, each rounded to the whole example it counts) over their
+    validation examples. Two configurations with as many correct examples score exactly the same
+    float, so the documented tie rule is what runs (the example-weighted mean of float32 client
+    accuracies differs between them in the 8th digit). None: the round has no per-client counts."""
+    counts = [(float(c[protocol.VAL_ACCURACY]), float(c[protocol.VAL_EXAMPLES]))
+              for c in (row.get("per_client") or {}).values()
+              if isinstance(c, dict) and protocol.VAL_ACCURACY in c and float(c.get(protocol.VAL_EXAMPLES, 0)) > 0]
+    if not counts:
+        return None
+    correct = sum(round(accuracy * examples) for accuracy, examples in counts)
+    return correct / sum(round(examples) for _, examples in counts)
+
+
 def validation_score(results: dict[str, Any]) -> float:
-    """Best validation accuracy over the rounds; a causal LM, which has no accuracy, scores minus
-    its lowest validation loss per response token (higher is better either way). NaN when no round
-    was validated."""
-    scores = [r["validation_accuracy"] for r in results["rounds"] if r.get("validation_accuracy") is not None]
-    if scores:
-        return max(scores)
+    """Best validation accuracy over the rounds, from exact counts (:func:`validated_fraction`;
+    the recorded float where a round has no per-client counts); a causal LM, which has no accuracy,
+    scores minus its lowest validation loss per response token, rounded to
+    :data:`LOSS_TIE_TOLERANCE` (higher is better either way). NaN when no round was validated."""
+    rows = [r for r in results["rounds"] if r.get("validation_accuracy") is not None]
+    if rows:
+        exact = [validated_fraction(r) for r in rows]
+        return max(e if e is not None else float(r["validation_accuracy"]) for e, r in zip(exact, rows))
     losses = [r["validation_loss"] for r in results["rounds"] if r.get("validation_loss") is not None]
-    return -min(losses) if losses else math.nan
+    return -round(min(losses) / LOSS_TIE_TOLERANCE) * LOSS_TIE_TOLERANCE if losses else math.nan
 
 
 def choose(runs: dict[str, list[dict[str, Any]]], labels: Sequence[str]) -> tuple[str, dict[str, float]]:
-    """The label with the best mean validation score among ``labels``, and every label's score."""
+    """The label with the best mean validation score among ``labels`` (the first of equal scores),
+    and every label's score."""
     scores = {}
     for label in labels:
         values = [validation_score(r) for r in runs.get(label, [])]

@@ -8,9 +8,12 @@ experiment's ``data.test_fraction`` / ``data.val_fraction``; the experiment's la
 (``data.label_noise``, ``data.noise_rate``) is applied to the training labels, as in simulation.
 
 The label set must be the server's: the model's classification head and the server's global test
-set come from the experiment's ``[data].source`` (which the silo must be able to read too, for
-its label names). A label in the silo's file must therefore be one of those class names, or an
-integer class id in ``[0, num_classes)``; anything else is a one-line :class:`DataError`.
+set come from the experiment's ``[data].source``. In a deployment the server sends its class names
+with every message (``label-names``), and :class:`SiloFederation` stands in for the simulated
+federation: the silo never reads ``[data].source`` (nor WordNet) unless a method without a global
+model asks it to evaluate on the global test set. A label in the silo's file must be one of those
+class names, or an integer class id in ``[0, num_classes)``; anything else is a one-line
+:class:`DataError`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,34 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from fedlora.data.federated import ClientData, client_data
+from fedlora.data.federated import ClientData, FederatedData, build_federated_data, client_data
 from fedlora.data.sources import DataError, label_features, read_local
 from fedlora.schema import DataConfig
+
+
+class SiloFederation:
+    """The federation as a silo with its own data sees it: the server's label names; the simulated
+    federation of ``[data].source`` (its global test set) only when asked for, read then."""
+
+    def __init__(self, cfg: DataConfig, label_names: list[str]) -> None:
+        self.cfg = cfg
+        self.label_names = list(label_names)
+
+    def _federation(self) -> FederatedData:
+        try:
+            return build_federated_data(self.cfg)
+        except DataError as error:
+            raise DataError(f"this silo trains on its own data, but the run asks it for the global test set of "
+                            f"data.source {self.cfg.source!r}, which it cannot read: {error}") from None
+
+    @property
+    def global_test(self) -> datasets.Dataset:
+        """The server's global test set (a method without a global model evaluates every client on it)."""
+        return self._federation().global_test
+
+    @property
+    def clients(self) -> list[ClientData]:
+        return self._federation().clients
 
 
 def load_silo_data(path: str | Path, cfg: DataConfig, label_names: list[str], partition_id: int) -> ClientData:

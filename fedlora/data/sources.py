@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import json
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ from fedlora.schema import DataConfig
 
 logger = logging.getLogger(__name__)
 
-WORDNET_DIR = Path("/usr/share/wordnet")
+# Debian's wordnet-base; FEDLORA_WORDNET_DIR names another copy (a host without Debian's package)
+WORDNET_DIR = Path(os.environ.get("FEDLORA_WORDNET_DIR") or "/usr/share/wordnet")
 WORDNET_TASKS = ("noun8", "topics45", "pos", "noun8+kind")
 # The kind of concept a noun synset names (its pointers, wndb(5WN)): an instance (a named entity:
 # has an instance hypernym @i), a general concept (has hyponyms ~ or instances ~i) or a specific one.

@@ -31,6 +31,8 @@ __all__ = [
     "MethodOptions",
     "NoOptions",
     "OptionsT",
+    "aliases",
+    "canonical_name",
     "forget",
     "load_reference",
     "method",
@@ -70,18 +72,39 @@ def _discover() -> dict[str, Method[Any]]:
 def forget() -> None:
     """Discover the methods again on the next lookup (after installing a method's package)."""
     _discover.cache_clear()
+    aliases.cache_clear()
 
 
 def method_names() -> list[str]:
     return sorted(_discover())
 
 
+@cache
+def aliases() -> dict[str, str]:
+    """Alias -> the name of the method declaring it (``fedavg`` -> ``fedit``)."""
+    found: dict[str, str] = {}
+    for name, declared in _discover().items():
+        for alias in declared.aliases:
+            if alias in _discover() or alias in found:
+                raise RuntimeError(f"method alias '{alias}' of '{name}' is already a method name or alias")
+            found[alias] = name
+    return found
+
+
+def canonical_name(name: str) -> str:
+    """``name``, or the method an alias names (``fedavg`` -> ``fedit``)."""
+    return aliases().get(name, name)
+
+
 def method(name: str) -> Method[Any]:
-    """The method declared under ``name`` (ConfigError listing the known names otherwise)."""
+    """The method declared under ``name`` or an alias of it (ConfigError listing the known names otherwise)."""
     known = _discover()
+    name = canonical_name(name)
     if name not in known:
-        raise ConfigError(f"unknown strategy {shown(name)}{did_you_mean(name[:100], method_names())}; "
-                          f"known: {', '.join(method_names())}")
+        choices = method_names() + sorted(aliases())
+        named = [*method_names(), *(f"{alias} (= {of})" for alias, of in sorted(aliases().items()))]
+        raise ConfigError(f"unknown strategy {shown(name)}{did_you_mean(name[:100], choices)}; "
+                          f"known: {', '.join(named)}")
     return known[name]
 
 
@@ -95,6 +118,7 @@ def validate(config: ExperimentConfig) -> None:
     """Check ``[strategy]`` against its method's options model, fill in the defaults, and apply
     the method's and the platform's cross-section rules (ranks, privacy)."""
     declared = method(config.strategy.name)
+    config.strategy.name = declared.name  # an alias names its method (fedavg: fedit)
     given = set(config.strategy.options())  # the options the config sets (the rest are defaults)
     try:
         options = declared.parse(config)
@@ -113,6 +137,7 @@ def validate(config: ExperimentConfig) -> None:
     _check_causal_lm(declared, config)
     _check_robust_aggregation(declared, config)
     _check_secure_aggregation(declared, config)
+    _check_fl_optimisers(declared, config)
     if declared.check is not None:
         try:
             declared.check(config, options)
@@ -171,9 +196,10 @@ def _check_robust_aggregation(declared: Method[Any], config: ExperimentConfig) -
 
 def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -> None:
     """``secure_aggregation.enabled`` with a method or a config SecAgg+ cannot aggregate: a method
-    whose aggregate is not a weighted mean of the uploads, a robust ``faults.aggregation``, mixed
-    ranks where the method's mean is not over zero-padded uploads, fewer than 2 sampled clients,
-    parameters Flower refuses, a sum that could wrap, an error bound above ``max_error``."""
+    whose aggregate is not a weighted mean of the uploads, a robust ``faults.aggregation`` or the
+    anomaly rule's rejection (they need each upload), mixed ranks where the method's mean is not over
+    zero-padded uploads, fewer than 2 sampled clients, parameters Flower refuses, a threshold at most
+    half of the shares (unless allowed), a sum that could wrap, an error bound above ``max_error``."""
     secure = config.secure_aggregation
     if not secure.enabled:
         return
@@ -188,6 +214,10 @@ def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -
     if config.faults.aggregation != "mean":
         raise ConfigError(f"secure_aggregation.enabled = true needs faults.aggregation = 'mean' (the server sees only "
                           f"the masked sum, not the uploads '{config.faults.aggregation}' combines)")
+    if config.faults.anomaly_action == "reject":
+        raise ConfigError("secure_aggregation.enabled = true cannot run with faults.anomaly_action = 'reject': the "
+                          "anomaly rule needs each update, the server sees only the masked sum (its secure "
+                          "counterpart: secure_aggregation.clip_norm bounds every update)")
     ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
     if caps.secure_one_rank and len(ranks) > 1 and caps.mixed_ranks:
         raise ConfigError(f"secure_aggregation.enabled = true with strategy '{declared.name}' needs one LoRA rank, "
@@ -209,15 +239,35 @@ def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -
         raise ConfigError(f"secure_aggregation.reconstruction_threshold = {threshold} is above the {shares} shares "
                           f"a round of {sampled} clients makes (num_shares = {secure.num_shares!r}): no secret could "
                           "be reconstructed")
-    if secure.clipping_range and secure.clipping_range < secure.clip_norm:
-        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below clip_norm = "
-                          f"{secure.clip_norm:g}: a clipped update could still hold an entry beyond it")
-    bound = secagg.error_bound(secagg.clipping_range(secure.clip_norm, secure.clipping_range), sampled, quantization, 1.0)
+    problem = secagg.threshold_problem(threshold, shares, secure.allow_low_threshold)
+    if problem:
+        raise ConfigError(f"secure_aggregation: {problem} (a round of {sampled} clients, num_shares = "
+                          f"{secure.num_shares!r}, reconstruction_threshold = {secure.reconstruction_threshold!r})")
+    clip = secagg.clip_bound(secure.clip_norm, config.faults.max_update_norm)  # C: what every client clips to
+    if secure.clipping_range and secure.clipping_range < clip:
+        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below the clipping norm "
+                          f"{clip:g} (clip_norm, else faults.max_update_norm): a clipped update could still hold an "
+                          "entry beyond it")
+    bound = secagg.error_bound(secagg.clipping_range(clip, secure.clipping_range), sampled, quantization, 1.0)
     if secure.max_error and bound > secure.max_error:
         raise ConfigError(f"secure_aggregation: the worst-case error bound 3 c N / T = {bound:.3g} (c = "
-                          f"{secagg.clipping_range(secure.clip_norm, secure.clipping_range):g}, N = {sampled}, T = "
+                          f"{secagg.clipping_range(clip, secure.clipping_range):g}, N = {sampled}, T = "
                           f"{secagg.power(quantization)}) is above max_error = {secure.max_error:g}; lower "
                           "clipping_range or raise quantization_range")
+
+
+def _check_fl_optimisers(declared: Method[Any], config: ExperimentConfig) -> None:
+    """``[server_optimizer]`` or ``train.proximal_mu`` with a method that cannot take it (its
+    capabilities say why)."""
+    caps, name = declared.capabilities, config.server_optimizer.name
+    if name != "none" and not caps.server_optimizer:
+        usable = ", ".join(n for n in method_names() if method(n).capabilities.server_optimizer)
+        raise ConfigError(f"server_optimizer.name = '{name}' is not supported by strategy '{declared.name}': "
+                          f"{caps.not_server_optimizer}; use one of {usable}, or server_optimizer.name = 'none'")
+    if config.train.proximal_mu and not caps.proximal:
+        usable = ", ".join(n for n in method_names() if method(n).capabilities.proximal)
+        raise ConfigError(f"train.proximal_mu = {config.train.proximal_mu:g} (FedProx) is not supported by strategy "
+                          f"'{declared.name}': {caps.not_proximal}; use one of {usable}, or train.proximal_mu = 0")
 
 
 def _check_rank_policy(declared: Method[Any], config: ExperimentConfig) -> None:

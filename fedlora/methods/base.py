@@ -55,6 +55,15 @@ class Capabilities:
     secure_aggregation: bool = False
     not_secure: str = ""  # why the method refuses secure aggregation (secure_aggregation False)
     secure_one_rank: str = ""  # why it refuses secure aggregation with mixed ranks ('' = mixed ranks are fine)
+    # [server_optimizer] (FedAvgM, FedAdam, FedYogi: strategies/server_optimizer.py) steps on the method's mean: its
+    # aggregate is a mean of the uploads, its global arrays are what every client downloads alike (cut to its rank),
+    # and ``load_arrays`` continues from other arrays of their keys and shapes
+    server_optimizer: bool = False
+    not_server_optimizer: str = ""  # why the method refuses a server optimiser (server_optimizer False)
+    # train.proximal_mu (FedProx's client term): the client starts its local training from what it downloaded and
+    # trains through fedlora.training.train / optimise with the trainer's step_options()
+    proximal: bool = False
+    not_proximal: str = ""  # why the method refuses FedProx's term (proximal False)
 
 
 OptionsT = TypeVar("OptionsT", bound=MethodOptions)
@@ -83,6 +92,9 @@ class Method(Generic[OptionsT]):
     # "module:Class" of the client trainer (a LocalTrainer subclass); the default trains A and B
     trainer: str = "fedlora.clients.trainers.base:LocalTrainer"
     check: Callable[[ExperimentConfig, OptionsT], None] | None = None
+    # Other names ``strategy.name`` may give for this method (e.g. FedIT's common name, ``fedavg``): a config
+    # naming one is read as naming the method (``strategy.name`` becomes ``name``; the run is the method's)
+    aliases: tuple[str, ...] = ()
 
     def parse(self, experiment: ExperimentConfig) -> OptionsT:
         """This method's typed options from ``experiment.strategy`` (defaults filled in)."""

@@ -24,6 +24,8 @@ METHOD = Method(
         not_robust="one trainer: there is no second upload to combine",
         not_flower_dp="one trainer on the pooled data of every client: there are no per-client updates to clip",
         not_secure="one trainer on the pooled data of every client: there is no sum of client updates",
+        not_server_optimizer="one trainer: its upload is the model itself, there is no mean of client updates to step on",
+        not_proximal="one trainer on the pooled data: no client drifts from a global model",
     ),
     strategy="fedlora.strategies.centralized:Centralized",
     trainer="fedlora.clients.trainers.centralized:CentralizedTrainer",

@@ -66,6 +66,8 @@ METHOD = Method(
         robust_aggregation=True,
         flower_dp=True,  # the weighted mean of g (l never leaves the client)
         secure_aggregation=True,  # the weighted mean of g, one rank r_g for every client
+        server_optimizer=True,  # the mean of g and the head
+        proximal=True,
     ),
     strategy="fedlora.strategies.feddpa:FedDPA",
     trainer="fedlora.clients.trainers.feddpa:FedDPATrainer",

@@ -255,6 +255,8 @@ METHOD = Method(
         "instruction tuning does not have",
         flower_dp=True,  # the weighted mean of B^r (A and the noise branch never leave the client)
         secure_aggregation=True,  # the same mean; the noise-split metrics still travel in the clear
+        server_optimizer=True,  # the mean of B^r and the head
+        proximal=True,
     ),
     strategy="fedlora.strategies.feddr_lora:FedDRLoRA",
     trainer="fedlora.clients.trainers.feddr_lora:FedDRLoRATrainer",

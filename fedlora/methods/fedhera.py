@@ -441,6 +441,9 @@ METHOD = Method(
         ),
         not_secure=("SVD-based: it allocates ranks from the spectrum of sum_k w_k s_k B_k A_k (a sum of factor "
                     "products, not of the uploads) and scores each client's own update"),
+        not_server_optimizer=("SVD-based: its arrays are the top spectrum of sum_k w_k s_k B_k A_k, not a mean of the "
+                              "uploads"),
+        proximal=True,
     ),
     strategy="fedlora.strategies.fedhera:FedHera",
     trainer="fedlora.clients.trainers.fedhera:FedHeraTrainer",

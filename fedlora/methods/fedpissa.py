@@ -290,6 +290,8 @@ METHOD = Method(
             "an update (Flower's mod needs the same keys), and the projectors come from the unclipped A"
         ),
         not_secure="its projection correction and consensus are per-client terms, not a mean of the uploads",
+        not_server_optimizer="its projection correction and consensus are per-client terms, not a mean of the uploads",
+        proximal=True,
     ),
     strategy="fedlora.strategies.fedpissa:FedPissa",
     trainer="fedlora.clients.trainers.fedpissa:FedPissaTrainer",

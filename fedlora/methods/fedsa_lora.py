@@ -89,6 +89,8 @@ METHOD = Method(
         paper="Guo et al., ICLR 2025 (arXiv:2410.01463)",
         flower_dp=True,  # the weighted mean of A with one rank (mixed ranks average rows over their holders: refused)
         secure_aggregation=True,
+        server_optimizer=True,  # the mean of A (each row over its holders) and the head
+        proximal=True,
         secure_one_rank=("with mixed ranks row j of A is averaged over the clients holding it, a normaliser per row, "
                          "not the one total weight of a masked sum"),
     ),

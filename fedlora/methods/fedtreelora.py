@@ -375,6 +375,9 @@ METHOD = Method(
             "(Flower's arrays are only the all-client mean), and the tree is built from the raw B"
         ),
         not_secure="it clusters the clients on their own factors and averages the few clients of each cluster",
+        not_server_optimizer=("per-cluster experts: each client downloads its cluster's mean, not the one global mean "
+                              "a server optimiser would step"),
+        proximal=True,
     ),
     strategy="fedlora.strategies.fedtreelora:FedTreeLoRA",
     trainer="fedlora.clients.trainers.fedtreelora:FedTreeLoRATrainer",

@@ -91,6 +91,8 @@ METHOD = Method(
         paper="Sun et al., ICLR 2024 (arXiv:2403.12313)",
         flower_dp=True,  # the weighted mean of B with one rank (mixed ranks rescale B_k by R / r_k: refused)
         secure_aggregation=True,
+        server_optimizer=True,  # the mean of B and the head
+        proximal=True,
         secure_one_rank="mixed ranks enter the average as (R / r_k) B_k, not the zero-padded B_k a client masks",
     ),
     strategy="fedlora.strategies.ffa_lora:FFALoRA",

@@ -85,6 +85,9 @@ METHOD = Method(
         ),
         not_secure=("SVD-based: it needs sum_k p_k s_k B_k A_k, a sum of factor products, which masked factors "
                     "do not give (only the dense products could be masked, d_out x d_in per module)"),
+        not_server_optimizer=("SVD-based: its global factors are a truncated SVD of sum_k p_k s_k B_k A_k, not a mean "
+                              "of the uploads"),
+        proximal=True,
     ),
     strategy="fedlora.strategies.flexlora:FlexLoRA",
 )

@@ -42,6 +42,9 @@ METHOD = Method(
             "plus an update, and the strategy cannot continue from noised arrays"
         ),
         not_secure="stacking: every client's factors are broadcast to every client, so there is nothing to hide",
+        not_server_optimizer=("stacking: a round's update is the clients' stacked factors, which every client merges, "
+                              "not a mean of the uploads"),
+        proximal=True,
     ),
     strategy="fedlora.strategies.flora:FLoRA",
     trainer="fedlora.clients.trainers.flora:FLoRATrainer",

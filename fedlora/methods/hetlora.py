@@ -84,6 +84,10 @@ METHOD = Method(
         ),
         not_secure=("it weighs each upload by ||B_k A_k||_F and reads each client's self-pruned rank, both from the "
                     "client's own arrays"),
+        not_server_optimizer=("until its first aggregation each client starts from the seeded init at its own rank, not "
+                              "a cut of the global factors, and weighting = 'norm' weighs each upload by its own "
+                              "||B_k A_k||_F: the aggregate minus the global arrays is not a mean update"),
+        proximal=True,
     ),
     strategy="fedlora.strategies.hetlora:HetLoRA",
     trainer="fedlora.clients.trainers.hetlora:HetLoRATrainer",

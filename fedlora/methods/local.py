@@ -20,6 +20,8 @@ METHOD = Method(
         not_robust="nothing is aggregated",
         not_flower_dp="nothing is uploaded or aggregated: no update to clip, no aggregate to noise",
         not_secure="nothing is uploaded or aggregated",
+        not_server_optimizer="nothing is uploaded or aggregated",
+        not_proximal="nothing is downloaded: there is no global model to keep a client near",
     ),
     strategy="fedlora.strategies.local:LocalOnly",
     trainer="fedlora.clients.trainers.local:LocalOnlyTrainer",

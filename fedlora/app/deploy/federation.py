@@ -10,9 +10,10 @@ checks from the SuperLink's log that the Fleet API is gRPC over TLS. Every proce
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -29,6 +30,7 @@ from fedlora.app.deploy.flwr_cli import (
     failure_reason,
     flower_env,
     log_stream_cmd,
+    progress_of,
     superlink_cmd,
     supernode_cmd,
     warm_superexec_cmd,
@@ -42,6 +44,8 @@ from fedlora.app.deploy.processes import (
     signals_held,
     stop_daemons,
 )
+
+logger = logging.getLogger("fedlora")
 
 
 @dataclass
@@ -67,6 +71,21 @@ class Ports:
         return Ports(control=numbers[0], fleet=numbers[1], supernodes=numbers[2:])
 
 
+def clientapp_mode(wanted: str) -> str:
+    """``wanted`` ('warm' or 'cold'), or 'cold' with one line when the installed Flower is not the one
+    fedlora's warm SuperExec was built on (:func:`fedlora.app.deploy.warm.unsupported`): Flower's
+    public path, its own SuperExec, rather than a failure deep inside a ClientApp."""
+    if wanted != "warm":
+        return wanted
+    from fedlora.app.deploy.warm import unsupported
+
+    reason = unsupported()
+    if reason:
+        logger.warning("%s: using Flower's own SuperExec (a fresh ClientApp process per message)", reason)
+        return "cold"
+    return wanted
+
+
 @dataclass
 class LocalDeployment:
     """One SuperLink on 127.0.0.1 and the SuperNodes started against it (context manager)."""
@@ -78,6 +97,8 @@ class LocalDeployment:
     start_timeout: float = 90.0
     cli_timeout: float = 120.0
     clientapp: str = "warm"  # "warm": fedlora's SuperExec forks every ClientApp (fedlora.app.deploy.warm); "cold": Flower's
+    # the ServerApp's progress (round lines, refusals, a fedlora error) while a run goes, as it comes
+    on_progress: Callable[[str], None] | None = None
     daemons: list[Daemon] = field(default_factory=list)
     supernodes: list[Daemon] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
@@ -92,6 +113,7 @@ class LocalDeployment:
         self.superexecs: dict[str, Daemon] = {}  # SuperNode name -> its warm SuperExec
         self.cli = FlwrCli(self.homes / "cli", self.cli_timeout)
         self._next_port = 0
+        self.clientapp = clientapp_mode(self.clientapp)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -124,9 +146,10 @@ class LocalDeployment:
                 stop_daemons([self.superlink] if self.superlink is not None else [], grace=STOP_GRACE, others=sweep)
         self.timings["stop_seconds"] = round(time.monotonic() - started, 2)
 
-    def _spawn(self, name: str, cmd: list[str], home: str | None = None, share_log: Daemon | None = None) -> Daemon:
+    def _spawn(self, name: str, cmd: list[str], home: str | None = None, share_log: Daemon | None = None,
+               on_line: Callable[[str], None] | None = None) -> Daemon:
         log_path = share_log.log_path if share_log is not None else self.logs / f"{name}.log"
-        daemon = Daemon(name, cmd, flower_env(self.homes / (home or name)), log_path, share_log)
+        daemon = Daemon(name, cmd, flower_env(self.homes / (home or name)), log_path, share_log, on_line)
         self.daemons.append(daemon)
         return daemon
 
@@ -245,12 +268,21 @@ class LocalDeployment:
 
         One ``flwr log RUN --stream`` process follows the ServerApp log into
         ``DIR/logs/serverapp-<run id>.log`` and ends when the run ends (cheap: a CLI call costs about a
-        second of CPU); ``flwr ls`` then reads the status. If the stream ends early, ``flwr ls``
-        is polled every ``poll`` seconds.
+        second of CPU); its progress lines go to ``on_progress`` as they arrive. ``flwr ls`` then
+        reads the status. If the stream ends early, ``flwr ls`` is polled every ``poll`` seconds.
         """
         started = time.monotonic()
         deadline = started + timeout
-        stream = self._spawn(f"serverapp-{run_id}", log_stream_cmd(run_id), home="cli")
+        on_line = None
+        if self.on_progress is not None:
+            report = self.on_progress
+
+            def on_line(line: str) -> None:
+                progress = progress_of(line)
+                if progress:
+                    report(progress)
+
+        stream = self._spawn(f"serverapp-{run_id}", log_stream_cmd(run_id), home="cli", on_line=on_line)
         run: dict[str, Any] = {"status": "unknown"}
         # on Ctrl-C or an error the stream stays one of the daemons: stop() ends it with the others, at once
         while True:
@@ -266,6 +298,7 @@ class LocalDeployment:
                     f"stopped it (logs: {self.logs})"
                 )
             time.sleep(poll if not stream.alive() else 1.0)
+        stream.drained()
         stop_daemons([stream], grace=3.0)
         self.daemons.remove(stream)
         self.timings["run_seconds"] = round(time.monotonic() - started, 2)

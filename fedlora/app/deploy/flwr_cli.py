@@ -51,6 +51,17 @@ class DeployError(RuntimeError):
     """A deployment step failed; the message is one line and names the log file to read."""
 
 
+# The ServerApp's lines (through Flower's logger) a person follows while a run goes: what `fedlora run`
+# prints (fedlora.app.server.progress_line), a client refused or back, a resumed run, a fedlora error.
+PROGRESS_PREFIXES = ("round ", "query: ", "resuming ", "fedlora: error:")
+
+
+def progress_of(line: str) -> str:
+    """``line`` of a ServerApp log as fedlora's progress line, its spacing kept ('' when it is not one)."""
+    text = _LEVEL.sub("", _ANSI.sub("", line).strip()).rstrip()
+    return text if text.startswith(PROGRESS_PREFIXES) else ""
+
+
 def failure_reason(log: str) -> str:
     """The lines of a Flower process's log that say why it failed (most specific first), as one line."""
     lines = [_plain(line) for line in log.splitlines()]
@@ -92,8 +103,9 @@ def node_config_string(values: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def superlink_cmd(control_port: int, fleet_port: int, certs: CertPaths | None) -> list[str]:
-    """``flower-superlink`` on ``HOST``: with ``certs``, TLS and SuperNode authentication; without, insecure."""
+def superlink_cmd(control_port: int, fleet_port: int, certs: CertPaths | None, fleet_host: str = HOST) -> list[str]:
+    """``flower-superlink``, its Control API on ``HOST`` (loopback), its Fleet API on ``fleet_host``: with
+    ``certs``, TLS and SuperNode authentication; without, insecure."""
     cmd = [str(BIN / "flower-superlink")]
     if certs is None:
         cmd.append("--insecure")
@@ -107,17 +119,19 @@ def superlink_cmd(control_port: int, fleet_port: int, certs: CertPaths | None) -
     cmd += [
         "--disable-runtime-dependency-installation",
         "--host", HOST, "--port", str(control_port),
-        "--fleet-api-address", f"{HOST}:{fleet_port}",
+        "--fleet-api-address", f"{fleet_host}:{fleet_port}",
     ]  # fmt: skip
     return cmd
 
 
 def supernode_cmd(fleet_port: int, port: int, node_config: dict[str, Any], key: Path | None,
-                  ca_cert: Path | None, max_retries: int, own_superexec: bool) -> list[str]:
-    """``flower-supernode`` against the Fleet API on ``fleet_port``, its Runtime API on ``port``:
-    TLS with ``ca_cert`` (None: insecure), authenticated with the private ``key`` if any;
-    ``own_superexec``: in ``--isolation process``, for a SuperExec started beside it."""
-    cmd = [str(BIN / "flower-supernode"), "--superlink", f"{HOST}:{fleet_port}"]
+                  ca_cert: Path | None, max_retries: int, own_superexec: bool, superlink: str = "",
+                  host: str = HOST) -> list[str]:
+    """``flower-supernode`` against the Fleet API on ``fleet_port`` of ``HOST`` (or at ``superlink``,
+    host:port), its Runtime API on ``host:port``: TLS with ``ca_cert`` (None: insecure), authenticated
+    with the private ``key`` if any; ``own_superexec``: in ``--isolation process``, for a SuperExec
+    started beside it."""
+    cmd = [str(BIN / "flower-supernode"), "--superlink", superlink or f"{HOST}:{fleet_port}"]
     if ca_cert is not None:
         cmd += ["--root-certificates", str(ca_cert)]
     else:
@@ -127,17 +141,17 @@ def supernode_cmd(fleet_port: int, port: int, node_config: dict[str, Any], key: 
     cmd += [
         "--node-config", node_config_string(node_config),
         "--max-retries", str(max_retries),  # Flower's default retries forever
-        "--host", HOST, "--port", str(port),
+        "--host", host, "--port", str(port),
     ]  # fmt: skip
     if own_superexec:
         cmd += ["--isolation", "process"]
     return cmd
 
 
-def warm_superexec_cmd(port: int, parent_pid: int) -> list[str]:
+def warm_superexec_cmd(port: int, parent_pid: int, host: str = HOST) -> list[str]:
     """fedlora's warm SuperExec (:mod:`fedlora.app.deploy.warm`) for the SuperNode whose Runtime API
-    is on ``port`` and whose process is ``parent_pid`` (it stops when that one exits)."""
-    return [sys.executable, "-m", "fedlora.app.deploy.warm", "--runtime-api-address", f"{HOST}:{port}",
+    is on ``host:port`` and whose process is ``parent_pid`` (it stops when that one exits)."""
+    return [sys.executable, "-m", "fedlora.app.deploy.warm", "--runtime-api-address", f"{host}:{port}",
             "--insecure", "--parent-pid", str(parent_pid)]
 
 
@@ -230,6 +244,11 @@ class FlwrCli:
     def runs(self) -> dict[int, dict[str, Any]]:
         """``flwr ls``: run id -> its row."""
         return {int(r.get("run-id", 0)): r for r in self.call("ls", CONNECTION).get("runs", [])}
+
+    def nodes(self) -> dict[int, str]:
+        """``flwr supernode list``: node id -> its status (``registered``, ``online``, ``offline``, ...)."""
+        rows = self.call("supernode", "list", CONNECTION).get("nodes", [])
+        return {int(row.get("node-id", 0)): str(row.get("status", "")) for row in rows}
 
     def stop(self, run_id: int) -> None:
         """``flwr stop``; a failure is ignored (the run may have ended meanwhile)."""

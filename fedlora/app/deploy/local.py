@@ -72,11 +72,16 @@ def app_dir() -> Path:
     return root
 
 
-def write_run_config(config: ExperimentConfig, path: Path, resume: bool = False) -> Path:
+def write_run_config(config: ExperimentConfig, path: Path, resume: bool = False,
+                     nodes: dict[str, dict[str, Any]] | None = None) -> Path:
     """A ``--run-config`` file: ``experiment`` holds the resolved config (JSON); ``resume = true``
-    continues the checkpoint in its output folder."""
+    continues the checkpoint in its output folder; ``nodes`` binds node ids to partitions
+    (``{"<node id>": {"partition": k, "silo": "name"}}``, fedlora.app.run_config.node_binding)."""
     # JSON string escapes (\" \\ \n \uXXXX) are valid TOML basic-string escapes.
-    path.write_text(f"experiment = {json.dumps(config.to_json())}\nresume = {str(resume).lower()}\n", encoding="utf-8")
+    text = f"experiment = {json.dumps(config.to_json())}\nresume = {str(resume).lower()}\n"
+    if nodes:
+        text += f"nodes = {json.dumps(json.dumps(nodes))}\n"
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -107,6 +112,12 @@ def earlier_federation_aside(out: Path) -> Path | None:
     logger.warning("--resume: the earlier federation's certificates, logs and records in %s were moved to %s",
                    out, target)
     return target
+
+
+def show_progress(line: str) -> None:
+    """A progress line of the ServerApp, as it arrives (a run followed one at a time): fedlora's
+    console (stdout), where ``fedlora run`` prints its round lines."""
+    logger.info("%s", line)
 
 
 def deploy_local(
@@ -202,21 +213,25 @@ def deploy_runs(
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     evidence: dict[str, dict[str, Any]] = {}
-    with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure, clientapp=clientapp) as deployment:
+    with terminate_on_signals(), LocalDeployment(out, nodes, insecure=insecure, clientapp=clientapp,
+                                                 on_progress=show_progress) as deployment:
         deployment.start_superlink()
         logger.info("SuperLink up: Control API https://%s:%d (loopback only), Fleet API %s:%d",
                     HOST, deployment.ports.control, HOST, deployment.ports.fleet)
         keys: list[Path | None] = [None] * nodes
+        binding: dict[str, dict[str, Any]] = {}  # node id -> its partition: the registered keys' (TLS + auth)
         if not insecure:
             node_keys = list(deployment.require_certs().node_keys)
-            deployment.register(node_keys)
+            ids = deployment.register(node_keys)
             keys = list(node_keys)
+            binding = {str(node): {"partition": k, "silo": f"supernode-{k}"} for k, node in enumerate(ids)}
         deployment.start_supernodes(node_configs(first, nodes), keys)
         logger.info("%d SuperNodes accepted; submitting %d run(s)", nodes, len(configs))
         submitted: dict[str, int] = {}
         finished: dict[str, dict[str, Any]] = {}
         for label, config in configs.items():
-            run_config = write_run_config(config, out / f"run_config{'-' + label if label else ''}.toml", resume=resume)
+            run_config = write_run_config(config, out / f"run_config{'-' + label if label else ''}.toml", resume=resume,
+                                          nodes=binding)
             if side_by_side:
                 deployment.wait_runs(list(submitted.values()), timeout, until_running=side_by_side - 1)
             submitted[label] = deployment.submit(app, run_config)

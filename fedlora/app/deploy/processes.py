@@ -6,9 +6,11 @@ line of that log, :func:`port_open` for a port. :func:`stop_daemons` stops proce
 descendant they started, in bounded time: SIGTERM to every process group and descendant at once,
 SIGKILL to what is left after a grace period (:data:`STOP_GRACE` after a finished run,
 :data:`INTERRUPT_GRACE` after Ctrl-C, so that an interrupted deployment is gone within seconds on
-a loaded machine too). :func:`terminate_on_signals` turns SIGTERM / SIGHUP into Ctrl-C so that
+a loaded machine too). :func:`terminate_on_signals` turns SIGTERM / SIGHUP into :class:`Terminated`
+(a KeyboardInterrupt that knows its signal: the command exits 128 + signal, 143 for SIGTERM) so that
 ``finally`` blocks get to stop them; :func:`signals_held` keeps a second Ctrl-C from cutting that
-stop short. Nothing here knows Flower.
+stop short. A Daemon given ``on_line`` also hands every line of its output, as it comes, to a
+callback (a thread drains the pipe into the log file: the pipe never fills). Nothing here knows Flower.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -36,11 +39,26 @@ def port_open(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that ``finally`` blocks stop what was started; the
+    command exits with 128 + :attr:`signum` (143 for SIGTERM), as a shell reports a terminated program."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def exit_status(interrupt: KeyboardInterrupt) -> int:
+    """The exit status of a command stopped by ``interrupt``: 130 for Ctrl-C, 128 + signal otherwise."""
+    return 128 + (interrupt.signum if isinstance(interrupt, Terminated) else signal.SIGINT)
+
+
 class Daemon:
-    """A long-running process in its own session; stdout + stderr go to a log file."""
+    """A long-running process in its own session; stdout + stderr go to a log file. With ``on_line``
+    every line of its output also goes, as it comes, to that callback (from a reader thread)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
-                 share_log: Daemon | None = None) -> None:
+                 share_log: Daemon | None = None, on_line: Callable[[str], None] | None = None) -> None:
         self.name = name
         self.cmd = cmd
         self.log_path = log_path
@@ -49,9 +67,28 @@ class Daemon:
         self._log: BinaryIO = share_log._log if share_log is not None else log_path.open("wb")
         self.started = time.monotonic()
         self.process = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            cmd, env=env, stdout=self._log if on_line is None else subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
+        self._reader: threading.Thread | None = None
+        if on_line is not None:
+            self._reader = threading.Thread(target=self._relay, args=(on_line,), daemon=True, name=f"{name}-lines")
+            self._reader.start()
+
+    def _relay(self, on_line: Callable[[str], None]) -> None:
+        """Copy the process's output into its log, line by line, and hand each line to ``on_line``."""
+        assert self.process.stdout is not None
+        for raw in iter(self.process.stdout.readline, b""):
+            with contextlib.suppress(OSError, ValueError):
+                self._log.write(raw)
+                self._log.flush()
+            with contextlib.suppress(Exception):  # a callback's failure must not stop the draining
+                on_line(raw.decode("utf-8", errors="replace").rstrip("\n"))
+
+    def drained(self, timeout: float = 5.0) -> None:
+        """Wait until the reader thread has passed on the process's last line (after it exited)."""
+        if self._reader is not None:
+            self._reader.join(timeout)
 
     def text(self) -> str:
         try:
@@ -85,6 +122,7 @@ class Daemon:
             os.killpg(self.process.pid, sig)
 
     def close_log(self) -> None:
+        self.drained(1.0)
         with contextlib.suppress(OSError):
             self._log.close()
 
@@ -171,8 +209,6 @@ def processes_with_home(home: Path) -> Callable[[], list[psutil.Process]]:
 def signals_held() -> Iterator[None]:
     """Ignore SIGINT, SIGTERM and SIGHUP while the block runs (a bounded stop: a second Ctrl-C must
     not leave half of the processes running); only in the main thread, where Python handles signals."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -186,16 +222,14 @@ def signals_held() -> Iterator[None]:
 
 @contextlib.contextmanager
 def terminate_on_signals() -> Iterator[None]:
-    """SIGTERM / SIGHUP raise KeyboardInterrupt (like Ctrl-C) so ``finally`` blocks stop the
-    processes; only in the main thread, where Python delivers signals."""
-    import threading
-
+    """SIGTERM / SIGHUP raise :class:`Terminated` (a KeyboardInterrupt, like Ctrl-C) so ``finally``
+    blocks stop the processes; only in the main thread, where Python delivers signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:

@@ -22,7 +22,11 @@ no thread and holds no connection a child uses.
     flower-supernode ... --isolation process --port 9094
     python -m fedlora.app.deploy.warm --runtime-api-address 127.0.0.1:9094 --insecure --parent-pid <supernode pid>
 
-``fedlora deploy local`` starts one per SuperNode (``--clientapp warm``, its default).
+``fedlora deploy local`` and ``fedlora deploy silo`` start one per SuperNode (``--clientapp warm``,
+their default). It uses Flower internals (:data:`INTERNAL_MODULES`) of the Flower minor it was built
+on (:data:`BUILT_ON_FLOWER`): :func:`unsupported` checks the installed Flower before a deployment
+starts, which then falls back to Flower's public path (its own SuperExec, cold ClientApps) with
+one line.
 """
 
 from __future__ import annotations
@@ -47,6 +51,31 @@ HEAVY_MODULES = ("numpy", "psutil", "pydantic", "torch", "transformers", "peft",
 TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "AutoModelForCausalLM",
                       "AutoModelForSequenceClassification", "LlamaForCausalLM", "BertForSequenceClassification",
                       "DataCollatorWithPadding", "DataCollatorForSeq2Seq")
+
+
+BUILT_ON_FLOWER = "1.39"  # the Flower minor whose internals this module uses (pyproject bounds flwr to it)
+INTERNAL_MODULES = ("flwr.proto.runtime_pb2", "flwr.supercore.constant", "flwr.supercore.exit",
+                    "flwr.supercore.interceptors", "flwr.supercore.retry", "flwr.supercore.runtime",
+                    "flwr.supercore.tls", "flwr.supernode.runtime.run_clientapp")
+
+
+def unsupported(flower_version: str | None = None) -> str:
+    """Why this SuperExec cannot run beside the installed Flower ('' when it can): another Flower
+    minor than :data:`BUILT_ON_FLOWER`, or one of the internal modules it imports missing."""
+    import importlib.metadata
+    import importlib.util
+
+    version = flower_version or importlib.metadata.version("flwr")
+    if version.split(".")[:2] != BUILT_ON_FLOWER.split("."):
+        return f"Flower {version} is installed, fedlora's warm SuperExec uses Flower {BUILT_ON_FLOWER} internals"
+    for name in INTERNAL_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:
+            found = False
+        if not found:
+            return f"Flower {version} has no {name}, which fedlora's warm SuperExec imports"
+    return ""
 
 
 def preload() -> float:
@@ -197,6 +226,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    reason = unsupported()
+    if reason:
+        print(f"error: {reason}; run the SuperNode without --isolation process (Flower's own SuperExec)",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         args.poll = float(os.environ.get(POLL_ENV, DEFAULT_POLL_SECONDS))
     except ValueError:
