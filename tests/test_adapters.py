@@ -328,3 +328,54 @@ def test_a_payload_is_checked_and_loaded_alike_on_a_models_first_and_later_loads
             if parameter.requires_grad:
                 parameter.add_(1.0)
     assert np.array_equal(payload[a_key], np.ones_like(first[a_key]))
+
+
+@pytest.mark.parametrize("kind", ["classification", "causal_lm"])
+def test_a_bound_model_reads_and_loads_its_adapter_as_peft_does_without_peft(kind: str, monkeypatch) -> None:
+    """After its first use a model's adapter is read from, and loaded into, the parameters peft's
+    state dict was found to hold: the same payload as peft's get_peft_model_state_dict, bit for
+    bit, and the same model as peft's set_peft_model_state_dict leaves, without calling either."""
+    import peft
+    import torch
+
+    from fedlora import models
+    from fedlora.lora import from_peft_state, to_peft_state
+
+    # Prepare: two twin models (tiny random BERT classifier with its head, or tiny Llama), a random payload
+    cfg = (ModelConfig(path="tiny-bert", lora_rank=2) if kind == "classification"
+           else ModelConfig(path="tiny-llama", kind="causal_lm", lora_rank=2))
+    model, twin = (models.build_model(cfg, num_labels=3, rank=2, seed=1, device="cpu") for _ in range(2))
+    reference = from_peft_state(peft.get_peft_model_state_dict(model, save_embedding_layers=False))
+    assert models.adapter_payload(model).keys() == reference.keys()  # the first use: through peft, and bound
+    rng = np.random.default_rng(0)
+    payload = {key: rng.standard_normal(value.shape).astype(np.float32) for key, value in reference.items()}
+    peft.set_peft_model_state_dict(twin, to_peft_state(payload))
+    expected = from_peft_state(peft.get_peft_model_state_dict(twin, save_embedding_layers=False))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("peft's state dict functions were called for a bound model")
+
+    monkeypatch.setattr(peft, "get_peft_model_state_dict", refused)
+    monkeypatch.setattr(peft, "set_peft_model_state_dict", refused)
+    # Execute
+    models.load_payload(model, payload)
+    read = models.adapter_payload(model)
+    # Assert: the same values in the same order, and every weight of the model as peft loaded it
+    assert list(read) == list(expected) and all(np.array_equal(read[key], expected[key]) for key in expected)
+    twin_state = twin.state_dict()
+    assert all(torch.equal(value, twin_state[key]) for key, value in model.state_dict().items())
+
+
+def test_a_model_with_state_dict_load_hooks_stays_with_peft() -> None:
+    # Prepare: a model one of whose modules has a load_state_dict hook (peft's loader may do more than copy)
+    from fedlora import models
+
+    model = models.build_model(ModelConfig(path="tiny-bert", lora_rank=2), num_labels=3, rank=2, seed=1, device="cpu")
+    model.register_load_state_dict_post_hook(lambda module, keys: None)
+    payload = {key: np.full_like(value, 0.5) for key, value in models.adapter_payload(model).items()}
+    # Execute
+    models.load_payload(model, payload)
+    # Assert: not bound, and loaded all the same (through peft)
+    assert models._BINDINGS.get(model) is None
+    read = models.adapter_payload(model)
+    assert all(np.array_equal(read[key], payload[key]) for key in payload)
