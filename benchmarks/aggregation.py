@@ -89,23 +89,45 @@ def agreement(clients: Clients, weights: np.ndarray, scale: float, rank: int,
     return worst_sv, worst_fit
 
 
+def blas_threads() -> int:
+    """The threads numpy's BLAS / LAPACK runs on (threadpoolctl; 0 when it cannot tell)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return 0
+    return max((int(pool.get("num_threads", 0)) for pool in threadpool_info() if pool.get("user_api") == "blas"),
+               default=0)
+
+
+# what the arms may differ in: the method, and how many modules the dense arm times (then scaled)
+VARIES = ("method", "modules_timed")
+
+
 def arms(clients: Clients, weights: np.ndarray, scale: float, rank: int,
          dense_modules: int) -> dict[str, harness.Arm]:
     """The two arms: ``factor`` times every module, ``dense`` times ``dense_modules`` modules and
-    scales to all of them (``seconds`` is comparable across arms, ``measured_seconds`` is raw)."""
+    scales to all of them (``seconds`` is comparable across arms, ``measured_seconds`` is raw);
+    each run reports what it ran at (harness.Run: shape, dtype, BLAS threads)."""
     modules = list(clients[0])
+    first = clients[0][modules[0]]
+    shape = {"modules": len(modules), "d_out": int(first.B.shape[0]), "d_in": int(first.A.shape[1]), "rank": rank,
+             "clients": len(clients), "dtype": str(first.A.dtype)}
 
-    def factor() -> dict[str, float]:
+    def settings(method: str, timed: int) -> dict[str, object]:
+        return {"method": method, "modules_timed": timed, "threads": blas_threads(), **shape}
+
+    def factor() -> harness.Run:
         started = time.perf_counter()
         factor_round(clients, weights, scale, rank)
-        return {"seconds": time.perf_counter() - started}
+        return harness.Run({"seconds": time.perf_counter() - started}, settings("factor space", len(modules)))
 
-    def dense() -> dict[str, float]:
+    def dense() -> harness.Run:
         started = time.perf_counter()
         for module in modules[:dense_modules]:
             dense_module(clients, module, weights, scale, rank)
         measured = time.perf_counter() - started
-        return {"seconds": measured / dense_modules * len(modules), "measured_seconds": measured}
+        return harness.Run({"seconds": measured / dense_modules * len(modules), "measured_seconds": measured},
+                           settings("dense SVD", dense_modules))
 
     return {"factor": factor, "dense": dense}
 
@@ -137,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     weights /= weights.sum()
 
     measured = harness.run_interleaved(arms(clients, weights, scale, args.rank, dense_modules),
-                                       repeat=args.repeat, warmup=args.warmup)
+                                       repeat=args.repeat, warmup=args.warmup, varies=VARIES)
     worst_sv, worst_fit = agreement(clients, weights, scale, args.rank, list(clients[0])[:dense_modules])
     comparison = harness.compare(measured, "dense", "factor", "seconds")
     print(harness.report(measured, comparison))

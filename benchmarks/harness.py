@@ -14,9 +14,20 @@ and the harness
    the *spread*: max / min of the per-pair ratios (1.0 = every pair agreed; 1.3 = the machine
    moved the ratio by 30 % between pairs, so the median is the figure to quote),
 4. writes a JSON record (:func:`write_record`) beside the printed line: the environment
-   (:func:`environment`: CPU model and count, GPU, versions, git commit, command line, load
-   average, time), the arguments, every raw measurement (warm-up included) and the summary, so a
-   README figure can cite its file.
+   (:func:`environment`: CPU model, count and bf16 flags, GPU, versions, git commit, command line,
+   load average, time), the 1-minute load at the start of every run, the arguments, every raw
+   measurement (warm-up included) and the summary, so a README figure can cite its file.
+
+**Arms that differ only in what is measured.** An arm may return a :class:`Run`: its figures and
+the *settings* it actually ran at (precision, threads, model, data, steps ..., read where the run
+happened, not copied from what was asked). The harness then refuses (:class:`Unmatched`) an arm
+whose settings change from one run to the next, and arms whose settings differ in anything but the
+keys the benchmark says it varies (``varies``: e.g. ``precision`` for an fp32 / bf16 benchmark);
+the check runs after the first run of every arm, so a mismatched benchmark stops within minutes.
+The record keeps every arm's settings, and :func:`comparable` (``python benchmarks/harness.py
+compare OLD.json NEW.json``) refuses to compare two records whose shared settings differ, or a
+record that names none (written before the harness recorded settings). A benchmark with its own
+loop (``scale.py``) uses :func:`require_matched` on its runs' settings directly.
 
 A benchmark script uses :func:`add_arguments` (``--repeat``, ``--warmup``, ``--out``, ``--note``),
 :func:`run_interleaved`, :func:`compare`, :func:`report` and :func:`write_record`; its last printed
@@ -37,7 +48,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +61,45 @@ DEFAULT_WARMUP = 1
 VERSIONED = ("numpy", "scipy", "torch", "flwr", "transformers", "peft", "ray")
 
 Figures = dict[str, float]
-Arm = Callable[[], Mapping[str, float]]
+Settings = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of an arm: its figures, and the settings it ran at (JSON values: what the run used,
+    e.g. ``{"precision": "bf16", "threads": 2, "model": "minilm", "steps": 8}``)."""
+
+    figures: Mapping[str, float]
+    settings: Mapping[str, Any]
+
+
+Arm = Callable[[], "Mapping[str, float] | Run"]
 Log = Callable[[str], None]
+
+
+class Unmatched(ValueError):
+    """Arms, or records, that differ in a setting they must share (or do not say what they ran at)."""
+
+
+def differences(first: Mapping[str, Any], second: Mapping[str, Any], varies: Collection[str] = ()) -> list[str]:
+    """``key: first vs second`` for every key outside ``varies`` whose values differ (a key only one
+    of them names counts as a difference)."""
+    keys = sorted((set(first) | set(second)) - set(varies))
+    missing = object()
+    return [f"{key}: {first.get(key, '(not recorded)')!r} vs {second.get(key, '(not recorded)')!r}"
+            for key in keys if first.get(key, missing) != second.get(key, missing)]
+
+
+def require_matched(settings: Mapping[str, Mapping[str, Any]], varies: Collection[str] = (),
+                    what: str = "arms") -> None:
+    """Raise :class:`Unmatched` unless every entry of ``settings`` (arm -> its settings) names the
+    same values outside ``varies`` (the first entry is the reference)."""
+    names = list(settings)
+    for name in names[1:]:
+        diff = differences(settings[names[0]], settings[name], varies)
+        if diff:
+            raise Unmatched(f"{what} {names[0]!r} and {name!r} differ in more than what is measured "
+                            f"({', '.join(sorted(varies)) or 'nothing may differ'}): {'; '.join(diff)}")
 
 
 def _print(line: str) -> None:
@@ -68,34 +116,70 @@ class Measurements:
     samples: dict[str, list[Figures]] = field(default_factory=dict)
     warmup: dict[str, list[Figures]] = field(default_factory=dict)
     order: list[tuple[str, int]] = field(default_factory=list)
+    settings: dict[str, Settings] = field(default_factory=dict)  # per arm, as its runs reported them
+    varies: list[str] = field(default_factory=list)  # the settings the arms may differ in
+    loads: list[float | None] = field(default_factory=list)  # 1-minute load average as each run began
 
 
-def _call(arm: Arm, name: str) -> Figures:
-    """One run of an arm, its figures checked to be real numbers."""
-    figures = {key: float(value) for key, value in arm().items()}
+def _call(arm: Arm, name: str) -> tuple[Figures, Settings | None]:
+    """One run of an arm: its figures checked to be real numbers, and its settings (None when the
+    arm returned bare figures)."""
+    result = arm()
+    values, settings = (result.figures, dict(result.settings)) if isinstance(result, Run) else (result, None)
+    figures = {key: float(value) for key, value in values.items()}
     if not figures:
         raise ValueError(f"arm {name!r} returned no figures")
-    return figures
+    return figures, settings
+
+
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _note_settings(measured: Measurements, name: str, settings: Settings | None, index: int) -> None:
+    """Keep an arm's settings from its first run; refuse a later run that ran at others."""
+    if name not in measured.settings:
+        if settings is not None:
+            measured.settings[name] = settings
+        return
+    if settings is None:
+        raise Unmatched(f"arm {name!r} stopped reporting its settings in run {index}")
+    diff = differences(measured.settings[name], settings)
+    if diff:
+        raise Unmatched(f"arm {name!r} ran at other settings in run {index} than in its first: {'; '.join(diff)}")
+
+
+def _check_arms(measured: Measurements) -> None:
+    """After every arm ran once: all report settings or none, and they differ only in ``varies``."""
+    reported = [name for name in measured.arms if name in measured.settings]
+    if reported and len(reported) != len(measured.arms):
+        silent = sorted(set(measured.arms) - set(reported))
+        raise Unmatched(f"arms {silent} report no settings while {reported} do: cannot tell they match")
+    require_matched(measured.settings, measured.varies)
 
 
 def run_interleaved(arms: Mapping[str, Arm], repeat: int = DEFAULT_REPEAT, warmup: int = DEFAULT_WARMUP,
-                    log: Log | None = _print) -> Measurements:
+                    log: Log | None = _print, varies: Collection[str] = ()) -> Measurements:
     """Run ``warmup`` rounds of every arm (discarded), then ``repeat`` rounds A B A B ...
 
     Arms run in the mapping's order within each round. ``log`` (default: print) gets one line per
-    run, so a long benchmark shows progress; ``None`` silences it.
+    run, so a long benchmark shows progress; ``None`` silences it. Arms that return a :class:`Run`
+    must keep their settings from run to run and differ from each other only in ``varies``
+    (checked once every arm has run once; :class:`Unmatched` otherwise).
     """
     if repeat < 1 or warmup < 0:
         raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
     if not arms:
         raise ValueError("no arms to run")
-    measured = Measurements(arms=list(arms))
+    measured = Measurements(arms=list(arms), varies=sorted(varies))
     for name in arms:
         measured.samples[name], measured.warmup[name] = [], []
     total = (warmup + repeat) * len(arms)
     for round_index in range(-warmup, repeat):
         for name, arm in arms.items():
-            figures = _call(arm, name)
+            measured.loads.append(_load())
+            figures, settings = _call(arm, name)
+            _note_settings(measured, name, settings, len(measured.order) + 1)
             kept = measured.warmup[name] if round_index < 0 else measured.samples[name]
             kept.append(figures)
             measured.order.append((name, round_index))
@@ -103,6 +187,8 @@ def run_interleaved(arms: Mapping[str, Arm], repeat: int = DEFAULT_REPEAT, warmu
                 label = f"warm-up {warmup + round_index + 1}/{warmup}" if round_index < 0 else f"run {round_index + 1}/{repeat}"
                 shown = " ".join(f"{key}={value:.4g}" for key, value in figures.items())
                 log(f"[{len(measured.order)}/{total}] {name} {label}: {shown}")
+        if round_index == -warmup:
+            _check_arms(measured)
     return measured
 
 
@@ -147,7 +233,11 @@ class Comparison:
 
 
 def compare(measured: Measurements, numerator: str, denominator: str, figure: str) -> Comparison:
-    """Ratio of medians of ``figure`` (numerator arm over denominator arm) and the pairs' spread."""
+    """Ratio of medians of ``figure`` (numerator arm over denominator arm) and the pairs' spread;
+    :class:`Unmatched` when the two arms reported settings that differ outside ``measured.varies``."""
+    if numerator in measured.settings and denominator in measured.settings:
+        require_matched({numerator: measured.settings[numerator], denominator: measured.settings[denominator]},
+                        measured.varies)
     top = [sample[figure] for sample in measured.samples[numerator]]
     bottom = [sample[figure] for sample in measured.samples[denominator]]
     pairs = [t / b if b else float("nan") for t, b in zip(top, bottom, strict=True)]
@@ -173,7 +263,18 @@ def report(measured: Measurements, comparison: Comparison | None = None, digits:
         lines.append(f"{c.numerator} / {c.denominator} on {c.figure}: ratio of medians {c.ratio:.{digits}f}; "
                      f"per pair " + " ".join(f"{r:.{digits}f}" for r in c.pair_ratios)
                      + f"; spread (max/min of the pairs) {c.spread:.{digits}f}")
+    if measured.settings:
+        lines.append(settings_line(measured))
     return "\n".join(lines)
+
+
+def settings_line(measured: Measurements) -> str:
+    """``arms matched on: k=v ...; varied: k (arm=v, ...)``: what every arm shared, what differed."""
+    first = measured.settings[measured.arms[0]]
+    shared = " ".join(f"{key}={value}" for key, value in sorted(first.items()) if key not in measured.varies)
+    varied = "; ".join(f"{key} (" + ", ".join(f"{arm}={measured.settings[arm].get(key)}" for arm in measured.arms) + ")"
+                       for key in measured.varies if any(key in s for s in measured.settings.values()))
+    return f"arms matched on: {shared}" + (f"; varied: {varied}" if varied else "")
 
 
 def fedlora_run(config: str | Path, overrides: Sequence[str], out: Path, engine: str,
@@ -199,6 +300,32 @@ def fedlora_run(config: str | Path, overrides: Sequence[str], out: Path, engine:
     return json.loads((out / "results.json").read_text()), wall
 
 
+def config_settings(config: Mapping[str, Any]) -> Settings:
+    """What a fedlora config fixes that two compared runs must share (a config as a dict, as
+    ``results.json`` holds it or ``model_dump(mode="json")`` gives it): model, rank, clients,
+    rounds, steps, batch, tokens, learning rate, seed, and the data section as a short hash."""
+    import hashlib
+
+    model, data, train = config["model"], config["data"], config["train"]
+    return {"model": model["path"], "rank": model["lora_rank"], "clients": data["num_clients"],
+            "rounds": train["rounds"], "steps": train["max_steps"], "local_epochs": train["local_epochs"],
+            "batch_size": train["batch_size"], "max_length": train["max_length"], "lr": train["lr"],
+            "seed": train["seed"],
+            "data": hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]}
+
+
+def reported_settings(results: Mapping[str, Any], name: str = "fedlora run") -> Settings:
+    """The settings a fedlora run ran at: the precision and torch threads its clients reported with
+    every training reply (``per_client_train``: ``train-precision``, ``torch-threads``; all alike,
+    else :class:`Unmatched`) and what its config fixed (:func:`config_settings`)."""
+    reported = {(entry.get("train-precision"), entry.get("torch-threads"))
+                for r in results["rounds"] for entry in (r.get("per_client_train") or {}).values()}
+    if len(reported) != 1 or None in next(iter(reported)):
+        raise Unmatched(f"{name}: its clients reported several settings, or none: {sorted(map(str, reported))}")
+    precision, threads = next(iter(reported))
+    return {"precision": precision, "threads": int(threads)} | config_settings(results["config"])
+
+
 def _cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else what :mod:`platform` knows."""
     try:
@@ -208,6 +335,16 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _bf16_flags() -> list[str]:
+    """The CPU's native-bf16 flags (``avx512_bf16``, ``amx_bf16``; Linux): what ``train.precision =
+    "auto"`` reads, so a record says whether ``auto`` meant bf16 on its machine."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text(errors="replace").split())
+    except OSError:
+        return []
+    return sorted({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def _gpu_name() -> str | None:
@@ -242,10 +379,11 @@ def _git(*args: str) -> str | None:
 
 
 def environment(note: str = "") -> dict[str, Any]:
-    """What the figures were measured on and with: CPU, GPU, versions, commit, command, load, time.
+    """What the figures were measured on and with: CPU (model, count, bf16 flags), GPU, versions,
+    commit, command, load, time.
 
-    ``load_average`` (1, 5, 15 min) tells a busy machine from an idle one; ``note`` is the
-    user's own words (e.g. "another benchmark on both cores").
+    ``load_average`` (1, 5, 15 min, as ``uptime`` prints them) tells a busy machine from an idle
+    one; ``note`` is the user's own words (e.g. "another benchmark on both cores").
     """
     status = _git("status", "--porcelain", "--untracked-files=no")
     try:
@@ -257,6 +395,7 @@ def environment(note: str = "") -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
         "gpu": _gpu_name(),
+        "cpu_bf16_flags": _bf16_flags(),
         "platform": platform.platform(),
         "versions": _versions(),
         "git_commit": _git("rev-parse", "HEAD"),
@@ -334,6 +473,9 @@ def record(name: str, args: argparse.Namespace | Mapping[str, Any], measured: Me
         "warmup_samples": measured.warmup,
         "summary": {arm: {key: asdict(stats) for key, stats in describe(measured.samples[arm]).items()}
                     for arm in measured.arms},
+        "settings": measured.settings,  # per arm, as its runs reported them (empty: the arms reported none)
+        "varies": measured.varies,
+        "load_per_run": measured.loads,  # 1-minute load average as each run (in ``order``) began
         "comparison": asdict(comparison) if comparison is not None else None,
         "extra": dict(extra or {}),
     })
@@ -358,3 +500,73 @@ def finish(name: str, args: argparse.Namespace, measured: Measurements, comparis
     print(f"record: {path}")
     print(last_line)
     return 0
+
+
+def record_settings(data: Mapping[str, Any], name: str = "record") -> dict[str, Settings]:
+    """A record's settings per arm; :class:`Unmatched` when it names none (a record written before
+    the harness recorded them, or a benchmark whose arms report none)."""
+    settings = data.get("settings") or {}
+    if not settings:
+        raise Unmatched(f"{name} records no settings of its arms (written before benchmarks recorded them): "
+                        "its arms may differ in precision, threads or data, so it is not compared")
+    return {str(arm): dict(values) for arm, values in settings.items()}
+
+
+def comparable(first: Mapping[str, Any], second: Mapping[str, Any], names: tuple[str, str] = ("first", "second")) -> list[str]:
+    """The arms two records share, after checking that they may be compared: the same benchmark,
+    and every shared arm at the same settings (:class:`Unmatched` otherwise)."""
+    if first.get("benchmark") != second.get("benchmark"):
+        raise Unmatched(f"{names[0]} is a {first.get('benchmark')!r} record, {names[1]} a {second.get('benchmark')!r} one")
+    a, b = record_settings(first, names[0]), record_settings(second, names[1])
+    shared = [arm for arm in a if arm in b]
+    if not shared:
+        raise Unmatched(f"{names[0]} and {names[1]} have no arm in common ({sorted(a)} vs {sorted(b)})")
+    for arm in shared:
+        diff = differences(a[arm], b[arm])
+        if diff:
+            raise Unmatched(f"arm {arm!r} ran at other settings in {names[1]} than in {names[0]}: {'; '.join(diff)}")
+    return shared
+
+
+def compare_records(first: Mapping[str, Any], second: Mapping[str, Any],
+                    names: tuple[str, str] = ("first", "second")) -> str:
+    """Two records of one benchmark side by side (:func:`comparable` first): per shared arm and
+    figure the two medians and second / first, then each record's own comparison, load and machine."""
+    arms = comparable(first, second, names)
+    lines = [f"{'arm':<12} {'figure':<24} {names[0][-28:]:>28} {names[1][-28:]:>28} {'second/first':>12}"]
+    for arm in arms:
+        for figure, stats in first["summary"][arm].items():
+            other = second["summary"][arm].get(figure)
+            if other is None:
+                continue
+            ratio = other["median"] / stats["median"] if stats["median"] else float("nan")
+            lines.append(f"{arm:<12} {figure:<24} {stats['median']:>28.4g} {other['median']:>28.4g} {ratio:>12.3f}")
+    for name, data in zip(names, (first, second), strict=True):
+        c, env = data.get("comparison") or {}, data.get("environment", {})
+        own = (f"{c['numerator']} / {c['denominator']} on {c['figure']}: {c['ratio']:.3f} (spread {c['spread']:.3f}); "
+               if c else "")
+        lines.append(f"{name}: {own}load {env.get('load_average')}; {env.get('cpu_model')}; commit "
+                     f"{str(env.get('git_commit'))[:8]}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python benchmarks/harness.py compare OLD.json NEW.json``: two records side by side, refused
+    in one line (exit 2) when their arms' settings differ or a record names none."""
+    parser = argparse.ArgumentParser(prog="benchmarks/harness.py", description=main.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    pair = commands.add_parser("compare", help="two records of one benchmark, side by side")
+    pair.add_argument("first", type=Path)
+    pair.add_argument("second", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        records = [json.loads(path.read_text()) for path in (args.first, args.second)]
+        print(compare_records(records[0], records[1], (str(args.first), str(args.second))))
+    except (OSError, ValueError, KeyError) as error:  # Unmatched is a ValueError; so is bad JSON
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -215,8 +215,9 @@ class Client:
         content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(self.download), protocol.CONFIG_RECORD: config})
         return over_the_wire(Message(content=content, dst_node_id=self.context.node_id, message_type=MessageType.TRAIN))
 
-    def round(self) -> dict[str, float]:
-        """One train message, observed; its figures (seconds by part, tokens, rates)."""
+    def round(self) -> harness.Run:
+        """One train message, observed; its figures (seconds by part, tokens, rates) and the
+        settings it ran at (precision and torch threads as the client reported them)."""
         import torch
 
         from fedlora import protocol
@@ -256,12 +257,17 @@ class Client:
             "reply_wire": ended - wire_started,
         }
         parts["upload_other"] = round_seconds - sum(parts.values())
-        return {"round_seconds": round_seconds, **{f"{k}_seconds": v for k, v in parts.items()},
-                "overhead_fraction": (round_seconds - parts["steps"]) / round_seconds,
-                "tokens": float(loader.tokens), "steps": metrics[protocol.TRAIN_STEPS],
-                "tokens_per_second": loader.tokens / round_seconds,
-                "step_tokens_per_second": loader.tokens / parts["steps"],
-                "train_seconds_reported": metrics[protocol.TRAIN_SECONDS]}
+        worker = reply.content.config_records[protocol.WORKER_RECORD]
+        settings = {"precision": str(worker[protocol.WORKER_PRECISION]), "threads": int(str(worker[protocol.WORKER_THREADS])),
+                    "device": self.args.device, "model": self.args.model, "steps": self.args.steps,
+                    "batch_size": self.args.batch_size, "max_length": self.args.max_length, "client": self.args.client}
+        figures = {"round_seconds": round_seconds, **{f"{k}_seconds": v for k, v in parts.items()},
+                   "overhead_fraction": (round_seconds - parts["steps"]) / round_seconds,
+                   "tokens": float(loader.tokens), "steps": metrics[protocol.TRAIN_STEPS],
+                   "tokens_per_second": loader.tokens / round_seconds,
+                   "step_tokens_per_second": loader.tokens / parts["steps"],
+                   "train_seconds_reported": metrics[protocol.TRAIN_SECONDS]}
+        return harness.Run(figures, settings)
 
 
 def markdown(summary: dict[str, harness.Stats], info: dict[str, Any], args: argparse.Namespace) -> str:

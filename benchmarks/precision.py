@@ -53,22 +53,40 @@ def build(model_path: str, examples: int, batch_size: int, max_length: int, caus
     return model, list(loader)
 
 
-def arms(model, batches, steps: int) -> dict[str, harness.Arm]:  # type: ignore[no-untyped-def]
-    """One arm per precision: ``steps`` train steps, then one evaluation pass over the batches."""
+def batch_settings(batches) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """What the batches are: how many, of how many rows, padded to how many tokens at most, and a
+    short hash of their token ids (the same data in every arm)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for batch in batches:
+        digest.update(batch["input_ids"].numpy().tobytes())
+    return {"batches": len(batches), "batch_size": len(batches[0]["labels"]),
+            "max_tokens": max(int(batch["input_ids"].shape[1]) for batch in batches),
+            "data": digest.hexdigest()[:16]}
+
+
+def arms(model, batches, steps: int, model_path: str = "") -> dict[str, harness.Arm]:  # type: ignore[no-untyped-def]
+    """One arm per precision: ``steps`` train steps, then one evaluation pass over the batches;
+    each run reports what it ran at (precision, torch threads, model, steps, batches), the
+    precision being the only setting the arms may differ in."""
     import torch
 
     from fedlora.training import evaluate, train
 
     cpu = torch.device("cpu")
+    shared = {"model": model_path, **batch_settings(batches)}
 
     def arm(precision: str) -> harness.Arm:
-        def run() -> dict[str, float]:
+        def run() -> harness.Run:
             stats = train(model, batches, epochs=1, lr=1e-4, device=cpu, max_steps=steps,  # type: ignore[arg-type]
                           precision=precision)  # type: ignore[arg-type]
             started = time.perf_counter()
             evaluate(model, batches, cpu, precision)  # type: ignore[arg-type]
-            return {"train_step_seconds": stats.seconds / max(stats.steps, 1),
-                    "eval_batch_seconds": (time.perf_counter() - started) / len(batches)}
+            figures = {"train_step_seconds": stats.seconds / max(stats.steps, 1),
+                       "eval_batch_seconds": (time.perf_counter() - started) / len(batches)}
+            return harness.Run(figures, {"precision": precision, "threads": torch.get_num_threads(),
+                                         "steps": stats.steps, **shared})
         return run
 
     return {"fp32": arm("fp32"), "bf16": arm("bf16")}
@@ -107,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     native = native_bf16(torch.device("cpu"))
     with output(verbose=False):  # fedlora's lines only
         model, batches = build(args.model, args.steps * args.batch_size, args.batch_size, args.max_length)
-        measured = harness.run_interleaved(arms(model, Batches(batches), args.steps),
-                                           repeat=args.repeat, warmup=args.warmup)
+        measured = harness.run_interleaved(arms(model, Batches(batches), args.steps, args.model),
+                                           repeat=args.repeat, warmup=args.warmup, varies=("precision",))
     train_ratio = harness.compare(measured, "fp32", "bf16", "train_step_seconds")
     eval_ratio = harness.compare(measured, "fp32", "bf16", "eval_batch_seconds")
     print(harness.report(measured, train_ratio))

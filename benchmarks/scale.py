@@ -36,12 +36,9 @@ environment (CPU, load average, versions, commit, command) and every raw run goe
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -50,6 +47,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # for harness
+
+import harness
+
 RESULTS = ROOT / "benchmarks" / "results"
 QUICK_RESULTS = ROOT / "runs" / "benchmarks"
 SAMPLED = 10  # clients per round, training and evaluation
@@ -151,7 +152,12 @@ def worker(args: argparse.Namespace) -> None:
     facts["run_seconds"] = time.perf_counter() - started
     results = json.loads((out / "results.json").read_text())
     seconds = [float(r["seconds"]) for r in results["rounds"]]
+    reported = harness.reported_settings(results, f"scale {args.engine} {args.strategy} N={args.size}")
     facts |= {
+        # what the run ran at: the clients' precision and threads, the config (not its data section:
+        # the pool grows with N, every client's share stays per_client examples)
+        "settings": {key: value for key, value in reported.items() if key != "data"}
+        | {"strategy": args.strategy, "engine": args.engine, "per_client": args.per_client, "sampled": SAMPLED},
         "round_seconds": seconds,
         "round1_s": seconds[0],
         "seconds_per_round": statistics.median(seconds[1:] or seconds),
@@ -279,30 +285,27 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def environment(note: str) -> dict[str, Any]:
-    """CPU, versions, commit, command, load average, time (as benchmarks/harness.py records them)."""
-    def git(*args: str) -> str | None:
+    """The harness's record of the machine (CPU model, count and bf16 flags, load average as
+    ``uptime`` gives it, versions, commit, command, time), with the versions this benchmark adds."""
+    env = harness.environment(note)
+    for name in VERSIONED:
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    def version(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
+            env["versions"][name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            return None
+            env["versions"][name] = None
+    return env
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
-    return {
-        "cpu_model": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-        "versions": {name: version(name) for name in VERSIONED},
-        "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "load_average": list(os.getloadavg()),
-        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "note": note,
-    }
+
+def check_matched(runs: list[dict[str, Any]]) -> None:
+    """Within each engine and strategy, every run (every size, every repeat) ran at the same
+    settings but its number of clients; refused in one line otherwise."""
+    for engine, strategy in dict.fromkeys((r["engine"], r["strategy"]) for r in runs):
+        group = {f"{engine} {strategy} N={r['clients']} run {r['index']}": r["settings"] for r in runs
+                 if (r["engine"], r["strategy"]) == (engine, strategy)}
+        try:
+            harness.require_matched(group, varies=("clients",), what="runs")
+        except harness.Unmatched as error:
+            raise SystemExit(f"scale: {error}") from None
 
 
 def main() -> None:
@@ -362,13 +365,16 @@ def main() -> None:
                           f"state {run['state_bytes_per_client'] / 1e3:.1f} KB x {run['clients_with_state']:.0f}"
                           + (f"  engine polling {run['engine_poll_cpu_s']:.1f} s CPU in {run['engine_poll_calls']:.0f} calls"
                              if "engine_poll_cpu_s" in run else ""), flush=True)
+    check_matched(runs)
     rows = summarise(runs, sizes)
     print(table(rows))
     record = {"benchmark": "scale", "environment": environment(args.note), "sizes": sizes, "engines": engines,
               "strategies": strategies, "rounds": args.rounds, "repeat": repeat, "per_client": args.per_client,
               "sampled_per_round": SAMPLED, "overrides": overrides(sizes[-1], strategies[0], args.rounds,
                                                                     args.per_client, args.global_test),
-              "summary": rows, "runs": runs}
+              "summary": rows, "runs": runs, "settings": {f"{r['engine']} {r['strategy']} N={r['clients']}": r["settings"]
+                                                            for r in runs if r["index"] == 0},
+              "varies": ["clients", "engine", "strategy"]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"record: {out}")

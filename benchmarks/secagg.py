@@ -61,6 +61,8 @@ dropout), the medians and ratios:
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import statistics
 import sys
 import tempfile
@@ -77,6 +79,9 @@ import harness
 NAME = "secagg"
 MIN_CLIENTS = 3  # SecAgg+ in fedlora needs at least 3 clients a round (docs/secure-aggregation.md)
 STAGES = ("setup", "share_keys", "unmask")  # the stages outside Flower's training exchange
+# what the arms may differ in: secure aggregation, the number of clients (and so the pool of
+# examples: every client keeps per_client), the clients dropping out every round
+VARIES = ("secure", "clients", "dropped")
 DEFAULTS = {"sizes": "5,10,20", "rounds": 5, "per_client": 100, "dropout": "both"}
 QUICK = {"sizes": "3", "rounds": 3, "per_client": 40, "dropout": "none"}
 
@@ -188,15 +193,25 @@ def arms(args: argparse.Namespace, tmp: Path) -> dict[str, harness.Arm]:
     runs = iter(range(1_000_000))
 
     def arm(size: int, secure: bool, dropped: int) -> harness.Arm:
-        def run() -> dict[str, float]:
+        def run() -> harness.Run:
             out = tmp / f"{'secure' if secure else 'plain'}-{size}-{dropped}-{next(runs)}"
             results, wall = harness.fedlora_run(args.config, overrides(size, secure, args, dropped), out, args.engine,
                                                  name="secagg")
-            return figures(results, wall, size, secure, dropped)
+            return harness.Run(figures(results, wall, size, secure, dropped), settings(results, args, secure, dropped))
         return run
 
     return {f"{side}-{size}{suffix}": arm(size, side == "secure", dropped)
             for dropped, suffix in variants(args) for size in args.sizes for side in ("plain", "secure")}
+
+
+def settings(results: dict[str, Any], args: argparse.Namespace, secure: bool, dropped: int) -> harness.Settings:
+    """What a run ran at: its clients' precision and threads and its config (harness.reported_settings),
+    its data section hashed without the two keys that grow with N (``num_clients`` and the pool,
+    ``max_examples``: every client keeps ``per_client`` examples, which is what the arms share)."""
+    shared = {key: value for key, value in results["config"]["data"].items() if key not in ("num_clients", "max_examples")}
+    return harness.reported_settings(results, "secagg") | {
+        "data": hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16], "engine": args.engine,
+        "secure": secure, "dropped": dropped, "per_client": args.per_client}
 
 
 def variants(args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -327,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
           f"dropout {args.dropout}, clip norm {args.clip_norm:g}, engine {args.engine}; {args.warmup} warm-up + "
           f"{args.repeat} interleaved runs per arm", flush=True)
     with tempfile.TemporaryDirectory(prefix="fedlora-secagg-") as tmp:
-        measured = harness.run_interleaved(arms(args, Path(tmp)), repeat=args.repeat, warmup=args.warmup)
+        measured = harness.run_interleaved(arms(args, Path(tmp)), repeat=args.repeat, warmup=args.warmup,
+                                           varies=VARIES)
     rows = side_by_side(measured, args.sizes, variants(args))
     largest, suffix = args.sizes[-1], variants(args)[0][1]
     comparison = harness.compare(measured, f"secure-{largest}{suffix}", f"plain-{largest}{suffix}", "seconds")

@@ -163,9 +163,24 @@ def bucketed(batches: list[dict[str, Any]], tokenizer: Any, is_causal: bool) -> 
     return [dict(collator(rows[i:i + size])) for i in range(0, len(rows), size)]
 
 
+def examples_digest(batches: list[dict[str, Any]]) -> str:
+    """A short hash of the examples in ``batches`` (each one's real tokens, in sorted order): the
+    same for the padded and the bucketed batches of the same examples."""
+    import hashlib
+
+    rows = sorted(tuple(b["input_ids"][i][b["attention_mask"][i].bool()].tolist())
+                  for b in batches for i in range(len(b["labels"])))
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
+# what the arms may differ in: the precision, compiling, and how the same examples are batched
+VARIES = ("precision", "compiled", "batching")
+
+
 def arms(models: dict[str, Any], batch_sets: dict[str, list[dict[str, Any]]], steps: int,
          flops: dict[str, tuple[float, float]], tokens: dict[str, float], ceiling: dict[str, float],
-         is_causal: bool, bf16: bool = True) -> dict[str, harness.Arm]:
+         is_causal: bool, bf16: bool = True, model_path: str = "") -> dict[str, harness.Arm]:
+    """One arm per setting (module docstring); each run reports what it ran at (harness.Run)."""
     import torch
 
     from fedlora.training import train
@@ -176,18 +191,23 @@ def arms(models: dict[str, Any], batch_sets: dict[str, list[dict[str, Any]]], st
     def arm(name: str, precision: str) -> harness.Arm:
         model, batches, (train_flops, eval_flops) = models[name], Batches(batch_sets[name]), flops[name]
         peak = ceiling["bf16" if precision == "bf16" else "fp32"]
+        fixed = {"precision": precision, "compiled": name == "compiled",
+                 "batching": "by length" if name == "bucketed" else "padded", "model": model_path,
+                 "batch_size": len(batches[0]["labels"]), "examples": examples_digest(batches)}
 
-        def run() -> dict[str, float]:
+        def run() -> harness.Run:
             stats = train(model, batches, epochs=1, lr=1e-4, device=cpu, max_steps=steps,  # type: ignore[arg-type]
                           precision=precision, loss_fn=loss)  # type: ignore[arg-type]
             started = time.perf_counter()
             evaluation(model, batches, precision, is_causal)
             step = stats.seconds / max(stats.steps, 1)
             batch = (time.perf_counter() - started) / len(batches)
-            return {"train_step_seconds": step, "eval_batch_seconds": batch,
-                    "train_tokens_per_s": tokens[name] / step, "eval_tokens_per_s": tokens[name] / batch,
-                    "train_gflops": train_flops / step / 1e9, "eval_gflops": eval_flops / batch / 1e9,
-                    "train_fraction": train_flops / step / 1e9 / peak, "eval_fraction": eval_flops / batch / 1e9 / peak}
+            figures = {"train_step_seconds": step, "eval_batch_seconds": batch,
+                       "train_tokens_per_s": tokens[name] / step, "eval_tokens_per_s": tokens[name] / batch,
+                       "train_gflops": train_flops / step / 1e9, "eval_gflops": eval_flops / batch / 1e9,
+                       "train_fraction": train_flops / step / 1e9 / peak,
+                       "eval_fraction": eval_flops / batch / 1e9 / peak}
+            return harness.Run(figures, fixed | {"threads": torch.get_num_threads(), "steps": stats.steps})
         return run
 
     chosen = {"fp32": arm("fp32", "fp32"), "fp32-bucketed": arm("bucketed", "fp32")} | (
@@ -263,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
               f"bucketed by length: {padded_bucketed:.0f} padded ({tokens['bucketed'] / padded_bucketed:.0%})")
         measured = harness.run_interleaved(
             arms(models, {"fp32": batches, "compiled": batches, "bucketed": bucket_batches}, args.steps, counted, tokens,
-                 ceiling, is_causal, bf16=not args.no_bf16),
-            repeat=args.repeat, warmup=args.warmup)
+                 ceiling, is_causal, bf16=not args.no_bf16, model_path=args.model),
+            repeat=args.repeat, warmup=args.warmup, varies=VARIES)
     compared = tuple(arm for arm in ("bf16", "fp32-compiled") if arm in measured.samples)
     ratios = {arm: harness.compare(measured, "fp32", arm, "train_step_seconds") for arm in compared}
     eval_ratios = {arm: harness.compare(measured, "fp32", arm, "eval_batch_seconds") for arm in compared}

@@ -224,12 +224,16 @@ def _release_state(job, context: Context) -> None:
             del context.state[key]
 
 
-def _worker() -> ConfigRecord:
-    """Where this message ran: the host, and the Ray node when the simulation engine runs it on Ray."""
+def _worker(precision: str) -> ConfigRecord:
+    """Where and how this message ran: the host, torch's threads and the precision it trained at, and
+    the Ray node when the simulation engine runs it on Ray."""
     import socket
     import sys
 
-    where = ConfigRecord({protocol.WORKER_HOST: socket.gethostname()})
+    import torch
+
+    where = ConfigRecord({protocol.WORKER_HOST: socket.gethostname(), protocol.WORKER_THREADS: str(torch.get_num_threads()),
+                          protocol.WORKER_PRECISION: precision})
     if "ray" in sys.modules:  # inside a Ray actor (never imported otherwise)
         import ray
 
@@ -321,7 +325,7 @@ def train(msg: Message, context: Context) -> Message:
     }
     log(DEBUG, "client %d round %d: loss %.4f in %.1fs", job.profile.partition_id, job.server_round, stats.loss, stats.seconds)
     content = RecordDict({protocol.ARRAYS_RECORD: to_array_record(upload),
-                          protocol.METRICS_RECORD: MetricRecord(metrics), protocol.WORKER_RECORD: _worker()})
+                          protocol.METRICS_RECORD: MetricRecord(metrics), protocol.WORKER_RECORD: _worker(trainer.precision)})
     trainer.release(model)
     return Message(content=content, reply_to=msg)
 

@@ -30,6 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from fedlora.backbones import (
     TASKS,
     ModelError,
@@ -40,10 +42,11 @@ from fedlora.backbones import (
     public_model_name,
     resolve_device,
 )
-from fedlora.lora import Payload, from_peft_state, payload_module, peft_key, peft_module, to_peft_state
+from fedlora.lora import Payload, from_peft_state, payload_module, peft_module, to_peft_state
 from fedlora.schema import ExperimentConfig, ModelConfig
 
 if TYPE_CHECKING:
+    import torch
     from peft import PeftModel
 
 LABELS_FILE = "labels.json"  # beside a classifier's adapter: {"id2label": {"0": name}, "label2id": {name: 0}}
@@ -370,29 +373,90 @@ class SeededAdapters:
 
 def adapter_payload(model: PeftModel) -> Payload:
     """The model's trainable adapter (LoRA factors + head) as a payload of float32 arrays."""
+    return from_peft_state(_adapter_state(model))
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """A model's adapter as peft's state dict names it, bound to the model's own parameters: peft's
+    key -> the parameter's name (``read``), the payload key -> the same name (``load``)."""
+
+    read: dict[str, str]
+    load: dict[str, str]
+
+
+# each model's binding, made from peft's own state dict on the model's first use, or None where an
+# entry of that state dict is not a parameter of the model as it stands (peft or transformers made it)
+_BINDINGS: weakref.WeakKeyDictionary[Any, _Binding | None] = weakref.WeakKeyDictionary()
+
+
+def _adapter_state(model: PeftModel) -> dict[str, torch.Tensor]:
+    """peft's adapter state dict of ``model`` (``get_peft_model_state_dict``). Read through peft on
+    the model's first use, then straight from the parameters that state dict was found to hold:
+    peft's function walks the whole model's state dict (every backbone weight) for the few adapter
+    entries, twice a client message (its upload and what it keeps), about 20 ms each for MiniLM."""
+    binding = _BINDINGS.get(model)
+    if binding is not None:
+        try:
+            return {key: model.get_parameter(name) for key, name in binding.read.items()}
+        except AttributeError:  # a parameter replaced or removed since: bind again
+            pass
     from peft import get_peft_model_state_dict
 
-    return from_peft_state(get_peft_model_state_dict(model, save_embedding_layers=False))
+    state: dict[str, torch.Tensor] = get_peft_model_state_dict(model, save_embedding_layers=False)
+    _BINDINGS[model] = _bind(model, state)
+    return state
+
+
+def _bind(model: PeftModel, state: dict[str, torch.Tensor]) -> _Binding | None:
+    """Which parameter each entry of peft's adapter ``state`` is (the same storage, shape, strides
+    and dtype), or None when one is not a parameter or the model has state-dict load hooks (then
+    peft's loader may do more than copy, and every read and load stays with peft)."""
+    from fedlora.lora import payload_key
+
+    if any(module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks for module in model.modules()):
+        return None
+    names = {(p.data_ptr(), tuple(p.shape), p.stride(), p.dtype): name for name, p in model.named_parameters()}
+    read = {}
+    for key, tensor in state.items():
+        name = names.get((tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype))
+        if name is None:
+            return None
+        read[key] = name
+    load = {payload_key(key): name for key, name in read.items()}
+    return _Binding(read, load) if len(load) == len(read) else None
 
 
 def load_payload(model: PeftModel, payload: Payload) -> None:
     """Copy the arrays of ``payload`` into the model (a subset is fine; shapes must match)."""
+    import torch
+
+    binding = _BINDINGS.get(model)
+    current: Payload | None = None
+    if binding is None or not set(payload) <= set(binding.load):  # a first use, or keys not seen: through peft
+        _BINDINGS.pop(model, None)
+        current = adapter_payload(model)
+        binding = _BINDINGS.get(model)
+    shapes = ({key: tuple(model.get_parameter(name).shape) for key, name in binding.load.items()} if binding is not None
+              else {key: tuple(array.shape) for key, array in (current or {}).items()})
+    for key, array in payload.items():
+        expected = shapes.get(key)
+        if expected is None:
+            raise ValueError(f"payload key {key!r} is not a parameter of this adapter")
+        if expected != tuple(array.shape):
+            raise ValueError(f"payload key {key!r} has shape {tuple(array.shape)}, adapter expects {expected}")
+    if binding is not None:  # the copy peft's loader makes (load_state_dict: param.copy_), without its walk
+        with torch.no_grad():
+            for key, array in payload.items():
+                model.get_parameter(binding.load[key]).copy_(torch.tensor(np.asarray(array, dtype=np.float32)))
+        return
     from peft import set_peft_model_state_dict
 
-    # start from the current values: peft's loader looks up the head (modules_to_save) keys even
-    # when the payload is a subset without them (KeyError 'base_model.model.classifier.weight')
-    state = to_peft_state(adapter_payload(model))
-    for key, array in payload.items():
-        current = state.get(peft_key(key))
-        if current is None:
-            raise ValueError(f"payload key {key!r} is not a parameter of this adapter")
-        if tuple(current.shape) != tuple(array.shape):
-            raise ValueError(
-                f"payload key {key!r} has shape {tuple(array.shape)}, adapter expects "
-                f"{tuple(current.shape)}"
-            )
-    state |= to_peft_state(payload)
-    set_peft_model_state_dict(model, state)
+    if len(payload) < len(shapes):
+        # a subset: start from the current values, as peft's loader looks up the head
+        # (modules_to_save) keys even when the payload lacks them (KeyError 'base_model.model.classifier.weight')
+        payload = {**(current if current is not None else adapter_payload(model)), **payload}
+    set_peft_model_state_dict(model, to_peft_state(payload))
 
 
 def module_shapes(model: PeftModel) -> dict[str, tuple[int, int]]:

@@ -62,7 +62,9 @@ RECORDS: Final = frozenset({ARRAYS_RECORD, CONFIG_RECORD, METRICS_RECORD, PROFIL
 # entries of the worker record
 WORKER_HOST: Final = "host"  # the host name
 WORKER_RAY_NODE: Final = "ray-node"  # the Ray node id, when the simulation engine runs on Ray
-WORKER_ENTRIES: Final = frozenset({WORKER_HOST, WORKER_RAY_NODE})
+WORKER_THREADS: Final = "torch-threads"  # torch's intra-op threads the client trained with
+WORKER_PRECISION: Final = "train-precision"  # train.precision as the client resolved it: "fp32" / "bf16"
+WORKER_ENTRIES: Final = frozenset({WORKER_HOST, WORKER_RAY_NODE, WORKER_THREADS, WORKER_PRECISION})
 
 # ------------------------------------------------------------------ message config (server -> client)
 SERVER_ROUND: Final = "server-round"

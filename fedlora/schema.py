@@ -397,6 +397,14 @@ class FederationConfig(_Section):
         "`ray start --head` prints it) instead of starting a local Ray; '' = a local Ray on this "
         "machine. Client resources (num_cpus, num_gpus) are requested on every node of the cluster.",
     )
+    ray_start_timeout: float = Field(
+        300.0, gt=0.0, le=86_400.0, allow_inf_nan=False,
+        description="Seconds a local Ray may take to start (its raylet and agents starting and registering; "
+        "Ray alone gives each step 30 to 60). On a busy machine that takes longer: Ray's start took 40 "
+        "to 50 s on a 2-core machine at load 19, and its 30 s limits ended such starts in a traceback. "
+        "A start that fails is cleaned up and tried once more within this time; one that still fails "
+        "ends the run in one line. Not used with federation.ray_address.",
+    )
 
 
 class BudgetTier(_Section):
@@ -800,6 +808,7 @@ RECORD_DEFAULTS: dict[tuple[str, str | None, str], Any] = {
     # The exception, written on docs/robustness.md: the fedhera_llm records kept apart under
     # faults.max_client_share=0.6, where the old bound changed weights that today's rule leaves.
     ("faults", None, "max_size_ratio"): 8.0,
+    ("federation", None, "ray_start_timeout"): 300.0,
     ("secure_aggregation", None, "enabled"): False,
     ("secure_aggregation", None, "num_shares"): 1.0,
     ("secure_aggregation", None, "reconstruction_threshold"): 0.5,

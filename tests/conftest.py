@@ -27,6 +27,13 @@ for _name, _value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "A
 # starts; this covers the Ray the tests start directly (the two-node cluster, Flower's simulation
 # under `flwr run`).
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Ray's own 30 s / 60 s waits between its processes (a raylet for its metrics agent, a worker's
+# registration), raised as fedlora's runner raises them for its own Ray starts
+# (federation.ray_start_timeout, fedlora.app.ray_start): for the Ray that Flower starts under `flwr run`
+# and the two-node cluster, beside a CPU burner on every core (on a loaded 2-core machine the agent
+# took longer and the raylet died with "Timed out waiting for file .../metrics_agent_port").
+os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
+os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")
 
 import psutil
 import pytest

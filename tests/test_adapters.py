@@ -288,3 +288,94 @@ def test_a_pooled_model_comes_back_as_built() -> None:
         assert parameter.requires_grad == expected[name].requires_grad and parameter.grad is None
     assert again.training == fresh.training
     assert torch.equal(rng_after_take, fresh_rng)
+
+
+def test_a_payload_is_checked_and_loaded_alike_on_a_models_first_and_later_loads() -> None:
+    """load_payload reads a model's adapter shapes on its first load and checks later payloads
+    against them (a pooled model is loaded once per message): a full payload, a subset (the rest
+    keeps its values), an unknown key or a wrong shape are handled the same on every load, and what
+    is loaded is what adapter_payload reads back (copies: training on does not change them)."""
+    import torch
+
+    from fedlora.models import adapter_payload, build_model, load_payload
+
+    # Prepare: a model and two different adapters for it
+    cfg = ModelConfig(path="tiny-bert", lora_rank=2)
+    model = build_model(cfg, num_labels=3, rank=2, seed=1, device="cpu")
+    first = {key: np.full_like(value, 0.25) for key, value in adapter_payload(model).items()}
+    second = {key: np.full_like(value, -0.5) for key, value in first.items()}
+    a_key = next(key for key in first if key.endswith("::A"))
+    for attempt in range(2):  # the first load reads the adapter's shapes, the second uses them
+        # Execute / Assert: a full payload
+        load_payload(model, first if attempt == 0 else second)
+        loaded = adapter_payload(model)
+        expected = first if attempt == 0 else second
+        assert loaded.keys() == expected.keys() and all(np.array_equal(loaded[k], expected[k]) for k in expected)
+        # a subset: the other keys keep their values
+        load_payload(model, {a_key: np.ones_like(first[a_key])})
+        after = adapter_payload(model)
+        assert np.array_equal(after[a_key], np.ones_like(first[a_key]))
+        assert all(np.array_equal(after[k], expected[k]) for k in expected if k != a_key)
+        # refused: a key the adapter lacks, a wrong shape
+        with pytest.raises(ValueError, match="is not a parameter of this adapter"):
+            load_payload(model, {"nowhere::A": first[a_key]})
+        with pytest.raises(ValueError, match=r"has shape \(1, 1\), adapter expects"):
+            load_payload(model, {a_key: np.zeros((1, 1), np.float32)})
+    # Assert: a payload read from the model is a copy
+    payload = adapter_payload(model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(1.0)
+    assert np.array_equal(payload[a_key], np.ones_like(first[a_key]))
+
+
+@pytest.mark.parametrize("kind", ["classification", "causal_lm"])
+def test_a_bound_model_reads_and_loads_its_adapter_as_peft_does_without_peft(kind: str, monkeypatch) -> None:
+    """After its first use a model's adapter is read from, and loaded into, the parameters peft's
+    state dict was found to hold: the same payload as peft's get_peft_model_state_dict, bit for
+    bit, and the same model as peft's set_peft_model_state_dict leaves, without calling either."""
+    import peft
+    import torch
+
+    from fedlora import models
+    from fedlora.lora import from_peft_state, to_peft_state
+
+    # Prepare: two twin models (tiny random BERT classifier with its head, or tiny Llama), a random payload
+    cfg = (ModelConfig(path="tiny-bert", lora_rank=2) if kind == "classification"
+           else ModelConfig(path="tiny-llama", kind="causal_lm", lora_rank=2))
+    model, twin = (models.build_model(cfg, num_labels=3, rank=2, seed=1, device="cpu") for _ in range(2))
+    reference = from_peft_state(peft.get_peft_model_state_dict(model, save_embedding_layers=False))
+    assert models.adapter_payload(model).keys() == reference.keys()  # the first use: through peft, and bound
+    rng = np.random.default_rng(0)
+    payload = {key: rng.standard_normal(value.shape).astype(np.float32) for key, value in reference.items()}
+    peft.set_peft_model_state_dict(twin, to_peft_state(payload))
+    expected = from_peft_state(peft.get_peft_model_state_dict(twin, save_embedding_layers=False))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("peft's state dict functions were called for a bound model")
+
+    monkeypatch.setattr(peft, "get_peft_model_state_dict", refused)
+    monkeypatch.setattr(peft, "set_peft_model_state_dict", refused)
+    # Execute
+    models.load_payload(model, payload)
+    read = models.adapter_payload(model)
+    # Assert: the same values in the same order, and every weight of the model as peft loaded it
+    assert list(read) == list(expected) and all(np.array_equal(read[key], expected[key]) for key in expected)
+    twin_state = twin.state_dict()
+    assert all(torch.equal(value, twin_state[key]) for key, value in model.state_dict().items())
+
+
+def test_a_model_with_state_dict_load_hooks_stays_with_peft() -> None:
+    # Prepare: a model one of whose modules has a load_state_dict hook (peft's loader may do more than copy)
+    from fedlora import models
+
+    model = models.build_model(ModelConfig(path="tiny-bert", lora_rank=2), num_labels=3, rank=2, seed=1, device="cpu")
+    model.register_load_state_dict_post_hook(lambda module, keys: None)
+    payload = {key: np.full_like(value, 0.5) for key, value in models.adapter_payload(model).items()}
+    # Execute
+    models.load_payload(model, payload)
+    # Assert: not bound, and loaded all the same (through peft)
+    assert models._BINDINGS.get(model) is None
+    read = models.adapter_payload(model)
+    assert all(np.array_equal(read[key], payload[key]) for key in payload)

@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -153,6 +154,111 @@ def test_record_holds_environment_raw_runs_and_summary(tmp_path: Path) -> None:
     assert "pytest" in e["command"] or "python" in e["command"]
 
 
+def settled(name: str, precision: str, threads: int = 2) -> harness.Arm:
+    """An arm that reports ``seconds`` 1.0 and the settings it ran at."""
+    def arm() -> harness.Run:
+        return harness.Run({"seconds": 1.0}, {"precision": precision, "threads": threads, "model": "tiny-bert",
+                                              "engine": name})
+    return arm
+
+
+def test_arms_that_differ_in_more_than_what_is_measured_are_refused_after_their_first_run() -> None:
+    # Prepare: fp32 against bf16 where only the engine may differ
+    calls: list[str] = []
+
+    def counted(name: str, precision: str) -> harness.Arm:
+        inner = settled(name, precision)
+
+        def arm() -> harness.Run:
+            calls.append(name)
+            return inner()
+        return arm
+
+    arms = {"plain": counted("plain", "fp32"), "fedlora": counted("fedlora", "bf16")}
+    # Execute / Assert: refused once both ran once (the warm-up), not after every run
+    with pytest.raises(harness.Unmatched, match=r"differ in more than what is measured \(engine\): "
+                       r"precision: 'fp32' vs 'bf16'"):
+        harness.run_interleaved(arms, repeat=5, warmup=1, log=None, varies=("engine",))
+    assert calls == ["plain", "fedlora"]
+    # Assert: the same arms at one precision pass, and the record keeps what they ran at
+    matched = harness.run_interleaved({"plain": settled("plain", "bf16"), "fedlora": settled("fedlora", "bf16")},
+                                      repeat=2, warmup=0, log=None, varies=("engine",))
+    assert matched.settings["fedlora"] == {"precision": "bf16", "threads": 2, "model": "tiny-bert", "engine": "fedlora"}
+    data = harness.record("demo", {"note": ""}, matched, None, "x=1")
+    assert data["settings"]["plain"]["precision"] == "bf16" and data["varies"] == ["engine"]
+    assert len(data["load_per_run"]) == 4 and "cpu_bf16_flags" in data["environment"]
+    assert "arms matched on: model=tiny-bert precision=bf16 threads=2; varied: engine (plain=plain, fedlora=fedlora)" \
+        in harness.report(matched)
+
+
+def test_an_arm_that_changes_its_settings_or_stays_silent_beside_one_that_reports_is_refused() -> None:
+    threads = iter([2, 2, 1])
+
+    def drifting() -> harness.Run:
+        return harness.Run({"seconds": 1.0}, {"precision": "fp32", "threads": next(threads)})
+
+    with pytest.raises(harness.Unmatched, match=r"arm 'a' ran at other settings in run 3 .*threads: 2 vs 1"):
+        harness.run_interleaved({"a": drifting}, repeat=3, warmup=0, log=None)
+    with pytest.raises(harness.Unmatched, match=r"arms \['b'\] report no settings"):
+        harness.run_interleaved({"a": settled("a", "fp32"), "b": lambda: {"seconds": 1.0}}, repeat=1, warmup=0, log=None)
+
+
+def test_records_at_other_settings_or_without_any_are_not_compared(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: three records of one benchmark: two at bf16, one at fp32
+    def written(name: str, precision: str, seconds: float) -> Path:
+        def arm() -> harness.Run:
+            return harness.Run({"seconds": seconds}, {"precision": precision, "threads": 2})
+        measured = harness.run_interleaved({"plain": arm}, repeat=1, warmup=0, log=None)
+        return harness.write_record(tmp_path / f"{name}.json", harness.record("demo", {"note": ""}, measured, None, ""))
+
+    old, new, fp32 = written("old", "bf16", 2.0), written("new", "bf16", 3.0), written("fp32", "fp32", 1.0)
+    legacy = harness.write_record(tmp_path / "legacy.json", json.loads(old.read_text()) | {"settings": {}})
+    # Execute / Assert: the matched pair side by side, second / first
+    assert harness.main(["compare", str(old), str(new)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plain") and "seconds" in line)
+    assert row.split()[-1] == "1.500"
+    # Execute / Assert: the others refused in one line, exit 2
+    for other, reason in ((fp32, ("arm 'plain' ran at other settings in .*fp32.json than in .*old.json: "
+                                  "precision: 'bf16' vs 'fp32'")),
+                          (legacy, "legacy.json records no settings of its arms")):
+        assert harness.main(["compare", str(old), str(other)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(reason, err[0]), err
+
+
+def test_overhead_arms_report_the_same_precision_and_threads_where_auto_picks_bf16(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/overhead.py --quick (tiny BERT, the in-process engine, one fresh process per arm)
+    with configs/smoke.toml's ``train.precision = "auto"`` on a machine whose CPU computes bf16
+    natively (forced: the tests hold torch's kernels at AVX2, where auto is fp32). The plain arm
+    once trained in fp32 there while fedlora's clients trained in bf16; now both must report bf16
+    (read where they trained: the plain arm's forward pass, fedlora's replies) and the same threads,
+    and train alike: the same client losses in every round and the same global accuracy."""
+    import fedlora.training
+
+    overhead = load("overhead")
+    monkeypatch.setattr(fedlora.training, "native_bf16", lambda device: True)
+    out = tmp_path / "overhead.json"
+    # Execute
+    assert overhead.main(["--quick", "--out", str(out)]) == 0
+    # Assert: the record's settings, per arm, as each reported them
+    lines = capsys.readouterr().out.strip().splitlines()
+    back = json.loads(out.read_text())
+    plain, fedlora = back["settings"]["plain"], back["settings"]["fedlora"]
+    assert plain["precision"] == fedlora["precision"] == "bf16"
+    assert plain["threads"] == fedlora["threads"] == os.cpu_count()
+    assert harness.differences(plain, fedlora) == ["engine: 'plain loop' vs 'inprocess'"]
+    assert lines[-1].endswith(f"precision=bf16 threads={os.cpu_count()}") and back["last_line"] == lines[-1]
+    # Assert: trained alike, client by client
+    losses = back["extra"]["client_losses"]
+    assert len(losses["plain"]) == 2 and losses["plain"][1].keys() == {"0", "1"}
+    for mine, theirs in zip(losses["plain"], losses["fedlora"], strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-4)
+    assert back["samples"]["plain"][0]["global_accuracy"] == back["samples"]["fedlora"][0]["global_accuracy"]
+    assert back["extra"]["trained_alike"].startswith("both arms trained alike")
+
+
 def test_overhead_figures_from_round_times() -> None:
     overhead = load("overhead")
     side = {"round_seconds": [10.0, 4.0, 6.0, 5.0], "train_seconds": [9.0, 3.0, 5.5, 4.0],
@@ -163,6 +269,24 @@ def test_overhead_figures_from_round_times() -> None:
     assert figures["steady_rest_seconds"] == pytest.approx(3.0)  # median(1, 0.5, 1) x 3
     assert figures["first_round_seconds"] == 10.0 and figures["rounds_seconds"] == 25.0
     assert figures["one_off_seconds"] == 15.0 and figures["global_accuracy"] == 0.5
+
+
+def test_overhead_counts_the_servers_work_between_rounds(tmp_path: Path) -> None:
+    # Prepare: a run.log whose round lines came 10.5 s and 10.7 s apart, rounds' own clocks 10.0 and 10.5 s
+    overhead = load("overhead")
+    stamps = ["2026-12-07 10:00:00,000", "2026-12-07 10:00:10,500", "2026-12-07 10:00:21,200", "2026-12-07 10:00:33,000"]
+    log = tmp_path / "run.log"
+    log.write_text("2026-12-07 09:59:50,000 INFO fedlora: load_source: wordnet\n" + "".join(
+        f"{stamp} INFO fedlora: round   {i + 1}/4  global   -    loss 2.0  7.0s\n" for i, stamp in enumerate(stamps)))
+    seconds = [9.0, 10.0, 10.5, 11.0]
+    # Execute
+    ends = overhead.round_ends(log)
+    between = overhead.between_rounds(seconds, ends)
+    # Assert: rounds 2 and 3 measured line to line (0.5 s, 0.2 s); rounds 1 and 4 get their median
+    assert ends[1] - ends[0] == pytest.approx(10.5)
+    assert between == pytest.approx([0.35, 0.5, 0.2, 0.35])
+    assert overhead.full_rounds(seconds, ends) == pytest.approx([9.35, 10.5, 10.7, 11.35])
+    assert overhead.between_rounds([5.0, 6.0], []) == [0.0, 0.0]  # no lines to read: nothing added
 
 
 def test_aggregation_last_line_matches_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,6 +306,10 @@ def test_aggregation_last_line_matches_its_record(tmp_path: Path, capsys: pytest
     pairs = [d / f for d, f in zip(dense, factor, strict=True)]
     assert float(values["spread"]) == pytest.approx(max(pairs) / min(pairs), abs=5e-3)
     assert back["extra"]["pushed_update_rel_diff"] < 1e-3  # both paths push the same rank-4 update
+    # the arms share the shape, dtype and BLAS threads; they differ in the method and the modules timed
+    assert harness.differences(back["settings"]["factor"], back["settings"]["dense"]) == [
+        "method: 'factor space' vs 'dense SVD'", "modules_timed: 4 vs 1"]
+    assert back["settings"]["dense"]["dtype"] == "float32" and back["settings"]["dense"]["d_out"] == 256
 
 
 def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -223,6 +351,7 @@ def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pyt
     machine = back["machine"]
     assert machine["cpu_model"] and machine["cpu_count"] == os.cpu_count() and machine["torch_threads"] == 1
     assert machine["torch_version"] == torch.__version__ and machine["device"] == "cpu" and machine["dtype"] == "fp32"
+    assert back["settings"]["round"]["precision"] == "fp32" and back["settings"]["round"]["threads"] == 1
     assert "gpu_name" in machine and machine["gpu_name"] is None
     assert back["last_line"] == last and last.startswith(f"tokens_per_second={sample['tokens_per_second']:.1f} ")
     table = out.with_suffix(".md").read_text()
@@ -246,6 +375,10 @@ def test_precision_gives_both_ratios_from_its_record(tmp_path: Path, capsys: pyt
         assert float(values[key]) == pytest.approx(medians["fp32"][figure] / medians["bf16"][figure], abs=5e-4)
     assert values["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and back["last_line"] == last
     assert values["native_bf16"] in ("True", "False") and back["repeat"] == 2
+    # the arms differ in the precision alone, and say so in the record
+    assert back["varies"] == ["precision"]
+    assert harness.differences(back["settings"]["fp32"], back["settings"]["bf16"]) == ["precision: 'fp32' vs 'bf16'"]
+    assert back["settings"]["bf16"]["threads"] == 1 and back["settings"]["bf16"]["steps"] == 2
 
 
 def test_llm_throughput_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -321,6 +454,10 @@ def test_secagg_compares_real_plain_and_secure_runs_from_its_record(tmp_path: Pa
     assert secure["train_stage_seconds"] == pytest.approx(secure["seconds"] - stages)
     assert plain["train_stage_seconds"] == plain["seconds"] and "setup_seconds" not in plain
     assert 0 < secure["error_bound"] < 1e-6  # 3 c |S| / (T D) with c = 8, T = 2^30, 3 clients
+    # Assert: both arms trained at the settings their clients reported, alike but for secure aggregation
+    settings = back["settings"]
+    assert harness.differences(settings["plain-3"], settings["secure-3"]) == ["secure: False vs True"]
+    assert settings["secure-3"]["precision"] in ("fp32", "bf16") and settings["secure-3"]["clients"] == 3
 
 
 def test_secagg_refuses_a_round_that_did_not_aggregate_every_client() -> None:
@@ -334,6 +471,52 @@ def test_secagg_refuses_a_round_that_did_not_aggregate_every_client() -> None:
         secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=True)
     assert secagg.figures(results | {"rounds": [round_]}, 10.0, 5, secure=False)["seconds"] == 1.0
     assert [r["round"] for r in secagg.steady_rounds([{"round": k} for k in range(1, 6)])] == [2, 3, 4]
+
+
+def test_step_arms_differ_only_in_precision_and_batching_and_say_so_in_the_record(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/step.py --quick without the compiled arm (tiny-bert, 2 steps, one run per arm):
+    every arm reports the model, threads, steps, batch and the same examples; fp32 and bf16 differ
+    in the precision alone, fp32 and its bucketed arm in the batching alone."""
+    step = load("step")
+    out = tmp_path / "step.json"
+    # Execute
+    assert step.main(["--quick", "--no-compile", "--repeat", "1", "--warmup", "0", "--threads", "1",
+                      "--out", str(out)]) == 0
+    capsys.readouterr()
+    # Assert
+    back = json.loads(out.read_text())
+    settings = back["settings"]
+    assert set(settings) == {"fp32", "bf16", "fp32-bucketed"} and back["varies"] == ["batching", "compiled", "precision"]
+    assert harness.differences(settings["fp32"], settings["bf16"]) == ["precision: 'fp32' vs 'bf16'"]
+    assert harness.differences(settings["fp32"], settings["fp32-bucketed"]) == ["batching: 'padded' vs 'by length'"]
+    fp32 = settings["fp32"]
+    assert (fp32["model"], fp32["threads"], fp32["steps"], fp32["batch_size"]) == ("tiny-bert", 1, 2, 16)
+    assert fp32["examples"] == settings["fp32-bucketed"]["examples"]  # the same examples, batched otherwise
+
+
+def test_scale_refuses_runs_that_differ_in_more_than_their_number_of_clients(capsys: pytest.CaptureFixture[str]) -> None:
+    # Prepare: runs of one engine and strategy at 10 and 100 clients, as scale's workers report them
+    scale = load("scale")
+    shared = {"precision": "fp32", "threads": 1, "model": "tiny-bert", "steps": 2, "engine": "inprocess",
+              "strategy": "fedit"}
+
+    def run(clients: int, index: int, **changed: object) -> dict:
+        return {"engine": "inprocess", "strategy": "fedit", "clients": clients, "index": index,
+                "settings": shared | {"clients": clients} | changed}
+
+    # Execute / Assert: the number of clients may differ; and another strategy is its own group
+    scale.check_matched([run(10, 0), run(100, 0), run(10, 1), run(100, 1)])
+    other = run(10, 0) | {"strategy": "fedsa_lora"}
+    other["settings"] = other["settings"] | {"strategy": "fedsa_lora", "threads": 2}
+    scale.check_matched([run(10, 0), run(100, 0), other])
+    # Execute / Assert: a run at another precision or thread count is refused in one line
+    for changed, shown in (({"precision": "bf16"}, "precision: 'fp32' vs 'bf16'"), ({"threads": 2}, "threads: 1 vs 2")):
+        with pytest.raises(SystemExit) as stop:
+            scale.check_matched([run(10, 0), run(100, 0, **changed)])
+        assert str(stop.value).startswith("scale: runs 'inprocess fedit N=10 run 0' and 'inprocess fedit N=100 run 0' "
+                                          "differ in more than what is measured (clients): ")
+        assert str(stop.value).endswith(shown) and "\n" not in str(stop.value)
 
 
 def test_secagg_drops_exactly_one_client_a_round_in_its_dropout_arms() -> None:
@@ -364,3 +547,35 @@ def test_secagg_drops_exactly_one_client_a_round_in_its_dropout_arms() -> None:
     with pytest.raises(SystemExit, match="with 1 dropped"):
         secagg.figures({**results, "rounds": [{**round_, "extra": {"secure_aggregation": {**report, "dead_recovered": 0}}}]},
                        10.0, 5, secure=True, dropped=1)
+
+
+def test_secagg_arms_of_other_sizes_and_dropout_share_every_setting_but_those() -> None:
+    """secagg's arms at N = 5 and 10 clients, with and without a dropped client: the configs it
+    runs (smoke.toml with its overrides, as results.json holds them) give settings that differ in
+    the clients, secure aggregation and the dropped clients alone (the pool of examples grows with
+    N; each client's share does not); a run whose clients trained at another precision, or on
+    other data, is refused."""
+    from fedlora.config import load_config
+
+    # Prepare: the results of each arm's run as far as the settings go (its config, its clients' replies)
+    secagg = load("secagg")
+    args = secagg.parse(["--sizes", "5,10"])
+
+    def results(size: int, secure: bool, dropped: int, precision: str = "fp32", **data: object) -> dict:
+        config = load_config(args.config, secagg.overrides(size, secure, args, dropped)).model_dump(mode="json")
+        config["data"] |= data
+        reply = {"train-precision": precision, "torch-threads": 1}
+        return {"config": config, "rounds": [{"per_client_train": {str(k): reply for k in range(size - dropped)}}]}
+
+    # Execute
+    arms = {f"{size}-{secure}-{dropped}": secagg.settings(results(size, secure, dropped), args, secure, dropped)
+            for size in (5, 10) for secure in (False, True) for dropped in (0, 1)}
+    # Assert: matched but for what the benchmark varies
+    harness.require_matched(arms, secagg.VARIES)
+    assert harness.differences(arms["5-False-0"], arms["10-True-1"]) == [
+        "clients: 5 vs 10", "dropped: 0 vs 1", "secure: False vs True"]
+    assert arms["10-True-1"]["per_client"] == args.per_client and arms["10-True-1"]["precision"] == "fp32"
+    # Assert: another precision, or other data (a different partition), is refused
+    for other in (results(10, True, 0, precision="bf16"), results(10, True, 0, partition="dirichlet")):
+        with pytest.raises(harness.Unmatched):
+            harness.require_matched(arms | {"odd": secagg.settings(other, args, True, 0)}, secagg.VARIES)

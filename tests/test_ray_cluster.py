@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
+from fedlora.app import ray_start
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
+START_TIMEOUT = 300.0  # federation.ray_start_timeout's default
 METRICS = ("global_accuracy", "personalized_accuracy", "received_accuracy", "train_loss", "bytes_up", "bytes_down",
            "clients", "failures")
 
@@ -34,11 +38,14 @@ def two_node_cluster():
     # Cluster writes that pointer into Ray's default temp folder whatever temp_dir says, and fails
     # when no Ray has run on this machine yet (the folder does not exist: CI, this module first)
     Path(ray._common.utils.get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "temp_dir": temp_dir})
-    ray._common.utils.reset_ray_address()
-    cluster.add_node(num_cpus=1, temp_dir=temp_dir)
-    cluster.wait_for_nodes()
+    # on a loaded machine the nodes get the time fedlora's own Ray start gets (fedlora.app.ray_start:
+    # Ray's 30 s limits for a raylet and its agent raised, the wait for the raylet patient)
+    with ray_start.ray_waits(START_TIMEOUT), ray_start.patient_node_start(time.monotonic() + START_TIMEOUT):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                                "temp_dir": temp_dir})
+        ray._common.utils.reset_ray_address()
+        cluster.add_node(num_cpus=1, temp_dir=temp_dir)
+        cluster.wait_for_nodes(timeout=START_TIMEOUT)
     yield cluster
     cluster.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)

@@ -277,7 +277,7 @@ def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -
     module, attr = CLIENT_APP.split(":")
     client_app = getattr(importlib.import_module(module), attr)
     backend = backend_config(config, out)
-    start_ray(backend["init_args"], out / LOG_FILE, verbose)
+    start_ray(backend["init_args"], out / LOG_FILE, verbose, config.federation.ray_start_timeout)
     try:
         with polling_pending_nodes():  # Flower's engine sweeps only the nodes with a message waiting
             run_simulation(
@@ -300,18 +300,31 @@ def _run_ray(config: ExperimentConfig, out: Path, resume: bool, verbose: bool) -
     return results
 
 
-def start_ray(init_args: dict[str, Any], log_path: Path, verbose: bool) -> None:
+def start_ray(init_args: dict[str, Any], log_path: Path, verbose: bool, start_timeout: float = 300.0) -> None:
     """``ray.init`` as Flower's Ray backend would call it (its PYTHONPATH in the job's runtime
-    environment, no dashboard), plus fedlora's worker setup hook (fedlora.app.quiet)."""
+    environment, no dashboard), plus fedlora's worker setup hook (fedlora.app.quiet). A local Ray
+    gets ``start_timeout`` seconds and a second attempt to start (``federation.ray_start_timeout``,
+    :mod:`fedlora.app.ray_start`); one that does not start is a one-line :class:`RunError`."""
     import ray
 
     from fedlora.app.quiet import ray_runtime_env
+    from fedlora.app.ray_start import RayStartError, start_local_ray
 
     pythonpath = os.pathsep.join(sys.path)  # the workers import this driver's modules (fedlora.clients.app)
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
-    ray.init(runtime_env=ray_runtime_env(log_path, verbose, {"PYTHONPATH": pythonpath}),
-             **{"include_dashboard": False, **init_args})
+
+    def init() -> None:
+        ray.init(runtime_env=ray_runtime_env(log_path, verbose, {"PYTHONPATH": pythonpath}),
+                 **{"include_dashboard": False, **init_args})
+
+    if "address" in init_args or ray.is_initialized():  # a running cluster, or a Ray this process started
+        init()  # itself (ray.init refuses it as before): nothing of ours to start, retry or clean up
+        return
+    try:
+        start_local_ray(init, start_timeout)
+    except RayStartError as error:
+        raise RunError(str(error)) from None
 
 
 def stop_ray() -> None:

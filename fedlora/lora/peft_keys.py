@@ -68,8 +68,12 @@ def payload_key(key: str) -> str:
 
 
 def from_peft_state(state: Mapping[str, torch.Tensor]) -> Payload:
-    """peft's adapter state dict -> a payload of float32 numpy arrays."""
-    return {payload_key(key): tensor.detach().float().cpu().numpy() for key, tensor in state.items()}
+    """peft's adapter state dict -> a payload of float32 numpy arrays, copies: a payload taken from a
+    model stays what it was when the model trains on, or is reset for the next client (a plain
+    ``.numpy()`` of a float32 CPU parameter is a view of it)."""
+    import torch
+
+    return {payload_key(key): tensor.detach().to("cpu", torch.float32, copy=True).numpy() for key, tensor in state.items()}
 
 
 def to_peft_state(payload: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
