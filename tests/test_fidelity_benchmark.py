@@ -76,7 +76,7 @@ def test_the_weight_share_bound_never_acts_in_a_classifier_scenario(name: str, t
     one client that share (its partition against the smallest others a round can hold)."""
     from fedlora.data.federated import build_federated_data
     from fedlora.schema import sample_size
-    from strategies.replies import capped_weights
+    from fedlora.strategies.replies import capped_weights
 
     scenario = fidelity.scenarios()[name]
     base = resolve_base(str(fidelity.ROOT / scenario.config))
