@@ -223,11 +223,11 @@ def test_dp_sgd_clips_per_sample_gradients_of_the_per_sample_loss_and_changes_th
     import torch
 
     import fedlora.privacy
-    from fedlora.causal_lm import causal_lm_loss, make_causal_loader
+    from fedlora.causal_lm import INSTRUCTIONS, causal_lm_loss
     from fedlora.data import build_federated_data
     from fedlora.models import adapter_payload, build_model
     from fedlora.privacy import private_train
-    from fedlora.training import TrainStats
+    from fedlora.training import TrainStats, make_loader
 
     # Prepare: no dropout (exact gradients), a small clipping bound, three examples of different lengths
     cfg = load_config(SMOKE, ["model.lora_dropout=0.0", "privacy.dp=true", "privacy.noise_multiplier=0",
@@ -237,10 +237,10 @@ def test_dp_sgd_clips_per_sample_gradients_of_the_per_sample_loss_and_changes_th
     params = [p for p in model.parameters() if p.requires_grad]
     alone = []  # each example's gradient norm, computed on its own without Opacus
     for row in range(3):
-        batch = next(iter(make_causal_loader(train.select([row]), tokenizer(), 1, 64, shuffle=False)))
+        batch = next(iter(make_loader(train.select([row]), tokenizer(), 1, 64, shuffle=False, rows=INSTRUCTIONS)))
         grads = torch.autograd.grad(causal_lm_loss(model, batch), params)
         alone.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
-    batch3 = make_causal_loader(train, tokenizer(), 3, 64, shuffle=False)
+    batch3 = make_loader(train, tokenizer(), 3, 64, shuffle=False, rows=INSTRUCTIONS)
     observed = {}
 
     def probe(private_model, loader, optimizer, epochs, max_steps, loss_fn, *args, **kwargs):
@@ -263,7 +263,7 @@ def test_dp_sgd_clips_per_sample_gradients_of_the_per_sample_loss_and_changes_th
     # Execute: a real private step with noise
     cfg.privacy.noise_multiplier = 1.0
     before = {k: v.copy() for k, v in adapter_payload(model).items()}
-    result = private_train(model, make_causal_loader(train, tokenizer(), 3, 64, shuffle=True), privacy=cfg.privacy,
+    result = private_train(model, make_loader(train, tokenizer(), 3, 64, shuffle=True, rows=INSTRUCTIONS), privacy=cfg.privacy,
                            seed=1, **{**kwargs, "max_steps": 2})
     after = adapter_payload(model)
     # Assert: every LoRA factor moved and the privacy was accounted
