@@ -39,6 +39,7 @@ def tokenizer():
     return load_tokenizer("tiny-llama")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", strategy_names())
 def test_every_strategy_runs_on_the_causal_lm_smoke_or_refuses_in_one_line(strategy: str, tmp_path: Path) -> None:
     from fedlora.app.runner import run_inprocess
@@ -80,6 +81,7 @@ def test_every_strategy_runs_on_the_causal_lm_smoke_or_refuses_in_one_line(strat
     assert {"prompt", "reference", "generation"} <= set(samples[0])
 
 
+@pytest.mark.e2e
 def test_the_zero_shot_round_is_the_base_model_for_every_init(tmp_path: Path) -> None:
     from fedlora.app.runner import run_inprocess
 
@@ -141,6 +143,7 @@ def test_rouge_l_is_computed_by_rouge_score_on_a_hand_example() -> None:
     assert scores == pytest.approx([5 / 6, 0.0])
 
 
+@pytest.mark.e2e
 def test_saved_adapters_load_with_peft_on_auto_model_for_causal_lm_and_generate(tmp_path: Path) -> None:
     import torch
     from peft import PeftModel

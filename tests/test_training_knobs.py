@@ -325,6 +325,7 @@ class Recorder:
         self.steps.append(-1)
 
 
+@pytest.mark.e2e
 def test_a_clients_steps_reach_the_progress_with_its_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fedlora.app.runner import run_inprocess
 
