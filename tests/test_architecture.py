@@ -11,6 +11,7 @@ docs/design.md's table of Flower internals names, with the reason.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache  # read by several tests, never changed: parsed once per process
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     return {name: imports_of(path, modules) - {name} for name, path in modules.items()}
