@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.fedlora-installed
 PYTEST_ARGS ?=
 
-.PHONY: install system-data demo test test-fast lint docs clean
+.PHONY: install system-data demo test test-fast test-unit lint docs clean
 
 install: $(STAMP)
 
@@ -55,6 +55,10 @@ test: install system-data
 
 test-fast: install system-data
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The inner loop: the unit tests (neither e2e nor slow), two workers; under a minute on 2 cores.
+test-unit: install system-data
+	@$(PY) -m pytest -q -m "not e2e and not slow" -n 2 $(PYTEST_ARGS)
 
 # mypy: strict on the core (fedlora/ without the application layer), checked on the rest. mypy does not
 # follow pyproject's package-dir mapping, so it reads the installed layout from .lint/: fedlora/ whose

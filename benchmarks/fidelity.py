@@ -872,7 +872,7 @@ def untrained_score(config: Any, metric: str) -> float:
     import tempfile
 
     from fedlora.backbones import load_tokenizer
-    from fedlora.causal_lm import evaluate_generation, make_causal_loader
+    from fedlora.causal_lm import INSTRUCTIONS, evaluate_generation
     from fedlora.data import build_federated_data
     from fedlora.evaluation import GlobalEvaluator
     from fedlora.results import RoundRecord
@@ -894,7 +894,8 @@ def untrained_score(config: Any, metric: str) -> float:
     scores, weights = [], []
     for client in federated.clients:
         if config.model.kind == "causal_lm":
-            loader = make_causal_loader(client.test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False)
+            loader = make_loader(client.test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False,
+                                 rows=INSTRUCTIONS)
             result = evaluate_generation(model, client.test, loader, tokenizer, evaluator.torch_device,
                                          cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
                                          precision=evaluator.precision)

@@ -37,19 +37,19 @@ def build(model_path: str, examples: int, batch_size: int, max_length: int, caus
     -100 on the prompt) on ``model_path``, and its first client's training batches (``examples``
     of them), as fedlora's loaders make them."""
     from fedlora.backbones import load_tokenizer
-    from fedlora.causal_lm import make_causal_loader
+    from fedlora.causal_lm import INSTRUCTIONS
     from fedlora.config import load_config
     from fedlora.data import build_federated_data
     from fedlora.models import build_model
-    from fedlora.training import make_loader
+    from fedlora.training import LABELLED_TEXTS, make_loader
 
     config = load_config(ROOT / ("configs/llm.toml" if causal else "configs/quickstart.toml"), [f"model.path={model_path!r}"])
     federated = build_federated_data(config.data)
     train = federated.client(0).train
     train = train.select(range(min(examples, len(train))))
     model = build_model(config.model, len(federated.label_names), config.model.lora_rank, device="cpu")
-    loader = (make_causal_loader if causal else make_loader)(train, load_tokenizer(model_path), batch_size, max_length,
-                                                             shuffle=False)
+    loader = make_loader(train, load_tokenizer(model_path), batch_size, max_length, shuffle=False,
+                         rows=INSTRUCTIONS if causal else LABELLED_TEXTS)
     return model, list(loader)
 
 

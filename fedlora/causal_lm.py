@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from fedlora.training import Precision, autocast, batch_loader, cached_tokenized
+from fedlora.training import Precision, RowFormat, autocast
 
 if TYPE_CHECKING:
     import datasets
@@ -85,22 +85,16 @@ def tokenize_instructions(dataset: datasets.Dataset, tokenizer: PreTrainedTokeni
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names)
 
 
-def make_causal_loader(
-    dataset: datasets.Dataset,
-    tokenizer: PreTrainedTokenizerBase,
-    batch_size: int,
-    max_length: int,
-    shuffle: bool,
-    seed: int = 0,
-    cache_key: str | None = None,
-) -> DataLoader[Any]:
-    """A DataLoader of right-padded batches: ``input_ids``, ``attention_mask``, ``labels`` (-100 on
-    the prompt and the padding)."""
+def instruction_collator(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """transformers' collator that right-pads a batch, its ``labels`` with -100."""
     from transformers import DataCollatorForSeq2Seq
 
-    encoded = cached_tokenized(cache_key, dataset, tokenizer, max_length, tokenize_instructions)
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
-    return batch_loader(encoded, collator, batch_size, shuffle, seed)
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+
+
+# :func:`fedlora.training.make_loader`'s rows for instruction tuning: right-padded batches of
+# ``input_ids``, ``attention_mask``, ``labels`` (-100 on the prompt and the padding), in the split's order
+INSTRUCTIONS = RowFormat(tokenize_instructions, instruction_collator, by_length=False)
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,13 +66,14 @@ class GlobalEvaluator(SeededAdapters):
     def generation(self, payload: Payload) -> Any:
         """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
         from fedlora.backbones import load_tokenizer
-        from fedlora.causal_lm import evaluate_generation, make_causal_loader
+        from fedlora.causal_lm import INSTRUCTIONS, evaluate_generation
+        from fedlora.training import make_loader
 
         cfg = self.config.train
         tokenizer = load_tokenizer(self.config.model.path)
         if self._loader is None:
-            self._loader = make_causal_loader(self.federated.global_test, tokenizer, cfg.eval_batch_size,
-                                              cfg.max_length, shuffle=False)
+            self._loader = make_loader(self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length,
+                                       shuffle=False, rows=INSTRUCTIONS)
         return evaluate_generation(self.model_for(payload), self.federated.global_test, self._loader, tokenizer,
                                    self.torch_device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
                                    samples=self.config.output.sample_generations, precision=self.precision)

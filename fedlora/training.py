@@ -128,6 +128,30 @@ def cached_tokenized(key: str | None, dataset: datasets.Dataset, tokenizer: PreT
     return encoded
 
 
+@dataclass(frozen=True)
+class RowFormat:
+    """How :func:`make_loader` turns a split into batches: ``tokenize`` (cached per key, see
+    :func:`cached_tokenized`), ``collator(tokenizer)`` (the transformers collator that pads a batch)
+    and whether the rows may be ordered by length (evaluation shortest first, ``group_by_length``).
+    :data:`LABELLED_TEXTS` (classifiers) may; :data:`fedlora.causal_lm.INSTRUCTIONS` keeps the
+    split's order."""
+
+    tokenize: Tokenize
+    collator: Callable[[PreTrainedTokenizerBase], Any]
+    by_length: bool
+
+
+def padding_collator(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """transformers' collator that pads per batch and renames ``label`` to ``labels``; ``index`` (the
+    row in the split) rides along for methods that track samples (FedDR-LoRA's split)."""
+    from transformers import DataCollatorWithPadding
+
+    return DataCollatorWithPadding(tokenizer, return_tensors="pt")
+
+
+LABELLED_TEXTS = RowFormat(tokenized_rows, padding_collator, by_length=True)  # classifiers: text, label
+
+
 def make_loader(
     dataset: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -137,26 +161,25 @@ def make_loader(
     seed: int = 0,
     cache_key: str | None = None,
     group_by_length: bool = False,
+    rows: RowFormat = LABELLED_TEXTS,
 ) -> DataLoader[Any]:
-    """A DataLoader of dynamically padded batches with ``labels`` (and ``index``) tensors;
-    ``group_by_length`` (``train.group_by_length``, with ``shuffle``): batches of similar-length rows
-    drawn by transformers' ``LengthGroupedSampler`` from ``seed``.
+    """A DataLoader of dynamically padded batches of ``dataset`` tokenised as ``rows`` says: by
+    default a classifier's (``labels`` and ``index`` tensors); a causal LM's instructions with
+    :data:`fedlora.causal_lm.INSTRUCTIONS`. ``group_by_length`` (``train.group_by_length``, with
+    ``shuffle``, rows that may be ordered by length): batches of similar-length rows drawn by
+    transformers' ``LengthGroupedSampler`` from ``seed``.
 
-    Without ``shuffle`` (evaluation) the rows come shortest first, so every batch holds rows of
-    similar length and carries little padding (about half of a batch of WordNet glosses is padding
-    in dataset order; ``benchmarks/step.py``: 1.6x the real tokens per second). Nothing reads an
-    evaluation loader by position: each batch carries its ``labels`` and ``index`` (the row in
-    ``dataset``), and accuracy, loss and FedDPA's mean embedding do not depend on the order."""
-    from transformers import DataCollatorWithPadding
-
-    rows: list[Row] = cached_tokenized(cache_key, dataset, tokenizer, max_length, tokenized_rows)
-    if not shuffle:
-        rows = sorted(rows, key=lambda row: len(row["input_ids"]))  # stable: ties keep the split's order
-    # transformers' collator pads per batch and renames ``label`` to ``labels``; ``index`` (the row
-    # in ``dataset``) rides along for methods that track samples (FedDR-LoRA's split)
-    collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")
-    grouped = [len(row["input_ids"]) for row in rows] if shuffle and group_by_length else None
-    return batch_loader(rows, collator, batch_size, shuffle, seed, grouped)
+    Without ``shuffle`` (evaluation) rows that may be ordered by length come shortest first, so every
+    batch holds rows of similar length and carries little padding (about half of a batch of WordNet
+    glosses is padding in dataset order; ``benchmarks/step.py``: 1.6x the real tokens per second).
+    Nothing reads a classifier's evaluation loader by position: each batch carries its ``labels``
+    and ``index`` (the row in ``dataset``), and accuracy, loss and FedDPA's mean embedding do not
+    depend on the order."""
+    encoded: Any = cached_tokenized(cache_key, dataset, tokenizer, max_length, rows.tokenize)
+    if rows.by_length and not shuffle:
+        encoded = sorted(encoded, key=lambda row: len(row["input_ids"]))  # stable: ties keep the split's order
+    grouped = [len(row["input_ids"]) for row in encoded] if rows.by_length and shuffle and group_by_length else None
+    return batch_loader(encoded, rows.collator(tokenizer), batch_size, shuffle, seed, grouped)
 
 
 def batch_loader(encoded: datasets.Dataset | list[Row], collator: Any, batch_size: int, shuffle: bool, seed: int,

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload, split_payload
+from fedlora.lora import A_SUFFIX, Payload, head_only, nested_A_payload
 from fedlora.methods import fedsa_lora
 from fedlora.methods.fedsa_lora import aggregate_A
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
 from fedlora.strategies.download import Download
-from fedlora.strategies.roster import MixedRanksError
+from fedlora.strategies.one_factor import OneFactorStrategy
 
 
-class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
+class FedSALoRA(OneFactorStrategy[fedsa_lora.FedSALoRAOptions]):
     """FedSA-LoRA: A learns what clients share and is averaged; B learns client-specific
     knowledge and never leaves the client.
 
@@ -46,14 +46,11 @@ class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
 
     method = fedsa_lora.METHOD
     STATE = (*LoRAStrategy.STATE, "A", "head")  # checkpointed
+    MIXED_RANKS_DP = ("row j of A is averaged over the clients holding it only, so a client weighs more in the rows "
+                      "few clients hold than the noise assumes")
 
     def setup(self) -> None:
-        ranks = sorted({p.rank for p in self.roster.profiles.values()})
-        if len(ranks) > 1 and self.options.mixed_ranks == "refuse":
-            raise MixedRanksError(
-                f"fedsa_lora with strategy.mixed_ranks='refuse' needs one rank for every client, "
-                f"got ranks {ranks}; set strategy.mixed_ranks='nested'"
-            )
+        ranks = self.declared_ranks(self.options.mixed_ranks == "refuse", otherwise="nested")
         initial = nested_A_payload(self.module_shapes, ranks[-1], self.experiment.train.seed)
         self.A = {key[: -len(A_SUFFIX)]: value for key, value in initial.items()}  # (R, d_in) each
         self.head: Payload = self.initial_head()
@@ -65,8 +62,7 @@ class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = self.weights(uploads)
-        client_A = [{m: f.A for m, f in split_payload(u.payload)[0].items()} for u in uploads]
-        self.A = aggregate_A(client_A, weights, self.A, self.combine)
+        self.A = aggregate_A(self.uploaded(uploads, "A"), weights, self.A, self.combine)
         self.head = self.averaged_head(uploads, weights, self.head)
 
     def global_arrays(self) -> Payload:
@@ -76,14 +72,6 @@ class FedSALoRA(LoRAStrategy[fedsa_lora.FedSALoRAOptions]):
     def load_arrays(self, payload: Payload) -> None:
         self.A = {m: payload[m + A_SUFFIX] for m in self.A}
         self.head = head_only(payload)
-
-    def flower_dp_problem(self) -> str:
-        ranks = sorted({self.rank_of(p) for p in self.roster.partitions})
-        if len(ranks) > 1:
-            return (f"clients train ranks {ranks}: row j of A is averaged over the clients holding it only, so a "
-                    "client weighs more in the rows few clients hold than the noise assumes; give every client "
-                    "one rank")
-        return super().flower_dp_problem()
 
     def global_payload(self) -> None:
         """None: B never leaves the clients, so there is no global model to evaluate."""

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.lora import B_SUFFIX, Payload, head_only, nested_A_payload, split_payload
+from fedlora.lora import B_SUFFIX, Payload, head_only, nested_A_payload
 from fedlora.methods import ffa_lora
 from fedlora.methods.ffa_lora import aggregate_B, download_B
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
 from fedlora.strategies.download import Download
-from fedlora.strategies.roster import MixedRanksError
+from fedlora.strategies.one_factor import OneFactorStrategy
 
 
-class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
+class FFALoRA(OneFactorStrategy[ffa_lora.FFALoRAOptions]):
     """FFA-LoRA: clients train only B; A stays frozen at a seeded init every party draws itself.
 
     Paper: Sun, Li, Li, Ding, "Improving LoRA in Privacy-preserving Federated Learning",
@@ -50,15 +50,11 @@ class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
 
     method = ffa_lora.METHOD
     STATE = (*LoRAStrategy.STATE, "B", "head", "rank_max", "shared_A")  # checkpointed
+    MIXED_RANKS_DP = ("a rank-r_k client's B_k enters the average as (R / r_k) B_k, so its clipped update moves the "
+                      "aggregate by more than the noise assumes")
 
     def setup(self) -> None:
-        ranks = sorted({p.rank for p in self.roster.profiles.values()})
-        if len(ranks) > 1 and self.options.mixed_ranks == "refuse":
-            raise MixedRanksError(
-                f"ffa_lora with strategy.mixed_ranks='refuse' needs one rank for every client, got "
-                f"ranks {ranks}; set strategy.mixed_ranks='pad'"
-            )
-        self.rank_max = ranks[-1]
+        self.rank_max = self.declared_ranks(self.options.mixed_ranks == "refuse", otherwise="pad")[-1]
         self.B = {m: np.zeros((d_out, self.rank_max), np.float32) for m, (d_out, _) in self.module_shapes.items()}
         self.head: Payload = self.initial_head()
         self.shared_A = nested_A_payload(self.module_shapes, self.rank_max, self.experiment.train.seed)
@@ -70,8 +66,7 @@ class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
 
     def aggregate(self, server_round: int, uploads: list[ClientUpload]) -> None:
         weights = self.weights(uploads)
-        client_B = [{m: f.B for m, f in split_payload(u.payload)[0].items()} for u in uploads]
-        self.B = aggregate_B(client_B, weights, self.rank_max, self.combine)
+        self.B = aggregate_B(self.uploaded(uploads, "B"), weights, self.rank_max, self.combine)
         self.head = self.averaged_head(uploads, weights, self.head)
 
     def global_arrays(self) -> Payload:
@@ -84,11 +79,3 @@ class FFALoRA(LoRAStrategy[ffa_lora.FFALoRAOptions]):
 
     def global_payload(self) -> Payload:
         return self.shared_A | self.global_arrays()
-
-    def flower_dp_problem(self) -> str:
-        ranks = sorted({self.rank_of(p) for p in self.roster.partitions})
-        if len(ranks) > 1:
-            return (f"clients train ranks {ranks}: a rank-r_k client's B_k enters the average as (R / r_k) B_k, so "
-                    "its clipped update moves the aggregate by more than the noise assumes; give every client "
-                    "one rank")
-        return super().flower_dp_problem()

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import ROOT, SMOKE, fedlora_run
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 LLM_SMOKE = ROOT / "configs/llm_smoke.toml"
 # A fresh interpreter that loads a merged model with transformers alone (no fedlora, no peft) and
 # prints its outputs for the given texts as JSON: what a serving stack does

@@ -45,6 +45,7 @@ def tiny_bert_folder(folder: Path, num_labels: int) -> Path:
 
 
 # ------------------------------------------------------------------------------ the head, by architecture
+@pytest.mark.e2e
 def test_the_head_is_what_lies_outside_the_backbone_whatever_it_is_called() -> None:
     from transformers import (
         BertConfig,
@@ -70,6 +71,7 @@ def test_the_head_is_what_lies_outside_the_backbone_whatever_it_is_called() -> N
         "bert": ["classifier"], "distilbert": ["pre_classifier", "classifier"], "llama": ["score"]}
 
 
+@pytest.mark.e2e
 def test_a_head_named_score_trains_and_is_exchanged_and_saved(tmp_path: Path) -> None:
     import datasets
     import torch
@@ -182,6 +184,7 @@ def test_a_two_adapter_classifier_saves_without_a_task_type_and_loads_as_the_usa
 
 
 # ------------------------------------------------------------------------ docs/usage.md, verbatim
+@pytest.mark.e2e
 def test_the_usage_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(tmp_path: Path, monkeypatch, capsys) -> None:
     import torch
     from safetensors.torch import load_file
@@ -223,6 +226,7 @@ def test_the_usage_snippet_loads_a_runs_adapter_and_predicts_with_its_classes(tm
     assert accuracy == pytest.approx(results["final"]["global_accuracy"], abs=1e-12)
 
 
+@pytest.mark.e2e
 def test_the_offline_usage_snippet_loads_a_minilm_runs_adapter_without_the_hub(tmp_path: Path, monkeypatch,
                                                                                capsys) -> None:
     import torch

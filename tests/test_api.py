@@ -35,6 +35,7 @@ def smoke_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, fedlo
     return out, results
 
 
+@pytest.mark.e2e
 def test_the_facade_has_typed_signatures_and_loads_nothing_of_the_application() -> None:
     # Execute: a fresh interpreter that imports fedlora and asks for the signatures
     code = ("import sys, fedlora; before = 'fedlora.app' in sys.modules; import inspect; "
@@ -99,6 +100,7 @@ def test_a_config_object_or_mapping_is_never_changed_by_a_run_s_overrides(tmp_pa
         resolve(42)  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 def test_run_returns_the_results_json_dict_with_its_tables_as_frames(smoke_results) -> None:
     # Prepare
     out, results = smoke_results
@@ -127,6 +129,7 @@ def test_run_returns_the_results_json_dict_with_its_tables_as_frames(smoke_resul
     assert "final round 2" in results._repr_html_()
 
 
+@pytest.mark.e2e
 def test_a_comparison_gives_every_runs_rounds_and_clients_as_frames(tmp_path: Path) -> None:
     # Execute: two strategies, mapping overrides for one strategy's runs only
     table = fedlora.compare(SMOKE, ["fedit", "flexlora"], out_dir=tmp_path, engine="inprocess", plots=False,

@@ -11,6 +11,7 @@ docs/design.md's table of Flower internals names, with the reason.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache  # read by several tests, never changed: parsed once per process
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     return {name: imports_of(path, modules) - {name} for name, path in modules.items()}
@@ -215,6 +217,25 @@ def test_pyproject_installs_every_package_folder_of_the_repository() -> None:
     folders = {module_name(path) for path in source_files() if path.name == "__init__.py"}
     # Assert
     assert sorted(listed) == sorted(folders)
+
+
+def test_no_file_imports_a_mapped_folder_by_its_folder_name() -> None:
+    """``strategies``, ``clients`` and ``simulations`` are importable by their folder names only where the
+    repository root is on the path (pytest's rootdir, a notebook started there): a file importing
+    ``strategies.replies`` loads a second copy of ``fedlora.strategies.replies``, with its own module state
+    and classes that fail ``isinstance`` against the installed ones."""
+    mapped = {folder for folder in SOURCE_FOLDERS if folder != "fedlora"}
+    files = [path for folder in ("fedlora", *mapped, "tests", "benchmarks", "examples")
+             for path in sorted((ROOT / folder).rglob("*.py"))]
+    # Execute
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in mapped]
+    # Assert
+    assert found == [], "import these as fedlora.<folder>: " + "; ".join(found)
 
 
 @pytest.mark.slow

@@ -221,6 +221,7 @@ def assert_one_line_exit_2(proc: subprocess.CompletedProcess[str], message: str)
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("case", "argv", "message"), CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path: Path, case: str, argv: Argv, message: str) -> None:
     # Prepare: an output folder that must not appear, an earlier run and an earlier comparison
@@ -236,6 +237,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path: Path, case: s
     assert not list(tmp_path.rglob("*.old-*"))  # nothing was moved aside either
 
 
+@pytest.mark.e2e
 def test_an_out_folder_the_system_refuses_is_one_line(tmp_path: Path) -> None:
     # Prepare: a folder this process cannot create (sysfs refuses new entries even to root)
     target = Path("/sys/fedlora-test-output")
@@ -248,6 +250,7 @@ def test_an_out_folder_the_system_refuses_is_one_line(tmp_path: Path) -> None:
     assert not target.exists()
 
 
+@pytest.mark.e2e
 def test_a_read_only_out_folder_is_one_line(tmp_path: Path) -> None:
     # Prepare: a read-only parent (root ignores permission bits: then there is nothing to test)
     parent = tmp_path / "read-only"

@@ -204,18 +204,25 @@ def test_the_download_expects_the_methods_upload_and_rejects_anything_else(
     assert check_upload(make(bad | head_shape), expected) != ""
 
 
-@pytest.mark.parametrize("cls, option", [(FFALoRA, "strategy.mixed_ranks=refuse"), (FedSALoRA, "strategy.mixed_ranks=refuse")])
-def test_refuse_option_stops_at_setup_on_mixed_ranks(cls: type, option: str) -> None:
-    # Execute / Assert: the message names the option and the fix
-    with pytest.raises(RuntimeError, match="mixed_ranks"):
-        small_strategy(cls, [2, 4], [option])
-    small_strategy(cls, [2, 2], [option])  # one rank: fine
+@pytest.mark.parametrize("cls, name, otherwise", [(FFALoRA, "ffa_lora", "pad"), (FedSALoRA, "fedsa_lora", "nested")])
+def test_refuse_option_stops_at_setup_on_mixed_ranks(cls: type, name: str, otherwise: str) -> None:
+    # Execute / Assert: the message names the method, the ranks, the option and the fix
+    with pytest.raises(RuntimeError) as refused:
+        small_strategy(cls, [2, 4], ["strategy.mixed_ranks=refuse"])
+    assert str(refused.value) == (f"{name} with strategy.mixed_ranks='refuse' needs one rank for every client, "
+                                  f"got ranks [2, 4]; set strategy.mixed_ranks='{otherwise}'")
+    small_strategy(cls, [2, 2], ["strategy.mixed_ranks=refuse"])  # one rank: fine
 
 
-@pytest.mark.parametrize("name, init", [("ffa_lora", "pissa"), ("ffa_lora", "gaussian"), ("fedsa_lora", "pissa")])
-def test_shared_nested_A_methods_refuse_another_init(name: str, init: str) -> None:
-    with pytest.raises(ConfigError, match="model.init"):
+@pytest.mark.parametrize("name, init, why", [
+    ("ffa_lora", "pissa", "ffa_lora draws its frozen A itself"),
+    ("ffa_lora", "gaussian", "ffa_lora draws its frozen A itself"),
+    ("fedsa_lora", "pissa", "fedsa_lora starts every client from one rank-nested A"),
+])
+def test_shared_nested_A_methods_refuse_another_init(name: str, init: str, why: str) -> None:
+    with pytest.raises(ConfigError) as refused:
         load_config(SMOKE, [f"strategy.name={name}", f"model.init={init}"])
+    assert str(refused.value).endswith(f"{why} (kaiming-uniform, B = 0); model.init must be 'kaiming', got '{init}'")
 
 
 @pytest.mark.parametrize("cls", [FFALoRA, FedSALoRA, FedDPA, LocalOnly])

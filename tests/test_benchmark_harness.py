@@ -312,6 +312,7 @@ def test_aggregation_last_line_matches_its_record(tmp_path: Path, capsys: pytest
     assert back["settings"]["dense"]["dtype"] == "float32" and back["settings"]["dense"]["d_out"] == 256
 
 
+@pytest.mark.e2e
 def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """One train message of configs/llm_smoke.toml's client 0 (tiny random Llama) through the
     ClientApp, --steps above one epoch: every training example is trained once, so the tokens
@@ -358,6 +359,7 @@ def test_llm_throughput_observes_a_real_client_round(tmp_path: Path, capsys: pyt
     assert f"| non-padding tokens trained per message | {sample['tokens']:.0f} |" in table
 
 
+@pytest.mark.e2e
 def test_precision_gives_both_ratios_from_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
@@ -388,6 +390,7 @@ def test_llm_throughput_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) ->
     assert stop.value.code == 2 and capsys.readouterr().err.strip().startswith("error: need --steps >= 1")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("model_path", ["tiny-bert", "tiny-llama"])
 def test_step_buckets_the_same_examples_by_length_and_counts_a_train_step_above_its_forward_pass(model_path: str) -> None:
     # Prepare: a tiny classifier or causal LM and one client's real batches (benchmarks/precision.py's builds)
@@ -421,6 +424,7 @@ def test_step_buckets_the_same_examples_by_length_and_counts_a_train_step_above_
     assert eval_flops > 0 and train_flops > 1.5 * eval_flops
 
 
+@pytest.mark.e2e
 def test_secagg_compares_real_plain_and_secure_runs_from_its_record(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/secagg.py --quick: one plain and one secure `fedlora run` of 3 clients (fresh

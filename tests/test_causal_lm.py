@@ -39,6 +39,7 @@ def tokenizer():
     return load_tokenizer("tiny-llama")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", strategy_names())
 def test_every_strategy_runs_on_the_causal_lm_smoke_or_refuses_in_one_line(strategy: str, tmp_path: Path) -> None:
     from fedlora.app.runner import run_inprocess
@@ -80,6 +81,7 @@ def test_every_strategy_runs_on_the_causal_lm_smoke_or_refuses_in_one_line(strat
     assert {"prompt", "reference", "generation"} <= set(samples[0])
 
 
+@pytest.mark.e2e
 def test_the_zero_shot_round_is_the_base_model_for_every_init(tmp_path: Path) -> None:
     from fedlora.app.runner import run_inprocess
 
@@ -141,6 +143,7 @@ def test_rouge_l_is_computed_by_rouge_score_on_a_hand_example() -> None:
     assert scores == pytest.approx([5 / 6, 0.0])
 
 
+@pytest.mark.e2e
 def test_saved_adapters_load_with_peft_on_auto_model_for_causal_lm_and_generate(tmp_path: Path) -> None:
     import torch
     from peft import PeftModel
@@ -223,11 +226,11 @@ def test_dp_sgd_clips_per_sample_gradients_of_the_per_sample_loss_and_changes_th
     import torch
 
     import fedlora.privacy
-    from fedlora.causal_lm import causal_lm_loss, make_causal_loader
+    from fedlora.causal_lm import INSTRUCTIONS, causal_lm_loss
     from fedlora.data import build_federated_data
     from fedlora.models import adapter_payload, build_model
     from fedlora.privacy import private_train
-    from fedlora.training import TrainStats
+    from fedlora.training import TrainStats, make_loader
 
     # Prepare: no dropout (exact gradients), a small clipping bound, three examples of different lengths
     cfg = load_config(SMOKE, ["model.lora_dropout=0.0", "privacy.dp=true", "privacy.noise_multiplier=0",
@@ -237,10 +240,10 @@ def test_dp_sgd_clips_per_sample_gradients_of_the_per_sample_loss_and_changes_th
     params = [p for p in model.parameters() if p.requires_grad]
     alone = []  # each example's gradient norm, computed on its own without Opacus
     for row in range(3):
-        batch = next(iter(make_causal_loader(train.select([row]), tokenizer(), 1, 64, shuffle=False)))
+        batch = next(iter(make_loader(train.select([row]), tokenizer(), 1, 64, shuffle=False, rows=INSTRUCTIONS)))
         grads = torch.autograd.grad(causal_lm_loss(model, batch), params)
         alone.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
-    batch3 = make_causal_loader(train, tokenizer(), 3, 64, shuffle=False)
+    batch3 = make_loader(train, tokenizer(), 3, 64, shuffle=False, rows=INSTRUCTIONS)
     observed = {}
 
     def probe(private_model, loader, optimizer, epochs, max_steps, loss_fn, *args, **kwargs):
@@ -263,7 +266,7 @@ def test_dp_sgd_clips_per_sample_gradients_of_the_per_sample_loss_and_changes_th
     # Execute: a real private step with noise
     cfg.privacy.noise_multiplier = 1.0
     before = {k: v.copy() for k, v in adapter_payload(model).items()}
-    result = private_train(model, make_causal_loader(train, tokenizer(), 3, 64, shuffle=True), privacy=cfg.privacy,
+    result = private_train(model, make_loader(train, tokenizer(), 3, 64, shuffle=True, rows=INSTRUCTIONS), privacy=cfg.privacy,
                            seed=1, **{**kwargs, "max_steps": 2})
     after = adapter_payload(model)
     # Assert: every LoRA factor moved and the privacy was accounted

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from result_checks import assert_accuracies_add_up
 
 from fedlora.app.runner import run_inprocess
 from fedlora.config import load_config
+
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,6 +31,8 @@ from fedlora.app.plotting import COMPARISON_PLOTS, MECHANISMS_PLOT, plot_mechani
 from fedlora.app.summary import ComparisonTable, run_row, summarize
 from fedlora.config import ConfigError, load_config
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
 NOTEBOOK = ROOT / "notebooks/compare_strategies.ipynb"

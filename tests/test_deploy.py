@@ -30,6 +30,8 @@ from fedlora.app.deploy.flwr_cli import HOST, DeployError
 from fedlora.app.deploy.local import deploy_local
 from fedlora.config import ConfigError
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 REPO = Path(__file__).resolve().parents[1]
 FEDLORA = str(Path(sys.executable).parent / "fedlora")
 # Two silos with different ranks, a heterogeneous-rank method, 2 rounds of the smoke experiment.

@@ -19,6 +19,8 @@ from deploy_helpers import (
 
 from fedlora.app.deploy.federation import LocalDeployment
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 # ---------------------------------------------------------------- faults in a real deployment
 SOAK = ["data.num_clients=3", "clients.ranks=[4, 4, 4]", "train.rounds=12", "train.max_steps=1",
         "federation.evaluate_every=5", "federation.fraction_evaluate=0", "federation.min_clients=2",

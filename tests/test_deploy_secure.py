@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from deploy_helpers import REPO
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 # configs/smoke.toml (tiny BERT, 3 clients of ranks 2 / 4 / 8, FedIT) with secure aggregation:
 # 2 rounds of 2 local steps, no client evaluation (the global evaluation still runs every round)
 SECURE = ["secure_aggregation.enabled=true", "train.rounds=2", "train.max_steps=2", "federation.fraction_evaluate=0"]

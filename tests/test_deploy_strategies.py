@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from deploy_helpers import REPO
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 # Every registered strategy over one real federation (TLS + SuperNode auth): the capability
 # matrix's "deployment" column is this test's list (fedlora.app.capabilities.DEPLOYMENT_TESTED).
 # One round each (its messages: the profile query, a training round there and back, the global

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from markdown.extensions.toc import slugify
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_README_LINES = 250

@@ -71,6 +71,7 @@ def test_malformed_update_is_rejected_and_aggregate_is_of_valid_updates(kind: st
         np.testing.assert_allclose(strategy.global_payload()[key], expected, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.e2e
 def test_too_few_valid_updates_stop_the_run_after_max_failed_rounds(tmp_path: Path) -> None:
     # Prepare: every client crashes (drop 0.99, seeded): no round has the 2 valid updates it needs
     config = load_config(ROOT / "configs/smoke.toml", [
@@ -101,6 +102,7 @@ def nature_or_machine_csv(path: Path, rows: int = 600) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_drop_rate_30_percent_still_learns_the_task(tmp_path: Path) -> None:
     # Prepare: MiniLM on a task it learns within a few rounds, the same seeds with and without crashes
     data = nature_or_machine_csv(tmp_path / "topics.csv")
@@ -145,6 +147,7 @@ class _RestartingGrid(InProcessGrid):
         return replies
 
 
+@pytest.mark.e2e
 def test_a_restarted_client_on_a_new_node_is_addressed_there(tmp_path: Path) -> None:
     from fedlora.app.server import run_server
 

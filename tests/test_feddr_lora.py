@@ -546,6 +546,7 @@ def test_warm_up_round_is_plain_cross_entropy_without_split_metrics() -> None:
 
 
 # ------------------------------------------------------------------------------ end to end
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "overrides, rank, head_bytes",
     [

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from deploy_helpers import REPO, processes_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FEDLORA = str(Path(sys.executable).parent / "fedlora")
 WALK = "<!-- the walk-through: tests/test_federation_hosts.py runs these commands, in this order -->"

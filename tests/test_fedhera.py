@@ -645,6 +645,7 @@ def run_smoke(tmp_path: Path, extra: list[str]) -> dict:
     return json.loads((tmp_path / "results.json").read_text())
 
 
+@pytest.mark.e2e
 def test_inprocess_fedhera_never_exceeds_a_download_budget(tmp_path: Path) -> None:
     # Execute: with the adaptive tail warm-up (off by default, as in the official code)
     results = run_smoke(tmp_path, ["strategy.atw=true"])
@@ -772,6 +773,7 @@ def test_teacher_forced_token_accuracy_and_loss_on_a_hand_example() -> None:
     assert scored.loss == pytest.approx(6 * math.log(2.0) / 4)
 
 
+@pytest.mark.e2e
 def test_causal_lm_fedhera_reports_the_received_model_teacher_forced(tmp_path: Path) -> None:
     from fedlora.app.runner import run_inprocess
 

@@ -500,6 +500,7 @@ def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
 
 
 # ------------------------------------------------------------------------------ end to end
+@pytest.mark.e2e
 def test_inprocess_bytes_and_personal_adapters(tmp_path: Path) -> None:
     # Prepare: tiny-bert, 2 layers x (query, value), d = 32, rank 4, 8 labels, 3 clients
     config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
@@ -531,6 +532,7 @@ def test_inprocess_bytes_and_personal_adapters(tmp_path: Path) -> None:
         assert not np.allclose(adapters[0][key], adapters[1][key])
 
 
+@pytest.mark.e2e
 def test_mixed_declared_ranks_train_at_the_smallest(tmp_path: Path) -> None:
     # Prepare: smoke.toml's clients declare ranks 2, 4, 8 (clients.mixed_rank_policy = smallest)
     config = load_config(ROOT / "configs/smoke.toml", ["strategy.name=fedpissa", "clients.ranks=[2, 4, 8]"])
@@ -547,6 +549,7 @@ def test_mixed_declared_ranks_train_at_the_smallest(tmp_path: Path) -> None:
     assert results["rounds"][0]["extra"]["delta"] == 1
 
 
+@pytest.mark.e2e
 def test_inprocess_dynamics_selection_runs_and_clients_share_the_aggregated_factor(tmp_path: Path) -> None:
     # Prepare
     config = load_config(ROOT / "configs/smoke.toml", [*SMOKE_ONE_RANK, "strategy.selection=dynamics"])
@@ -584,6 +587,7 @@ def test_cli_smoke_run(tmp_path: Path) -> None:
     assert all((tmp_path / f"adapters/client_{k}/adapter_config.json").is_file() for k in range(3))
 
 
+@pytest.mark.e2e
 def test_cli_bad_delta_is_one_line_exit_2(tmp_path: Path) -> None:
     proc = fedlora_run(tmp_path, "strategy.name=fedpissa", "clients.ranks=[4, 4, 4]", "strategy.delta=0", timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -640,6 +640,7 @@ def test_grouped_partition_rejects_more_groups_than_clients() -> None:
 
 
 # ---------------------------------------------------------------- end to end
+@pytest.mark.e2e
 def test_inprocess_smoke_records_cuts_and_plots_the_tree(tmp_path: Path) -> None:
     # Prepare
     from fedlora.app.runner import run_inprocess

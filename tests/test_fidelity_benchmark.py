@@ -69,6 +69,7 @@ def test_every_job_of_every_scenario_is_a_valid_config_at_the_comparison_regime(
     assert len({(c.train.rounds, c.train.max_steps, c.train.batch_size) for c in configs}) == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", [name for name in SCENARIOS if not fidelity.scenarios()[name].causal])
 def test_the_weight_share_bound_never_acts_in_a_classifier_scenario(name: str, tmp_path: Path) -> None:
     """The weight-share rule (fedlora/shares.py: faults.max_size_ratio, faults.max_client_share) must
@@ -429,6 +430,7 @@ def test_the_final_runs_of_jobs_that_have_chosen_fill_the_last_tuning_round_and_
     assert len(final_stage) == len(seeds) - 1 + len(seeds) + 3
 
 
+@pytest.mark.e2e
 def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_times_and_mechanisms(
     fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -468,6 +470,7 @@ def test_a_scenario_writes_its_page_with_ablation_paired_primary_worst_bytes_tim
 
 
 # --------------------------------------------------------------------------- records
+@pytest.mark.e2e
 def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_from_them(
     fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -506,6 +509,7 @@ def test_every_finished_run_is_kept_as_a_record_and_a_fresh_folder_continues_fro
     assert re.search(r"\| (counts|does not count)[^|]*\|$", row_after), row_after
 
 
+@pytest.mark.e2e
 def test_a_precision_check_runs_every_seed_at_the_choices_of_another_folder_s_tuning(
     fake_training: list[Job], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -705,6 +709,7 @@ def test_every_committed_record_is_still_a_complete_run_of_its_job(name: str, fo
                                           "earlier value in fedlora.schema.RECORD_DEFAULTS"
 
 
+@pytest.mark.e2e
 def test_the_status_counts_every_committed_record_as_a_complete_planned_run(capsys: pytest.CaptureFixture[str]) -> None:
     # Prepare: the committed records of each scenario's own folder
     root = fidelity.ROOT / fidelity.RECORDS

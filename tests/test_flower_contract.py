@@ -94,6 +94,7 @@ def model_of(payload: dict[str, np.ndarray], alpha: float) -> dict[str, np.ndarr
 
 
 # ----------------------------------------------------------------------------- keywords
+@pytest.mark.e2e
 def test_a_strategy_built_from_keywords_runs_the_experiment_of_the_same_config() -> None:
     # Execute: FedPissa from its own option, Flower's sampling keywords and smoke.toml's sections
     strategy = strategy_class("fedpissa")(lam=0.5, fraction_train=0.5, fraction_evaluate=0.25, min_train_nodes=2,
@@ -233,6 +234,7 @@ def test_arrays_a_strategy_cannot_continue_from_are_refused(name: str) -> None:
             strategy.configure_train(2, to_array_record(payload), ConfigRecord(), grid)
 
 
+@pytest.mark.e2e
 def test_flowers_start_runs_the_rounds_with_the_arrays_the_strategy_returns() -> None:
     # Prepare: FedSA-LoRA (no single global model: it returns the global A and the head) from keywords,
     # and clients that answer every message at once (honest random uploads, fixed evaluation scores)
@@ -264,6 +266,7 @@ def test_flowers_start_runs_the_rounds_with_the_arrays_the_strategy_returns() ->
 
 
 # ----------------------------------------------------------------------------- a user's ServerApp
+@pytest.mark.e2e
 def test_a_users_serverapp_runs_a_fedlora_strategy_with_flowers_start(tmp_path: Path) -> None:
     """examples/flower_serverapp: HetLoRA built from keywords, Flower's ``start``, fedlora's
     ClientApp on three in-process nodes (2 rounds of 5 steps on the tiny BERT)."""

@@ -48,6 +48,8 @@ from fedlora.config import ConfigError, load_config
 from fedlora.schema import ExperimentConfig
 from fedlora.strategies.roster import MissingClientsError, wait_for_nodes
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("global_accuracy", "personalized_accuracy", "received_accuracy", "train_loss", "bytes_up", "bytes_down",
            "clients", "failures")

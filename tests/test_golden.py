@@ -38,6 +38,8 @@ from cli_helpers import QUICK, QUICK_CUT, QUICK_CUT_OPTIONS
 
 from fedlora.config import load_config
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_FILES = {"AuthenticAMD": ROOT / "tests/golden/quick.json", "GenuineIntel": ROOT / "tests/golden/quick-intel.json"}
 

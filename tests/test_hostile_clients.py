@@ -401,6 +401,7 @@ def evaluate_round(data: st.DataObject, twins: tuple[LoRAStrategy, LoRAStrategy]
     assert_same_record(honest_only.record(server_round), attacked.record(server_round))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", strategy_names())
 @settings(max_examples=10, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -552,6 +553,7 @@ def metric_run(name: str, rounds: int, bad: dict[tuple[int, int], dict[str, Any]
     return run_server(grid, config, out, resume=resume)
 
 
+@pytest.mark.e2e
 def test_a_run_poisoned_through_metrics_resumes(tmp_path: Path) -> None:
     # Prepare: round 1 client 1 reports a received token accuracy of 5 and client 2 a received loss
     # of inf; round 2 clients 1 and 2 each report train-seconds = 1.7e308 (the two sum to inf)
@@ -571,6 +573,7 @@ def test_a_run_poisoned_through_metrics_resumes(tmp_path: Path) -> None:
     assert [r.round for r in resumed.rounds] == [1, 2, 3] and resumed.rounds[2].clients == 3
 
 
+@pytest.mark.e2e
 def test_twenty_metrics_of_a_megabyte_leave_the_results_and_the_checkpoint_small(tmp_path: Path) -> None:
     from fedlora import checkpoint
 
@@ -903,6 +906,7 @@ def test_a_query_reply_that_is_not_a_profile_refuses_the_node_only() -> None:
 
 
 # ------------------------------------------------ the in-process engine keeps Flower's rules
+@pytest.mark.e2e
 def test_in_process_a_late_reply_and_a_reply_for_another_node_are_failures_and_the_run_goes_on() -> None:
     """simulations/inprocess.py: with federation.round_timeout = 1 s, node 1001 answers its
     first training message after 2 s and node 1002 answers every message as node 1000. Both are

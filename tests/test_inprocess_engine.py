@@ -83,6 +83,7 @@ def answer(msg: Message) -> Message:
     return Message(RecordDict({"metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
 
 
+@pytest.mark.e2e
 def test_a_late_reply_is_no_reply_and_a_silent_node_cannot_hang_the_server() -> None:
     """As Flower's grid: send_and_receive(timeout=T) returns the replies that came within T and
     leaves a late one out; a ClientApp that never returns costs the server T, not the run. The

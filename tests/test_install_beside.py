@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 MOVED = {"scipy": "1.16.3", "tabulate": "0.8.10"}  # already in the environment, other than the lock's
 SOURCE_FOLDERS = ("fedlora", "strategies", "clients", "simulations")

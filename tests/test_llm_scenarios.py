@@ -53,6 +53,7 @@ def test_fedhera_llm_budget_tiers_are_1_1_times_the_targets_on_smollm2s_layer_sh
     assert config["clients"]["rank_tiers"] == {"2": 0.3, "4": 0.5, "8": 0.2}  # baselines at each tier's r_main
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", LLM_SCENARIOS)
 def test_every_job_of_an_llm_scenario_runs_one_round_on_the_tiny_llama_and_writes_its_tables(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -17,6 +17,8 @@ import pytest
 from fedlora.app.folders import Claim, check_writable, claim, move_aside
 from fedlora.config import ConfigError, load_config
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
 ONE_ROUND = ["train.rounds=1", "train.max_steps=1"]

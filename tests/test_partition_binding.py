@@ -49,6 +49,7 @@ liar.train()(fedlora_client.train)
 liar.evaluate()(fedlora_client.evaluate)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("binding", ["operator", "engine"])
 def test_a_node_claiming_another_nodes_partition_is_refused_and_the_honest_node_trains(
         tmp_path: Path, binding: str) -> None:

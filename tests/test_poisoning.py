@@ -167,6 +167,7 @@ def test_honest_clients_are_measured_and_never_flagged() -> None:
     assert len(strategy.update_history) == 9  # faults.duplicate_rounds = 3 rounds of 3 uploads
 
 
+@pytest.mark.e2e
 def test_the_anomaly_rule_does_not_fire_on_a_clean_two_round_smoke_run(tmp_path: Path) -> None:
     # Prepare: configs/smoke.toml (tiny BERT, 3 clients of mixed ranks, real local training), in process
     import fedlora

@@ -38,6 +38,7 @@ def test_bad_privacy_config_is_refused(overrides, message):
         load_config(SMOKE, overrides)
 
 
+@pytest.mark.e2e
 def test_cli_negative_noise_multiplier_is_one_line_exit_2(tmp_path):
     # Prepare / Execute
     proc = fedlora_run(tmp_path, "privacy.dp=true", "privacy.noise_multiplier=-0.5", timeout=120)
@@ -74,6 +75,7 @@ def _tiny_setup(overrides: list[str]):
     return cfg, model, loader
 
 
+@pytest.mark.e2e
 def test_private_steps_change_the_adapter_and_compose_over_rounds():
     import torch
     from peft import PeftModel
@@ -102,6 +104,7 @@ def test_private_steps_change_the_adapter_and_compose_over_rounds():
     assert 0 < first.epsilon < second.epsilon == pytest.approx(epsilon_of(second.history, cfg.privacy.delta))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["fedit", "fedsa_lora"])  # global; personalised (client-kept A/B)
 def test_dp_run_reports_epsilon_within_target(tmp_path, strategy):
     from fedlora.app.runner import run_inprocess
@@ -161,6 +164,7 @@ def _private_adapter(seed: int | None) -> dict[str, np.ndarray]:
     return adapter_payload(model)
 
 
+@pytest.mark.e2e
 def test_default_noise_differs_between_identical_runs_and_the_opt_in_repeats_it() -> None:
     # Execute: two default (OS-entropy) calls, two calls with the same research seed
     fresh = [_private_adapter(None) for _ in range(2)]
@@ -252,6 +256,7 @@ def _plain_loader(cfg):
     return make_loader(_client_train(cfg), load_tokenizer(cfg.model.path), 16, 32, shuffle=True, seed=0)
 
 
+@pytest.mark.e2e
 def test_the_noise_seed_appears_in_no_result_log_or_checkpoint(monkeypatch, tmp_path, caplog) -> None:
     import logging
     import secrets

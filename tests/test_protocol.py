@@ -15,6 +15,8 @@ from fedlora.config import load_config
 from fedlora.data import build_federated_data
 from fedlora.results import machine
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
 

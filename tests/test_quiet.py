@@ -21,6 +21,8 @@ from cli_helpers import NOISE_SEEN_IN_A_RUN, assert_only_fedlora_lines
 
 from fedlora.app.quiet import QuietFilter, is_noise
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
 

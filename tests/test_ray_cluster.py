@@ -18,6 +18,8 @@ import pytest
 
 from fedlora.app import ray_start
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/smoke.toml"
 START_TIMEOUT = 300.0  # federation.ray_start_timeout's default

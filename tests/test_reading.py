@@ -66,6 +66,7 @@ def comparison_runs(labels: int = 7, seeds: int = 2, rounds: int = 4) -> dict:
     return {f"strategy_long_name_{label}": [results(label, seed) for seed in range(seeds)] for label in range(labels)}
 
 
+@pytest.mark.e2e
 def test_every_figure_is_readable_at_the_readmes_width(tmp_path: Path) -> None:
     from fedlora.app import plotting
     from fedlora.data import build_federated_data
@@ -89,6 +90,7 @@ def test_every_figure_is_readable_at_the_readmes_width(tmp_path: Path) -> None:
     assert plotting.smallest_text_px(figures["vs round"], 830) == pytest.approx(9 * 830 / (8 * 72))  # the legend: 9 pt
 
 
+@pytest.mark.e2e
 def test_fedlora_version_is_the_projects() -> None:
     # Execute
     proc = subprocess.run([sys.executable, "-m", "fedlora.app.cli", "--version"], capture_output=True, text=True,
@@ -135,6 +137,7 @@ def test_an_error_from_a_strategys_own_default_names_the_strategy_and_the_defaul
     assert str(chosen.value).startswith("strategy 'fedtreelora': ") and "default" not in str(chosen.value)
 
 
+@pytest.mark.e2e
 def test_the_cli_says_it_in_one_line(tmp_path: Path) -> None:
     # Execute: the same mistake through the command line
     proc = subprocess.run([sys.executable, "-m", "fedlora.app.cli", "run", str(SMOKE), "--out", str(tmp_path / "x"),

@@ -26,6 +26,8 @@ from fedlora.checkpoint import (
 from fedlora.config import ConfigError, load_config
 from fedlora.results import ResultsWriter, RoundRecord
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.toml"
 ROUNDS = 3

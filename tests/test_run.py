@@ -13,6 +13,8 @@ from result_checks import assert_accuracies_add_up, is_fraction_of
 from fedlora.app.runner import run_inprocess
 from fedlora.config import load_config
 
+pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 ROUND_KEYS = {"round", "global_accuracy", "personalized_accuracy", "train_loss", "bytes_up", "bytes_down", "clients", "failures", "seconds"}
 

@@ -77,6 +77,7 @@ def sampled_run(tmp_path_factory: pytest.TempPathFactory):
     return config, grid, writer, out
 
 
+@pytest.mark.e2e
 def test_a_run_builds_only_the_clients_it_samples(sampled_run) -> None:
     # Prepare
     config, _, writer, _ = sampled_run
@@ -92,6 +93,7 @@ def test_a_run_builds_only_the_clients_it_samples(sampled_run) -> None:
     assert len(built) < config.data.num_clients
 
 
+@pytest.mark.e2e
 def test_kept_state_is_on_disk_not_in_the_engine_between_messages(sampled_run) -> None:
     # Prepare
     _, grid, writer, out = sampled_run
@@ -129,6 +131,7 @@ def test_the_tokenised_split_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -
     assert list(training._TOKENIZED) == ["client-2", "client-3"]
 
 
+@pytest.mark.e2e
 def test_the_engine_sweeps_only_the_nodes_with_a_message_waiting() -> None:
     """fedlora's stand-in for Flower's ``add_messages_to_queue`` (simulations/polling.py) queues the
     same messages in the same order as Flower's loop, asking only the nodes that have one waiting."""

@@ -214,6 +214,7 @@ def test_a_low_threshold_runs_only_when_explicitly_allowed() -> None:
     assert secagg.resolve_threshold(load_config(SMOKE).secure_aggregation.reconstruction_threshold, 5) == 3
 
 
+@pytest.mark.e2e
 def test_the_cli_refuses_a_method_that_cannot_aggregate_on_a_sum_with_exit_2(tmp_path: Path) -> None:
     # Execute
     done = subprocess.run([sys.executable, "-m", "fedlora.app.cli", "run", str(SMOKE), "--engine", "inprocess",
@@ -877,6 +878,7 @@ def server_arrays(state: Any, prefix: str = "") -> dict[str, np.ndarray]:
     return {path: array for key, value in items for path, array in server_arrays(value, f"{prefix}/{key}").items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["fedit", "fedsa_lora"])
 def test_a_whole_run_aggregated_securely_ends_at_the_plain_runs_adapter(name: str, tmp_path: Path) -> None:
     import fedlora

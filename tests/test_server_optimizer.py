@@ -148,6 +148,7 @@ def test_flowers_dp_wrapper_is_refused_with_a_server_optimiser() -> None:
     assert "server_optimizer.name = 'fedyogi'" in strategy.flower_dp_problem()
 
 
+@pytest.mark.e2e
 def test_a_run_steps_with_the_server_optimiser(tmp_path: Path) -> None:
     """In process: FedAdam's global adapter is not FedIT's mean, and FedAvgM at lr 1 with momentum 0
     (Flower's off switch) is FedIT bit for bit."""
@@ -169,6 +170,7 @@ def test_a_run_steps_with_the_server_optimiser(tmp_path: Path) -> None:
     assert adam["config"]["server_optimizer"]["name"] == "fedadam"
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_continues_the_optimisers_moments(tmp_path: Path) -> None:
     """FedAdam, interrupted when round 3's training is sent and resumed from round 2's checkpoint,
     ends where the uninterrupted run does: its m and v travel in the checkpoint."""

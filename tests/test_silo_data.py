@@ -101,6 +101,7 @@ def test_missing_data_path_names_the_path(tmp_path: Path) -> None:
         load_silo_data(tmp_path / "nope.csv", CFG, server_labels(), partition_id=0)
 
 
+@pytest.mark.e2e
 def test_clientapp_trains_on_a_silo_data_path(tmp_path: Path) -> None:
     # Prepare: the smoke experiment; client 2 declares its own data file in its node config
     from fedlora.app.runner import run_inprocess

@@ -78,6 +78,7 @@ def tracked_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, d
     return tmp / "run", tmp / "store", results
 
 
+@pytest.mark.e2e
 def test_tensorboard_event_files_hold_every_round_of_results_json(tracked_run) -> None:
     # Prepare
     out, _store, results = tracked_run
@@ -101,6 +102,7 @@ def test_tensorboard_event_files_hold_every_round_of_results_json(tracked_run) -
             assert values[record["round"]] == pytest.approx(metrics["accuracy"], rel=1e-6)
 
 
+@pytest.mark.e2e
 def test_mlflow_run_has_config_params_round_metrics_and_artifacts(tracked_run) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -197,6 +199,7 @@ def test_numeric_extra_entries_go_to_tensorboard_and_to_the_mean_curves(tmp_path
     assert means == [(1, pytest.approx(0.6))]  # round 2: one seed only, not a mean over seeds
 
 
+@pytest.mark.e2e
 def test_the_offline_wandb_run_holds_every_round_config_summary_files_and_adapters(tracked_run) -> None:
     # Prepare
     out, _store, results = tracked_run
@@ -235,6 +238,7 @@ def test_the_offline_wandb_run_holds_every_round_config_summary_files_and_adapte
         assert artifact["type"] == "model" and shipped == {p.name for p in adapter.iterdir() if p.is_file()}
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_continues_its_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: rounds 1..2 of a run that fails, then a resume after round 1 writes round 2 again
     wandb_env(monkeypatch, tmp_path / "home")

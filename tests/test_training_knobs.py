@@ -235,14 +235,15 @@ def test_fedprox_under_opacus_is_the_same_term_on_the_privatised_gradient() -> N
 # --------------------------------------------------------------------------- gradient checkpointing
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients_and_recomputes() -> None:
     from fedlora.backbones import load_tokenizer
-    from fedlora.causal_lm import causal_lm_loss, make_causal_loader
+    from fedlora.causal_lm import INSTRUCTIONS, causal_lm_loss
     from fedlora.data import build_federated_data
     from fedlora.models import build_model
+    from fedlora.training import make_loader
 
     # Prepare: tiny-llama without dropout, one batch of three instructions; count a decoder layer's forwards
     cfg = load_config(LLM_SMOKE, ["model.lora_dropout=0.0"])
     rows = build_federated_data(cfg.data).client(0).train.select(range(3))
-    batch = next(iter(make_causal_loader(rows, load_tokenizer("tiny-llama"), 3, 64, shuffle=False)))
+    batch = next(iter(make_loader(rows, load_tokenizer("tiny-llama"), 3, 64, shuffle=False, rows=INSTRUCTIONS)))
     model = build_model(cfg.model, 8, 4, seed=0, device="cpu")
     model.train()
     inner = model.get_base_model().model.layers[0].self_attn  # inside a checkpointed layer's forward
@@ -324,6 +325,7 @@ class Recorder:
         self.steps.append(-1)
 
 
+@pytest.mark.e2e
 def test_a_clients_steps_reach_the_progress_with_its_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fedlora.app.runner import run_inprocess
 

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from fedlora import protocol
 from fedlora.backbones import load_tokenizer, resolve_device
 from fedlora.causal_lm import (
+    INSTRUCTIONS,
     GenerationEval,
     causal_lm_loss,
     evaluate_generation,
-    make_causal_loader,
     response_loss,
     teacher_forced,
 )
@@ -32,6 +32,7 @@ from fedlora.models import MODELS, adapter_payload, build_model, load_payload
 from fedlora.profile import ClientProfile
 from fedlora.schema import ExperimentConfig
 from fedlora.training import (
+    LABELLED_TEXTS,
     EvalStats,
     Precision,
     StepOptions,
@@ -230,11 +231,9 @@ class LocalTrainer:
         key = f"{self.config.data.model_dump_json()}|{self.config.model.path}|{owner}|{split}"
         seed = self.config.train.seed + 1000 * self.job.server_round + self.job.profile.partition_id
         size = cfg.batch_size if shuffle else cfg.eval_batch_size
-        if self.causal:
-            return make_causal_loader(dataset, self.tokenizer, size, cfg.max_length, shuffle=shuffle, seed=seed,
-                                      cache_key=f"{key}|{cfg.max_length}")
+        rows, key = (INSTRUCTIONS, f"{key}|{cfg.max_length}") if self.causal else (LABELLED_TEXTS, key)
         return make_loader(dataset, self.tokenizer, size, cfg.max_length, shuffle=shuffle, seed=seed, cache_key=key,
-                           group_by_length=cfg.group_by_length)
+                           group_by_length=cfg.group_by_length, rows=rows)
 
     def received_metrics(self, model: PeftModel) -> dict[str, float]:
         """``received-accuracy`` / ``-examples``: the model as received (before local training) on

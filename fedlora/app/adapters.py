@@ -436,12 +436,13 @@ def _score_instructions(model: Any, columns: Any, tokenizer: Any, device: Any, p
                         cfg: ExperimentConfig) -> FileScores:
     import datasets
 
-    from fedlora.causal_lm import evaluate_generation, make_causal_loader
+    from fedlora.causal_lm import INSTRUCTIONS, evaluate_generation
+    from fedlora.training import make_loader
 
     prompts = ["" if text is None else str(text) for text in columns.texts]
     responses = ["" if text is None else str(text) for text in columns.labels]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "response": responses})
-    loader = make_causal_loader(dataset, tokenizer, batch_size, cfg.train.max_length, shuffle=False)
+    loader = make_loader(dataset, tokenizer, batch_size, cfg.train.max_length, shuffle=False, rows=INSTRUCTIONS)
     scores = evaluate_generation(model, dataset, loader, tokenizer, device, cfg.train.max_new_tokens,
                                  cfg.train.rouge_examples, batch_size, precision=precision)
     return FileScores(examples=len(dataset), rouge_l=scores.rouge_l, rouge_examples=scores.rouge_examples,

@@ -306,11 +306,6 @@ def run_log(path: Path) -> Iterator[None]:
             os.truncate(path, size)
 
 
-def verbose_now() -> bool:
-    """Whether the current session shows everything (False outside a session)."""
-    return bool(_SESSIONS) and _SESSIONS[-1].verbose
-
-
 # --------------------------------------------------------------------------- Ray workers
 def ray_runtime_env(log_path: Path | None, verbose: bool, env_vars: dict[str, str]) -> dict[str, Any]:
     """The ``runtime_env`` of the Ray job: ``env_vars`` plus this module's settings, and

@@ -127,12 +127,6 @@ def check_inputs(config: ExperimentConfig) -> None:
         check_writable(Path(config.output.wandb_dir), "output.wandb_dir")
 
 
-def check_output_folder(out: Path) -> None:
-    """ConfigError (one line) when ``out`` cannot be a folder this process writes (a file, under a
-    file, read-only, ...); see :func:`fedlora.app.folders.check_writable`."""
-    check_writable(out, "--out")
-
-
 @contextlib.contextmanager
 def run_folder(out: Path, fresh: bool = True) -> Iterator[None]:
     """Create ``out`` for a run; if the run fails before writing any results, remove what this

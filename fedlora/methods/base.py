@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from fedlora.errors import ConfigError
+
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
 
@@ -111,6 +113,15 @@ class Method(Generic[OptionsT]):
 
 class NoOptions(MethodOptions):
     """A method without options of its own."""
+
+
+def require_kaiming_init(experiment: ExperimentConfig, why: str) -> None:
+    """ConfigError unless ``model.init`` is 'kaiming': for a method that draws its rank-nested A
+    itself (:func:`fedlora.lora.nested_A`: kaiming-uniform, B = 0); ``why`` begins the line."""
+    if experiment.model.init != "kaiming":
+        raise ConfigError(
+            f"{why} (kaiming-uniform, B = 0); model.init must be 'kaiming', got {experiment.model.init!r}"
+        )
 
 
 def load_reference(reference: str) -> Any:

@@ -38,7 +38,7 @@ REGION = re.compile(r"(<!-- options:(\w+) -->\n)(.*?)(<!-- /options -->)", re.DO
 NO_OPTIONS = "(none beyond the experiment config)"
 DOCSTRING_WIDTH = 106  # a docstring line, indentation included (ruff's limit is 110)
 # A strategy module's class and the method home it declares (``method = fedhera.METHOD``).
-STRATEGY_CLASS = re.compile(r"^class \w+\(LoRAStrategy\[[\w.]+\]\):\n", re.MULTILINE)
+STRATEGY_CLASS = re.compile(r"^class \w+\(\w*Strategy\[[\w.]+\]\):\n", re.MULTILINE)  # LoRAStrategy or a subclass
 STRATEGY_METHOD = re.compile(r"^    method = (\w+)\.METHOD$", re.MULTILINE)
 PARAMETERS = re.compile(r"^(?P<indent> *)Parameters\n(?P=indent)-{10}\n(?P<body>.*?)(?=\n *\n)", re.MULTILINE | re.DOTALL)
 
@@ -187,7 +187,7 @@ def sync_strategy_source(text: str, method: Method[Any]) -> str:
     first blank line) generated from ``method``; ValueError if the class or section is missing."""
     found = STRATEGY_CLASS.search(text)
     if found is None:
-        raise ValueError(f"no `class ...(LoRAStrategy[...])` for method '{method.name}'")
+        raise ValueError(f"no `class ...(LoRAStrategy[...])` (or a subclass) for method '{method.name}'")
     section = PARAMETERS.search(text, found.end())
     if section is None:
         raise ValueError(f"the strategy of '{method.name}' has no 'Parameters' section in its docstring")

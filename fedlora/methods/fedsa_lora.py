@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field
 
-from fedlora.errors import ConfigError
 from fedlora.lora import Combine, Weights
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Capabilities, Method, MethodOptions, require_kaiming_init
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
@@ -70,11 +69,7 @@ def aggregate_A(
 
 
 def check(experiment: ExperimentConfig, options: FedSALoRAOptions) -> None:
-    if experiment.model.init != "kaiming":
-        raise ConfigError(
-            f"fedsa_lora starts every client from one rank-nested A (kaiming-uniform, B = 0); "
-            f"model.init must be 'kaiming', got {experiment.model.init!r}"
-        )
+    require_kaiming_init(experiment, "fedsa_lora starts every client from one rank-nested A")
 
 
 METHOD = Method(

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field
 
-from fedlora.errors import ConfigError
 from fedlora.lora import Combine, Weights
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Capabilities, Method, MethodOptions, require_kaiming_init
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
@@ -72,11 +71,7 @@ def download_B(B: np.ndarray, rank: int) -> np.ndarray:
 
 
 def check(experiment: ExperimentConfig, options: FFALoRAOptions) -> None:
-    if experiment.model.init != "kaiming":
-        raise ConfigError(
-            f"ffa_lora draws its frozen A itself (kaiming-uniform, B = 0); model.init must be "
-            f"'kaiming', got {experiment.model.init!r}"
-        )
+    require_kaiming_init(experiment, "ffa_lora draws its frozen A itself")
 
 
 METHOD = Method(
