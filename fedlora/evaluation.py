@@ -9,6 +9,7 @@ generations) for a causal LM.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,59 +30,68 @@ GENERATIONS_FILE = "generations.jsonl"  # causal LMs: sample generations of the 
 class GlobalEvaluator(SeededAdapters):
     """Server-side models: the seeded initial adapter, module shapes (:class:`fedlora.models.
     SeededAdapters`), global-test accuracy (a causal LM: global-test ROUGE-L, loss and perplexity,
-    and a few sample generations)."""
+    and a few sample generations).
+
+    What it evaluates with is resolved once per process, from the config sections it reads (``model``,
+    ``train``, ``output.sample_generations``): the device and precision at construction, the tokenizer
+    and the global test set's loader at the first evaluation (a method without a global model never
+    evaluates, so never tokenises)."""
 
     def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
         from fedlora.backbones import resolve_device
         from fedlora.training import resolve_precision
 
         super().__init__(config.model, len(federated.label_names), seed=config.train.seed, device=config.train.device)
-        self.config = config
         self.federated = federated
+        self.train = config.train  # eval_batch_size, max_length; a causal LM's max_new_tokens, rouge_examples
+        self.causal = config.model.kind == "causal_lm"
+        self.sample_generations = config.output.sample_generations
         self.torch_device = resolve_device(config.train.device)
         self.precision = resolve_precision(config.train.precision, self.torch_device)
-        self._loader: Any = None
 
     def model_for(self, payload: Payload) -> PeftModel:
         """A peft model whose per-module ranks match ``payload``, with the payload loaded."""
         from fedlora.models import load_payload
 
         ranks = {k[: -len(A_SUFFIX)]: int(v.shape[0]) for k, v in payload.items() if k.endswith(A_SUFFIX)}
-        model = self.build(ranks if ranks else self.config.model.lora_rank)
+        model = self.build(ranks if ranks else self.model_cfg.lora_rank)
         load_payload(model, payload)
         return model
 
-    def accuracy(self, payload: Payload) -> float:
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The backbone's tokenizer, loaded once."""
         from fedlora.backbones import load_tokenizer
-        from fedlora.training import evaluate, make_loader
 
-        if self._loader is None:
-            cfg = self.config.train
-            tokenizer = load_tokenizer(self.config.model.path)
-            self._loader = make_loader(
-                self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length, shuffle=False
-            )
-        return evaluate(self.model_for(payload), self._loader, self.torch_device, self.precision).accuracy
+        return load_tokenizer(self.model_cfg.path)
+
+    @functools.cached_property
+    def loader(self) -> Any:
+        """The global test set's loader, tokenised once: a classifier's rows, or a causal LM's instructions."""
+        from fedlora.causal_lm import INSTRUCTIONS
+        from fedlora.training import LABELLED_TEXTS, make_loader
+
+        return make_loader(self.federated.global_test, self.tokenizer, self.train.eval_batch_size, self.train.max_length,
+                           shuffle=False, rows=INSTRUCTIONS if self.causal else LABELLED_TEXTS)
+
+    def accuracy(self, payload: Payload) -> float:
+        from fedlora.training import evaluate
+
+        return evaluate(self.model_for(payload), self.loader, self.torch_device, self.precision).accuracy
 
     def generation(self, payload: Payload) -> Any:
         """A causal LM's global model on the global test set (fedlora.causal_lm.GenerationEval)."""
-        from fedlora.backbones import load_tokenizer
-        from fedlora.causal_lm import INSTRUCTIONS, evaluate_generation
-        from fedlora.training import make_loader
+        from fedlora.causal_lm import evaluate_generation
 
-        cfg = self.config.train
-        tokenizer = load_tokenizer(self.config.model.path)
-        if self._loader is None:
-            self._loader = make_loader(self.federated.global_test, tokenizer, cfg.eval_batch_size, cfg.max_length,
-                                       shuffle=False, rows=INSTRUCTIONS)
-        return evaluate_generation(self.model_for(payload), self.federated.global_test, self._loader, tokenizer,
+        cfg = self.train
+        return evaluate_generation(self.model_for(payload), self.federated.global_test, self.loader, self.tokenizer,
                                    self.torch_device, cfg.max_new_tokens, cfg.rouge_examples, cfg.eval_batch_size,
-                                   samples=self.config.output.sample_generations, precision=self.precision)
+                                   samples=self.sample_generations, precision=self.precision)
 
     def evaluate_into(self, payload: Payload, record: RoundRecord, out_dir: Path) -> None:
         """Global-test scores of ``payload`` into ``record``: accuracy, or for a causal LM ROUGE-L,
         loss and perplexity (and its sample generations appended to ``out_dir/generations.jsonl``)."""
-        if self.config.model.kind != "causal_lm":
+        if not self.causal:
             record.global_accuracy = self.accuracy(payload)
             return
         scores = self.generation(payload)
