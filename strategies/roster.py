@@ -88,12 +88,16 @@ class ClientRoster:
         self.strict = False  # a deployment: a silo that cannot take part refuses the run (PreflightError)
         self.announce: dict[str, Any] = {}  # entries every query carries beside the experiment
         self.preflight: list[str] = []  # this query's lines about silos that cannot take part
+        self.binding_source: Callable[[], Mapping[int, int]] | None = None  # the engine's binding, read again
 
     def bind(self, partitions: Mapping[int, int], names: Mapping[int, str] | None = None,
-             strict: bool = False) -> None:
+             strict: bool = False, source: Callable[[], Mapping[int, int]] | None = None) -> None:
         """Bind node ids to partitions (``names``: the silos' names, for the lines); ``strict``:
-        refuse the run when a bound silo cannot take part (:class:`PreflightError`)."""
+        refuse the run when a bound silo cannot take part (:class:`PreflightError`); ``source``: where
+        the binding comes from when it can change during the run (a simulation engine that restarts
+        a node under a new id gives it its partition's node config: read again when new nodes join)."""
         self.bound = {int(node): int(partition) for node, partition in partitions.items()}
+        self.binding_source = source
         self.names = {int(node): str(name) for node, name in (names or {}).items()}
         self.strict = strict
 
@@ -183,6 +187,8 @@ class ClientRoster:
         set up their per-client state for the clients of the first query). Returns the partitions
         re-bound. Costs one ``get_node_ids`` call when nobody new connected."""
         new = [n for n in grid.get_node_ids() if n not in self.seen_nodes]
+        if new and self.binding_source is not None:
+            self.bound = {int(node): int(partition) for node, partition in self.binding_source().items()}
         rebound = []
         for reply in self._ask(grid, new, experiment_json, timeout) if new else []:
             node_id = reply.metadata.src_node_id

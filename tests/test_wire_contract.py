@@ -21,7 +21,8 @@ KEY_SHAPED = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)+-?$")
 # names under its declared prefix (noise-<entry>: built and read there alone)
 NOT_OURS = {
     "fedlora/app/deploy/flwr_cli.py": {"run-id", "error-message", "node-id"},
-    "fedlora/app/deploy/local.py": {"status-details"},
+    "fedlora/app/deploy/local.py": {"status-details"},  # Flower's run status (flwr ls --format json)
+    "fedlora/app/deploy/roles.py": {"status-details"},
     "fedlora/methods/feddr_lora.py": {"true-positives", "flagged-fraction", "weight-n-", "weight-sum-"},
 }
 # record names and one-word message keys and reply metrics: spelt out only in protocol.py within the

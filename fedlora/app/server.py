@@ -190,7 +190,7 @@ def bind_nodes(roster: Any, grid: Grid, nodes: tuple[dict[int, int], dict[int, s
         return
     engine_binding = getattr(grid, "partition_binding", None)
     if callable(engine_binding):
-        roster.bind(engine_binding())
+        roster.bind(engine_binding(), source=engine_binding)
 
 
 def run_rounds(strategy: Any, grid: Grid, first: int, last: int,
