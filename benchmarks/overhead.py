@@ -286,6 +286,14 @@ def figures(side: dict[str, object]) -> dict[str, float]:
 Losses = list[dict[str, float]]  # per round: partition -> the client's mean training loss
 
 
+def clients_at_once(engine: str, threads: int) -> int:
+    """How many clients train at the same time: one in the plain loop and on the in-process engine
+    (its calls run one after the other); on a local Ray, as many as its CPUs (every core, as
+    fedlora.app.runner starts it) hold clients of ``threads`` CPUs each. Arms that differ in it are
+    refused: with ``--threads 1`` on two cores Ray trains two clients at once, the plain loop one."""
+    return max(1, (os.cpu_count() or 1) // threads) if engine == "ray" else 1
+
+
 def arms(args: argparse.Namespace, overrides: list[str], tmp: Path,
          losses: dict[str, list[Losses]]) -> dict[str, harness.Arm]:
     """The two arms, each a fresh process per run, writing under ``tmp`` (removed afterwards); each
@@ -295,7 +303,9 @@ def arms(args: argparse.Namespace, overrides: list[str], tmp: Path,
 
     def run(arm: str, side: dict[str, object], engine: str) -> harness.Run:
         losses.setdefault(arm, []).append(side["client_losses"])  # type: ignore[arg-type]
-        return harness.Run(figures(side), dict(side["settings"]) | {"engine": engine})  # type: ignore[call-overload]
+        at_once = clients_at_once(engine, args.threads)
+        return harness.Run(figures(side), dict(side["settings"]) | {"engine": engine,  # type: ignore[call-overload]
+                                                                   "clients_at_once": at_once})
 
     def plain() -> harness.Run:
         return run("plain", plain_run(args, tmp / f"plain-{next(runs)}.json"), "plain loop")

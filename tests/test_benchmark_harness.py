@@ -583,3 +583,18 @@ def test_secagg_arms_of_other_sizes_and_dropout_share_every_setting_but_those() 
     for other in (results(10, True, 0, precision="bf16"), results(10, True, 0, partition="dirichlet")):
         with pytest.raises(harness.Unmatched):
             harness.require_matched(arms | {"odd": secagg.settings(other, args, True, 0)}, secagg.VARIES)
+
+
+def test_overhead_refuses_a_ray_arm_that_trains_several_clients_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: a 2-core machine; the plain loop trains one client at a time
+    overhead = load("overhead")
+    monkeypatch.setattr(overhead.os, "cpu_count", lambda: 2)
+    plain = {"precision": "bf16", "threads": 1, "engine": "plain loop", "clients_at_once": overhead.clients_at_once("plain loop", 1)}
+    # Execute / Assert: Ray with 1 CPU per client on 2 cores runs two at once: refused
+    ray = plain | {"engine": "ray", "clients_at_once": overhead.clients_at_once("ray", 1)}
+    with pytest.raises(harness.Unmatched, match="clients_at_once: 1 vs 2"):
+        harness.require_matched({"plain": plain, "fedlora": ray}, varies=("engine",))
+    # every core per client (the default), or the in-process engine: one at a time, matched
+    for engine, threads in (("ray", 2), ("inprocess", 1)):
+        other = plain | {"engine": engine, "threads": threads, "clients_at_once": overhead.clients_at_once(engine, threads)}
+        harness.require_matched({"plain": plain | {"threads": threads}, "fedlora": other}, varies=("engine",))
