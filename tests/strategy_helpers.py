@@ -69,7 +69,7 @@ def small_strategy(cls: type, ranks: Sequence[int], overrides: Sequence[str] = (
                 "head::classifier.weight": np.zeros((2, 6), np.float32)}
 
     strategy = cls(config, initial, {"m": (6, 5)})
-    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=r) for k, r in enumerate(ranks)}
+    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=r, num_train_examples=0) for k, r in enumerate(ranks)}
     strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
     strategy.setup()
     return strategy

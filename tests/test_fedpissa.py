@@ -214,7 +214,7 @@ def small_strategy(
         initial[f"{module}::A"] = rng.standard_normal((rank, d_in)).astype(np.float32)
         initial[f"{module}::B"] = rng.standard_normal((d_out, rank)).astype(np.float32)
     strategy = FedPissa(config, lambda r: initial, shapes)
-    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=rank) for k in range(num_clients)}  # type: ignore[misc]
+    strategy.roster.profiles = {k: SimpleNamespace(partition_id=k, rank=rank, num_train_examples=0) for k in range(num_clients)}  # type: ignore[misc]
     strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
     strategy.setup()
     return strategy
