@@ -925,7 +925,11 @@ def _check_defences(faults: FaultsConfig, sampled: int) -> None:
     """A [faults] setting that would turn a defence off without saying so, for rounds of ``sampled``
     clients: a share bound no round can hold, a MultiKrum selection that keeps every upload, a
     trimmed mean that cuts nothing, a median of two, a size ratio that cuts honest clients."""
-    if faults.max_client_share < 1.0 and faults.max_client_share * sampled < 1.0 - 1e-9:
+    # the default bound is no choice of the operator's: with fewer clients a round than it can hold (one)
+    # it never binds (the bound is at least the largest entitled share); a value set below 1 / sampled is
+    # (compared with the default, not the fields set: a client reads the whole config back)
+    explicit = faults.max_client_share != FaultsConfig.model_fields["max_client_share"].default
+    if explicit and faults.max_client_share < 1.0 and faults.max_client_share * sampled < 1.0 - 1e-9:
         raise ValueError(f"faults.max_client_share = {faults.max_client_share:g} is below 1 / {sampled}, an equal share "
                          f"of the {sampled} clients a round samples: no round can hold it; set at least "
                          f"{math.ceil(1000 / sampled) / 1000:g}, or 1 to turn it off")
