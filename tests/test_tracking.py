@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -254,7 +255,8 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path: Path, monkeypatch: pyte
     # Assert: two offline folders of one run id (wandb sync merges them), the failed part ended non-zero
     run_id = json.loads((tmp_path / "wandb_run.json").read_text())["run_id"]
     folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(folders) == 2 and all(f.name.endswith(run_id) for f in folders)
+    # (W&B names a second folder of the same id opened in the same second <name>-1)
+    assert len(folders) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", f.name) for f in folders)
     exits = [[r["exit"]["exit_code"] for r in wandb_records(f) if r["type"] == "exit"] for f in folders]
     assert exits == [[1], [0]]
     steps = [[(r["history"]["step"]["num"], r["history"]["item"]["accuracy/global"])
