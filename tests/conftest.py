@@ -7,6 +7,7 @@ import os
 import resource
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 # One BLAS / OpenMP thread per process, set before anything imports torch: `make test` runs four
@@ -157,3 +158,20 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if _WORKER_CPU:
         terminalreporter.write_line(f"{sum(_WORKER_CPU):8.1f}  CPU seconds of the workers and the processes they "
                                     "waited for (2 cores: the wall clock cannot go below half of it)")
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[int]:
+    """Every core busy with a CPU-bound process beside the test (a loaded machine: a fresh clone's
+    `make test` beside other work); killed afterwards. Yields the number of burners."""
+    import os
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield len(burners)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()

@@ -224,19 +224,6 @@ def test_tls_auth_deployment_two_silos_and_refused_supernodes(no_leftovers: Path
 CTRL_C_BOUND = 30.0
 
 
-@pytest.fixture
-def busy_cores():
-    """Every core busy with a CPU-bound process beside the test (a loaded machine: a fresh clone's
-    `make test` beside other work); killed afterwards."""
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        yield len(burners)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
-
-
 # The CLI as a command typed in a terminal, with SIGINT at its default. A command started in the
 # background of a non-interactive shell (`make test &`, `nohup bash .ci/run &`) inherits SIGINT
 # *ignored*, and so does every process it starts: Python then installs no Ctrl-C handler and the

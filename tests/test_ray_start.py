@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -145,17 +144,6 @@ def test_cli_run_whose_ray_does_not_start_ends_in_one_line(tmp_path: Path) -> No
     assert "federation.ray_start_timeout above 30 s" in lines[0] and "--engine inprocess" in lines[0]
     assert not (out / "results.json").exists()
 
-
-@pytest.fixture
-def busy_cores() -> Iterator[int]:
-    """One CPU-bound process per core beside the test (a loaded machine); killed afterwards."""
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        yield len(burners)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
 
 
 @pytest.mark.slow
