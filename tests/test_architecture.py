@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from sources import ROOT, SOURCE_FOLDERS, module_name, source_files
+from sources import ROOT, SOURCE_FOLDERS, build_wheel, module_name, source_files
 
 
 def layer(module: str) -> int:
@@ -243,26 +243,15 @@ def test_the_wheel_holds_only_fedlora_and_strategies_is_not_importable_outside_t
     """A wheel built from the repository puts nothing but ``fedlora`` at the top of site-packages (a
     ``strategies``, ``clients`` or ``simulations`` there would collide with a user's own modules):
     the three top-level folders of the repository install as ``fedlora.strategies`` etc."""
-    import shutil
     import subprocess
     import sys
     import zipfile
 
-    # Prepare: the files a build reads, copied (a build in the repository would leave build/ there)
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    for name in SOURCE_FOLDERS:
-        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     probe = ("import importlib.util as u, fedlora.strategies.registry as r, fedlora.clients.app as a; "
              "print([n for n in ('strategies', 'clients', 'simulations') if u.find_spec(n)], "
              "len(r.strategy_names()), a.app is not None)")
     # Execute: Flower-free build of the wheel; the installed package probed from a folder outside the repository
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, check=False)
-    assert build.returncode == 0, build.stderr[-2000:]
-    names = zipfile.ZipFile(next((tmp_path / "wheel").glob("fedlora-*.whl"))).namelist()
+    names = zipfile.ZipFile(build_wheel(tmp_path)).namelist()
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=False,
                           env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
     # Assert
