@@ -63,7 +63,7 @@ test-unit: install system-data
 # mypy: strict on the core (fedlora/ without the application layer), checked on the rest. mypy does not
 # follow pyproject's package-dir mapping, so it reads the installed layout from .lint/: fedlora/ whose
 # entries link to the repository's fedlora/* and to strategies/, clients/, simulations/.
-CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
+CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema.py fedlora/compatibility.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
 	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/backbones.py fedlora/models.py \
 	fedlora/training.py fedlora/privacy.py fedlora/data fedlora/cache.py fedlora/evaluation.py fedlora/secagg.py fedlora/shares.py
 lint: install

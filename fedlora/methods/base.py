@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -35,45 +36,6 @@ class MethodOptions(BaseModel):
         from fedlora.schema import numbers_only
 
         return numbers_only(cls, info.field_name, value)
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a method declares about itself (rendered into the README's capability matrix)."""
-
-    personalized: bool
-    uploads: str
-    downloads: str
-    mixed_ranks: bool = False  # clients may declare different ranks (False: one rank, clients.mixed_rank_policy)
-    partial_participation: bool = True
-    dp_compatible: bool = True  # its client step runs under Opacus DP-SGD
-    paper: str = ""
-    causal_lm: str = ""  # why the method refuses model.kind = 'causal_lm' ('' = it runs on causal LMs)
-    # faults.aggregation = median / trimmed_mean / bulyan replaces the method's weighted means of uploaded
-    # arrays coordinate by coordinate, krum / multikrum / bulyan select whole uploads first
-    # (strategies/robust.py; a linear method only); False: the method refuses them, saying why
-    robust_aggregation: bool = False
-    not_robust: str = ""  # why a method refuses faults.aggregation other than 'mean' (robust_aggregation False)
-    # Flower's DifferentialPrivacyClientSideFixedClipping can wrap the strategy (with fixedclipping_mod on
-    # the clients): its aggregate is a fixed-weight mean of the uploads, each upload is the download
-    # plus the client's update, and it continues from the noised arrays it is given (docs/flower.md)
-    flower_dp: bool = False
-    not_flower_dp: str = ""  # why the wrapper cannot wrap the method (flower_dp False)
-    # secure_aggregation.enabled (SecAgg+, docs/secure-aggregation.md): the method's aggregate is the weighted
-    # mean of the uploads, A rows and B columns zero-padded to the round's largest rank, and each upload has the
-    # keys and shapes of its download (a client masks upload - download; the server sees only the mean)
-    secure_aggregation: bool = False
-    not_secure: str = ""  # why the method refuses secure aggregation (secure_aggregation False)
-    secure_one_rank: str = ""  # why it refuses secure aggregation with mixed ranks ('' = mixed ranks are fine)
-    # [server_optimizer] (FedAvgM, FedAdam, FedYogi: strategies/server_optimizer.py) steps on the method's mean: its
-    # aggregate is a mean of the uploads, its global arrays are what every client downloads alike (cut to its rank),
-    # and ``load_arrays`` continues from other arrays of their keys and shapes
-    server_optimizer: bool = False
-    not_server_optimizer: str = ""  # why the method refuses a server optimiser (server_optimizer False)
-    # train.proximal_mu (FedProx's client term): the client starts its local training from what it downloaded and
-    # trains through fedlora.training.train / optimise with the trainer's step_options()
-    proximal: bool = False
-    not_proximal: str = ""  # why the method refuses FedProx's term (proximal False)
 
 
 OptionsT = TypeVar("OptionsT", bound=MethodOptions)
