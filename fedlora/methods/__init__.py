@@ -1,11 +1,20 @@
-"""Method homes by name: the one place that maps ``strategy.name`` to a method's declaration.
+"""The method registry: ``strategy.name`` -> a method's one declaration, and back from its parts.
 
-A method is declared once, by a ``METHOD = Method(...)`` that names its options, capabilities,
-strategy and trainer (:class:`fedlora.methods.base.Method`). The built-in methods are the modules
-of this package; a method of your own is a module anywhere on the path, announced by an entry
-point in the group ``fedlora.methods`` (``toy = "my_package.toy:METHOD"`` under
-``[project.entry-points."fedlora.methods"]`` of its pyproject), with nothing of fedlora's to edit
-(docs/design.md, "Adding a method").
+A method is declared once, by a :class:`~fedlora.methods.base.Method` that names its options,
+capabilities, strategy and client trainer; the strategy and the trainer do not point back (a
+strategy class finds its declaration with :func:`declaring`). The registry holds three sources,
+read once (:func:`forget` reads them again):
+
+- the built-in methods: the modules of this package, each ending with ``METHOD = Method(...)``;
+- a method of your own in an installed package, announced by an entry point in the group
+  ``fedlora.methods`` (``toy = "my_package.toy:METHOD"`` under ``[project.entry-points."fedlora.methods"]``
+  of its pyproject): every process (server, clients, deployments) finds it;
+- a method registered in this process with :func:`register` (a notebook, a test, your own
+  ServerApp and ClientApp that both call it).
+
+Every other lookup reads this one: ``fedlora.strategies.registry.strategy_class`` and
+``fedlora.clients.trainers.trainer_class`` only check the type of the class a declaration names
+(docs/development.md, "Adding a method").
 """
 
 from __future__ import annotations
@@ -13,14 +22,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import pkgutil
+from collections.abc import Callable
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
 from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError, did_you_mean, shown
-from fedlora.methods.base import Method, MethodOptions, NoOptions, OptionsT, load_reference
+from fedlora.methods.base import Method, MethodOptions, NoOptions, OptionsT, Reference, load_reference
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
@@ -28,33 +38,46 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Capabilities",
+    "Declaration",
+    "FromDeclaration",
     "Method",
     "MethodOptions",
     "NoOptions",
     "OptionsT",
+    "Reference",
     "aliases",
+    "built_in_names",
     "canonical_name",
     "catalogue",
     "check_own",
+    "declaring",
     "forget",
     "load_reference",
     "method",
     "method_names",
     "options_of",
     "read_options",
+    "register",
 ]
 
+T = TypeVar("T")
 ENTRY_POINT_GROUP = "fedlora.methods"  # entry points naming a ``Method`` declared outside fedlora
 
 
+_registered: dict[str, Method[Any]] = {}  # register(): methods declared in this process
+_declared_by: dict[type[Any], Method[Any]] = {}  # declaring(): strategy class -> its declaration, as looked up
+_built_in: set[str] = set()  # the names declared by the modules of this package (found by _discover)
+
+
 def _declarations() -> list[tuple[str, Any]]:
-    """(where, what) for every declaration: the built-in homes, then the entry points."""
+    """(where, what) for every declaration: the built-in homes, the entry points, the registered."""
     found = []
     for info in pkgutil.iter_modules(__path__):
         if info.name not in ("base", "docs"):
             found.append((f"{__name__}.{info.name}", getattr(importlib.import_module(f"{__name__}.{info.name}"), "METHOD", None)))
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         found.append((f"entry point {entry.name} = {entry.value}", entry.load()))
+    found += [(f"register({name!r})", declared) for name, declared in _registered.items()]
     return found
 
 
@@ -69,13 +92,82 @@ def _discover() -> dict[str, Method[Any]]:
         if declared.name in found:
             raise RuntimeError(f"method name '{declared.name}' declared twice ({where})")
         found[declared.name] = declared
+        if where.startswith(f"{__name__}."):
+            _built_in.add(declared.name)
     return found
 
 
+def built_in_names() -> list[str]:
+    """The methods fedlora itself declares (the modules of this package), by name."""
+    _discover()
+    return sorted(_built_in)
+
+
+def register(declared: Method[Any]) -> Method[Any]:
+    """Add a method declared in this process (a notebook, a test, an app of your own) to the
+    registry, beside the built-in ones and the entry points; returns it. Only this process knows
+    it: a deployment's nodes find a method through an entry point of an installed package."""
+    if not isinstance(declared, Method):
+        raise TypeError(f"register({declared!r}): not a fedlora.methods.Method")
+    if declared.name in _discover() or declared.name in aliases():
+        raise RuntimeError(f"method name '{declared.name}' declared twice (register)")
+    _registered[declared.name] = declared
+    _clear()
+    return declared
+
+
 def forget() -> None:
-    """Discover the methods again on the next lookup (after installing a method's package)."""
+    """Drop what was found and registered: the next lookup discovers the methods again (after
+    installing a method's package; a test that registered a method)."""
+    _registered.clear()
+    _clear()
+
+
+def _clear() -> None:
     _discover.cache_clear()
+    _built_in.clear()
     aliases.cache_clear()
+    _declared_by.clear()
+
+
+def declaring(cls: type[Any]) -> Method[Any]:
+    """The declaration whose strategy is ``cls`` or the nearest of its bases (a subclass of a
+    method's strategy runs that method); TypeError when no declaration names any of them."""
+    if cls not in _declared_by:
+        for klass in cls.__mro__:
+            named = [declared for declared in _discover().values() if declared.names_strategy(klass)]
+            if len(named) > 1:
+                raise TypeError(f"{klass.__qualname__} is the strategy of {len(named)} methods: "
+                                f"{', '.join(sorted(d.name for d in named))}")
+            if named:
+                _declared_by[cls] = named[0]
+                break
+        else:
+            raise TypeError(f"{cls.__qualname__} is the strategy of no declared method (declare it with "
+                            "fedlora.methods.Method(..., strategy=...))")
+    return _declared_by[cls]
+
+
+class Declaration:
+    """A class attribute, ``method = Declaration()``: the declaration naming the class (:func:`declaring`),
+    looked up when first read (a strategy class is defined before the registry can know it)."""
+
+    def __get__(self, instance: object, owner: type[Any]) -> Method[Any]:
+        try:
+            return declaring(owner)
+        except TypeError as error:
+            raise AttributeError(str(error)) from None
+
+
+class FromDeclaration(Generic[T]):
+    """A class attribute read from the class's ``method`` (its declaration): ``name =
+    FromDeclaration(lambda declared: declared.name)``."""
+
+    def __init__(self, read: Callable[[Method[Any]], T]) -> None:
+        self.read = read
+
+    def __get__(self, instance: object, owner: type[Any]) -> T:
+        return self.read(owner.method)
 
 
 def method_names() -> list[str]:

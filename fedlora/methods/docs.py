@@ -19,7 +19,6 @@ is imported (the strategies' source is read as text).
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import sys
 import textwrap
@@ -37,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/, strategies/
 REGION = re.compile(r"(<!-- options:(\w+) -->\n)(.*?)(<!-- /options -->)", re.DOTALL)
 NO_OPTIONS = "(none beyond the experiment config)"
 DOCSTRING_WIDTH = 106  # a docstring line, indentation included (ruff's limit is 110)
-# A strategy module's class and the method home it declares (``method = fedhera.METHOD``).
-STRATEGY_CLASS = re.compile(r"^class \w+\(\w*Strategy\[[\w.]+\]\):\n", re.MULTILINE)  # LoRAStrategy or a subclass
-STRATEGY_METHOD = re.compile(r"^    method = (\w+)\.METHOD$", re.MULTILINE)
+# A strategy module's class (LoRAStrategy or a subclass); a built-in method's declaration names it by reference
+STRATEGY_CLASS = re.compile(r"^class \w+\(\w*Strategy\[[\w.]+\]\):\n", re.MULTILINE)
+BUILT_IN_STRATEGY = re.compile(r"fedlora\.strategies\.(\w+):\w+")  # the reference -> strategies/<module>.py
 PARAMETERS = re.compile(r"^(?P<indent> *)Parameters\n(?P=indent)-{10}\n(?P<body>.*?)(?=\n *\n)", re.MULTILINE | re.DOTALL)
 
 
@@ -217,13 +216,15 @@ def drift(root: Path = ROOT, write: bool = False) -> list[str]:
             path.write_text(new)
     listed = regions((root / "docs" / "algorithms.md").read_text())
     problems += [f"docs/algorithms.md: no <!-- options:{name} --> region" for name in tables if name not in listed]
-    for path in sorted((root / "strategies").glob("*.py")):
+    for declared in methods.values():
+        found = BUILT_IN_STRATEGY.fullmatch(declared.strategy) if isinstance(declared.strategy, str) else None
+        if found is None:
+            continue  # a method declared outside fedlora: its strategy's source is not this repository's
+        path = root / "strategies" / f"{found.group(1)}.py"
+        if not path.is_file():
+            continue  # a partial copy of the repository (``--root``)
         text = path.read_text()
-        declared = STRATEGY_METHOD.search(text)
-        if declared is None:
-            continue
-        home = importlib.import_module(f"fedlora.methods.{declared.group(1)}")
-        new = sync_strategy_source(text, home.METHOD)
+        new = sync_strategy_source(text, declared)
         if new != text:
             problems.append(f"{path.relative_to(root)}: the Parameters section of its docstring")
             if write:
