@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.fedlora-installed
 PYTEST_ARGS ?=
 
-.PHONY: install system-data demo test test-fast test-unit lint docs clean
+.PHONY: install system-data demo test test-fast test-unit lint docs generated clean
 
 install: $(STAMP)
 
@@ -77,6 +77,12 @@ lint: install
 # the docstrings; --strict fails on a broken link or anchor and on a page missing from the nav.
 docs: install
 	$(PY) -m mkdocs build --strict --site-dir site
+
+# The copies generated from the methods' declarations (docs/development.md, "Adding a method"): option tables,
+# the strategies' Parameters sections, pyproject's flwr run-config keys, the capability tables.
+generated: install
+	$(PY) -m fedlora.methods.docs --write
+	$(VENV)/bin/fedlora capabilities --write
 
 clean:
 	rm -rf runs .pytest_cache site
