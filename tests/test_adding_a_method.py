@@ -42,7 +42,7 @@ METHOD = Method(
 class UniformFedAvg(LoRAStrategy[NoOptions]):
     """FedIT's protocol with p_k = 1 / K over the K uploads of a round."""
 
-    method = METHOD
+    method = METHOD  # the older style, still honoured: the declaration naming this class is enough
     STATE = (*LoRAStrategy.STATE, "global_adapter", "max_rank", "last_weights")  # what a checkpoint saves
 
     def setup(self) -> None:
