@@ -5,7 +5,7 @@ message per client, reply checking, byte accounting, personalised evaluation); a
 only says what goes down to a client and what must come back (:meth:`download`, one
 :class:`~fedlora.strategies.download.Download` per client and round), how uploads are aggregated
 (:meth:`aggregate`) and what its global model is (:meth:`global_payload`). Its options and capabilities come from its home
-(``fedlora/methods/<name>.py``, ``method = METHOD``). Every hook speaks partition ids; node ids
+(``fedlora/methods/<name>.py``, the ``Method`` that names the class). Every hook speaks partition ids; node ids
 stay in :class:`~fedlora.strategies.roster.ClientRoster`. Every message is built fresh per client, so
 per-client payloads (mixed ranks, personalised factors) never share a RecordDict.
 
@@ -60,7 +60,7 @@ from fedlora.lora import (
     to_array_record,
     weighted_average,
 )
-from fedlora.methods import Capabilities, Method, OptionsT
+from fedlora.methods import Declaration, FromDeclaration, OptionsT
 from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase, wire_size
 from fedlora.results import RoundRecord
@@ -136,13 +136,13 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         every message).
     """
 
-    # The method's home declaration (name, options, capabilities): ``class FedHera(LoRAStrategy[
-    # FedHeraOptions])`` with ``method = fedhera.METHOD`` (a ``Method[FedHeraOptions]``) types
-    # ``self.options``; a class attribute in effect (a ClassVar cannot hold a type variable).
-    method: Method[OptionsT]
+    # The method's declaration (fedlora/methods/<name>.py: name, options, capabilities, this class, its
+    # trainer), looked up from the class (fedlora.methods.declaring): the declaration names the strategy,
+    # the strategy does not point back. ``class FedHera(LoRAStrategy[FedHeraOptions])`` types ``self.options``.
+    method = Declaration()
     options: OptionsT  # ``method.parse(experiment)``: the options model with its defaults filled in
-    name: ClassVar[str] = ""  # set from ``method`` by __init_subclass__
-    capabilities: ClassVar[Capabilities]
+    name = FromDeclaration(lambda declared: declared.name)
+    capabilities = FromDeclaration(lambda declared: declared.capabilities)
 
     # What a checkpoint saves and a resumed run restores (:meth:`state_dict`): what the strategy has
     # learned and counted so far. A method adds its own (``STATE = (*LoRAStrategy.STATE, "global_adapter")``);
@@ -208,12 +208,6 @@ class LoRAStrategy(Strategy, Generic[OptionsT]):
         self.excluded: dict[int, str] = {}  # partition -> why it is never sampled again (a secure round named it)
         self.masked_digests: list[str] = []  # SHA-256 of every masked vector summed so far (a replay is named)
         self.server_moments: Moments = {}  # [server_optimizer]'s state (server_optimizer.py): empty until it steps
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "method" in cls.__dict__:
-            cls.name = cls.method.name
-            cls.capabilities = cls.method.capabilities
 
     @classmethod
     def experiment_from(cls, settings: Mapping[str, Any], federation: Mapping[str, Any]) -> ExperimentConfig:
