@@ -296,9 +296,12 @@ def test_every_attribute_a_strategy_assigns_is_declared_checkpoint_state_or_rebu
 
     # Prepare: the classes as the code writes them
     problems = []
-    base_node = next(n for n in ast.walk(ast.parse((ROOT / "strategies/base.py").read_text()))
-                     if isinstance(n, ast.ClassDef) and n.name == "LoRAStrategy")
-    base_assigned = assigned_attributes(base_node)
+    base_assigned: set[str] = set()
+    for base in LoRAStrategy.__mro__:  # LoRAStrategy and its own bases (checkpointed.py, round_steps.py, ...)
+        if base.__module__.startswith("fedlora.strategies."):
+            path = ROOT / "strategies" / f"{base.__module__.rsplit('.', 1)[-1]}.py"
+            base_assigned |= assigned_attributes(next(n for n in ast.walk(ast.parse(path.read_text()))
+                                                      if isinstance(n, ast.ClassDef) and n.name == base.__name__))
     for name in strategy_names():
         cls = strategy_class(name)
         path = ROOT / "strategies" / f"{cls.__module__.rsplit('.', 1)[-1]}.py"
@@ -321,10 +324,12 @@ def test_every_attribute_a_strategy_assigns_is_declared_checkpoint_state_or_rebu
 
 def test_no_strategy_module_is_large_and_the_base_is_not_the_largest_module() -> None:
     """One class per algorithm, small pure helpers beside it: no module of ``strategies/`` above
-    about 350 lines, and the strategies' base module not the largest of the package."""
+    about 350 lines, the base (the Flower hooks) at most 400, and the strategies' base module not
+    the largest of the package."""
     sizes = {module_name(path): len(path.read_text().splitlines()) for path in source_files()}
     methods = {name: size for name, size in sizes.items() if name.startswith("fedlora.strategies.")
                and name != "fedlora.strategies.base"}
     assert max(methods.values()) <= 350, sorted(methods.items(), key=lambda item: -item[1])[:3]
+    assert sizes["fedlora.strategies.base"] <= 400, sizes["fedlora.strategies.base"]
     assert max(sizes, key=lambda name: sizes[name]) != "fedlora.strategies.base", sorted(
         sizes.items(), key=lambda item: -item[1])[:3]
