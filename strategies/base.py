@@ -277,7 +277,6 @@ class LoRAStrategy(Checkpointed, RoundSteps, Strategy, Generic[OptionsT]):
         self.load_arrays({k: np.asarray(v, dtype=current[k].dtype) for k, v in payload.items()})
         log(INFO, "%s: %s continues from the arrays it was given", hook, type(self).__name__)
 
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:

@@ -333,3 +333,18 @@ def test_no_strategy_module_is_large_and_the_base_is_not_the_largest_module() ->
     assert sizes["fedlora.strategies.base"] <= 400, sizes["fedlora.strategies.base"]
     assert max(sizes, key=lambda name: sizes[name]) != "fedlora.strategies.base", sorted(
         sizes.items(), key=lambda item: -item[1])[:3]
+
+
+def test_no_code_outside_a_strategy_class_reaches_a_private_member_of_a_strategy() -> None:
+    """The reply pipeline and the secure round change a strategy through its public calls only
+    (strategies/pipeline.py, strategies/secure_round.py): no ``strategy._x`` anywhere in the code."""
+    # Prepare: every source file and the scripts beside it
+    reached = []
+    for path in [*source_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]:
+        # Execute: an attribute whose name starts with '_' read from or written to a name 'strategy'
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "strategy"
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                reached.append(f"{path.relative_to(ROOT)}:{node.lineno} strategy.{node.attr}")
+    # Assert
+    assert not reached, reached
