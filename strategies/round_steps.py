@@ -115,6 +115,7 @@ class RoundSteps(MethodAPI):
     def remember_masked(self, digests: list[str]) -> None:
         """Add a secure round's masked vectors (their SHA-256) to those summed so far: a replay is named."""
         self.masked_digests = [*self.masked_digests, *digests]
+
     def server_optimizer_step(self, server_round: int, before: Payload) -> None:
         """``[server_optimizer]``: the method's aggregate (its new :meth:`global_arrays`) is the mean
         y; the optimiser steps from ``before`` (x) along y - x (:func:`~fedlora.strategies.server_optimizer.server_step`)
