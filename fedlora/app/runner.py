@@ -110,14 +110,11 @@ def check_inputs(config: ExperimentConfig) -> None:
     """Fail fast, before Ray starts and before anything is written: a missing model, unreadable
     data, target modules the backbone does not have, ranks or a ``max_length`` it cannot take,
     a TensorBoard folder that cannot be written."""
-    from fedlora.backbones import check_model_available
     from fedlora.data import build_federated_data
-    from fedlora.models import check_model_limits, check_target_modules
+    from fedlora.models import check_model
 
-    check_model_available(config.model.path, config.model.kind)
     federated = build_federated_data(config.data)
-    check_target_modules(config.model, len(federated.label_names), config.train.device)
-    check_model_limits(config, len(federated.label_names))
+    check_model(config.model, config.train, config.clients, len(federated.label_names))
     from fedlora.app.tracking import check_backends, tensorboard_dir
 
     check_backends(config)
