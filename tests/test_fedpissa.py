@@ -480,7 +480,7 @@ def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
     from fedlora.models import build_model
 
     config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
-    evaluator = GlobalEvaluator(config, SimpleNamespace(label_names=list(range(8))))  # type: ignore[arg-type]
+    evaluator = GlobalEvaluator(config.model, config.train, SimpleNamespace(label_names=list(range(8))))  # type: ignore[arg-type]
     evaluator.init = FedPissa(config, evaluator.initial_adapter, {"m": (6, 5)}).model_init()  # as run_server
     # Execute
     server = evaluator.build(4).state_dict()

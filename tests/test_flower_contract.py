@@ -109,7 +109,7 @@ def test_a_strategy_built_from_keywords_runs_the_experiment_of_the_same_config()
     assert (strategy.fraction_train, strategy.fraction_evaluate, strategy.min_train_nodes) == (0.5, 0.25, 2)
     assert (strategy.min_evaluate_nodes, strategy.min_available_nodes) == (1, 3)
     # the server's model is fedlora's ServerApp's, with FedPissa's PiSSA init (B != 0, unlike kaiming's B = 0)
-    evaluator = GlobalEvaluator(config, build_federated_data(config.data))
+    evaluator = GlobalEvaluator(config.model, config.train, build_federated_data(config.data))
     evaluator.init = "pissa"
     assert strategy.module_shapes == evaluator.module_shapes()
     initial, expected = strategy.initial_adapter(4), evaluator.initial_adapter(4)

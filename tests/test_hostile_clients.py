@@ -69,7 +69,7 @@ def federated() -> Any:
 def evaluator(name: str) -> tuple[GlobalEvaluator, dict[str, tuple[int, int]]]:
     """The server's models for strategy ``name`` (its init, e.g. FedPissa's PiSSA) and the module shapes."""
     config = load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name)])
-    server = GlobalEvaluator(config, federated())
+    server = GlobalEvaluator(config.model, config.train, federated())
     server.init = create_strategy(config, server.initial_adapter, {"m": (4, 4)}).model_init()
     return server, server.module_shapes()
 

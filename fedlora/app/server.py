@@ -103,7 +103,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     torch.set_num_threads(max(1, int(config.federation.num_cpus)))
     out_dir = Path(out_dir)
     federated = build_federated_data(config.data)
-    evaluator = GlobalEvaluator(config, federated)
+    evaluator = GlobalEvaluator(config.model, config.train, federated, config.output.sample_generations)
     strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
     evaluator.init = strategy.model_init()  # before the first initial_adapter() call (setup)
     strategy.paths.adapter_dir = str((out_dir / "adapters").resolve())
@@ -160,7 +160,7 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     if causal and first == 1:  # the zero-shot reference: the initial adapter (B = 0) is the base model
         zero_shot = RoundRecord(round=0)
         started, cpu_started = time.perf_counter(), time.process_time()
-        evaluator.evaluate_into(evaluator.initial_adapter(config.model.lora_rank), zero_shot, out_dir)
+        evaluator.zero_shot_into(zero_shot, out_dir)
         zero_shot.seconds = time.perf_counter() - started
         zero_shot.cpu_seconds = time.process_time() - cpu_started
         writer.add(zero_shot)
