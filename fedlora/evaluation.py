@@ -35,13 +35,15 @@ class GlobalEvaluator(SeededAdapters):
     What it evaluates with is resolved once per process, from the config sections it reads (``model``,
     ``train``, ``output.sample_generations``): the device and precision at construction, the tokenizer
     and the global test set's loader at the first evaluation (a method without a global model never
-    evaluates, so never tokenises)."""
+    evaluates, so never tokenises). ``init``: the method's LoRA init where it overrides ``model.init``
+    (the strategy's ``model_init``, e.g. FedPissa's PiSSA)."""
 
-    def __init__(self, config: ExperimentConfig, federated: FederatedData) -> None:
+    def __init__(self, config: ExperimentConfig, federated: FederatedData, init: str | None = None) -> None:
         from fedlora.backbones import resolve_device
         from fedlora.training import resolve_precision
 
-        super().__init__(config.model, len(federated.label_names), seed=config.train.seed, device=config.train.device)
+        super().__init__(config.model, len(federated.label_names), seed=config.train.seed, init=init,
+                         device=config.train.device)
         self.federated = federated
         self.train = config.train  # eval_batch_size, max_length; a causal LM's max_new_tokens, rouge_examples
         self.causal = config.model.kind == "causal_lm"
