@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp import Grid
@@ -35,6 +35,9 @@ from fedlora.config import ExperimentConfig
 from fedlora.evaluation import GlobalEvaluator
 from fedlora.results import ResultsWriter, RoundRecord
 
+if TYPE_CHECKING:  # the strategies take a while to import; the caller has built one
+    from fedlora.strategies.base import LoRAStrategy
+
 # results.json strategy_info: who measured the round's global accuracy (ROUGE-L): "server" (the
 # strategy's global model on the global test set) or "clients" (a method without a global model:
 # each client's own model on it, as the clients reported it; the server cannot check that number)
@@ -45,7 +48,7 @@ class RoundDriver:
     """Rounds ``first``..``config.train.rounds`` of ``strategy`` and what follows each (see the
     module docstring). ``first``: 1, or k + 1 for a run resumed after round k."""
 
-    def __init__(self, config: ExperimentConfig, out_dir: Path, strategy: Any, evaluator: GlobalEvaluator,
+    def __init__(self, config: ExperimentConfig, out_dir: Path, strategy: LoRAStrategy[Any], evaluator: GlobalEvaluator,
                  writer: ResultsWriter, tracker: Tracker, progress: RoundProgress, first: int = 1) -> None:
         self.config = config
         self.out_dir = out_dir
