@@ -81,9 +81,10 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
         restore(saved, strategy, writer, out_dir)
         say(f"resuming {out_dir} after round {saved['round']} of {config.train.rounds}")
     first = saved["round"] + 1 if saved is not None else 1
+    tracker = Tracker(config, out_dir, first)
     progress = RoundProgress(config.train.rounds, first, live=False if flower_logger else None,
                              emit=say if flower_logger else None)
-    RoundDriver(config, out_dir, strategy, evaluator, writer, Tracker(config, out_dir, first), progress, first).run(grid)
+    RoundDriver(config, out_dir, strategy, evaluator, writer, tracker, progress, first).run(grid)
     if flower_logger:
         say(f"results: {(out_dir / 'results.json').resolve()}")
     return writer
