@@ -27,7 +27,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-log = getLogger("flwr").log  # Flower's logger, by its name, as Flower's own start logs
+flower = getLogger("flwr")  # Flower's logger, by its name, as Flower's own start logs
+log = flower.log
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]  # Flower's evaluate_fn: (round, arrays) -> metrics
 Exchange = Callable[[Grid, list[Message], float | None], Iterable[Message]]  # push messages, wait for the replies
@@ -68,18 +69,25 @@ def run_rounds(strategy: Strategy, grid: Grid, first: int, last: int, *, arrays:
             result.evaluate_metrics_clientapp[server_round] = metrics
         if evaluate_fn is not None:
             evaluated = evaluate_fn(server_round, arrays)
+            log(level, "\t└──> Global evaluation MetricRecord: %s", evaluated)
             if evaluated is not None:
                 result.evaluate_metrics_serverapp[server_round] = evaluated
     log(level, "Strategy execution finished in %.2fs", time.time() - started)
+    if flower.isEnabledFor(level):  # Flower's own summary of the run's metrics, as start logs it
+        log(level, "Final results:")
+        for line in str(result).splitlines():
+            log(level, "\t%s", line)
     return result
 
 
 def start_round_zero(strategy: Strategy, last: int, arrays: ArrayRecord, evaluate_fn: EvaluateFn | None,
                      result: Result, level: int) -> None:
     """Before round 1: the strategy's summary (Flower's logger, INFO) and ``evaluate_fn`` for round 0."""
-    log(level, "Starting %s strategy: %d rounds", type(strategy).__name__, last)
+    log(level, "Starting %s strategy:", type(strategy).__name__)
+    log(level, "\t├── Number of rounds: %d", last)
     strategy.summary()
     if evaluate_fn is not None:
         evaluated = evaluate_fn(0, arrays)
+        log(level, "Initial global evaluation results: %s", evaluated)
         if evaluated is not None:
             result.evaluate_metrics_serverapp[0] = evaluated
