@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.fedlora-installed
 PYTEST_ARGS ?=
 
-.PHONY: install system-data demo test test-fast test-unit lint docs clean
+.PHONY: install system-data demo test test-fast test-unit lint docs generated clean
 
 install: $(STAMP)
 
@@ -63,7 +63,7 @@ test-unit: install system-data
 # mypy: strict on the core (fedlora/ without the application layer), checked on the rest. mypy does not
 # follow pyproject's package-dir mapping, so it reads the installed layout from .lint/: fedlora/ whose
 # entries link to the repository's fedlora/* and to strategies/, clients/, simulations/.
-CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
+CORE := fedlora/errors.py fedlora/version.py fedlora/causal_lm.py fedlora/schema.py fedlora/compatibility.py fedlora/config.py fedlora/state.py fedlora/lora fedlora/methods \
 	fedlora/profile.py fedlora/protocol.py fedlora/results.py fedlora/checkpoint.py fedlora/backbones.py fedlora/models.py \
 	fedlora/training.py fedlora/privacy.py fedlora/data fedlora/cache.py fedlora/evaluation.py fedlora/secagg.py fedlora/shares.py
 lint: install
@@ -77,6 +77,12 @@ lint: install
 # the docstrings; --strict fails on a broken link or anchor and on a page missing from the nav.
 docs: install
 	$(PY) -m mkdocs build --strict --site-dir site
+
+# The copies generated from the methods' declarations (docs/development.md, "Adding a method"): option tables,
+# the strategies' Parameters sections, pyproject's flwr run-config keys, the capability tables.
+generated: install
+	$(PY) -m fedlora.methods.docs --write
+	$(VENV)/bin/fedlora capabilities --write
 
 clean:
 	rm -rf runs .pytest_cache site

@@ -882,7 +882,7 @@ def untrained_score(config: Any, metric: str) -> float:
         raise ConfigError(f"[fidelity.regime] metric = {metric!r}: the learning floor can measure the untrained "
                           f"model on {', '.join(UNTRAINED_METRICS)} only")
     federated = build_federated_data(config.data)
-    evaluator = GlobalEvaluator(config, federated)
+    evaluator = GlobalEvaluator(config.model, config.train, federated, config.output.sample_generations)
     payload = evaluator.initial_adapter(config.model.lora_rank)
     if metric.startswith("global_"):
         record = RoundRecord(round=0)

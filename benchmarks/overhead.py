@@ -161,7 +161,7 @@ def plain_fedavg(config) -> dict[str, object]:  # type: ignore[no-untyped-def]
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)  # pinned by the parent: fp32 or bf16, never auto
     federated = build_federated_data(config.data)  # one-off (fedlora: in the query round)
-    evaluator = GlobalEvaluator(config, federated)
+    evaluator = GlobalEvaluator(config.model, config.train, federated)
     global_payload = evaluator.initial_adapter(config.model.lora_rank)  # one-off (fedlora: server start)
     model = tokenizer = rng_as_built = None
     observed = Observed()

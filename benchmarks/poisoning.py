@@ -84,7 +84,7 @@ def profile_app(msg: Message, context: Context) -> Message:
 def strategy_for(rule: str) -> tuple[Any, InProcessGrid]:
     config = load_config(SMOKE, [f"data.num_clients={CLIENTS}", f"clients.ranks=[{', '.join(['4'] * CLIENTS)}]",
                                  f"faults.aggregation={rule}"])
-    server = GlobalEvaluator(config, build_federated_data(config.data))
+    server = GlobalEvaluator(config.model, config.train, build_federated_data(config.data))
     strategy = create_strategy(config, server.initial_adapter, server.module_shapes())
     return strategy, InProcessGrid(profile_app, [{"partition-id": k} for k in range(CLIENTS)])
 

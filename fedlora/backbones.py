@@ -29,7 +29,7 @@ import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -381,8 +381,9 @@ def base_classifier(path: str, num_labels: int, seed: int) -> Any:
 
 
 def load_causal_lm(path: str, device: str) -> Any:
-    """The causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), frozen (not cached:
-    :mod:`fedlora.models` keeps the process's one base)."""
+    """The causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), frozen, loaded afresh
+    (for whoever edits its weights, e.g. ``fedlora export``'s merge; :func:`shared_causal_lm` is the
+    process's one copy)."""
     with _timed_load():
         import torch
 
@@ -391,6 +392,13 @@ def load_causal_lm(path: str, device: str) -> Any:
         model.requires_grad_(False)
         model.to(device)
         return model
+
+
+@lru_cache(maxsize=2)
+def shared_causal_lm(path: str, device: str) -> Any:
+    """The process's one frozen causal LM ``path`` on ``device``: :mod:`fedlora.models` wraps it with
+    one adapter at a time and restores any weight a method edits, so it is never copied."""
+    return load_causal_lm(path, device)
 
 
 def head_labels(path: str) -> int | None:
@@ -422,6 +430,51 @@ def classifier_heads(path: str, model: Any) -> list[str]:
     """The head modules of the classifier ``model`` loaded from ``path``: its entry's, or found on it."""
     heads = backbone(path, "classification").heads
     return list(heads) if heads is not None else head_modules(model)
+
+
+# ------------------------------------------------------------------------------ what a backbone can take
+def check_backbone(path: str, kind: str, targets: Sequence[str], num_labels: int, device: str) -> Any:
+    """The backbone ``path`` as this process holds it (the seeded classifier, or the shared causal
+    LM on ``device``), once :func:`check_model_available` passed and every entry of ``targets``
+    (``model.target_modules``) names one of its modules; else ModelError (one line). peft's rule: a
+    module matches a target when its name is the target or ends in ``.<target>``."""
+    check_model_available(path, kind)
+    model = (shared_causal_lm(path, str(resolve_device(device))) if kind == "causal_lm"
+             else base_classifier(path, num_labels, 0))
+    names = list(backbone_modules(model))
+    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
+        raise ModelError(f"model.target_modules: {unknown} match no module of '{path}'; its module names end in "
+                         f"{', '.join(leaves[:12])}{', ...' if len(leaves) > 12 else ''}")
+    return model
+
+
+def backbone_modules(model: Any) -> dict[str, Any]:
+    """The backbone's own modules by name: without the ones an adapter wrapping it now adds (peft
+    puts its ``lora_*`` layers and the wrapped ``base_layer`` into the shared causal LM itself)."""
+    return {name: module for name, module in model.named_modules()
+            if ".lora_" not in name and not name.endswith(".base_layer")}
+
+
+def max_lora_rank(model: Any, targets: Sequence[str]) -> int:
+    """The largest LoRA rank every module of ``model`` that ``targets`` selects can take: min over
+    them of min(d_out, d_in) (a larger rank is no longer low-rank, and a huge one would be allocated
+    before anything fails); 0 when none has a weight matrix."""
+    sizes = [min(module.weight.shape[:2]) for name, module in backbone_modules(model).items()
+             if any(name == t or name.endswith("." + t) for t in targets)
+             and getattr(getattr(module, "weight", None), "ndim", 0) >= 2]
+    return int(min(sizes)) if sizes else 0
+
+
+def max_positions(model: Any, tokenizer: Any) -> int | None:
+    """The most tokens one sequence may hold: the model's position embeddings (and its tokenizer's
+    declared maximum, when it declares a real one); None when the model declares neither."""
+    limits = [int(value) for value in (getattr(model.config, "max_position_embeddings", None),) if value]
+    declared = getattr(tokenizer, "model_max_length", None)
+    if isinstance(declared, int) and 0 < declared < 10**9:  # transformers' "no limit" is ~1e30
+        limits.append(declared)
+    return min(limits) if limits else None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from fedlora import methods
+from fedlora import compatibility, methods
 from fedlora.errors import ConfigError, did_you_mean, shorten, shown
 from fedlora.schema import (
     IGNORED_TABLES,
@@ -87,7 +87,9 @@ def _known_keys(location: tuple[Any, ...]) -> list[str]:
 
 
 def build_config(raw: dict[str, Any]) -> ExperimentConfig:
-    """Validate a raw dict (TOML + overrides) into an ExperimentConfig, strategy options too.
+    """Validate a raw dict (TOML + overrides) into an ExperimentConfig: the schema, the method's
+    options (:func:`fedlora.methods.read_options`), what the method can take of the rest of the config
+    (:func:`fedlora.compatibility.check`), then the method's own rules.
     Every float must be finite (the schema's sections refuse NaN / inf themselves; the strategy's
     options are checked here, whatever their model declares)."""
     try:
@@ -97,7 +99,10 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
     found = _non_finite(config.strategy.options(), "strategy")
     if found is not None:
         raise ConfigError(f"invalid config '{found}': must be a finite number, got {shown(_lookup(config, found))}")
-    methods.validate(config)
+    given = set(config.strategy.options())  # the options the config sets (the rest are defaults)
+    declared, options = methods.read_options(config)
+    compatibility.check(config, declared.name, declared.capabilities, methods.catalogue())
+    methods.check_own(config, declared, options, given)
     return config
 
 

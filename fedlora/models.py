@@ -26,7 +26,6 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,14 +35,17 @@ from fedlora.backbones import (
     TASKS,
     ModelError,
     base_classifier,
+    check_backbone,
     classifier_heads,
-    load_causal_lm,
     load_tokenizer,
+    max_lora_rank,
+    max_positions,
     public_model_name,
     resolve_device,
+    shared_causal_lm,
 )
 from fedlora.lora import Payload, from_peft_state, payload_module, peft_module, to_peft_state
-from fedlora.schema import ExperimentConfig, ModelConfig
+from fedlora.schema import ClientsConfig, ModelConfig, TrainConfig
 
 if TYPE_CHECKING:
     import torch
@@ -52,66 +54,24 @@ if TYPE_CHECKING:
 LABELS_FILE = "labels.json"  # beside a classifier's adapter: {"id2label": {"0": name}, "label2id": {name: 0}}
 
 
-def check_target_modules(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> None:
-    """ModelError naming ``model.target_modules`` entries that match no module of the backbone
-    (peft's rule: a module matches a target when its name is the target or ends in ``.<target>``)."""
-    if cfg.kind == "causal_lm":
-        base = _causal_base(cfg.path, str(resolve_device(device))).model
-        names = [n for n, _ in base.named_modules() if ".lora_" not in n and not n.endswith(".base_layer")]
-    else:
-        names = [name for name, _ in base_classifier(cfg.path, num_labels, 0).named_modules()]
-    unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-    if unknown:
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n and not n.rsplit(".", 1)[-1].isdigit()})
-        raise ModelError(f"model.target_modules: {unknown} match no module of '{cfg.path}'; its module names end in "
-                         f"{', '.join(leaves[:12])}{', ...' if len(leaves) > 12 else ''}")
-
-
-def _bare_model(cfg: ModelConfig, num_labels: int, device: str) -> Any:
-    """The backbone the run's models wrap (no adapter): a causal LM's shared base, a classifier's cache."""
-    if cfg.kind == "causal_lm":
-        return bare_causal_model(cfg.path, device)
-    return base_classifier(cfg.path, num_labels, 0)
-
-
-def max_lora_rank(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> int:
-    """The largest LoRA rank every target module can take: min over them of min(d_out, d_in) (a
-    larger rank is no longer low-rank, and a huge one would be allocated before anything fails)."""
-    model = _bare_model(cfg, num_labels, device)
-    sizes = [min(module.weight.shape[:2]) for name, module in model.named_modules()
-             if any(name == t or name.endswith("." + t) for t in cfg.target_modules)
-             and getattr(getattr(module, "weight", None), "ndim", 0) >= 2]
-    return int(min(sizes)) if sizes else 0
-
-
-def max_positions(cfg: ModelConfig, num_labels: int, device: str = "cpu") -> int | None:
-    """The most tokens one sequence may hold: the model's position embeddings (and its tokenizer's
-    declared maximum, when it declares a real one); None when the model declares neither."""
-    config = _bare_model(cfg, num_labels, device).config
-    limits = [int(value) for value in (getattr(config, "max_position_embeddings", None),) if value]
-    declared = getattr(load_tokenizer(cfg.path), "model_max_length", None)
-    if isinstance(declared, int) and 0 < declared < 10**9:  # transformers' "no limit" is ~1e30
-        limits.append(declared)
-    return min(limits) if limits else None
-
-
-def check_model_limits(config: ExperimentConfig, num_labels: int) -> None:
-    """ModelError (one line) for a configured LoRA rank above :func:`max_lora_rank`, or a
-    ``train.max_length`` (a causal LM: plus ``train.max_new_tokens``, which generation appends) above
-    :func:`max_positions`: limits known before the run, which would otherwise fail (or allocate
-    gigabytes) in the middle of it. A silo's own rank (deployment node config) is checked by the
-    server when it joins."""
-    model, train, clients = config.model, config.train, config.clients
-    device = str(resolve_device(train.device))
+def check_model(model: ModelConfig, train: TrainConfig, clients: ClientsConfig, num_labels: int) -> None:
+    """Fail fast, one line (ModelError), on what the backbone cannot take: it is missing, of another
+    kind or without ``model.target_modules`` (:func:`fedlora.backbones.check_backbone`); a configured
+    LoRA rank above :func:`~fedlora.backbones.max_lora_rank`; a ``train.max_length`` (a causal LM:
+    plus ``train.max_new_tokens``, which generation appends) above
+    :func:`~fedlora.backbones.max_positions`. Limits known before the run, which would otherwise fail
+    (or allocate gigabytes) in the middle of it. A silo's own rank (deployment node config) is checked
+    by the server when it joins."""
+    backbone = check_backbone(model.path, model.kind, model.target_modules, num_labels, train.device)
+    largest = max_lora_rank(backbone, model.target_modules)
     ranks = {"model.lora_rank": [model.lora_rank], "clients.ranks": list(clients.ranks),
              "clients.rank_tiers": [int(rank) for rank in clients.rank_tiers]}
-    largest = max_lora_rank(model, num_labels, device)
     for key, values in ranks.items():
         too_big = sorted({r for r in values if r > largest})
         if too_big and largest:
             raise ModelError(f"{key}: rank {too_big[-1]} exceeds what '{model.path}' can take: its target modules "
                              f"{model.target_modules} allow at most rank {largest} (min of their d_out, d_in)")
-    limit = max_positions(model, num_labels, device)
+    limit = max_positions(backbone, load_tokenizer(model.path))
     length = train.max_length + (train.max_new_tokens if model.kind == "causal_lm" else 0)
     if limit is not None and length > limit:
         what = "train.max_length + train.max_new_tokens" if model.kind == "causal_lm" else "train.max_length"
@@ -132,13 +92,11 @@ class SharedBase:
 _SHARED: dict[int, SharedBase] = {}  # id(base model) -> its SharedBase
 
 
-@lru_cache(maxsize=2)
 def _causal_base(path: str, device: str) -> SharedBase:
-    """The frozen causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), once per process."""
-    model = load_causal_lm(path, device)
-    shared = SharedBase(model)
-    _SHARED[id(model)] = shared
-    return shared
+    """The frozen causal LM ``path`` on ``device`` (bf16 on CUDA, float32 elsewhere), once per process
+    (:func:`fedlora.backbones.shared_causal_lm`), with its wrapper's state."""
+    model = shared_causal_lm(path, device)
+    return _SHARED.setdefault(id(model), SharedBase(model))
 
 
 def _release(shared: SharedBase) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -222,12 +223,14 @@ def native_bf16(device: torch.device) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``, read once per process; empty elsewhere):
+    every client message resolves ``train.precision``, and the file holds a block of text per core."""
     try:
-        return set(Path("/proc/cpuinfo").read_text(errors="replace").split())
+        return frozenset(Path("/proc/cpuinfo").read_text(errors="replace").split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def resolve_precision(precision: str, device: torch.device) -> Precision:

@@ -1,9 +1,9 @@
 """A round's record of what arrived: refused replies, clients that did not reply, each client's
 entry, the uploads' bytes, loss and time, and the received accuracy (results.json's ``rounds``).
 
-Plain functions over a :class:`~fedlora.results.RoundRecord`; :class:`~fedlora.strategies.base.LoRAStrategy`
-calls them while it reads a round's replies (the personalised evaluation's aggregates are in
-``evaluation.py``).
+Plain functions over a :class:`~fedlora.results.RoundRecord`; the reply pipeline
+(:class:`~fedlora.strategies.pipeline.ReplyPipeline`) calls them while it reads a round's replies
+(the personalised evaluation's aggregates are in ``evaluation.py``).
 """
 
 from __future__ import annotations

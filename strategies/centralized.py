@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fedlora import protocol
 from fedlora.lora import Payload
-from fedlora.methods import centralized
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
@@ -36,7 +35,6 @@ class Centralized(LoRAStrategy[NoOptions]):
     ``configure_*`` continue from the arrays given (the same keys and shapes) as the model.
     """
 
-    method = centralized.METHOD
     STATE = (*LoRAStrategy.STATE, "model_adapter", "model_rank")  # checkpointed
 
     def setup(self) -> None:

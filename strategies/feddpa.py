@@ -52,7 +52,6 @@ class FedDPA(LoRAStrategy[feddpa.FedDPAOptions]):
     client's l never leaves it, so no arrays hold it.
     """
 
-    method = feddpa.METHOD
     STATE = (*LoRAStrategy.STATE, "global_adapter", "rank_g")  # checkpointed
 
     def setup(self) -> None:

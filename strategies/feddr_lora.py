@@ -97,7 +97,6 @@ class FedDRLoRA(LoRAStrategy[feddr_lora.FedDRLoRAOptions]):
     stay on the clients; no arrays hold them.
     """
 
-    method = feddr_lora.METHOD
     STATE = (*LoRAStrategy.STATE, "global_B", "head", "rank", "split_metrics")  # checkpointed
 
     def setup(self) -> None:

@@ -132,7 +132,6 @@ class FedHera(LoRAStrategy[fedhera.FedHeraOptions]):
     (its thin SVD) and the head are taken from them, and the next pushes are allocated on it.
     """
 
-    method = fedhera.METHOD
     RETIRED_STATE = frozenset({"sent", "violations"})  # checkpoints before the Download value
     STATE = (*LoRAStrategy.STATE, "G", "_global", "allocation_rng", "budgets", "head", "initial_rank", "max_rank", "pushes", "scores", "tiers")  # checkpointed
 

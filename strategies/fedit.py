@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fedlora.lora import Payload, padded_average, truncate_payload
-from fedlora.methods import fedit
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
@@ -38,7 +37,6 @@ class FedIT(LoRAStrategy[NoOptions]):
     shapes): they become the global adapter the downloads are cut from.
     """
 
-    method = fedit.METHOD
     STATE = (*LoRAStrategy.STATE, "global_adapter", "max_rank")  # checkpointed
 
     def setup(self) -> None:

@@ -109,7 +109,6 @@ class FedPissa(LoRAStrategy[fedpissa.FedPissaOptions]):
     changes only what is evaluated as the global model, not these arrays.
     """
 
-    method = fedpissa.METHOD
     RETIRED_STATE = frozenset({"sent"})  # checkpoints before the Download value: the factors each client was sent
     STATE = (*LoRAStrategy.STATE, "A_agg", "B_agg", "client_A", "client_B", "delta", "diagnostics", "head", "initial_A", "initial_B", "last_A", "last_B", "last_examples", "rank", "selected")  # checkpointed
 

@@ -44,7 +44,6 @@ class FedSALoRA(OneFactorStrategy[fedsa_lora.FedSALoRAOptions]):
     is the weighted mean of the A_k; mixed ranks are refused (rows averaged over their holders).
     """
 
-    method = fedsa_lora.METHOD
     STATE = (*LoRAStrategy.STATE, "A", "head")  # checkpointed
     MIXED_RANKS_DP = ("row j of A is averaged over the clients holding it only, so a client weighs more in the rows "
                       "few clients hold than the noise assumes")

@@ -126,7 +126,6 @@ class FedTreeLoRA(LoRAStrategy[fedtreelora.FedTreeLoRAOptions]):
     as that mean and head. The cluster and external experts stay in the strategy.
     """
 
-    method = fedtreelora.METHOD
     RETIRED_STATE = frozenset({"pushed_B"})  # checkpoints before the Download value: the B each client was sent
     STATE = (*LoRAStrategy.STATE, "cluster_experts", "cuts", "distances", "external_experts", "fallback", "head", "lam", "layers", "membership", "rebuilt", "tree", "tree_partitions")  # checkpointed
 

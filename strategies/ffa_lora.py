@@ -48,7 +48,6 @@ class FFALoRA(OneFactorStrategy[ffa_lora.FFALoRAOptions]):
     is the weighted mean of the B_k; mixed ranks are refused (B_k enters as (R / r_k) B_k).
     """
 
-    method = ffa_lora.METHOD
     STATE = (*LoRAStrategy.STATE, "B", "head", "rank_max", "shared_A")  # checkpointed
     MIXED_RANKS_DP = ("a rank-r_k client's B_k enters the average as (R / r_k) B_k, so its clipped update moves the "
                       "aggregate by more than the noise assumes")

@@ -60,7 +60,6 @@ class FlexLoRA(LoRAStrategy[flexlora.FlexLoRAOptions]):
     same keys and shapes): G = s_R B A and its SVD are taken from them, the downloads cut from it.
     """
 
-    method = flexlora.METHOD
     STATE = (*LoRAStrategy.STATE, "aggregate_stack", "head", "spectrum")  # checkpointed
 
     def setup(self) -> None:

@@ -17,7 +17,6 @@ from fedlora.lora import (
     stack,
     stack_payload,
 )
-from fedlora.methods import flora
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
@@ -60,7 +59,6 @@ class FLoRA(LoRAStrategy[NoOptions]):
     have merged every stack into their frozen bases, so the server cannot replace the sum.
     """
 
-    method = flora.METHOD
     RETIRED_STATE = frozenset({"sent"})  # checkpoints before the Download value: the stacks each client was sent
     STATE = (*LoRAStrategy.STATE, "head", "merged", "stacks")  # checkpointed
 

@@ -66,7 +66,6 @@ class HetLoRA(LoRAStrategy[hetlora.HetLoRAOptions]):
     rank-r_max adapter keep the common seeded init at each client's own rank).
     """
 
-    method = hetlora.METHOD
     STATE = (*LoRAStrategy.STATE, "aggregated", "global_factors", "head", "max_rank", "ranks")  # checkpointed
 
     def setup(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from fedlora.methods import local
 from fedlora.methods.base import NoOptions
 from fedlora.protocol import Phase
 from fedlora.strategies.base import ClientUpload, LoRAStrategy
@@ -36,7 +35,6 @@ class LocalOnly(LoRAStrategy[NoOptions]):
     empty ArrayRecord and ``configure_*`` read nothing (non-empty arrays are refused).
     """
 
-    method = local.METHOD
     STATE = LoRAStrategy.STATE  # checkpointed: nothing of its own
 
     def download(self, partition: int, for_round: int, phase: Phase) -> Download:

@@ -1,7 +1,9 @@
 """Strategies by name: ``strategy.name`` -> the Flower strategy class its method declares.
 
-The names, options and classes come from the method declarations (:mod:`fedlora.methods`:
-``Method.strategy`` is the class's ``"module:Class"``), so there is no list here to edit.
+A lookup in the method registry (:mod:`fedlora.methods`: built-in homes, entry points and
+:func:`fedlora.methods.register`), which holds the declarations; this module only checks that the
+class a declaration names is a :class:`~fedlora.strategies.base.LoRAStrategy`. There is no list here
+to edit.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ def strategy_names() -> list[str]:
 def strategy_class(name: str) -> type[LoRAStrategy]:
     """The class the method ``name`` declares (ConfigError listing the known names otherwise)."""
     declared = methods.method(name)
-    cls = methods.load_reference(declared.strategy)
-    if not (isinstance(cls, type) and issubclass(cls, LoRAStrategy)) or getattr(cls, "method", None) is not declared:
-        raise TypeError(f"method '{name}': {declared.strategy} is not a LoRAStrategy whose `method` is its declaration")
+    cls = declared.strategy_class()
+    if not (isinstance(cls, type) and issubclass(cls, LoRAStrategy)):
+        raise TypeError(f"method '{declared.name}': its strategy {declared.strategy!r} is not a LoRAStrategy subclass")
+    if cls.method is not declared:
+        raise TypeError(f"method '{declared.name}': its strategy {cls.__qualname__} runs method '{cls.method.name}'")
     return cls
 
 

@@ -1,6 +1,7 @@
 """A client's reply, read by the server in steps a reader can follow.
 
-``LoRAStrategy.aggregate_train`` runs them in this order, one reply at a time, then over the round:
+The reply pipeline (``pipeline.py``, ``ReplyPipeline``) runs them in this order, one reply at a
+time, then over the round:
 
 1. **parse**: the records a reply must carry (``arrays``, ``metrics``), every metric a plain
    number, declared, within its range, with the keys it needs beside it, the record within its
@@ -12,10 +13,12 @@
    keys, shapes and dtypes against the expected upload (float only, cast to the adapters' dtype),
    finiteness, and the update's norm against the reference norm (``faults.max_update_ratio``)
    (:func:`parse_train_reply`);
-3. **weigh**: the example counts as aggregation weights by the weight-share rule
+3. **screen** the round's valid uploads (norm outliers, the anomaly rule: ``screening.py``), then
+   **weigh**: the example counts as aggregation weights by the weight-share rule
    (:mod:`fedlora.shares`: each count cut to its client's entitlement, no share above the round's
    bound; :func:`fedlora.strategies.screening.weigh`);
-4. **aggregate** (the method) and **account** (the round's record).
+4. **account** (the round's record), **select** (a Byzantine-robust rule) and the method's
+   **aggregate** (``pipeline.py``).
 
 A reply that fails a step is a :class:`Rejection` with its reason; nothing here raises on what a
 client sent. Evaluation replies go through the same parse and validate steps

@@ -2,14 +2,15 @@
 the round's uploads, the anomaly rule for poisoning within the bounds, the aggregation weights,
 and a Byzantine-robust selection where one is configured.
 
-Plain functions over the round's valid uploads (``reading.py``); each refusal is counted in the
-round's record (``accounting.py``). What they measure lives in ``validation.py`` (norms),
+Plain functions over the round's valid uploads (``reading.py``), the screen, weigh and select
+steps of the reply pipeline (``pipeline.py``); each refusal is counted in the round's record
+(``accounting.py``). What they measure lives in ``validation.py`` (norms),
 ``anomaly.py`` (the anomaly rule) and ``robust.py`` (Krum's score).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from logging import INFO, WARNING, getLogger
 
 from fedlora.results import RoundRecord
@@ -81,12 +82,13 @@ def weigh(uploads: list[ClientUpload], entitled: Mapping[int, float], max_share:
         upload.weight = float(weight)
 
 
-def select_byzantine(uploads: list[ClientUpload], rule: AggregationRule, faults: FaultsConfig, record: RoundRecord,
-                     reweigh: Callable[[list[ClientUpload]], None]) -> list[ClientUpload]:
+def select_byzantine(uploads: list[ClientUpload], rule: AggregationRule, faults: FaultsConfig,
+                     record: RoundRecord) -> list[ClientUpload]:
     """The uploads a Byzantine-robust selection keeps (``faults.aggregation = 'krum' |
     'multikrum' | 'bulyan'``, :func:`fedlora.strategies.robust.select_uploads`, Flower's Krum
-    score), weighed again among themselves (``reweigh``); every upload's ``per_client_train``
-    entry says ``byzantine_kept``. All of them, untouched, under any other rule."""
+    score), in order; every upload's ``per_client_train`` entry says ``byzantine_kept``. All of
+    them under any other rule. The caller weighs the kept ones again among themselves
+    (:meth:`fedlora.strategies.pipeline.ReplyPipeline.select`)."""
     if rule not in SELECTING:
         return uploads
     kept = set(select_uploads([u.payload for u in uploads], rule, faults.num_malicious, faults.multikrum_select))
@@ -95,6 +97,4 @@ def select_byzantine(uploads: list[ClientUpload], rule: AggregationRule, faults:
     left = [u.partition_id for i, u in enumerate(uploads) if i not in kept]
     log(INFO, "aggregate_train: %s (f = %d) kept %d of %d uploads; not aggregated: clients %s",
         rule, faults.num_malicious, len(kept), len(uploads), left)
-    selected = [u for i, u in enumerate(uploads) if i in kept]
-    reweigh(selected)
-    return selected
+    return [u for i, u in enumerate(uploads) if i in kept]

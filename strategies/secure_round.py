@@ -1,6 +1,7 @@
 """Secure aggregation in a :class:`~fedlora.strategies.base.LoRAStrategy` round
-(``secure_aggregation.enabled``, docs/secure-aggregation.md). The strategy is typed ``Any`` here:
-``base.py`` imports this module, and no import cycle is allowed, ``TYPE_CHECKING`` ones included.
+(``secure_aggregation.enabled``, docs/secure-aggregation.md). The strategy is typed by what this
+module uses of it, :class:`SecureStrategy` (``base.py`` imports this module, and no import cycle is
+allowed, ``TYPE_CHECKING`` ones included); every call is a public one.
 
 At join, :func:`masks_problem` refuses a client that does not declare fedlora's mask generator; at
 start, :func:`secure_summary` says in one line what a secure round does instead of the screening
@@ -12,14 +13,16 @@ as a rule each client checks: :func:`secure_weighting`), the round's parameters
 the setup and share-keys stages (:class:`~fedlora.strategies.secure.SecureRound`) and returns the
 training messages of the clients still in the protocol, each with the SecAgg+ record of the
 masking stage and fedlora's ``secagg-*`` entries (the clipping norm C, the range c, the pad rank).
-``aggregate_train`` calls :func:`aggregate_secure_round`: every reply is read as usual (sender,
-metrics, example count; its arrays are empty), the masked vectors of the valid ones are checked and
-summed, the unmask stage removes the masks, the unmasked mean is checked against what clipped
-updates can give (:func:`checked_mean`), and the weighted mean of the updates plus the weighted
-mean of the survivors' downloads is handed to the method's :meth:`aggregate` as one upload of
-weight 1: for a method whose aggregate is the weighted mean of its uploads (zero-padded to the
-largest rank), that is the aggregate of the round. Every client the round named is left out of
-the rest of the run (:func:`exclude_culprits`).
+``aggregate_train`` calls :func:`aggregate_secure_round`: every reply is read as usual, by the reply
+pipeline's read step (:class:`~fedlora.strategies.pipeline.ReplyPipeline`: sender, metrics, example
+count; its arrays are empty), the masked vectors of the valid ones are checked and summed, the
+unmask stage removes the masks, the unmasked mean is checked against what clipped updates can give
+(:func:`checked_mean`), the pipeline weighs and accounts the summed replies, and the weighted mean
+of the updates plus the weighted mean of the survivors' downloads is handed to the strategy's
+aggregation step (``aggregate_round``: the method's :meth:`aggregate`) as one upload of weight 1:
+for a method whose aggregate is the weighted mean of its uploads (zero-padded to the largest rank),
+that is the aggregate of the round. Every client the round named is left out of the rest of the
+run (:func:`exclude_culprits`).
 
 What the server does not check in a secure round, since it never sees an upload: the norm outlier
 rule, the anomaly rule and the update-ratio bound (the clients clip to C instead, and the server
@@ -30,9 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING, getLogger
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -41,19 +44,48 @@ from flwr.serverapp import Grid
 
 from fedlora import protocol, secagg
 from fedlora.errors import ConfigError
-from fedlora.lora import ADAPTER_DTYPE, to_array_record
+from fedlora.lora import ADAPTER_DTYPE
+from fedlora.methods import Capabilities
+from fedlora.profile import ClientProfile
 from fedlora.protocol import Phase
+from fedlora.schema import ExperimentConfig
 from fedlora.secagg import canonical_shapes, choose_params, error_bound, factor_rank, flatten, unflatten
-from fedlora.strategies.accounting import reject, reply_wire_size
+from fedlora.strategies.accounting import reject
 from fedlora.strategies.download import Download
-from fedlora.strategies.reading import read_train_replies
+from fedlora.strategies.pipeline import ReplyPipeline, RoundReplies, RoundStrategy
 from fedlora.strategies.replies import ClientUpload
 from fedlora.strategies.secure import SecureRound
 
 log = getLogger("flwr").log  # Flower's logger, by its name: what `flwr log` and the run log show
 
 
-def secure_problem(strategy: Any) -> str:
+class SecureStrategy(RoundStrategy, Protocol):
+    """What a secure round reads from a strategy and the public calls by which it changes it
+    (:class:`~fedlora.strategies.base.LoRAStrategy` has them all), beside the reply pipeline's."""
+
+    masked_digests: list[str]
+    excluded: dict[int, str]
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def rank_of(self, partition: int) -> int: ...
+
+    def sent_this_round(self, phase: Phase) -> Mapping[int, Download]: ...
+
+    def size_cut(self) -> float: ...
+
+    def exclude(self, partition: int, why: str) -> None: ...
+
+    def remember_masked(self, digests: list[str]) -> None: ...
+
+    def aggregate_round(self, replies: RoundReplies) -> tuple[ArrayRecord, MetricRecord]: ...
+
+
+def secure_problem(strategy: SecureStrategy) -> str:
     """Why ``strategy`` cannot aggregate this run securely ('' if it can): the method's
     ``capabilities.not_secure``, a robust ``faults.aggregation``, or mixed ranks where the method's
     mean is not over zero-padded uploads (``capabilities.secure_one_rank``)."""
@@ -68,7 +100,7 @@ def secure_problem(strategy: Any) -> str:
     return ""
 
 
-def masks_problem(profile: Any, secure: bool) -> str:
+def masks_problem(profile: ClientProfile, secure: bool) -> str:
     """Why a client cannot join a secure federation ('' if it can, or if the federation is not
     secure): its profile does not declare fedlora's mask generator (ChaCha20 under the whole key);
     a client running Flower's own SecAgg+ mod would expand its masks from 32 bits of the key."""
@@ -79,7 +111,7 @@ def masks_problem(profile: Any, secure: bool) -> str:
             "key, and a client on Flower's own SecAgg+ mod would seed its masks with 32 bits of it")
 
 
-def secure_summary(experiment: Any) -> str:
+def secure_summary(experiment: ExperimentConfig) -> str:
     """The secure round in one line, at start: the generator, the threshold rule, the clients'
     clipping norm and what the server can no longer screen (the counterparts of the plain rules)."""
     secure, faults = experiment.secure_aggregation, experiment.faults
@@ -113,7 +145,7 @@ def secure_weighting(weights: list[float], counts: list[int], max_share: float, 
                       "every client")
 
 
-def start_secure_round(strategy: Any, grid: Grid, server_round: int,
+def start_secure_round(strategy: SecureStrategy, grid: Grid, server_round: int,
                        messages: list[Message]) -> tuple[SecureRound, list[Message]]:
     """The setup and share-keys stages of ``server_round``, then the training messages of the
     clients still in the protocol, carrying the masking stage (module docstring). No message
@@ -133,8 +165,8 @@ def start_secure_round(strategy: Any, grid: Grid, server_round: int,
                               f"{p}'s reply would not upload the arrays it downloads (a client masks upload - download)")
     counts = [strategy.roster.declared_examples(p) for p in partitions]
     placeholders = [ClientUpload(p, {}, n, {}) for p, n in zip(partitions, counts)]
-    strategy._weigh(placeholders)  # the strategy's own weighing (the weight-share rule), before any reply
-    weights = [float(w) for w in strategy.weights(placeholders)]
+    # the strategy's own weighing (the weight-share rule, then the method's weights), before any reply
+    weights = [float(w) for w in ReplyPipeline(strategy, server_round).weigh(placeholders)]
     secure, faults = strategy.experiment.secure_aggregation, strategy.experiment.faults
     cut = strategy.size_cut()
     cut = cut if math.isfinite(cut) else 0.0  # 0 on the wire: no cut
@@ -171,20 +203,17 @@ def start_secure_round(strategy: Any, grid: Grid, server_round: int,
     return round_, masking
 
 
-def aggregate_secure_round(strategy: Any, round_: SecureRound, server_round: int,
+def aggregate_secure_round(strategy: SecureStrategy, round_: SecureRound, server_round: int,
                            replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """``aggregate_train`` of a secure round: read every reply (its arrays are empty), sum the
     masked vectors of the valid ones, unmask, check the mean against what clipped updates can
-    give, and hand the method the weighted mean (module docstring). (None, None) when the round
-    failed (too few valid replies, a halted stage, a mean out of bounds). Every client the round
-    named (``culprits``) is left out of the rest of the run."""
-    record = strategy.record(server_round)
-    replies = list(replies)
-    record.wire_bytes_up += sum(reply_wire_size(reply) for reply in replies)
-    sent = strategy.sent_this_round("train")
-    masked: dict[Phase, dict[int, Download]] = {
-        "train": {p: dataclasses.replace(d, upload={}, alternatives={}) for p, d in sent.items()}}
-    uploads = read_train_replies(replies, strategy.roster, masked, strategy._expectation, strategy.ledger, record)
+    give, weigh and account the summed ones, and hand the strategy's aggregation step the
+    weighted mean (module docstring). (None, None) when the round failed (too few valid replies,
+    a halted stage, a mean out of bounds). Every client the round named (``culprits``) is left out
+    of the rest of the run."""
+    pipeline, replies = ReplyPipeline(strategy, server_round), list(replies)
+    record, sent = pipeline.record, strategy.sent_this_round("train")
+    uploads = pipeline.read(replies, {p: dataclasses.replace(d, upload={}, alternatives={}) for p, d in sent.items()})
     node_of = strategy.roster.node_of
     by_node = {reply.metadata.src_node_id: reply for reply in replies}
     left_out = round_.collect({node_of[u.partition_id]: by_node[node_of[u.partition_id]] for u in uploads})
@@ -195,26 +224,26 @@ def aggregate_secure_round(strategy: Any, round_: SecureRound, server_round: int
     uploads = [u for u in uploads if node_of[u.partition_id] in round_.summed]
     unmasked = round_.unmask()
     exclude_culprits(strategy, round_)
-    strategy.masked_digests = [*strategy.masked_digests, *round_.report.pop("masked_digests", [])]
+    strategy.remember_masked(round_.report.pop("masked_digests", []))
     mean = None if unmasked is None else checked_mean(strategy, round_, uploads, sent, unmasked)
     if mean is None:
         record.failures += len(uploads)
         uploads = []
-    strategy._weigh(uploads)
-    strategy._account_train(uploads, record)
+    weights = pipeline.weigh(uploads)
+    pipeline.account(uploads, weights)
     record.bytes_up = len(uploads) * (round_.size + 1) * 8  # the masked int64 vectors
     record.extra["secure_aggregation"] = round_.report
     record.wire_bytes_down += sum(b["down"] for b in round_.report["wire_bytes"].values())  # stages 0, 1, 3
     record.wire_bytes_up += sum(b["up"] for b in round_.report["wire_bytes"].values())
-    if strategy._too_few_uploads(uploads, server_round) or mean is None:
+    if not pipeline.enough(uploads) or mean is None:
         return None, None
     mean_upload = ClientUpload(-1, mean, int(sum(u.num_examples for u in uploads)), {}, weight=1.0)
-    strategy._aggregate_round(server_round, [mean_upload], record)
-    metrics = MetricRecord({protocol.TRAIN_LOSS: record.train_loss, protocol.CLIENTS: len(uploads)})
-    return to_array_record(strategy.global_arrays()), metrics
+    return strategy.aggregate_round(RoundReplies(server_round, record, uploads, weights, True, [mean_upload],
+                                                 len(uploads)))
 
 
-def checked_mean(strategy: Any, round_: SecureRound, uploads: list[ClientUpload], sent: Any,
+def checked_mean(strategy: SecureStrategy, round_: SecureRound, uploads: list[ClientUpload],
+                 sent: Mapping[int, Download],
                  unmasked: tuple[np.ndarray, float]) -> dict[str, np.ndarray] | None:
     """The weighted mean of the summed uploads (the unmasked mean update plus the weighted mean of
     their downloads), or None when the mean update is beyond what the clients' clipped updates can
@@ -242,15 +271,15 @@ def checked_mean(strategy: Any, round_: SecureRound, uploads: list[ClientUpload]
     return payload
 
 
-def exclude_culprits(strategy: Any, round_: SecureRound) -> None:
-    """Leave every client the round named out of the rest of the run (``strategy.excluded``:
-    partition -> why; never sampled again), with one line each."""
+def exclude_culprits(strategy: SecureStrategy, round_: SecureRound) -> None:
+    """Leave every client the round named out of the rest of the run (``strategy.exclude``: never
+    sampled again), with one line each."""
     partition_of = {node: p for p, node in strategy.roster.node_of.items()}
     for node, why in sorted(round_.culprits.items()):
         partition = partition_of.get(node)
         if partition is None or partition in strategy.excluded:
             continue
-        strategy.excluded[partition] = f"round {round_.server_round}, secure aggregation, {why}"
+        strategy.exclude(partition, f"round {round_.server_round}, secure aggregation, {why}")
         log(WARNING, "secure aggregation: client %d (node %d) is left out of the rest of the run: %s", partition,
             node, why)
     round_.report["excluded"] = {str(p): why for p, why in sorted(strategy.excluded.items())}

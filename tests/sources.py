@@ -35,3 +35,22 @@ def module_name(path: Path) -> str:
             parts = [*package.split("."), *path.relative_to(folder).with_suffix("").parts]
             return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     raise ValueError(f"{path} is not a source file of fedlora")
+
+
+def build_wheel(scratch: Path) -> Path:
+    """fedlora's wheel, built Flower-free from a copy of the files a build reads (a build in the
+    repository would leave ``build/`` there) under ``scratch``; returns the wheel's path."""
+    import shutil
+    import subprocess
+    import sys
+
+    source = scratch / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in SOURCE_FOLDERS:
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(scratch / "wheel"), str(source)], capture_output=True, text=True, check=False)
+    assert build.returncode == 0, build.stderr[-2000:]
+    return next((scratch / "wheel").glob("fedlora-*.whl"))

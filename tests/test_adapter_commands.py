@@ -99,7 +99,7 @@ def adapter_logits(run: Path, texts: list[str]) -> list[list[float]]:
     from fedlora.lora import from_peft_state
 
     config = build_config(json.loads((run / "results.json").read_text())["config"])
-    evaluator = GlobalEvaluator(config, build_federated_data(config.data))
+    evaluator = GlobalEvaluator(config.model, config.train, build_federated_data(config.data))
     model = evaluator.model_for(from_peft_state(load_file(str(run / "adapters/global/adapter_model.safetensors"))))
     tokenizer = load_tokenizer(config.model.path)
     with torch.no_grad():

@@ -110,3 +110,24 @@ def test_an_unknown_name_or_a_built_in_of_the_other_kind_is_one_line(path: str, 
     with pytest.raises(ModelError) as raised:
         backbone(path, kind)
     assert str(raised.value) == message
+
+
+def test_the_limits_read_the_shared_causal_lm_as_bare_while_an_adapter_wraps_it() -> None:
+    # Prepare: tiny-llama's shared base as the checks see it bare, then wrapped by a rank-4 adapter
+    from fedlora.backbones import backbone_modules, check_backbone, max_lora_rank, max_positions
+    from fedlora.models import build_model
+
+    cfg = ModelConfig(path="tiny-llama", kind="causal_lm")
+    bare = check_backbone(cfg.path, cfg.kind, cfg.target_modules, 0, "cpu")
+    names = set(backbone_modules(bare))
+    build_model(cfg, 0, 4, device="cpu")
+    # Execute
+    wrapped = check_backbone(cfg.path, cfg.kind, cfg.target_modules, 0, "cpu")
+    # Assert: the same object, peft's layers inside it, yet the same modules and limits as bare: q_proj
+    # is 64 x 64 and v_proj 32 x 64 (2 key/value heads of 16), so rank 32 at most
+    assert wrapped is bare and any(".lora_A" in name for name, _ in wrapped.named_modules())
+    assert set(backbone_modules(wrapped)) == names
+    assert max_lora_rank(wrapped, cfg.target_modules) == 32 and max_lora_rank(wrapped, ["q_proj"]) == 64
+    assert max_positions(wrapped, load_tokenizer(cfg.path)) == wrapped.config.max_position_embeddings
+    with pytest.raises(ModelError, match=r"model.target_modules: \['nope'\] match no module of 'tiny-llama'"):
+        check_backbone(cfg.path, cfg.kind, ["q_proj", "nope"], 0, "cpu")

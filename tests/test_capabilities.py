@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from fedlora.app.capabilities import (
-    DEPLOYMENT_TESTED,
     FL_OPTIMISERS_END,
     FL_OPTIMISERS_START,
     FLOWER_DP_END,
     FLOWER_DP_START,
     SECURE_END,
     SECURE_START,
+    deployment_tested,
     readme_block,
     render_fl_optimisers,
     render_flower_dp,
@@ -65,7 +65,25 @@ def test_matrix_lists_every_registered_strategy() -> None:
         assert f"| `{name}` |" in matrix
 
 
-def test_deployment_column_names_registered_strategies_only() -> None:
-    # the list tests/test_deploy_strategies.py checks against what ran over TLS gRPC: no stale name
-    assert set(DEPLOYMENT_TESTED) <= set(strategy_names())
-    assert len(set(DEPLOYMENT_TESTED)) == len(DEPLOYMENT_TESTED)
+def test_deployment_column_claims_the_built_in_strategies_and_not_a_method_registered_elsewhere() -> None:
+    from fedlora import methods
+    from fedlora.strategies.fedit import FedIT
+
+    # Prepare: a method declared outside fedlora (registered in this process)
+    class Elsewhere(FedIT):
+        pass
+
+    methods.register(methods.Method(name="elsewhere", options=methods.NoOptions, strategy=Elsewhere,
+                                    capabilities=methods.Capabilities(personalized=False, uploads="", downloads="")))
+    try:
+        # Execute
+        tested, names, matrix = deployment_tested(), strategy_names(), render_matrix()
+    finally:
+        methods.forget()
+    # Assert: every module of fedlora/methods is claimed (tests/test_deploy_strategies.py runs each), the other not
+    homes = sorted(p.stem for p in (README.parent / "fedlora" / "methods").glob("*.py")) 
+    assert tested == [name for name in homes if name not in ("__init__", "base", "docs")]
+    assert "elsewhere" in names and "elsewhere" not in tested
+    row = next(line for line in matrix.splitlines() if line.startswith("| `elsewhere` |")).split(" | ")
+    assert row[-2] == "no" and all(
+        line.split(" | ")[-2] == "yes" for line in matrix.splitlines() if line.startswith("| `fedit` |"))

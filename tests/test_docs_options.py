@@ -100,3 +100,19 @@ def test_a_drifted_table_or_docstring_is_found_and_rewritten(tmp_path: Path, cap
     assert page.read_text() == (ROOT / "docs" / "results" / "fedhera.md").read_text()
     assert source.read_text() == (ROOT / "strategies" / "fedhera.py").read_text()
     assert drift(tmp_path) == []
+
+
+def test_pyprojects_flower_strategy_keys_are_generated_from_the_methods_options(tmp_path: Path) -> None:
+    # Prepare: a copy of the docs and pyproject.toml with one method option missing from Flower's table
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png", "*.csv", "img"))
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text((ROOT / "pyproject.toml").read_text().replace('warmup_rounds = ""\n', ""))
+    # Execute / Assert: found, then rewritten to the repository's file, which has every option once
+    assert drift(tmp_path) == [("pyproject.toml: [tool.flwr.app.config.strategy], the methods' options as flwr "
+                               "run-config keys")]
+    assert drift(tmp_path, write=True) and drift(tmp_path) == []
+    assert pyproject.read_text() == (ROOT / "pyproject.toml").read_text()
+    table = (ROOT / "pyproject.toml").read_text().split("[tool.flwr.app.config.strategy]\n")[1].split("\n\n")[0]
+    keys = [line.split(" = ")[0] for line in table.splitlines()]
+    assert keys[0] == "name" and keys[1:] == sorted({key for name in method_names()
+                                                     for key in method(name).options.model_fields})

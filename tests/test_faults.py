@@ -27,7 +27,7 @@ def fedit_round(num_clients: int, overrides: tuple[str, ...] = ()):
     """A FedIT strategy that has queried real in-process clients, and its round-1 messages."""
     config = load_config(ROOT / "configs/smoke.toml",
                          [f"data.num_clients={num_clients}", f"clients.ranks={[4] * num_clients}", *overrides])
-    evaluator = GlobalEvaluator(config, build_federated_data(config.data))
+    evaluator = GlobalEvaluator(config.model, config.train, build_federated_data(config.data))
     strategy = create_strategy(config, evaluator.initial_adapter, evaluator.module_shapes())
     grid = InProcessGrid(client_app, node_configs(num_clients))
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))

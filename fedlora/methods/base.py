@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,70 +38,37 @@ class MethodOptions(BaseModel):
         return numbers_only(cls, info.field_name, value)
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """What a method declares about itself (rendered into the README's capability matrix)."""
-
-    personalized: bool
-    uploads: str
-    downloads: str
-    mixed_ranks: bool = False  # clients may declare different ranks (False: one rank, clients.mixed_rank_policy)
-    partial_participation: bool = True
-    dp_compatible: bool = True  # its client step runs under Opacus DP-SGD
-    paper: str = ""
-    causal_lm: str = ""  # why the method refuses model.kind = 'causal_lm' ('' = it runs on causal LMs)
-    # faults.aggregation = median / trimmed_mean / bulyan replaces the method's weighted means of uploaded
-    # arrays coordinate by coordinate, krum / multikrum / bulyan select whole uploads first
-    # (strategies/robust.py; a linear method only); False: the method refuses them, saying why
-    robust_aggregation: bool = False
-    not_robust: str = ""  # why a method refuses faults.aggregation other than 'mean' (robust_aggregation False)
-    # Flower's DifferentialPrivacyClientSideFixedClipping can wrap the strategy (with fixedclipping_mod on
-    # the clients): its aggregate is a fixed-weight mean of the uploads, each upload is the download
-    # plus the client's update, and it continues from the noised arrays it is given (docs/flower.md)
-    flower_dp: bool = False
-    not_flower_dp: str = ""  # why the wrapper cannot wrap the method (flower_dp False)
-    # secure_aggregation.enabled (SecAgg+, docs/secure-aggregation.md): the method's aggregate is the weighted
-    # mean of the uploads, A rows and B columns zero-padded to the round's largest rank, and each upload has the
-    # keys and shapes of its download (a client masks upload - download; the server sees only the mean)
-    secure_aggregation: bool = False
-    not_secure: str = ""  # why the method refuses secure aggregation (secure_aggregation False)
-    secure_one_rank: str = ""  # why it refuses secure aggregation with mixed ranks ('' = mixed ranks are fine)
-    # [server_optimizer] (FedAvgM, FedAdam, FedYogi: strategies/server_optimizer.py) steps on the method's mean: its
-    # aggregate is a mean of the uploads, its global arrays are what every client downloads alike (cut to its rank),
-    # and ``load_arrays`` continues from other arrays of their keys and shapes
-    server_optimizer: bool = False
-    not_server_optimizer: str = ""  # why the method refuses a server optimiser (server_optimizer False)
-    # train.proximal_mu (FedProx's client term): the client starts its local training from what it downloaded and
-    # trains through fedlora.training.train / optimise with the trainer's step_options()
-    proximal: bool = False
-    not_proximal: str = ""  # why the method refuses FedProx's term (proximal False)
-
-
 OptionsT = TypeVar("OptionsT", bound=MethodOptions)
+
+
+Reference = str | type[Any]
+"""A method's part: the class itself, or ``"package.module:Class"``, imported when first needed (a
+built-in method's home names its strategy and trainer so: the core imports nothing above it)."""
 
 
 @dataclass(frozen=True)
 class Method(Generic[OptionsT]):
-    """A method home's declaration: ``METHOD = Method(...)`` at the bottom of its module, the one
-    place a method is declared: its name, options, capabilities, strategy and trainer.
+    """A method's one declaration: its name, options, capabilities, Flower strategy and client
+    trainer, paired by this one call (as peft's ``register_peft_method`` pairs a config class and a
+    model class). The parts do not point back: a strategy class finds its declaration by lookup
+    (:func:`fedlora.methods.declaring`), so the declaration is the only link.
 
+    A built-in method's home ends with ``METHOD = Method(...)``; a method of your own is announced by
+    an entry point or :func:`fedlora.methods.register` (docs/development.md, "Adding a method").
     Generic over its options model: ``Method(options=FedHeraOptions, ...)`` is a
-    ``Method[FedHeraOptions]``, so :meth:`parse` and ``check`` see the method's own options type
-    (a strategy declared ``LoRAStrategy[FedHeraOptions]`` with ``method = fedhera.METHOD`` gets
-    ``self.options: FedHeraOptions``, checked by mypy). ``check(experiment, options)`` raises
-    :class:`fedlora.errors.ConfigError` for experiments the method cannot run (cross-section
-    rules its options model cannot see on its own).
+    ``Method[FedHeraOptions]``, so :meth:`parse` and ``check`` see the method's own options type (a
+    strategy declared ``LoRAStrategy[FedHeraOptions]`` gets ``self.options: FedHeraOptions``).
+    ``check(experiment, options)`` raises :class:`fedlora.errors.ConfigError` for experiments the
+    method cannot run (cross-section rules its options model cannot see on its own).
     """
 
     name: str
     options: type[OptionsT]
     capabilities: Capabilities
-    # "module:Class" of the Flower strategy (the server protocol, a LoRAStrategy subclass whose
-    # ``method`` is this declaration); imported when a run first needs it, so the core imports
-    # nothing above it
-    strategy: str
-    # "module:Class" of the client trainer (a LocalTrainer subclass); the default trains A and B
-    trainer: str = "fedlora.clients.trainers.base:LocalTrainer"
+    # its Flower strategy: a LoRAStrategy subclass (the server protocol)
+    strategy: Reference
+    # its client trainer: a LocalTrainer subclass (the client step); the default trains A and B
+    trainer: Reference = "fedlora.clients.trainers.base:LocalTrainer"
     check: Callable[[ExperimentConfig, OptionsT], None] | None = None
     # Other names ``strategy.name`` may give for this method (e.g. FedIT's common name, ``fedavg``): a config
     # naming one is read as naming the method (``strategy.name`` becomes ``name``; the run is the method's)
@@ -109,6 +77,18 @@ class Method(Generic[OptionsT]):
     def parse(self, experiment: ExperimentConfig) -> OptionsT:
         """This method's typed options from ``experiment.strategy`` (defaults filled in)."""
         return self.options(**experiment.strategy.options())
+
+    def strategy_class(self) -> Any:
+        """The strategy class (imported on first use when named by reference)."""
+        return resolve(self.strategy)
+
+    def trainer_class(self) -> Any:
+        """The client trainer class (imported on first use when named by reference)."""
+        return resolve(self.trainer)
+
+    def names_strategy(self, cls: type[Any]) -> bool:
+        """Whether ``cls`` is this method's strategy class (compared by reference, importing nothing)."""
+        return self.strategy is cls or self.strategy == f"{cls.__module__}:{cls.__qualname__}"
 
 
 class NoOptions(MethodOptions):
@@ -122,6 +102,11 @@ def require_kaiming_init(experiment: ExperimentConfig, why: str) -> None:
         raise ConfigError(
             f"{why} (kaiming-uniform, B = 0); model.init must be 'kaiming', got {experiment.model.init!r}"
         )
+
+
+def resolve(part: Reference) -> Any:
+    """A method's part: the class it is, or the one its ``"module:Class"`` reference names."""
+    return load_reference(part) if isinstance(part, str) else part
 
 
 def load_reference(reference: str) -> Any:

@@ -8,7 +8,8 @@ round samples (its step budget).
 
 from __future__ import annotations
 
-from fedlora.methods.base import Capabilities, Method, NoOptions
+from fedlora.compatibility import Capabilities
+from fedlora.methods.base import Method, NoOptions
 
 METHOD = Method(
     name="centralized",

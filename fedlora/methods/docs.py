@@ -8,7 +8,10 @@ repository, so a reader of the docs or of the source sees them without running a
   (``<!-- options:fedhera -->`` ... ``<!-- /options -->``; docs/algorithms.md has one per method
   with options, a results page may repeat it), from :func:`markdown_table`;
 - the ``Parameters`` section of the method's strategy docstring (``strategies/<name>.py``, the
-  strategy's keyword options, numpydoc), from :func:`parameters_section`.
+  strategy's keyword options, numpydoc), from :func:`parameters_section`;
+- the ``[tool.flwr.app.config.strategy]`` table of ``pyproject.toml``: every built-in method's
+  option as a run-config key of ``flwr run .`` (Flower refuses an undeclared key), from
+  :func:`flwr_strategy_table`.
 
 ``python -m fedlora.methods.docs`` lists what is out of step (exit 1 if anything is);
 ``python -m fedlora.methods.docs --write`` rewrites it. tests/test_docs_options.py fails while
@@ -19,7 +22,6 @@ is imported (the strategies' source is read as text).
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import sys
 import textwrap
@@ -37,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/, strategies/
 REGION = re.compile(r"(<!-- options:(\w+) -->\n)(.*?)(<!-- /options -->)", re.DOTALL)
 NO_OPTIONS = "(none beyond the experiment config)"
 DOCSTRING_WIDTH = 106  # a docstring line, indentation included (ruff's limit is 110)
-# A strategy module's class and the method home it declares (``method = fedhera.METHOD``).
-STRATEGY_CLASS = re.compile(r"^class \w+\(\w*Strategy\[[\w.]+\]\):\n", re.MULTILINE)  # LoRAStrategy or a subclass
-STRATEGY_METHOD = re.compile(r"^    method = (\w+)\.METHOD$", re.MULTILINE)
+# A strategy module's class (LoRAStrategy or a subclass); a built-in method's declaration names it by reference
+STRATEGY_CLASS = re.compile(r"^class \w+\(\w*Strategy\[[\w.]+\]\):\n", re.MULTILINE)
+BUILT_IN_STRATEGY = re.compile(r"fedlora\.strategies\.(\w+):\w+")  # the reference -> strategies/<module>.py
 PARAMETERS = re.compile(r"^(?P<indent> *)Parameters\n(?P=indent)-{10}\n(?P<body>.*?)(?=\n *\n)", re.MULTILINE | re.DOTALL)
 
 
@@ -196,10 +198,44 @@ def sync_strategy_source(text: str, method: Method[Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------- the files
+# ------------------------------------------------------------------------------------- pyproject
+FLWR_STRATEGY = re.compile(r"^\[tool\.flwr\.app\.config\.strategy\]\n(?:[^\n\[]+\n)*", re.MULTILINE)
+
+
+def flwr_strategy_table(declared: list[Method[Any]]) -> str:
+    """pyproject's ``[tool.flwr.app.config.strategy]``: ``name`` and every option of ``declared``, each
+    "" (= the config's own value), sorted."""
+    keys = sorted({option.name for method in declared for option in option_docs(method.options)})
+    return "[tool.flwr.app.config.strategy]\n" + "".join(f'{key} = ""\n' for key in ["name", *keys])
+
+
 def _methods() -> dict[str, Method[Any]]:
     from fedlora.methods import method, method_names
 
     return {name: method(name) for name in method_names()}
+
+
+def _built_in_names() -> list[str]:
+    from fedlora.methods import built_in_names
+
+    return built_in_names()
+
+
+def _sync_pyproject(root: Path, declared: list[Method[Any]], write: bool) -> list[str]:
+    """pyproject.toml's Flower table of the options (:func:`flwr_strategy_table`), if out of step."""
+    path = root / "pyproject.toml"
+    if not path.is_file():
+        return []  # a partial copy of the repository (``--root``)
+    text = path.read_text()
+    found = FLWR_STRATEGY.search(text)
+    fresh = flwr_strategy_table(declared)
+    if found is None:
+        return ["pyproject.toml: no [tool.flwr.app.config.strategy] table"]
+    if found.group(0) == fresh:
+        return []
+    if write:
+        path.write_text(text[: found.start()] + fresh + text[found.end():])
+    return ["pyproject.toml: [tool.flwr.app.config.strategy], the methods' options as flwr run-config keys"]
 
 
 def drift(root: Path = ROOT, write: bool = False) -> list[str]:
@@ -217,13 +253,16 @@ def drift(root: Path = ROOT, write: bool = False) -> list[str]:
             path.write_text(new)
     listed = regions((root / "docs" / "algorithms.md").read_text())
     problems += [f"docs/algorithms.md: no <!-- options:{name} --> region" for name in tables if name not in listed]
-    for path in sorted((root / "strategies").glob("*.py")):
+    problems += _sync_pyproject(root, [methods[name] for name in _built_in_names()], write)
+    for declared in methods.values():
+        found = BUILT_IN_STRATEGY.fullmatch(declared.strategy) if isinstance(declared.strategy, str) else None
+        if found is None:
+            continue  # a method declared outside fedlora: its strategy's source is not this repository's
+        path = root / "strategies" / f"{found.group(1)}.py"
+        if not path.is_file():
+            continue  # a partial copy of the repository (``--root``)
         text = path.read_text()
-        declared = STRATEGY_METHOD.search(text)
-        if declared is None:
-            continue
-        home = importlib.import_module(f"fedlora.methods.{declared.group(1)}")
-        new = sync_strategy_source(text, home.METHOD)
+        new = sync_strategy_source(text, declared)
         if new != text:
             problems.append(f"{path.relative_to(root)}: the Parameters section of its docstring")
             if write:

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Method, MethodOptions
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig

@@ -18,8 +18,9 @@ import numpy as np
 from pydantic import Field
 
 from fedlora import protocol
+from fedlora.compatibility import Capabilities
 from fedlora.lora import A_SUFFIX, Combine, Payload, Weights, weighted_average
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Method, MethodOptions
 
 # groups of trained samples whose robust-CE weights a client sums: truly noisy / clean (the injected
 # noise), flagged / unflagged by the split. Train metrics noise-weight-sum-<g>, noise-weight-n-<g>.

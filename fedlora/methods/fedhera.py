@@ -18,6 +18,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError
 from fedlora.lora import (
     Factors,
@@ -27,7 +28,7 @@ from fedlora.lora import (
     split_spectrum,
     trim,
 )
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Method, MethodOptions
 from fedlora.schema import ExperimentConfig
 
 BYTES_PER_PARAM = 4  # adapters cross the wire as float32 arrays

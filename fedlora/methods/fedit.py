@@ -11,7 +11,8 @@ largest, average A and B separately, each client takes its first r_k components)
 
 from __future__ import annotations
 
-from fedlora.methods.base import Capabilities, Method, NoOptions
+from fedlora.compatibility import Capabilities
+from fedlora.methods.base import Method, NoOptions
 
 METHOD = Method(
     name="fedit",

@@ -20,8 +20,9 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Method, MethodOptions
 from fedlora.profile import configured_rank
 from fedlora.schema import ExperimentConfig
 

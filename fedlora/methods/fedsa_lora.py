@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field
 
+from fedlora.compatibility import Capabilities
 from fedlora.lora import Combine, Weights
-from fedlora.methods.base import Capabilities, Method, MethodOptions, require_kaiming_init
+from fedlora.methods.base import Method, MethodOptions, require_kaiming_init
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig

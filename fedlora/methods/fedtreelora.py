@@ -17,9 +17,10 @@ import numpy as np
 from pydantic import Field
 
 from fedlora import protocol
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError
 from fedlora.lora import Factors, Weights, average_factors
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Method, MethodOptions
 from fedlora.models import layer_index
 from fedlora.schema import ExperimentConfig
 

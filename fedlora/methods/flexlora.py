@@ -14,8 +14,9 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from fedlora.compatibility import Capabilities
 from fedlora.lora import Factors, LowRankSVD, Weights, batched_factor_svd, factor_svd
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Method, MethodOptions
 
 
 class FlexLoRAOptions(MethodOptions):

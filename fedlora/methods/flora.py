@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fedlora.compatibility import Capabilities
 from fedlora.errors import ConfigError
-from fedlora.methods.base import Capabilities, Method, NoOptions
+from fedlora.methods.base import Method, NoOptions
 
 if TYPE_CHECKING:
     from fedlora.schema import ExperimentConfig

@@ -15,8 +15,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from fedlora.compatibility import Capabilities
 from fedlora.lora import Factors, average_factors, normalise, product_norm
-from fedlora.methods.base import Capabilities, Method, MethodOptions
+from fedlora.methods.base import Method, MethodOptions
 from fedlora.shares import capped_weights
 
 

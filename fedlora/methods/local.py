@@ -6,7 +6,8 @@ federation; the "Local" rows of FedSA-LoRA, ICLR 2025, and FedDPA, NeurIPS 2024)
 
 from __future__ import annotations
 
-from fedlora.methods.base import Capabilities, Method, NoOptions
+from fedlora.compatibility import Capabilities
+from fedlora.methods.base import Method, NoOptions
 
 METHOD = Method(
     name="local",
