@@ -36,10 +36,13 @@ class GlobalEvaluator(SeededAdapters):
 
     It takes the run's ``model`` and ``train`` sections; what it evaluates with is resolved once, at
     first use: the device and precision, the backbone's tokenizer (one per process) and the global test
-    set's loader (a method without a global model never evaluates, so never tokenises)."""
+    set's loader (a method without a global model never evaluates, so never tokenises). ``init``: the
+    method's LoRA init where it overrides ``model.init`` (the strategy's ``model_init``, e.g. FedPissa's
+    PiSSA)."""
 
-    def __init__(self, model: ModelConfig, train: TrainConfig, federated: FederatedData, samples: int = 0) -> None:
-        super().__init__(model, len(federated.label_names), seed=train.seed, device=train.device)
+    def __init__(self, model: ModelConfig, train: TrainConfig, federated: FederatedData, samples: int = 0,
+                 init: str | None = None) -> None:
+        super().__init__(model, len(federated.label_names), seed=train.seed, init=init, device=train.device)
         self.federated = federated
         self.train = train  # eval_batch_size, max_length; a causal LM's max_new_tokens, rouge_examples
         self.causal = model.kind == "causal_lm"

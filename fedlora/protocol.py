@@ -26,7 +26,7 @@ Flower's loop. ``tests/test_wire_contract.py`` holds the code to it.
   refuses a reply that breaks it (``strategies/replies.py``).
 - A SuperNode's node config (``flower-supernode --node-config``, or the simulation engine's) holds
   :data:`NODE_CONFIG_KEYS` and ``budget-<name>`` entries (:data:`NODE_BUDGET_PREFIX`).
-- ``aggregate_train`` / ``aggregate_evaluate`` and the ServerApp's ``evaluate_fn`` return
+- ``aggregate_train`` / ``aggregate_evaluate`` and the ServerApp's ``evaluate_fn`` (``RoundDriver.after_round``) return
   :data:`ROUND_METRICS` to Flower's loop.
 
 Payload keys (the names of the arrays in ``arrays``: ``<module>::A``, ``head::<name>``) are the

@@ -150,16 +150,17 @@ def _clean(value: Any) -> Any:
 class ResultsWriter:
     """Collects round records and rewrites ``results.json`` after each one."""
 
-    def __init__(self, config: ExperimentConfig, out_dir: str | Path, strategy_info: dict[str, Any] | None = None):
+    def __init__(self, config: ExperimentConfig, out_dir: str | Path, strategy_info: dict[str, Any] | None = None,
+                 precision: str = "", id2label: dict[str, str] | None = None):
         self.config = config
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rounds: list[RoundRecord] = []
         self.strategy_info = strategy_info or {}
         self.privacy: dict[str, float] | None = None
-        self.id2label: dict[str, str] = {}  # classification: class index -> class name (written as "id2label")
+        self.id2label = id2label or {}  # classification: class index -> class name (written as "id2label")
         # train.precision as resolved on the server's machine (in simulation, every client's): "fp32" / "bf16"
-        self.precision = ""
+        self.precision = precision
         self.started = time.time()
         self.cpu_started = time.process_time()
         # a resumed run: the wall and CPU seconds of the rounds restored from its checkpoint
@@ -170,9 +171,11 @@ class ResultsWriter:
     def path(self) -> Path:
         return self.out_dir / "results.json"
 
-    def restore(self, rounds: list[RoundRecord]) -> None:
-        """Continue a checkpointed run: its completed rounds, whose times count towards the run's."""
+    def restore(self, rounds: list[RoundRecord], privacy: dict[str, float] | None = None) -> None:
+        """Continue a checkpointed run: its completed rounds, whose times count towards the run's,
+        and the privacy spent in them."""
         self.rounds = list(rounds)
+        self.privacy = privacy
         self.earlier_seconds = sum(r.seconds for r in self.rounds)
         self.earlier_cpu_seconds = sum(r.cpu_seconds for r in self.rounds)
 

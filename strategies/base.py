@@ -116,6 +116,9 @@ class LoRAStrategy(Checkpointed, RoundSteps, Strategy, Generic[OptionsT]):
     min_available_nodes : int, optional
         Nodes the strategy waits for (up to ``federation.round_timeout``) before its profile query
         (default: ``data.num_clients``).
+    paths : RunPaths, optional
+        Where fedlora's ServerApp keeps the run's files (the clients' state and adapters, the
+        round a resumed run continues after); default: none.
     **settings
         The method's options (its options model, ``fedlora/methods/<name>.py``) and experiment
         sections as mappings or section models: ``model``, ``data``, ``train``, ``federation``,
@@ -142,6 +145,7 @@ class LoRAStrategy(Checkpointed, RoundSteps, Strategy, Generic[OptionsT]):
         min_train_nodes: int | None = None,
         min_evaluate_nodes: int | None = None,
         min_available_nodes: int | None = None,
+        paths: RunPaths | None = None,
         **settings: Any,
     ) -> None:
         federation = {"fraction_train": fraction_train, "fraction_evaluate": fraction_evaluate,
@@ -162,7 +166,7 @@ class LoRAStrategy(Checkpointed, RoundSteps, Strategy, Generic[OptionsT]):
         self.min_evaluate_nodes = experiment.federation.min_clients if min_evaluate_nodes is None else min_evaluate_nodes
         self.min_available_nodes = experiment.data.num_clients if min_available_nodes is None else min_available_nodes
         self.roster = ClientRoster()
-        self.paths = RunPaths()
+        self.paths = paths or RunPaths()
         self.ledger = PrivacyLedger()
         self.records: dict[int, RoundRecord] = {}
         self.started: dict[int, float] = {}
@@ -236,13 +240,18 @@ class LoRAStrategy(Checkpointed, RoundSteps, Strategy, Generic[OptionsT]):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Flower's loop (``Strategy.start``) with ``num_rounds`` as the experiment's
-        ``train.rounds`` (clients read it: the last round saves adapters, DP budgets span all
-        rounds). ``initial_arrays``: an empty ``ArrayRecord`` starts from the common seeded
-        initial adapter; arrays of :meth:`global_arrays`'s keys and shapes start from them."""
+        """Flower's ``Strategy.start``: rounds 1..``num_rounds`` of the one round loop
+        (:func:`fedlora.strategies.loop.run_rounds`, which fedlora's ServerApp runs too), with
+        ``num_rounds`` as the experiment's ``train.rounds`` (clients read it: the last round saves
+        adapters, DP budgets span all rounds). ``initial_arrays``: an empty ``ArrayRecord`` starts
+        from the common seeded initial adapter; arrays of :meth:`global_arrays`'s keys and shapes
+        start from them."""
+        from fedlora.strategies.loop import run_rounds
+
         if num_rounds != self.experiment.train.rounds:
             self.set_rounds(num_rounds)
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+        return run_rounds(self, grid, 1, num_rounds, arrays=initial_arrays, timeout=timeout, train_config=train_config,
+                          evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
 
     def set_rounds(self, num_rounds: int) -> None:
         """Run for ``num_rounds`` rounds: ``train.rounds`` of the experiment the clients receive

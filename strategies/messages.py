@@ -9,7 +9,7 @@ the method's own entries and Flower's config.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -19,9 +19,10 @@ from fedlora.lora import to_array_record
 from fedlora.strategies.download import Download
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunPaths:
-    """Where the ServerApp keeps a run's files (set once before the first round)."""
+    """Where the ServerApp keeps a run's files, given to the strategy's constructor
+    (:func:`fedlora.app.server.run_paths`); a keyword-built strategy has none."""
 
     adapter_dir: str = ""  # personalised adapters are saved there by the clients
     checkpoint_dir: str = ""  # clients keep their state there (simulation: one file system)
@@ -29,7 +30,7 @@ class RunPaths:
     resumed_from: int = 0  # > 0: a resumed run, clients restore their state of this round
     # the server's class names, in the head's order: a silo with its own data file encodes its labels
     # with them (it need not read [data].source)
-    label_names: list[str] = field(default_factory=list)
+    label_names: tuple[str, ...] = ()
 
     def entries(self) -> dict[str, Any]:
         """The config entries every message of the run carries about these paths (and its labels)."""

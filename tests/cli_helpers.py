@@ -36,7 +36,7 @@ def fedlora_run(out: Path, *overrides: str, args: tuple[str, ...] = (), config: 
 
 
 # A fedlora line (tests/test_quiet.py): the data summary (fedlora.data), one progress line per round
-# (fedlora.app.server.progress_line), the final scores and where the files are (fedlora.app.runner.final_lines).
+# (fedlora.app.driver.progress_line), the final scores and where the files are (fedlora.app.runner.final_lines).
 FEDLORA_LINES = (
     r"load_source: \S+, \d+ examples, \d+ classes",
     r"build_federated_data: \d+ clients \(\w+\), pool \d+, global test \d+, [\d.]+ s",

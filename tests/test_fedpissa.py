@@ -480,8 +480,9 @@ def test_pissa_residual_base_is_identical_on_server_and_clients() -> None:
     from fedlora.models import build_model
 
     config = load_config(ROOT / "configs/smoke.toml", SMOKE_ONE_RANK)
-    evaluator = GlobalEvaluator(config.model, config.train, SimpleNamespace(label_names=list(range(8))))  # type: ignore[arg-type]
-    evaluator.init = FedPissa(config, evaluator.initial_adapter, {"m": (6, 5)}).model_init()  # as run_server
+    init = FedPissa(config, lambda rank: {}, {"m": (6, 5)}).model_init()  # as run_server
+    evaluator = GlobalEvaluator(config.model, config.train, SimpleNamespace(label_names=list(range(8))),  # type: ignore[arg-type]
+                                init=init)
     # Execute
     server = evaluator.build(4).state_dict()
     client = build_model(config.model, 8, 4, seed=config.train.seed, init="pissa").state_dict()

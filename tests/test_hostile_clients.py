@@ -69,8 +69,8 @@ def federated() -> Any:
 def evaluator(name: str) -> tuple[GlobalEvaluator, dict[str, tuple[int, int]]]:
     """The server's models for strategy ``name`` (its init, e.g. FedPissa's PiSSA) and the module shapes."""
     config = load_config(SMOKE, [f"strategy.name={name}", *short_run_overrides(name)])
-    server = GlobalEvaluator(config.model, config.train, federated())
-    server.init = create_strategy(config, server.initial_adapter, {"m": (4, 4)}).model_init()
+    init = create_strategy(config, lambda rank: {}, {"m": (4, 4)}).model_init()
+    server = GlobalEvaluator(config.model, config.train, federated(), init=init)
     return server, server.module_shapes()
 
 
@@ -912,7 +912,7 @@ def test_in_process_a_late_reply_and_a_reply_for_another_node_are_failures_and_t
     first training message after 2 s and node 1002 answers every message as node 1000. Both are
     failures of the round (no reply reached the strategy: Flower's grid leaves a late reply out,
     its link state refuses a reply from another node), nothing is rejected, and the run goes on."""
-    from fedlora.app.server import run_rounds
+    from fedlora.strategies.loop import run_rounds
 
     strategy, _ = connected("fedit", ("federation.round_timeout=1",))
 
@@ -932,7 +932,7 @@ def test_in_process_a_late_reply_and_a_reply_for_another_node_are_failures_and_t
         return answer
 
     grid = InProcessGrid(app, [{"partition-id": k} for k in range(3)])
-    run_rounds(strategy, grid, 1, 2, lambda server_round, arrays: None)
+    run_rounds(strategy, grid, 1, 2, timeout=strategy.experiment.federation.round_timeout)
     assert [strategy.record(r).clients for r in (1, 2)] == [1, 2]
     assert [strategy.record(r).failures for r in (1, 2)] == [2, 1]
     assert [strategy.record(r).rejected for r in (1, 2)] == [0, 0]

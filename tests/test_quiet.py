@@ -1,7 +1,7 @@
 """Quiet by default: a run prints fedlora's own lines only; the run's log file keeps the rest.
 
 A *fedlora line* is one of the formats in ``cli_helpers.FEDLORA_LINES``: the data summary
-(fedlora.data), one progress line per round (fedlora.app.server.progress_line), the final scores
+(fedlora.data), one progress line per round (fedlora.app.driver.progress_line), the final scores
 and where the files are (fedlora.app.runner.final_lines). Anything else on stdout (a library
 warning, a load report, plugin chatter, Flower's banners, a Ray tip) fails the test, and stderr
 must stay empty. The Ray engine's CLI run is checked the same way in tests/test_run.py (one Ray

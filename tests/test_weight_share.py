@@ -224,7 +224,7 @@ def test_a_client_declaring_a_million_test_examples_weighs_its_split_and_the_mea
     assert record.personalized_accuracy == pytest.approx(expected)
     assert record.personalized_accuracy_unweighted == pytest.approx(0.5)
     assert record.personalized_accuracy_worst == pytest.approx(0.2)
-    from fedlora.app.server import progress_line
+    from fedlora.app.driver import progress_line
 
     assert f"personalised {expected:.3f} (mean 0.500, worst 0.200)" in progress_line(record, 2)
 

@@ -52,7 +52,7 @@ class DeployError(RuntimeError):
 
 
 # The ServerApp's lines (through Flower's logger) a person follows while a run goes: what `fedlora run`
-# prints (fedlora.app.server.progress_line), a client refused or back, a resumed run, a fedlora error.
+# prints (fedlora.app.driver.progress_line), a client refused or back, a resumed run, a fedlora error.
 PROGRESS_PREFIXES = ("round ", "query: ", "resuming ", "fedlora: error:")
 
 
