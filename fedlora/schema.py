@@ -596,8 +596,9 @@ class FaultsConfig(_Section):
     anomaly_norm_factor: float = Field(
         2.5, ge=0.0, allow_inf_nan=False, description="Anomaly rule (strategies/anomaly.py): flag "
         "an accepted update whose change (the uploaded factors minus what the client downloaded) has an "
-        "L2 norm above this multiple of the round's lower median change norm (needs >= 2 updates; 0 = off). "
-        "Honest updates of every shipped config reach 2.03 x at most (docs/robustness.md)."
+        "L2 norm above this multiple of the round's lower median change norm (needs >= 3 updates: of two, "
+        "neither is a reference for the other; 0 = off). Honest updates of every shipped config reach 2.03 x "
+        "at most in rounds of 3 or more (docs/robustness.md)."
     )
     anomaly_min_cosine: float = Field(
         -0.15, ge=-1.0, le=1.0, allow_inf_nan=False, description="Anomaly rule: flag an update whose change "

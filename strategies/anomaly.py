@@ -20,8 +20,8 @@ the anomalous ones (the ``faults.anomaly_*`` and ``faults.duplicate_*`` options,
   (:class:`Fingerprint`, checkpointed), never the uploads; the sketch is linear, so the distance
   of two sketches is about the distance of the uploads (equal for identical ones);
 - the **rule**: a change norm above ``faults.anomaly_norm_factor`` x the round's lower median
-  change norm (>= 2 updates), a cosine below ``faults.anomaly_min_cosine`` (>= 3 updates), or a
-  duplicate. ``faults.anomaly_action = 'log'`` (the default) only logs and counts it: detection
+  change norm or a cosine below ``faults.anomaly_min_cosine`` (both in a round of >= 3 updates:
+  of two, neither is a reference for the other), or a duplicate. ``faults.anomaly_action = 'log'`` (the default) only logs and counts it: detection
   changes no model and no metric; ``'reject'`` refuses the update.
 
 What it cannot see: a majority colluding (the median is theirs), a poisoned update whose norm and
@@ -165,12 +165,14 @@ def lower_median(norms: Sequence[float]) -> float:
 def verdict(norm: float, middle: float, cosine_to_median: float, updates: int, faults: FaultsConfig) -> list[str]:
     """Why the rule flags an update (duplicates aside; [] if it does not): its change norm ``norm``
     above ``faults.anomaly_norm_factor`` x the round's lower median change norm ``middle``
-    (:func:`lower_median`; 0: fewer than two updates), or its cosine to the round's median change
-    below ``faults.anomaly_min_cosine`` in a round of ``updates`` >= 3 measured updates. A pure
+    (:func:`lower_median`), or its cosine to the round's median change below
+    ``faults.anomaly_min_cosine``, both in a round of ``updates`` >= 3 measured updates: with two,
+    the lower median is the other client's norm, and the rule would call the larger of two honest
+    updates of different ranks an outlier (fedhera_llm's tiers: 2.8 to 3.4 x). A pure
     function of the measures each round's record keeps (``update_norm``, ``update_cosine``), so a
     rule can be judged on recorded runs (benchmarks/poisoning.py)."""
     reasons = []
-    if faults.anomaly_norm_factor and middle > 0 and norm > faults.anomaly_norm_factor * middle:
+    if faults.anomaly_norm_factor and updates >= 3 and middle > 0 and norm > faults.anomaly_norm_factor * middle:
         reasons.append(f"update norm {norm:.3g} above faults.anomaly_norm_factor x the round's "
                        f"median ({faults.anomaly_norm_factor:g} x {middle:.3g})")
     if updates >= 3 and cosine_to_median < faults.anomaly_min_cosine:  # NaN (a zero update) is never below

@@ -274,3 +274,20 @@ def test_the_default_anomaly_rule_flags_no_honest_client_of_a_recorded_shipped_r
     # the rule the defaults replace (3 x the lower median, cosine 0) flagged an honest client there
     old = FaultsConfig(anomaly_norm_factor=3.0, anomaly_min_cosine=0.0)
     assert any(bench.flags_under(r["measures"], r["flagged"], old) for r in scenarios)
+
+
+def test_the_norm_rule_needs_three_updates_of_two_neither_is_the_reference() -> None:
+    from fedlora.schema import FaultsConfig
+    from fedlora.strategies.anomaly import lower_median, verdict
+
+    faults = FaultsConfig()  # norm factor 2.5
+    # two honest updates of different ranks, 3.35 x apart (fedhera_llm, resized, seed 0)
+    two = [0.5027, 1.6832]
+    # three updates, one of them 3.35 x the lower median
+    three = [0.5027, 0.6, 1.6832]
+    # Execute
+    of_two = [verdict(n, lower_median(two), 0.9, 2, faults) for n in two]
+    of_three = [verdict(n, lower_median(three), 0.9, 3, faults) for n in three]
+    # Assert
+    assert of_two == [[], []]
+    assert of_three[:2] == [[], []] and "faults.anomaly_norm_factor" in of_three[2][0]
