@@ -73,3 +73,14 @@ def small_strategy(cls: type, ranks: Sequence[int], overrides: Sequence[str] = (
     strategy.roster.node_of = {k: 100 + k for k in strategy.roster.profiles}
     strategy.setup()
     return strategy
+
+
+def renumber_nodes(grid: Any, id_offset: int) -> Any:
+    """``grid`` with its nodes' contexts re-keyed from ``id_offset`` (fresh states): a restarted
+    federation's SuperNodes come back under new node ids."""
+    from flwr.app import Context, RecordDict
+
+    grid.contexts = {id_offset + i: Context(run_id=1, node_id=id_offset + i, node_config=dict(c.node_config),
+                                            state=RecordDict(), run_config={})
+                     for i, c in enumerate(grid.contexts.values())}
+    return grid

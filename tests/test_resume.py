@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
-from strategy_helpers import short_run_overrides
+from strategy_helpers import renumber_nodes, short_run_overrides
 from test_golden import assert_close
 
 from fedlora.checkpoint import (
@@ -264,7 +264,7 @@ class _Interrupted(Exception):
 def _grid(config, id_offset: int, crash_round: int = 0):
     """An in-process grid with its own node ids (Flower's are random per run), optionally
     'crashing' when the training messages of ``crash_round`` are sent."""
-    from flwr.app import Context, MessageType
+    from flwr.app import MessageType
 
     from fedlora.clients.app import app as client_app
     from fedlora.simulations.inprocess import InProcessGrid, node_configs
@@ -277,11 +277,7 @@ def _grid(config, id_offset: int, crash_round: int = 0):
                 raise _Interrupted(crash_round)
             return super().send_and_receive(messages, timeout=timeout)
 
-    grid = Grid(client_app, node_configs(config.data.num_clients))
-    grid.contexts = {id_offset + i: Context(run_id=1, node_id=id_offset + i, node_config=dict(c.node_config),
-                                            state=RecordDict(), run_config={})
-                     for i, c in enumerate(grid.contexts.values())}
-    return grid
+    return renumber_nodes(Grid(client_app, node_configs(config.data.num_clients)), id_offset)
 
 
 def _all_strategies() -> list[str]:

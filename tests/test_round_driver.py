@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
+from strategy_helpers import renumber_nodes
 
 from fedlora.config import load_config
 from fedlora.strategies.loop import run_rounds
@@ -126,7 +127,6 @@ class Crash(Exception):
 def recording_grid(config: Any, events: list[str], id_offset: int, crash_round: int = 0) -> Any:
     """An in-process grid of the smoke clients that appends 'train t' / 'evaluate t' to ``events``
     when a round's messages go out (and raises :class:`Crash` at ``crash_round``'s training)."""
-    from flwr.app import Context
 
     from fedlora.clients.app import app as client_app
     from fedlora.simulations.inprocess import InProcessGrid, node_configs
@@ -142,11 +142,7 @@ def recording_grid(config: Any, events: list[str], id_offset: int, crash_round: 
                 events.append(f"{'train' if MessageType.TRAIN in kinds else 'evaluate'} {server_round}")
             return super().send_and_receive(messages, timeout=timeout)
 
-    grid = RecordingGrid(client_app, node_configs(config.data.num_clients))
-    grid.contexts = {id_offset + i: Context(run_id=1, node_id=id_offset + i, node_config=dict(c.node_config),
-                                            state=RecordDict(), run_config={})
-                     for i, c in enumerate(grid.contexts.values())}
-    return grid
+    return renumber_nodes(RecordingGrid(client_app, node_configs(config.data.num_clients)), id_offset)
 
 
 @pytest.fixture
