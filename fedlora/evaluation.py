@@ -93,11 +93,6 @@ class GlobalEvaluator(SeededAdapters):
 
         return evaluate(self.model_for(payload), self.loader, self.torch_device, self.precision).accuracy
 
-    def zero_shot_into(self, record: RoundRecord, out_dir: Path) -> None:
-        """The zero-shot reference (a causal LM's round 0) into ``record``: the initial adapter at
-        ``model.lora_rank``, whose B = 0 leaves the base model as it is, scored as :meth:`evaluate_into` scores."""
-        self.evaluate_into(self.initial_adapter(self.model_cfg.lora_rank), record, out_dir)
-
     def evaluate_into(self, payload: Payload, record: RoundRecord, out_dir: Path) -> None:
         """Global-test scores of ``payload`` into ``record``: accuracy, or for a causal LM ROUGE-L,
         loss and perplexity (and its sample generations appended to ``out_dir/generations.jsonl``)."""
